@@ -1,0 +1,250 @@
+/* backend.h — the hardware abstraction layer (HAL).
+ *
+ * Layers: registry -> device (answers questions) -> backend instance (does
+ * the work: buffers and a stream of ops) -> buffer. The forward pass in core/
+ * is written once against this header; each backend turns ops into its own
+ * command stream. Core never names a specific backend.
+ *
+ * A forward step is: upload inputs, begin, op, op, ..., submit, wait,
+ * download outputs. Ops inside one step run in recording order; a backend
+ * inserts barriers where a later op reads what an earlier one wrote.
+ */
+#ifndef DUET_BACKEND_H
+#define DUET_BACKEND_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../core/duet.h"
+
+/* ---- errors (shared by core and backends) ------------------------------ */
+
+/* Records a printf-style message for duet_last_error() and returns status. */
+duet_status duet__error(duet_status status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3)));
+
+/* ---- element types ----------------------------------------------------- */
+
+/* Values match GGUF's ggml_type ids so files map without a table. */
+typedef enum duet_dtype {
+    DUET_DTYPE_F32 = 0,
+    DUET_DTYPE_F16 = 1,
+    DUET_DTYPE_Q8_0 = 8,
+    DUET_DTYPE_I32 = 26,
+    DUET_DTYPE_BF16 = 30,
+} duet_dtype;
+
+#define DUET_QK8_0 32
+/* GGUF's Q8_0 block: 32 weights = fp16 scale d + 32 int8; w = d * q. */
+typedef struct duet_block_q8_0 {
+    uint16_t d;
+    int8_t qs[DUET_QK8_0];
+} duet_block_q8_0;
+
+/* Elements per block and bytes per block of a dtype (block 1 for scalars). */
+int duet_dtype_block(duet_dtype t);
+size_t duet_dtype_block_bytes(duet_dtype t);
+/* Bytes of a row of n elements (n a multiple of the block size). */
+size_t duet_dtype_row_bytes(duet_dtype t, int64_t n);
+const char *duet_dtype_name(duet_dtype t); /* "f32", ... or NULL if unknown */
+bool duet_dtype_is_weight(duet_dtype t);   /* a type a weight may have */
+
+float duet_fp16_to_fp32(uint16_t h);
+uint16_t duet_fp32_to_fp16(float f); /* round to nearest even */
+float duet_bf16_to_fp32(uint16_t h);
+uint16_t duet_fp32_to_bf16(float f); /* round to nearest even */
+
+/* Row conversions (n elements; q8_0 needs n % 32 == 0). */
+void duet_quantize_row_q8_0(const float *x, duet_block_q8_0 *y, int64_t n);
+void duet_dequantize_row(duet_dtype t, const void *x, float *y, int64_t n);
+/* Converts n f32 values into dtype t (f32, f16, bf16, q8_0). */
+void duet_convert_row(duet_dtype t, const float *x, void *y, int64_t n);
+
+/* ---- devices ------------------------------------------------------------ */
+
+typedef enum duet_device_type {
+    DUET_DEVICE_DISCRETE_GPU,
+    DUET_DEVICE_INTEGRATED_GPU,
+    DUET_DEVICE_CPU,  /* a CPU exposed by a GPU API (lavapipe, PoCL) */
+    DUET_DEVICE_HOST, /* the cpu backend itself */
+    DUET_DEVICE_OTHER,
+} duet_device_type;
+
+typedef struct duet_device_info {
+    char name[256];
+    char vendor[64];
+    char driver[128];
+    duet_device_type type;
+    uint64_t memory_bytes;
+    int compute_units;
+    bool fp16;          /* fp16 arithmetic */
+    bool int8_dot;      /* packed int8 dot products */
+    bool coopmat;       /* cooperative matrix / matrix cores */
+    int subgroup_size;  /* 0 if unknown */
+    char features[512]; /* anything else, human readable */
+} duet_device_info;
+
+/* ---- buffers and tensors ------------------------------------------------ */
+
+typedef struct duet_buffer duet_buffer; /* backend-private */
+
+/* A view of a buffer: ops address data as buffer + byte offset. */
+typedef struct duet_view {
+    duet_buffer *buf;
+    size_t offset;
+} duet_view;
+
+/* ---- ops ---------------------------------------------------------------- */
+
+typedef enum duet_op_kind {
+    DUET_OP_EMBED,       /* out[t][:] = f32(table[tokens[t]][:])                     */
+    DUET_OP_RMSNORM,     /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w            */
+    DUET_OP_MATMUL,      /* out[t][o] = sum_i W[o][i] x[t][i] (+ bias[o]) (+ out)    */
+    DUET_OP_ROPE_KV,     /* rotate q, k in place; store k, v into the KV cache        */
+    DUET_OP_ATTENTION,   /* causal softmax(q K^T * scale) V over a sequence's cache   */
+    DUET_OP_SWIGLU,      /* out = silu(gate) * up                                     */
+    DUET_OP_ADD,         /* out = a + b (out may alias a)                             */
+    DUET_OP_GATHER_ROWS, /* out[i][:] = x[rows[i]][:]                                */
+    DUET_OP_ARGMAX,      /* out[t] = argmax_j x[t][j] (lowest index wins ties), i32  */
+    DUET_OP_COUNT
+} duet_op_kind;
+
+/* All activations are f32, row-major [n_tokens][width]. Index arrays are
+ * i32. Weights are row-major [rows][cols] in their dtype (GGUF's ne0 = cols). */
+typedef struct duet_op {
+    duet_op_kind kind;
+    int n_tokens; /* rows of the activation operands */
+    union {
+        struct {
+            duet_view tokens; /* i32 [n_tokens] */
+            duet_view table;  /* dtype [n_vocab][dim] */
+            duet_dtype dtype;
+            int dim;
+            duet_view out; /* f32 [n_tokens][dim] */
+        } embed;
+        struct {
+            duet_view x, w, out; /* x, out: [n_tokens][dim]; w: f32 [dim] */
+            int dim;
+            float eps;
+        } rmsnorm;
+        struct {
+            duet_view w;      /* dtype [n_out][n_in] */
+            duet_dtype dtype;
+            duet_view x;      /* f32 [n_tokens][n_in] */
+            duet_view bias;   /* f32 [n_out], buf NULL when none */
+            bool accumulate;  /* out += W x (fused residual add) */
+            int n_in, n_out;
+            duet_view out;    /* f32 [n_tokens][n_out] */
+        } matmul;
+        struct {
+            duet_view q, k, v;      /* f32 [n_tokens][n_head*head_dim], k/v [n_tokens][n_head_kv*head_dim] */
+            duet_view pos, seq;     /* i32 [n_tokens]: position and sequence slot of each token */
+            duet_view k_cache, v_cache; /* kv_dtype [n_seqs][n_ctx][n_head_kv*head_dim] */
+            duet_dtype kv_dtype;    /* f32 or f16 */
+            int n_head, n_head_kv, head_dim, n_rot, n_ctx;
+            float freq_base;        /* theta_i = pos * base^(-2i/n_rot) on pairs (2i, 2i+1) */
+            bool neox;              /* pairs (i, i + n_rot/2) instead of adjacent */
+        } rope_kv;
+        struct {
+            duet_view q;            /* f32 [n_tokens][n_head*head_dim], already rotated */
+            duet_view pos, seq;     /* i32 [n_tokens]: token t sees cache positions 0..pos[t] of seq[t] */
+            duet_view k_cache, v_cache;
+            duet_dtype kv_dtype;
+            int n_head, n_head_kv, head_dim, n_ctx;
+            float scale;            /* usually 1/sqrt(head_dim) */
+            duet_view out;          /* f32 [n_tokens][n_head*head_dim] */
+        } attention;
+        struct {
+            duet_view gate, up, out; /* f32 [n_tokens][dim] */
+            int dim;
+        } swiglu;
+        struct {
+            duet_view a, b, out; /* f32 [n_tokens][dim] */
+            int dim;
+        } add;
+        struct {
+            duet_view x;    /* f32 [*][dim] */
+            duet_view rows; /* i32 [n_tokens] */
+            duet_view out;  /* f32 [n_tokens][dim] */
+            int dim;
+        } gather;
+        struct {
+            duet_view x;   /* f32 [n_tokens][dim] */
+            duet_view out; /* i32 [n_tokens] */
+            int dim;
+        } argmax;
+    };
+} duet_op;
+
+/* ---- backend instance --------------------------------------------------- */
+
+typedef struct duet_backend duet_backend;
+
+typedef struct duet_backend_params {
+    int n_threads; /* cpu: worker threads, 0 = all cores */
+} duet_backend_params;
+
+typedef struct duet_backend_iface {
+    const char *name; /* "cpu", "vulkan", "opencl" */
+
+    /* Device discovery. `available` fills `why` when the backend cannot run
+     * here (no loader, no driver) and returns false. */
+    bool (*available)(char *why, size_t why_size);
+    int (*device_count)(void);
+    duet_status (*device_info)(int index, duet_device_info *out);
+
+    duet_status (*open)(int index, const duet_backend_params *params, duet_backend **out);
+    void (*close)(duet_backend *be);
+
+    /* Which ops/dtypes this device runs; the wrapper refuses the rest. */
+    bool (*supports_op)(duet_backend *be, const duet_op *op);
+
+    duet_status (*buffer_alloc)(duet_backend *be, size_t size, duet_buffer **out);
+    void (*buffer_free)(duet_backend *be, duet_buffer *buf);
+    duet_status (*upload)(duet_backend *be, duet_buffer *buf, size_t offset, const void *src, size_t size);
+    duet_status (*download)(duet_backend *be, duet_buffer *buf, size_t offset, void *dst, size_t size);
+
+    duet_status (*begin)(duet_backend *be);
+    duet_status (*op)(duet_backend *be, const duet_op *op);
+    duet_status (*submit)(duet_backend *be);
+    duet_status (*wait)(duet_backend *be);
+
+    /* Optional: a host pointer to the buffer's memory (cpu backend), or NULL. */
+    void *(*buffer_host_ptr)(duet_backend *be, duet_buffer *buf);
+} duet_backend_iface;
+
+/* Every backend instance starts with this header. */
+struct duet_backend {
+    const duet_backend_iface *iface;
+    int device_index;
+    duet_device_info info;
+};
+
+/* ---- registry (backends/registry.c) ------------------------------------ */
+
+int duet_backend_count(void);
+const duet_backend_iface *duet_backend_get(int i);
+const duet_backend_iface *duet_backend_find(const char *name); /* NULL if not compiled in */
+
+/* Opens `name` ("auto" or NULL ranks every device) at `device` (-1 = best). */
+duet_status duet_backend_open(const char *name, int device, const duet_backend_params *params,
+                              duet_backend **out);
+void duet_backend_close(duet_backend *be);
+
+/* Checked wrappers: validate views and sizes, then call the backend. */
+duet_status duet_buffer_alloc(duet_backend *be, size_t size, duet_buffer **out);
+void duet_buffer_free(duet_backend *be, duet_buffer *buf);
+duet_status duet_buffer_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
+                               size_t size);
+duet_status duet_buffer_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst,
+                                 size_t size);
+duet_status duet_step_begin(duet_backend *be);
+duet_status duet_step_op(duet_backend *be, const duet_op *op);
+duet_status duet_step_submit(duet_backend *be);
+duet_status duet_step_wait(duet_backend *be);
+
+/* The backends compiled in. */
+extern const duet_backend_iface duet_cpu_backend_iface;
+
+#endif /* DUET_BACKEND_H */

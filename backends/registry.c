@@ -1,0 +1,123 @@
+/* registry.c — the compiled-in backends, found by name, and the checked
+ * wrappers around their interface (preconditions live here so backends stay
+ * small). */
+#include <string.h>
+
+#include "backend.h"
+
+static const duet_backend_iface *const duet__backends[] = {
+    &duet_cpu_backend_iface,
+};
+#define DUET__N_BACKENDS ((int)(sizeof duet__backends / sizeof duet__backends[0]))
+
+int duet_backend_count(void) { return DUET__N_BACKENDS; }
+
+const duet_backend_iface *duet_backend_get(int i) {
+    return i >= 0 && i < DUET__N_BACKENDS ? duet__backends[i] : NULL;
+}
+
+const duet_backend_iface *duet_backend_find(const char *name) {
+    for (int i = 0; i < DUET__N_BACKENDS; i++)
+        if (strcmp(duet__backends[i]->name, name) == 0) return duet__backends[i];
+    return NULL;
+}
+
+/* auto ranks devices: discrete GPU > integrated GPU > CPU device > cpu backend. */
+static int duet__device_rank(duet_device_type t) {
+    switch (t) {
+    case DUET_DEVICE_DISCRETE_GPU: return 4;
+    case DUET_DEVICE_INTEGRATED_GPU: return 3;
+    case DUET_DEVICE_CPU: return 2;
+    case DUET_DEVICE_OTHER: return 1;
+    case DUET_DEVICE_HOST: return 0;
+    }
+    return 0;
+}
+
+duet_status duet_backend_open(const char *name, int device, const duet_backend_params *params,
+                              duet_backend **out) {
+    *out = NULL;
+    duet_backend_params defaults = {0};
+    if (!params) params = &defaults;
+    char why[256];
+    if (name && strcmp(name, "auto") != 0) {
+        const duet_backend_iface *be = duet_backend_find(name);
+        if (!be) {
+            char list[256] = "";
+            for (int i = 0; i < DUET__N_BACKENDS; i++) {
+                strcat(list, i ? ", " : "");
+                strcat(list, duet__backends[i]->name);
+            }
+            return duet__error(DUET_NO_DEVICE, "backend '%s' is not compiled in (have: auto, %s)", name,
+                               list);
+        }
+        why[0] = 0;
+        if (!be->available(why, sizeof why))
+            return duet__error(DUET_NO_DEVICE, "%s: unavailable (%s)", be->name, why);
+        int n = be->device_count();
+        if (device < 0) device = 0;
+        if (device >= n)
+            return duet__error(DUET_NO_DEVICE, "%s: no device %d (it has %d; see `duet devices`)",
+                               be->name, device, n);
+        return be->open(device, params, out);
+    }
+    /* auto: best-ranked device over every available backend. */
+    const duet_backend_iface *best = NULL;
+    int best_dev = -1, best_rank = -1;
+    for (int i = 0; i < DUET__N_BACKENDS; i++) {
+        const duet_backend_iface *be = duet__backends[i];
+        if (!be->available(why, sizeof why)) continue;
+        for (int d = 0; d < be->device_count(); d++) {
+            duet_device_info info;
+            if (be->device_info(d, &info) != DUET_OK) continue;
+            int rank = duet__device_rank(info.type);
+            if (rank > best_rank) best = be, best_dev = d, best_rank = rank;
+        }
+    }
+    if (!best) return duet__error(DUET_NO_DEVICE, "no backend has a usable device");
+    if (device >= 0) best_dev = device;
+    return best->open(best_dev, params, out);
+}
+
+void duet_backend_close(duet_backend *be) {
+    if (be) be->iface->close(be);
+}
+
+duet_status duet_buffer_alloc(duet_backend *be, size_t size, duet_buffer **out) {
+    *out = NULL;
+    if (size == 0) size = 16; /* zero-sized tensors still get a valid handle */
+    return be->iface->buffer_alloc(be, size, out);
+}
+
+void duet_buffer_free(duet_backend *be, duet_buffer *buf) {
+    if (buf) be->iface->buffer_free(be, buf);
+}
+
+duet_status duet_buffer_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
+                               size_t size) {
+    if (!buf || (size && !src)) return duet__error(DUET_INVALID_ARGUMENT, "upload: null buffer or source");
+    if (size == 0) return DUET_OK;
+    return be->iface->upload(be, buf, offset, src, size);
+}
+
+duet_status duet_buffer_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst,
+                                 size_t size) {
+    if (!buf || (size && !dst)) return duet__error(DUET_INVALID_ARGUMENT, "download: null buffer or target");
+    if (size == 0) return DUET_OK;
+    return be->iface->download(be, buf, offset, dst, size);
+}
+
+duet_status duet_step_begin(duet_backend *be) { return be->iface->begin(be); }
+
+duet_status duet_step_op(duet_backend *be, const duet_op *op) {
+    if (op->kind < 0 || op->kind >= DUET_OP_COUNT)
+        return duet__error(DUET_INVALID_ARGUMENT, "op: unknown kind %d", (int)op->kind);
+    if (op->n_tokens <= 0) return duet__error(DUET_INVALID_ARGUMENT, "op: n_tokens %d", op->n_tokens);
+    if (be->iface->supports_op && !be->iface->supports_op(be, op))
+        return duet__error(DUET_UNSUPPORTED, "%s: op %d is not supported on %s", be->iface->name,
+                           (int)op->kind, be->info.name);
+    return be->iface->op(be, op);
+}
+
+duet_status duet_step_submit(duet_backend *be) { return be->iface->submit(be); }
+duet_status duet_step_wait(duet_backend *be) { return be->iface->wait(be); }

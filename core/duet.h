@@ -1,0 +1,177 @@
+/* duet.h — the public C API of libduet.
+ *
+ * Ownership: every object returned through an `out` pointer is owned by the
+ * caller and released with its matching `_close`/`_free`. Strings passed in
+ * are copied when kept. Strings returned (`duet_status_str`, `duet_last_error`,
+ * token pieces) stay owned by the library.
+ *
+ * Thread safety: distinct `duet_model` handles may be used from different
+ * threads at once. One handle is used by one thread at a time (the serving
+ * engine, when added, owns its handle on its own thread). `duet_last_error`
+ * is per thread: it describes the last failure on the calling thread.
+ *
+ * Errors: fallible functions return a `duet_status` (0 ok, negative on
+ * failure) and leave a message for `duet_last_error()`. The library never
+ * exits or aborts on bad input or device errors. If a function that takes a
+ * callback fails before starting, the callback is never called.
+ */
+#ifndef DUET_H
+#define DUET_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One table of status codes: name, value, description. */
+#define DUET_STATUS_MAP(X)                                                    \
+    X(OK, 0, "ok")                                                            \
+    X(INVALID_ARGUMENT, -1, "invalid argument")                               \
+    X(OUT_OF_MEMORY, -2, "out of memory")                                     \
+    X(IO, -3, "i/o error")                                                    \
+    X(BAD_MODEL, -4, "malformed or unsupported model file")                   \
+    X(UNSUPPORTED, -5, "unsupported")                                         \
+    X(NO_DEVICE, -6, "no such backend or device")                             \
+    X(DEVICE, -7, "device or driver error")                                   \
+    X(COMPILE, -8, "kernel compilation failed")                               \
+    X(CONTEXT_FULL, -9, "context length exceeded")                            \
+    X(CANCELLED, -10, "cancelled")                                            \
+    X(BAD_REQUEST, -11, "bad request")
+
+typedef enum duet_status {
+#define DUET__STATUS_ENUM(name, value, desc) DUET_##name = value,
+    DUET_STATUS_MAP(DUET__STATUS_ENUM)
+#undef DUET__STATUS_ENUM
+} duet_status;
+
+/* Short description of a status code ("invalid argument"). Never NULL. */
+const char *duet_status_str(duet_status status);
+/* Name of a status code ("DUET_INVALID_ARGUMENT"). Never NULL. */
+const char *duet_status_name(duet_status status);
+/* The message of the last failure on this thread ("" if none). */
+const char *duet_last_error(void);
+
+/* ---- devices ---------------------------------------------------------- */
+
+/* Prints every backend and device with its features, or the reason a
+ * backend is unavailable, into `buf` as text or (json=true) a JSON array.
+ * Returns the length that was needed (like snprintf). */
+size_t duet_devices_describe(char *buf, size_t size, bool json);
+
+/* ---- models ----------------------------------------------------------- */
+
+typedef struct duet_model duet_model;
+
+typedef struct duet_open_params {
+    const char *backend; /* "auto" (NULL), "cpu", "vulkan", "opencl" */
+    int device;          /* device index within the backend; -1 = best */
+    int n_threads;       /* cpu backend threads; 0 = all cores */
+    int n_ctx;           /* context length per sequence; 0 = model's, capped at 4096 */
+    int n_seqs;          /* concurrent sequences the KV cache holds; 0 = 1 */
+    const char *kv_type; /* "f32", "f16"; NULL = f32 for f32 models, else f16 */
+    bool vocab_only;     /* load metadata and tokenizer only (no backend, no weights) */
+} duet_open_params;
+
+/* Defaults for every field (auto backend, best device, all cores). */
+duet_open_params duet_open_params_default(void);
+
+/* Loads a GGUF model and uploads its weights to the chosen device. */
+duet_status duet_model_open(const char *path, const duet_open_params *params, duet_model **out);
+void duet_model_close(duet_model *model);
+
+typedef struct duet_model_desc {
+    const char *arch;          /* "llama", "qwen2", "mistral" */
+    const char *backend;       /* backend that runs it */
+    const char *device;        /* device name */
+    int n_vocab, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, n_ctx;
+    int bos, eos;              /* -1 when the model has none */
+    bool add_bos;
+    uint64_t weight_bytes;     /* bytes of weights read per token */
+} duet_model_desc;
+
+void duet_model_describe(const duet_model *model, duet_model_desc *out);
+
+/* ---- files: inspect, convert, synthesise ----------------------------- */
+
+/* Describes a GGUF file (architecture, shapes, tensor types, tokenizer,
+ * size) as text or JSON into a malloc'd string the caller frees with free(). */
+duet_status duet_file_info(const char *path, bool json, char **out);
+
+/* Rewrites `in` with its 2-D weight matrices in `type` ("q8_0" or "f16").
+ * A matrix whose row length is not a multiple of 32 cannot be q8_0: it
+ * becomes f16, and `report` (malloc'd, may be NULL) says which. */
+duet_status duet_quantize_file(const char *in, const char *out, const char *type, char **report);
+
+typedef struct duet_mkmodel_params {
+    const char *shape; /* "tiny", "125m", "1b" (TinyLlama-1.1B), "7b" (Llama-2-7B) */
+    const char *type;  /* "f32", "f16", "q8_0" */
+    uint64_t seed;
+    int n_ctx;         /* 0 = the shape's default */
+} duet_mkmodel_params;
+
+/* Writes a Llama-shaped GGUF with deterministic random weights and a
+ * working SentencePiece-style tokenizer (same params, same bytes). */
+duet_status duet_mkmodel(const duet_mkmodel_params *params, const char *path);
+
+/* ---- tokens ----------------------------------------------------------- */
+
+/* Tokenizes `len` bytes of `text`. add_special adds BOS (and EOS) as the
+ * model's metadata asks; parse_special turns "<s>"-style text into control
+ * tokens. Writes at most `max` ids and returns the number of ids the text
+ * needs (may exceed max: call again with a larger array), or a negative
+ * duet_status on failure. */
+int duet_tokenize(const duet_model *model, const char *text, size_t len, bool add_special,
+                  bool parse_special, int32_t *ids, int max);
+
+/* The bytes of one token as the detokenizer prints it (byte tokens become
+ * their byte, "▁" a space). Returns the byte count, or negative on a bad id. */
+int duet_token_piece(const duet_model *model, int32_t id, char *buf, size_t size);
+
+/* ---- generation ------------------------------------------------------- */
+
+typedef struct duet_sampling {
+    float temperature;        /* 0 = greedy (argmax) */
+    int top_k;                /* 0 = off */
+    float top_p;              /* 1 = off */
+    float min_p;              /* 0 = off */
+    float repetition_penalty; /* 1 = off; divides positive logits, multiplies negative */
+    float presence_penalty;   /* 0 = off */
+    float frequency_penalty;  /* 0 = off */
+    int penalty_last_n;       /* window for penalties; 0 = whole context */
+    uint64_t seed;            /* same seed + settings = same output */
+} duet_sampling;
+
+duet_sampling duet_sampling_default(void);
+
+/* Called once per generated token with its id and the UTF-8 text it
+ * completes (possibly empty: a split character waits for its last byte).
+ * Return false to stop. After the last token, one more call with id -1
+ * delivers an unfinished character (as U+FFFD) if one is pending. */
+typedef bool (*duet_token_fn)(int32_t id, const char *text, size_t len, void *user);
+
+typedef struct duet_generate_stats {
+    int prompt_tokens, generated_tokens;
+    double prefill_seconds, decode_seconds;
+    bool stopped_by_eos;
+} duet_generate_stats;
+
+/* Runs the prompt ids through the model, then samples up to max_tokens new
+ * tokens, calling `fn` after each; stops at EOS (unless ignore_eos) or when
+ * fn returns false. */
+duet_status duet_generate(duet_model *model, const int32_t *prompt, int n_prompt, int max_tokens,
+                          const duet_sampling *sampling, bool ignore_eos, duet_token_fn fn,
+                          void *user, duet_generate_stats *stats);
+
+/* Low-level: evaluates `n` tokens at positions pos0.. of sequence 0 and
+ * copies the logits of the last one into `logits` (n_vocab floats) when not
+ * NULL. Lets tests and tools compare logits step by step. */
+duet_status duet_eval(duet_model *model, const int32_t *tokens, int n, int pos0, float *logits);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DUET_H */
