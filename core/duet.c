@@ -1,0 +1,234 @@
+/* duet.c — the public API: open a model on a backend, tokenize, generate. */
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "duet.h"
+#include "forward.h"
+#include "sampler.h"
+#include "tokenizer.h"
+
+/* Prefill runs in chunks of this many tokens (the step's activation size). */
+#define DUET_PREFILL_CHUNK 256
+/* Logit rows one step can return (decode of many sequences, spec verify). */
+#define DUET_MAX_OUT 64
+
+struct duet_model {
+    duet_gguf *gguf;
+    duet_tokenizer *tok;
+    duet_hparams hp;
+    bool vocab_only;
+    duet_backend *be;
+    duet_weights w;
+    duet_state *state;
+    float *logits; /* host [DUET_MAX_OUT][n_vocab] */
+    int n_ctx, n_seqs;
+};
+
+duet_open_params duet_open_params_default(void) {
+    return (duet_open_params){.backend = "auto", .device = -1};
+}
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+/* The first weight's type decides the KV default: f32 models keep f32 KV. */
+static duet_dtype default_kv_type(const duet_weights *w) {
+    return w->layers && w->layers[0].wq.type == DUET_DTYPE_F32 ? DUET_DTYPE_F32 : DUET_DTYPE_F16;
+}
+
+duet_status duet_model_open(const char *path, const duet_open_params *params, duet_model **out) {
+    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: out is NULL");
+    *out = NULL;
+    if (!path) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: path is NULL");
+    duet_open_params p = params ? *params : duet_open_params_default();
+    if (p.n_ctx < 0 || p.n_ctx > (1 << 20))
+        return duet__error(DUET_INVALID_ARGUMENT, "n_ctx %d out of range [0, 1048576]", p.n_ctx);
+    if (p.n_seqs < 0 || p.n_seqs > 4096)
+        return duet__error(DUET_INVALID_ARGUMENT, "n_seqs %d out of range [0, 4096]", p.n_seqs);
+    if (p.n_threads < 0 || p.n_threads > 1024)
+        return duet__error(DUET_INVALID_ARGUMENT, "n_threads %d out of range [0, 1024]", p.n_threads);
+
+    duet_model *m = calloc(1, sizeof *m);
+    if (!m) return duet__error(DUET_OUT_OF_MEMORY, "out of memory");
+    duet_status st = duet_gguf_open(path, &m->gguf);
+    if (st) goto fail;
+    if ((st = duet_tokenizer_load(m->gguf, &m->tok))) goto fail;
+    m->vocab_only = p.vocab_only;
+    if (p.vocab_only) {
+        /* Hyperparameters are informative only here; a vocab file may lack them. */
+        if (duet__hparams_load(m->gguf, &m->hp) != DUET_OK) {
+            memset(&m->hp, 0, sizeof m->hp);
+            duet_gguf_get_str(m->gguf, "general.architecture", m->hp.arch, sizeof m->hp.arch);
+            m->hp.n_vocab = duet_tokenizer_n_vocab(m->tok);
+        }
+        *out = m;
+        return DUET_OK;
+    }
+    if ((st = duet__hparams_load(m->gguf, &m->hp))) goto fail;
+    if (duet_tokenizer_n_vocab(m->tok) > m->hp.n_vocab) {
+        st = duet__error(DUET_BAD_MODEL, "model: tokenizer has %d tokens but the embedding only %d rows",
+                         duet_tokenizer_n_vocab(m->tok), m->hp.n_vocab);
+        goto fail;
+    }
+    duet_backend_params bp = {.n_threads = p.n_threads};
+    if ((st = duet_backend_open(p.backend, p.device, &bp, &m->be))) goto fail;
+    if ((st = duet__weights_load(m->gguf, &m->hp, m->be, &m->w))) goto fail;
+
+    m->n_ctx = p.n_ctx ? p.n_ctx : (m->hp.n_ctx_train < 4096 ? m->hp.n_ctx_train : 4096);
+    m->n_seqs = p.n_seqs ? p.n_seqs : 1;
+    duet_dtype kv = default_kv_type(&m->w);
+    if (p.kv_type) {
+        if (strcmp(p.kv_type, "f32") == 0) kv = DUET_DTYPE_F32;
+        else if (strcmp(p.kv_type, "f16") == 0) kv = DUET_DTYPE_F16;
+        else {
+            st = duet__error(DUET_INVALID_ARGUMENT, "kv type '%s' is not supported (use f32 or f16)", p.kv_type);
+            goto fail;
+        }
+    }
+    if ((st = duet__state_new(m->be, &m->hp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, m->n_ctx, m->n_seqs, kv,
+                              &m->state)))
+        goto fail;
+    m->logits = malloc((size_t)DUET_MAX_OUT * m->hp.n_vocab * sizeof(float));
+    if (!m->logits) {
+        st = duet__error(DUET_OUT_OF_MEMORY, "out of memory for logits");
+        goto fail;
+    }
+    *out = m;
+    return DUET_OK;
+fail:;
+    /* Keep the message of the first failure: closing does not set errors. */
+    duet_model_close(m);
+    return st;
+}
+
+void duet_model_close(duet_model *m) {
+    if (!m) return;
+    duet__state_free(m->state);
+    if (m->be) duet__weights_free(m->be, &m->w);
+    duet_backend_close(m->be);
+    duet_tokenizer_free(m->tok);
+    duet_gguf_close(m->gguf);
+    free(m->logits);
+    free(m);
+}
+
+void duet_model_describe(const duet_model *m, duet_model_desc *d) {
+    memset(d, 0, sizeof *d);
+    d->arch = m->hp.arch;
+    d->backend = m->be ? m->be->iface->name : "none";
+    d->device = m->be ? m->be->info.name : "none";
+    d->n_vocab = m->hp.n_vocab;
+    d->n_embd = m->hp.n_embd;
+    d->n_layer = m->hp.n_layer;
+    d->n_head = m->hp.n_head;
+    d->n_head_kv = m->hp.n_head_kv;
+    d->n_ff = m->hp.n_ff;
+    d->n_ctx_train = m->hp.n_ctx_train;
+    d->n_ctx = m->n_ctx;
+    d->bos = duet_tokenizer_bos(m->tok);
+    d->eos = duet_tokenizer_eos(m->tok);
+    d->add_bos = duet_tokenizer_add_bos(m->tok);
+    d->weight_bytes = m->w.bytes;
+}
+
+int duet_tokenize(const duet_model *m, const char *text, size_t len, bool add_special, bool parse_special,
+                  int32_t *ids, int max) {
+    if (!m || (!text && len)) return duet__error(DUET_INVALID_ARGUMENT, "duet_tokenize: NULL argument");
+    return duet_tokenizer_encode(m->tok, text ? text : "", len, add_special, parse_special, ids, max);
+}
+
+int duet_token_piece(const duet_model *m, int32_t id, char *buf, size_t size) {
+    return duet_tokenizer_token_bytes(m->tok, id, false, buf, size);
+}
+
+/* Evaluates tokens[0..n) of sequence 0 at pos0.. in prefill chunks; the
+ * logits of the last token land in m->logits. */
+static duet_status eval_seq0(duet_model *m, const int32_t *tokens, int n, int pos0) {
+    static const int32_t zero = 0;
+    int32_t pos[DUET_PREFILL_CHUNK], seq[DUET_PREFILL_CHUNK];
+    memset(seq, 0, sizeof seq);
+    for (int done = 0; done < n;) {
+        int c = n - done < DUET_PREFILL_CHUNK ? n - done : DUET_PREFILL_CHUNK;
+        for (int i = 0; i < c; i++) pos[i] = pos0 + done + i;
+        bool last = done + c == n;
+        int32_t out_row = c - 1;
+        duet_batch b = {.n_tokens = c, .tokens = tokens + done, .pos = pos, .seq = seq,
+                        .n_out = last ? 1 : 0, .out = last ? &out_row : &zero};
+        duet_status st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
+        if (st) return st;
+        done += c;
+    }
+    return DUET_OK;
+}
+
+duet_status duet_eval(duet_model *m, const int32_t *tokens, int n, int pos0, float *logits) {
+    if (!m || !tokens || n < 1) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: bad arguments");
+    if (m->vocab_only) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: model was opened vocab-only");
+    if (pos0 < 0 || pos0 + n > m->n_ctx)
+        return duet__error(DUET_CONTEXT_FULL, "duet_eval: positions %d..%d exceed the context of %d", pos0,
+                           pos0 + n - 1, m->n_ctx);
+    duet_status st = eval_seq0(m, tokens, n, pos0);
+    if (!st && logits) memcpy(logits, m->logits, (size_t)m->hp.n_vocab * sizeof(float));
+    return st;
+}
+
+duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, int max_tokens,
+                          const duet_sampling *sampling, bool ignore_eos, duet_token_fn fn, void *user,
+                          duet_generate_stats *stats) {
+    duet_generate_stats local;
+    if (!stats) stats = &local;
+    memset(stats, 0, sizeof *stats);
+    if (!m || !prompt || n_prompt < 1)
+        return duet__error(DUET_INVALID_ARGUMENT, "generate: the prompt needs at least one token");
+    if (m->vocab_only) return duet__error(DUET_INVALID_ARGUMENT, "generate: model was opened vocab-only");
+    if (max_tokens < 0) return duet__error(DUET_INVALID_ARGUMENT, "generate: max_tokens %d < 0", max_tokens);
+    if (n_prompt >= m->n_ctx)
+        return duet__error(DUET_CONTEXT_FULL, "generate: prompt of %d tokens does not fit the context of %d",
+                           n_prompt, m->n_ctx);
+    for (int i = 0; i < n_prompt; i++)
+        if (prompt[i] < 0 || prompt[i] >= m->hp.n_vocab)
+            return duet__error(DUET_INVALID_ARGUMENT, "generate: prompt token %d = %d out of range [0, %d)", i,
+                               prompt[i], m->hp.n_vocab);
+    duet_sampling defaults = duet_sampling_default();
+    duet_sampler *smp;
+    duet_status st = duet_sampler_new(sampling ? sampling : &defaults, m->hp.n_vocab, &smp);
+    if (st) return st;
+    for (int i = 0; i < n_prompt; i++) duet_sampler_accept(smp, prompt[i]);
+
+    /* The context bounds generation: the last position is n_ctx - 1. */
+    if (max_tokens > m->n_ctx - n_prompt) max_tokens = m->n_ctx - n_prompt;
+    stats->prompt_tokens = n_prompt;
+
+    double t0 = now_seconds();
+    st = eval_seq0(m, prompt, n_prompt, 0);
+    double t1 = now_seconds();
+    stats->prefill_seconds = t1 - t0;
+
+    duet_detok detok;
+    bool after_bos = prompt[n_prompt - 1] == duet_tokenizer_bos(m->tok);
+    duet_detok_init(&detok, m->tok, after_bos && strcmp(duet_tokenizer_model(m->tok), "llama") == 0);
+    char text[512];
+    int pos = n_prompt;
+    for (int i = 0; !st && i < max_tokens; i++) {
+        int32_t id = duet_sampler_sample(smp, m->logits);
+        duet_sampler_accept(smp, id);
+        stats->generated_tokens++;
+        bool eog = !ignore_eos && duet_tokenizer_is_eog(m->tok, id);
+        int len = eog ? 0 : duet_detok_push(&detok, id, text, sizeof text);
+        if (eog) stats->stopped_by_eos = true;
+        if (fn && !fn(id, text, (size_t)(len > 0 ? len : 0), user)) break;
+        if (eog || i + 1 == max_tokens) break;
+        st = eval_seq0(m, &id, 1, pos++);
+    }
+    if (!st && fn) {
+        int len = duet_detok_flush(&detok, text, sizeof text);
+        if (len > 0) fn(-1, text, (size_t)len, user);
+    }
+    stats->decode_seconds = now_seconds() - t1;
+    duet_sampler_free(smp);
+    return st;
+}

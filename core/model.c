@@ -1,0 +1,210 @@
+/* model.c — hyperparameters and weights of a Llama-family GGUF model. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "model.h"
+
+static const char *const supported_archs[] = {"llama", "qwen2", "mistral"};
+
+/* Reads "<arch>.<suffix>" as an int. */
+static bool get_arch_int(const duet_gguf *g, const char *arch, const char *suffix, int64_t *out) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    return duet_gguf_get_i64(g, key, out);
+}
+
+static bool get_arch_f32(const duet_gguf *g, const char *arch, const char *suffix, float *out) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    return duet_gguf_get_f32(g, key, out);
+}
+
+/* A required positive integer hyperparameter within [1, max]. */
+static duet_status need_int(const duet_gguf *g, const char *arch, const char *suffix, int64_t max,
+                            int *out) {
+    int64_t v;
+    if (!get_arch_int(g, arch, suffix, &v))
+        return duet__error(DUET_BAD_MODEL, "model: missing metadata key '%s.%s'", arch, suffix);
+    if (v < 1 || v > max)
+        return duet__error(DUET_BAD_MODEL, "model: '%s.%s' = %lld is out of range [1, %lld]", arch, suffix,
+                           (long long)v, (long long)max);
+    *out = (int)v;
+    return DUET_OK;
+}
+
+duet_status duet__hparams_load(const duet_gguf *g, duet_hparams *hp) {
+    memset(hp, 0, sizeof *hp);
+    if (!duet_gguf_get_str(g, "general.architecture", hp->arch, sizeof hp->arch))
+        return duet__error(DUET_BAD_MODEL, "model: missing 'general.architecture'");
+    bool known = false;
+    for (size_t i = 0; i < sizeof supported_archs / sizeof *supported_archs; i++)
+        known |= strcmp(hp->arch, supported_archs[i]) == 0;
+    if (!known)
+        return duet__error(DUET_UNSUPPORTED,
+                           "model: architecture '%s' is not supported (supported: llama, qwen2, mistral)",
+                           hp->arch);
+    const char *a = hp->arch;
+    duet_status st;
+    if ((st = need_int(g, a, "embedding_length", 1 << 16, &hp->n_embd)) ||
+        (st = need_int(g, a, "block_count", 1024, &hp->n_layer)) ||
+        (st = need_int(g, a, "attention.head_count", 1024, &hp->n_head)) ||
+        (st = need_int(g, a, "feed_forward_length", 1 << 18, &hp->n_ff)))
+        return st;
+    int64_t v;
+    hp->n_head_kv = get_arch_int(g, a, "attention.head_count_kv", &v) ? (int)v : hp->n_head;
+    if (hp->n_head_kv < 1 || hp->n_head_kv > hp->n_head || hp->n_head % hp->n_head_kv)
+        return duet__error(DUET_BAD_MODEL, "model: head_count_kv %d must divide head_count %d", hp->n_head_kv,
+                           hp->n_head);
+    hp->head_dim = hp->n_embd / hp->n_head;
+    if (get_arch_int(g, a, "attention.key_length", &v)) hp->head_dim = (int)v;
+    if (hp->head_dim < 2 || hp->head_dim > 1024 || hp->head_dim % 2)
+        return duet__error(DUET_BAD_MODEL, "model: head dimension %d must be even, in [2, 1024]", hp->head_dim);
+    hp->n_rot = get_arch_int(g, a, "rope.dimension_count", &v) ? (int)v : hp->head_dim;
+    if (hp->n_rot < 2 || hp->n_rot > hp->head_dim || hp->n_rot % 2)
+        return duet__error(DUET_BAD_MODEL, "model: rope.dimension_count %d must be even and <= head dim %d",
+                           hp->n_rot, hp->head_dim);
+    hp->n_ctx_train = get_arch_int(g, a, "context_length", &v) && v > 0 && v < (1 << 24) ? (int)v : 2048;
+    hp->norm_eps = 1e-5f;
+    get_arch_f32(g, a, "attention.layer_norm_rms_epsilon", &hp->norm_eps);
+    if (!(hp->norm_eps > 0 && hp->norm_eps < 1))
+        return duet__error(DUET_BAD_MODEL, "model: rms epsilon %g out of range (0, 1)", hp->norm_eps);
+    hp->rope_base = strcmp(a, "qwen2") == 0 ? 1000000.0f : 10000.0f;
+    get_arch_f32(g, a, "rope.freq_base", &hp->rope_base);
+    if (!(hp->rope_base > 1))
+        return duet__error(DUET_BAD_MODEL, "model: rope.freq_base %g must be > 1", hp->rope_base);
+    hp->rope_neox = strcmp(a, "qwen2") == 0;
+    hp->qkv_bias = strcmp(a, "qwen2") == 0;
+
+    /* The vocabulary size comes from the embedding (what the weights hold). */
+    const duet_gguf_tensor *emb = duet_gguf_find_tensor(g, "token_embd.weight");
+    if (emb && emb->n_dims == 2) hp->n_vocab = (int)emb->ne[1];
+    else if (get_arch_int(g, a, "vocab_size", &v)) hp->n_vocab = (int)v;
+    else {
+        const duet_gguf_kv *kv = duet_gguf_find(g, "tokenizer.ggml.tokens");
+        hp->n_vocab = kv && kv->value.type == DUET_GGUF_ARRAY ? (int)kv->value.arr.n : 0;
+    }
+    if (hp->n_vocab < 1) return duet__error(DUET_BAD_MODEL, "model: cannot tell the vocabulary size");
+    return DUET_OK;
+}
+
+/* ---- weights ------------------------------------------------------------- */
+
+static duet_status upload_tensor(const duet_gguf_tensor *t, duet_dtype as, duet_backend *be,
+                                 duet_weight *w) {
+    int64_t rows = t->n_dims >= 2 ? t->ne[1] : 1;
+    for (int d = 2; d < t->n_dims; d++) rows *= t->ne[d];
+    w->rows = rows;
+    w->cols = t->ne[0];
+    w->type = as;
+    size_t bytes = duet_dtype_row_bytes(as, w->cols) * (size_t)rows;
+    duet_status st = duet_buffer_alloc(be, bytes, &w->buf);
+    if (st) return st;
+    if (as == t->type) return duet_buffer_upload(be, w->buf, 0, t->data, bytes);
+    /* Convert (norm weights and biases to f32). */
+    float *tmp = malloc((size_t)w->cols * rows * sizeof(float));
+    if (!tmp) return duet__error(DUET_OUT_OF_MEMORY, "model: out of memory converting '%.*s'",
+                                 (int)t->name.len, t->name.ptr);
+    size_t src_row = duet_dtype_row_bytes(t->type, w->cols);
+    for (int64_t r = 0; r < rows; r++)
+        duet_dequantize_row(t->type, (const uint8_t *)t->data + r * src_row, tmp + r * w->cols, w->cols);
+    st = duet_buffer_upload(be, w->buf, 0, tmp, bytes);
+    free(tmp);
+    return st;
+}
+
+/* Finds `name`, checks its shape is [rows][cols] (ne = {cols, rows}; rows 0
+ * for a vector), and uploads it (as f32 when force_f32). */
+static duet_status load_weight(const duet_gguf *g, const char *name, int64_t cols, int64_t rows,
+                               bool required, bool force_f32, duet_backend *be, duet_weight *w) {
+    memset(w, 0, sizeof *w);
+    const duet_gguf_tensor *t = duet_gguf_find_tensor(g, name);
+    if (!t) {
+        if (!required) return DUET_OK;
+        return duet__error(DUET_BAD_MODEL, "model: missing tensor '%s'", name);
+    }
+    bool shape_ok = rows ? (t->n_dims == 2 && t->ne[0] == cols && t->ne[1] == rows)
+                         : (t->n_dims == 1 && t->ne[0] == cols);
+    if (!shape_ok)
+        return duet__error(DUET_BAD_MODEL,
+                           "model: tensor '%s' has shape [%lld, %lld] (n_dims %d), expected [%lld, %lld]",
+                           name, (long long)t->ne[0], (long long)(t->n_dims > 1 ? t->ne[1] : 1), t->n_dims,
+                           (long long)cols, (long long)(rows ? rows : 1));
+    if (t->type != DUET_DTYPE_F32 && t->type != DUET_DTYPE_F16 && t->type != DUET_DTYPE_BF16 &&
+        t->type != DUET_DTYPE_Q8_0)
+        return duet__error(DUET_UNSUPPORTED, "model: tensor '%s' has type %s (supported: f32, f16, bf16, q8_0)",
+                           name, duet_dtype_name(t->type) ? duet_dtype_name(t->type) : "unknown");
+    return upload_tensor(t, force_f32 ? DUET_DTYPE_F32 : t->type, be, w);
+}
+
+duet_status duet__weights_load(const duet_gguf *g, const duet_hparams *hp, duet_backend *be,
+                               duet_weights *w) {
+    memset(w, 0, sizeof *w);
+    const int64_t E = hp->n_embd, V = hp->n_vocab, F = hp->n_ff;
+    const int64_t Q = (int64_t)hp->n_head * hp->head_dim, KV = (int64_t)hp->n_head_kv * hp->head_dim;
+    duet_status st;
+    if ((st = load_weight(g, "token_embd.weight", E, V, true, false, be, &w->tok_embd)) ||
+        (st = load_weight(g, "output_norm.weight", E, 0, true, true, be, &w->output_norm)) ||
+        (st = load_weight(g, "output.weight", E, V, false, false, be, &w->output)))
+        goto fail;
+    if (!w->output.buf) {
+        w->output = w->tok_embd;
+        w->tied = true;
+    }
+    w->layers = calloc((size_t)hp->n_layer, sizeof *w->layers);
+    w->n_layer = hp->n_layer;
+    if (!w->layers) {
+        st = duet__error(DUET_OUT_OF_MEMORY, "model: out of memory");
+        goto fail;
+    }
+    for (int l = 0; l < hp->n_layer; l++) {
+        duet_layer *L = &w->layers[l];
+        char n[12][96];
+        static const char *const names[12] = {"attn_norm.weight", "attn_q.weight", "attn_k.weight",
+                                              "attn_v.weight", "attn_output.weight", "ffn_norm.weight",
+                                              "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+                                              "attn_q.bias", "attn_k.bias", "attn_v.bias"};
+        for (int i = 0; i < 12; i++) snprintf(n[i], sizeof n[i], "blk.%d.%s", l, names[i]);
+        if ((st = load_weight(g, n[0], E, 0, true, true, be, &L->attn_norm)) ||
+            (st = load_weight(g, n[1], E, Q, true, false, be, &L->wq)) ||
+            (st = load_weight(g, n[2], E, KV, true, false, be, &L->wk)) ||
+            (st = load_weight(g, n[3], E, KV, true, false, be, &L->wv)) ||
+            (st = load_weight(g, n[4], Q, E, true, false, be, &L->wo)) ||
+            (st = load_weight(g, n[5], E, 0, true, true, be, &L->ffn_norm)) ||
+            (st = load_weight(g, n[6], E, F, true, false, be, &L->w_gate)) ||
+            (st = load_weight(g, n[7], E, F, true, false, be, &L->w_up)) ||
+            (st = load_weight(g, n[8], F, E, true, false, be, &L->w_down)) ||
+            (st = load_weight(g, n[9], Q, 0, hp->qkv_bias, true, be, &L->bq)) ||
+            (st = load_weight(g, n[10], KV, 0, hp->qkv_bias, true, be, &L->bk)) ||
+            (st = load_weight(g, n[11], KV, 0, hp->qkv_bias, true, be, &L->bv)))
+            goto fail;
+        const duet_weight *mats[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
+        for (int i = 0; i < 7; i++)
+            w->bytes += duet_dtype_row_bytes(mats[i]->type, mats[i]->cols) * (uint64_t)mats[i]->rows;
+    }
+    w->bytes += duet_dtype_row_bytes(w->output.type, E) * (uint64_t)V;
+    return DUET_OK;
+fail:
+    duet__weights_free(be, w);
+    return st;
+}
+
+static void free_weight(duet_backend *be, duet_weight *w) {
+    duet_buffer_free(be, w->buf);
+    w->buf = NULL;
+}
+
+void duet__weights_free(duet_backend *be, duet_weights *w) {
+    /* Layers are calloc'd, so entries never loaded are NULL and safe to free. */
+    for (int l = 0; w->layers && l < w->n_layer; l++) {
+        duet_layer *L = &w->layers[l];
+        duet_weight *all[12] = {&L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->ffn_norm,
+                                &L->w_gate, &L->w_up, &L->w_down, &L->bq, &L->bk, &L->bv};
+        for (int i = 0; i < 12; i++) free_weight(be, all[i]);
+    }
+    free_weight(be, &w->tok_embd);
+    if (!w->tied) free_weight(be, &w->output);
+    free_weight(be, &w->output_norm);
+    free(w->layers);
+    memset(w, 0, sizeof *w);
+}

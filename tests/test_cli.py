@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""End-to-end tests of the `duet` CLI, checked against things we did not write:
+llama2.c's reference outputs for stories260K, and the reference GGUF reader
+(`gguf` from PyPI) for the files `duet mkmodel` and `duet quantize` write.
+
+usage: test_cli.py DUET_BINARY SHARED_DIR BUILD_DIR
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unittest
+
+DUET, SHARED, BUILD = sys.argv[1], sys.argv[2], sys.argv[3]
+MODELS = os.path.join(SHARED, "models")
+STORIES = os.path.join(MODELS, "stories260K.gguf")
+
+try:
+    import gguf  # the reference reader
+    import numpy as np
+except ImportError as e:  # CI installs them; a missing module is a failure, not a skip
+    sys.exit(f"test_cli.py: needs the PyPI packages gguf and numpy ({e}); pip install gguf numpy")
+
+
+def duet(*args, check=True, timeout=300):
+    p = subprocess.run([DUET, *args], capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"duet {' '.join(args)} failed ({p.returncode}):\n{p.stderr}")
+    return p
+
+
+def tensor_values(t):
+    """Dequantised float32 values of a tensor read by the reference reader."""
+    if t.tensor_type == gguf.GGMLQuantizationType.Q8_0:
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(-1)
+    return np.asarray(t.data, dtype=np.float32).reshape(-1)
+
+
+class Cli(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.tmp = tempfile.TemporaryDirectory()
+        cls.tiny = os.path.join(cls.tmp.name, "tiny.gguf")
+        duet("mkmodel", "--shape", "tiny", "--type", "f32", "--seed", "7", "-o", cls.tiny)
+
+    def test_run_json_fields_and_reference_prompts(self):
+        ref = json.load(open(os.path.join(MODELS, "reference", "stories260K-greedy.json")))
+        for e in ref:
+            steps = e["top2_per_step"]
+            out = duet("run", "-m", STORIES, "-p", e["prompt"], "--temp", "0", "--backend", "cpu",
+                       "-n", str(len(steps)), "--ignore-eos", "--json").stdout
+            r = json.loads(out)
+            for key in ("backend", "device", "prompt_tokens", "tokens", "text",
+                        "prefill_tokens_per_s", "decode_tokens_per_s"):
+                self.assertIn(key, r)
+            self.assertEqual(r["backend"], "cpu")
+            self.assertEqual(r["prompt_tokens"], e["prompt_token_ids"], e["prompt"])
+            for i, s in enumerate(steps):
+                if s["top1_logit"] - s["top2_logit"] < 1e-3:
+                    break
+                self.assertEqual(r["tokens"][i], s["top1_id"], f"{e['prompt']!r} step {i}")
+            if not e["stopped_by_bos"]:
+                # The decoded text is run.c's printed text (up to any near-tie).
+                n_cmp = 100
+                self.assertEqual(r["text"][:n_cmp], e["output_text"][:n_cmp])
+            self.assertGreater(r["decode_tokens_per_s"], 0)
+
+    def test_streaming_text_equals_json_text(self):
+        args = ["run", "-m", STORIES, "-p", "Lily wanted", "--temp", "0", "-n", "40"]
+        text = duet(*args).stdout
+        r = json.loads(duet(*args, "--json").stdout)
+        self.assertEqual(text, "Lily wanted" + r["text"] + "\n")
+
+    def test_seeded_sampling_is_reproducible(self):
+        args = ["run", "-m", STORIES, "-p", "The cat", "--temp", "0.9", "--top-k", "20", "--top-p", "0.9",
+                "-n", "50", "--json"]
+        a = json.loads(duet(*args, "--seed", "42").stdout)["tokens"]
+        b = json.loads(duet(*args, "--seed", "42").stdout)["tokens"]
+        c = json.loads(duet(*args, "--seed", "43").stdout)["tokens"]
+        self.assertEqual(a, b)
+        self.assertNotEqual(a, c)
+
+    def test_mkmodel_reads_with_reference_reader(self):
+        r = gguf.GGUFReader(self.tiny)
+        f = r.fields
+        self.assertEqual(bytes(f["general.architecture"].parts[-1]).decode(), "llama")
+        self.assertEqual(int(f["llama.embedding_length"].parts[-1][0]), 64)
+        self.assertEqual(int(f["llama.block_count"].parts[-1][0]), 2)
+        self.assertEqual(len(f["tokenizer.ggml.tokens"].data), 512)
+        names = {t.name: t for t in r.tensors}
+        self.assertIn("token_embd.weight", names)
+        self.assertEqual(list(names["blk.0.attn_q.weight"].shape), [64, 64])
+        self.assertEqual(list(names["blk.0.ffn_down.weight"].shape), [192, 64])
+        self.assertEqual(len(r.tensors), 3 + 2 * 9)
+        # Same parameters, same bytes.
+        again = os.path.join(self.tmp.name, "tiny-again.gguf")
+        duet("mkmodel", "--shape", "tiny", "--type", "f32", "--seed", "7", "-o", again)
+        self.assertEqual(open(again, "rb").read(), open(self.tiny, "rb").read())
+
+    def test_mkmodel_tokenizer_works(self):
+        r = json.loads(duet("tokenize", "-m", self.tiny, "--json", "hello there").stdout)
+        self.assertEqual(r["ids"][0], 1)  # BOS
+        self.assertEqual("".join(r["pieces"][1:]), " hello there")
+        self.assertLess(len(r["ids"]), 10)  # merges happen
+
+    def test_quantize_q8_0_against_reference_reader(self):
+        q = os.path.join(self.tmp.name, "stories-q8.gguf")
+        p = duet("quantize", STORIES, q, "--type", "q8_0")
+        self.assertIn("ffn_down", p.stderr)  # 172-wide rows stay f16, and the tool says which
+        src = {t.name: t for t in gguf.GGUFReader(STORIES).tensors}
+        dst = {t.name: t for t in gguf.GGUFReader(q).tensors}
+        self.assertEqual(set(src), set(dst))
+        Q8, F16, F32 = (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.F16,
+                        gguf.GGMLQuantizationType.F32)
+        for name, t in dst.items():
+            if len(t.shape) >= 2 and int(np.prod(t.shape[1:])) > 1:
+                want = F16 if int(t.shape[0]) % 32 else Q8
+            else:
+                want = F32
+            self.assertEqual(t.tensor_type, want, name)
+            a, b = tensor_values(src[name]), tensor_values(t)
+            err = np.max(np.abs(a - b)) / (np.max(np.abs(a)) + 1e-12)
+            self.assertLess(err, 1e-2, name)
+        # The quantized model still generates sensibly: same first tokens as f32.
+        a = json.loads(duet("run", "-m", STORIES, "-p", "Once upon a time", "--temp", "0", "-n", "8",
+                            "--json").stdout)["tokens"]
+        b = json.loads(duet("run", "-m", q, "-p", "Once upon a time", "--temp", "0", "-n", "8",
+                            "--json").stdout)["tokens"]
+        self.assertEqual(a[:4], b[:4])
+
+    def test_info_and_devices(self):
+        info = json.loads(duet("info", "--json", STORIES).stdout)
+        self.assertEqual(info["architecture"], "llama")
+        self.assertEqual(info["n_layer"], 5)
+        self.assertEqual(info["n_tensors"], 48)
+        self.assertEqual(info["tokenizer"]["n_tokens"], 512)
+        self.assertIn("tiny", duet("info", self.tiny).stdout)
+        devs = json.loads(duet("devices", "--json").stdout)
+        cpu = [d for d in devs if d["backend"] == "cpu"][0]
+        self.assertTrue(cpu["available"])
+        self.assertGreaterEqual(len(cpu["devices"]), 1)
+
+    def test_tokenize_vocab_only_file(self):
+        p = os.path.join(MODELS, "ggml-vocab-llama-spm.gguf")
+        r = json.loads(duet("tokenize", "-m", p, "--no-bos", "--json", "Hello world").stdout)
+        self.assertEqual(r["ids"], [15043, 3186])
+
+    def test_errors_are_clear_and_nonzero(self):
+        bad = os.path.join(self.tmp.name, "garbage.gguf")
+        with open(bad, "wb") as fh:
+            fh.write(b"GGUF\x03\x00\x00\x00" + b"\xff" * 40)
+        for args, needle in [
+            (["run", "-m", "/nonexistent.gguf", "-p", "x"], "nonexistent"),
+            (["run", "-m", bad, "-p", "x"], "gguf"),
+            (["run", "-m", STORIES, "-p", "x", "--backend", "nosuch"], "nosuch"),
+            (["run", "-m", STORIES, "-p", "x", "--temp", "-1"], "--temp"),
+            (["run", "-m", STORIES, "-p", "x", "-n", "banana"], "-n"),
+            (["run", "-m", os.path.join(MODELS, "ggml-vocab-gpt-2.gguf"), "-p", "x"], "architecture"),
+            (["info", bad], "gguf"),
+            (["mkmodel", "--shape", "huge", "-o", os.path.join(self.tmp.name, "x.gguf")], "shape"),
+            (["quantize", STORIES, os.path.join(self.tmp.name, "y.gguf"), "--type", "q4_0"], "q4_0"),
+            (["nosuchcommand"], "unknown command"),
+        ]:
+            p = duet(*args, check=False)
+            self.assertNotEqual(p.returncode, 0, args)
+            self.assertIn(needle.lower(), p.stderr.lower(), f"{args}: {p.stderr}")
+
+
+if __name__ == "__main__":
+    unittest.main(argv=[sys.argv[0], "-v"])

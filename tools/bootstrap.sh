@@ -1,0 +1,60 @@
+#!/bin/sh
+# bootstrap.sh — installs duet's Debian dependencies, builds, and then either
+# runs the main job on the embedded default model (`demo`) or runs the whole
+# test suite: normal build, ASan+UBSan build, and the fuzzers (`test`).
+# Run as root on Debian 12 from anywhere in the checkout.
+set -eu
+mode="${1:-demo}"
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+jobs="$(nproc 2>/dev/null || echo 2)"
+
+deps="build-essential cmake pkg-config git libpcre2-dev libcjson-dev"
+test_deps="check clang libclang-rt-14-dev python3 python3-venv python3-pip"
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    pkgs="$deps"
+    [ "$mode" = test ] && pkgs="$deps $test_deps"
+    # Skip apt when everything is already there (fast re-runs).
+    if ! dpkg -s $pkgs >/dev/null 2>&1; then
+        apt-get update -qq
+        apt-get install -y -qq --no-install-recommends $pkgs >/dev/null
+    fi
+fi
+
+build() { # build DIR [cmake options...]
+    dir="$1"; shift
+    cmake -S "$root" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo "$@" >/dev/null
+    cmake --build "$dir" -j "$jobs"
+}
+
+case "$mode" in
+demo)
+    build build -DDUET_TESTS=OFF
+    echo "== duet devices"
+    ./build/duet devices
+    echo "== duet run (embedded default: synthetic 125m q8_0 model made by duet mkmodel)"
+    ./build/duet run -p "Once upon a time" -n 64 --temp 0
+    ;;
+test)
+    # Test-only Python tools (the reference GGUF reader) live in a venv.
+    venv="$root/build/venv"
+    if [ ! -x "$venv/bin/python" ]; then
+        python3 -m venv "$venv"
+        "$venv/bin/pip" install -q gguf numpy
+    fi
+    build build -DDUET_WERROR=ON -DDUET_PYTHON="$venv/bin/python"
+    (cd build && ctest --output-on-failure -j "$jobs")
+    echo "== the same suite under AddressSanitizer + UndefinedBehaviorSanitizer"
+    build build-asan -DDUET_WERROR=ON -DDUET_SANITIZE=ON -DDUET_PYTHON="$venv/bin/python"
+    (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+        ctest --output-on-failure -j "$jobs")
+    echo "== fuzzers (fixed iterations)"
+    sh tests/fuzz/run_fuzzers.sh "$root/build-fuzz"
+    echo "== all tests passed"
+    ;;
+*)
+    echo "usage: tools/bootstrap.sh demo|test" >&2
+    exit 2
+    ;;
+esac

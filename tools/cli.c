@@ -1,0 +1,88 @@
+/* cli.c — argument helpers shared by the subcommands. */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "cli.h"
+
+bool cli_int(const char *flag, const char *text, long min, long max, int *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (errno || end == text || *end) {
+        fprintf(stderr, "duet: %s expects an integer, got '%s'\n", flag, text);
+        return false;
+    }
+    if (v < min || v > max) {
+        fprintf(stderr, "duet: %s %ld is out of range [%ld, %ld]\n", flag, v, min, max);
+        return false;
+    }
+    *out = (int)v;
+    return true;
+}
+
+bool cli_u64(const char *flag, const char *text, unsigned long long *out) {
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 0);
+    if (errno || end == text || *end || text[0] == '-') {
+        fprintf(stderr, "duet: %s expects a non-negative integer, got '%s'\n", flag, text);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+bool cli_float(const char *flag, const char *text, double min, double max, float *out) {
+    char *end;
+    errno = 0;
+    double v = strtod(text, &end);
+    if (errno || end == text || *end || isnan(v)) {
+        fprintf(stderr, "duet: %s expects a number, got '%s'\n", flag, text);
+        return false;
+    }
+    if (v < min || v > max) {
+        fprintf(stderr, "duet: %s %g is out of range [%g, %g]\n", flag, v, min, max);
+        return false;
+    }
+    *out = (float)v;
+    return true;
+}
+
+int cli_fail(const char *what, duet_status st) {
+    const char *msg = duet_last_error();
+    fprintf(stderr, "duet: %s: %s\n", what, msg[0] ? msg : duet_status_str(st));
+    if (st == DUET_NO_DEVICE) fprintf(stderr, "duet: run `duet devices` to see what this machine has\n");
+    if (st == DUET_BAD_MODEL || st == DUET_UNSUPPORTED)
+        fprintf(stderr, "duet: check the file with `duet info FILE`; supported: llama/qwen2/mistral GGUF "
+                        "v2/v3 with f32/f16/bf16/q8_0 tensors\n");
+    return 1;
+}
+
+const char *cli_default_model(void) {
+    static char path[4096];
+    const char *cache = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    char dir[3072];
+    if (cache && *cache) snprintf(dir, sizeof dir, "%s/duet", cache);
+    else snprintf(dir, sizeof dir, "%s/.cache/duet", home && *home ? home : "/tmp");
+    snprintf(path, sizeof path, "%s/synthetic-125m-q8_0.gguf", dir);
+    struct stat sb;
+    if (stat(path, &sb) == 0) return path;
+    /* mkdir -p of the cache folder (two levels at most). */
+    char parent[3072];
+    snprintf(parent, sizeof parent, "%s", dir);
+    char *slash = strrchr(parent, '/');
+    if (slash) *slash = 0, mkdir(parent, 0755);
+    mkdir(dir, 0755);
+    fprintf(stderr, "duet: generating the default model (synthetic 125m, q8_0) at %s\n", path);
+    duet_mkmodel_params p = {.shape = "125m", .type = "q8_0", .seed = 1};
+    duet_status st = duet_mkmodel(&p, path);
+    if (st) {
+        cli_fail("mkmodel", st);
+        return NULL;
+    }
+    return path;
+}

@@ -1,0 +1,28 @@
+/* cli.h — the `duet` subcommands and their shared argument helpers. */
+#ifndef DUET_CLI_H
+#define DUET_CLI_H
+
+#include <stdbool.h>
+
+#include "duet.h"
+
+int cmd_run(int argc, char **argv);
+int cmd_info(int argc, char **argv);
+int cmd_devices(int argc, char **argv);
+int cmd_tokenize(int argc, char **argv);
+int cmd_mkmodel(int argc, char **argv);
+int cmd_quantize(int argc, char **argv);
+
+/* Parse a number, printing "duet: --flag: ..." and returning false when the
+ * text is not a number or outside [min, max]. */
+bool cli_int(const char *flag, const char *text, long min, long max, int *out);
+bool cli_u64(const char *flag, const char *text, unsigned long long *out);
+bool cli_float(const char *flag, const char *text, double min, double max, float *out);
+
+/* Prints "duet: <what>: <last error>" (with a hint when useful) and returns 1. */
+int cli_fail(const char *what, duet_status st);
+
+/* Path of the embedded default model, generated on first use. */
+const char *cli_default_model(void);
+
+#endif

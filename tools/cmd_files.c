@@ -1,0 +1,76 @@
+/* cmd_files.c — `duet mkmodel` and `duet quantize`: write model files. */
+#include <getopt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cli.h"
+
+int cmd_mkmodel(int argc, char **argv) {
+    static const struct option opts[] = {{"shape", required_argument, 0, 's'}, {"type", required_argument, 0, 'T'},
+                                         {"seed", required_argument, 0, 'S'},  {"ctx", required_argument, 0, 'c'},
+                                         {"help", no_argument, 0, 'h'},        {0, 0, 0, 0}};
+    duet_mkmodel_params p = {.shape = "tiny", .type = "f32", .seed = 0};
+    const char *out = NULL;
+    unsigned long long seed = 0;
+    optind = 1;
+    int c;
+    while ((c = getopt_long(argc, argv, "o:h", opts, NULL)) != -1) {
+        switch (c) {
+        case 's': p.shape = optarg; break;
+        case 'T': p.type = optarg; break;
+        case 'S':
+            if (!cli_u64("--seed", optarg, &seed)) return 2;
+            p.seed = seed;
+            break;
+        case 'c':
+            if (!cli_int("--ctx", optarg, 1, 1 << 20, &p.n_ctx)) return 2;
+            break;
+        case 'o': out = optarg; break;
+        case 'h':
+            printf("usage: duet mkmodel --shape tiny|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] -o FILE\n");
+            return 0;
+        default: return 2;
+        }
+    }
+    if (!out) {
+        fprintf(stderr, "usage: duet mkmodel --shape tiny|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] -o FILE\n");
+        return 2;
+    }
+    duet_status st = duet_mkmodel(&p, out);
+    if (st) return cli_fail("mkmodel", st);
+    fprintf(stderr, "duet: wrote %s (shape %s, %s, seed %llu)\n", out, p.shape, p.type, (unsigned long long)p.seed);
+    return 0;
+}
+
+int cmd_quantize(int argc, char **argv) {
+    const char *in = NULL, *out = NULL, *type = "q8_0";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--type")) {
+            if (++i == argc) {
+                fprintf(stderr, "duet: --type needs q8_0 or f16\n");
+                return 2;
+            }
+            type = argv[i];
+        } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            printf("usage: duet quantize IN.gguf OUT.gguf --type q8_0|f16\n");
+            return 0;
+        } else if (!in) in = argv[i];
+        else if (!out) out = argv[i];
+        else {
+            fprintf(stderr, "duet: unexpected argument '%s'\n", argv[i]);
+            return 2;
+        }
+    }
+    if (!in || !out) {
+        fprintf(stderr, "usage: duet quantize IN.gguf OUT.gguf --type q8_0|f16\n");
+        return 2;
+    }
+    char *report = NULL;
+    duet_status st = duet_quantize_file(in, out, type, &report);
+    if (report) fputs(report, stderr);
+    free(report);
+    if (st) return cli_fail("quantize", st);
+    fprintf(stderr, "duet: wrote %s (%s)\n", out, type);
+    return 0;
+}
