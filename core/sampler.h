@@ -3,8 +3,11 @@
  * Order: penalties (repetition, presence, frequency over the recent window)
  * -> greedy if temperature <= 0 -> top-k -> temperature -> softmax -> top-p
  * -> min-p -> draw with the sampler's own RNG (seeded: same seed and same
- * settings give the same tokens). A sampler belongs to one sequence and is
- * used by one thread at a time. Nothing is allocated per token.
+ * settings give the same tokens). The draw takes u uniform in [0, 1) from
+ * the RNG and returns the first kept token, in ascending id order, whose
+ * cumulative weight exceeds u times the kept total. A sampler belongs to
+ * one sequence and is used by one thread at a time. Nothing is allocated
+ * per token.
  *
  * Seed: duet_sampling.seed is used verbatim (splitmix64 expands it into the
  * state of a xoshiro256** generator), so a given seed always gives the same
@@ -46,7 +49,7 @@ void duet_sampler_reset(duet_sampler *smp);
  * tokens that survive truncation to ids[] and their renormalised
  * probabilities to probs[] (both must hold n_vocab entries) and returns how
  * many there are (>= 1). Greedy settings give the argmax with probability 1.
- * The order of ids[] is unspecified. Does not advance the RNG. */
+ * ids[] ascend. Does not advance the RNG. */
 int duet_sampler_dist(duet_sampler *smp, float *logits, int32_t *ids, float *probs);
 
 /* Argmax with the lowest index winning ties (what greedy uses). */
