@@ -5,7 +5,22 @@
 
 #include "backend.h"
 
+#if DUET_BACKEND_VULKAN
+extern const duet_backend_iface duet_vulkan_backend_iface;
+#endif
+#if DUET_BACKEND_OPENCL
+extern const duet_backend_iface duet_opencl_backend_iface;
+#endif
+
+/* Build composition only: which backends this binary carries. Whether a
+ * carried backend can run is decided at run time (`available`). */
 static const duet_backend_iface *const duet__backends[] = {
+#if DUET_BACKEND_VULKAN
+    &duet_vulkan_backend_iface,
+#endif
+#if DUET_BACKEND_OPENCL
+    &duet_opencl_backend_iface,
+#endif
     &duet_cpu_backend_iface,
 };
 #define DUET__N_BACKENDS ((int)(sizeof duet__backends / sizeof duet__backends[0]))

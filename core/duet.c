@@ -1,4 +1,5 @@
 /* duet.c — the public API: open a model on a backend, tokenize, generate. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
@@ -133,6 +134,14 @@ void duet_model_describe(const duet_model *m, duet_model_desc *d) {
     d->eos = duet_tokenizer_eos(m->tok);
     d->add_bos = duet_tokenizer_add_bos(m->tok);
     d->weight_bytes = m->w.bytes;
+}
+
+int duet_model_meta(const duet_model *m, const char *key, char *buf, size_t size) {
+    const duet_gguf_kv *kv = duet_gguf_find(m->gguf, key);
+    if (!kv || kv->value.type != DUET_GGUF_STRING) return -1;
+    if (size) snprintf(buf, size, "%.*s", (int)(kv->value.str.len < size ? kv->value.str.len : size - 1),
+                       kv->value.str.ptr);
+    return (int)kv->value.str.len;
 }
 
 int duet_tokenize(const duet_model *m, const char *text, size_t len, bool add_special, bool parse_special,

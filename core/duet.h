@@ -39,7 +39,8 @@ extern "C" {
     X(COMPILE, -8, "kernel compilation failed")                               \
     X(CONTEXT_FULL, -9, "context length exceeded")                            \
     X(CANCELLED, -10, "cancelled")                                            \
-    X(BAD_REQUEST, -11, "bad request")
+    X(BAD_REQUEST, -11, "bad request")                                        \
+    X(QUEUE_FULL, -12, "queue full")
 
 typedef enum duet_status {
 #define DUET__STATUS_ENUM(name, value, desc) DUET_##name = value,
@@ -93,6 +94,11 @@ typedef struct duet_model_desc {
 } duet_model_desc;
 
 void duet_model_describe(const duet_model *model, duet_model_desc *out);
+
+/* Copies a string metadata value (e.g. "tokenizer.chat_template",
+ * "general.name") NUL-terminated into buf; returns its full length, or -1
+ * when the key is absent or not a string. */
+int duet_model_meta(const duet_model *model, const char *key, char *buf, size_t size);
 
 /* ---- files: inspect, convert, synthesise ----------------------------- */
 
@@ -169,6 +175,81 @@ duet_status duet_generate(duet_model *model, const int32_t *prompt, int n_prompt
  * copies the logits of the last one into `logits` (n_vocab floats) when not
  * NULL. Lets tests and tools compare logits step by step. */
 duet_status duet_eval(duet_model *model, const int32_t *tokens, int n, int pos0, float *logits);
+
+/* ---- serving engine -------------------------------------------------- */
+
+/* An engine is one model instance on one device with its own thread, KV
+ * cache and continuous-batching scheduler. Requests are submitted from any
+ * thread; events are delivered on the engine thread, so callbacks must be
+ * quick and must not call back into the engine except duet_engine_cancel. */
+typedef struct duet_engine duet_engine;
+
+typedef enum duet_priority { DUET_PRIORITY_INTERACTIVE = 0, DUET_PRIORITY_BATCH = 1 } duet_priority;
+
+typedef struct duet_engine_params {
+    duet_open_params open;   /* backend, device, threads, n_ctx, kv_type */
+    int max_batch_seqs;      /* sequences decoded together; 0 = 16 */
+    int max_batch_tokens;    /* tokens per step (decodes + prefill chunks); 0 = 256 */
+    double batch_timeout_ms; /* an idle engine waits this long for more arrivals; <0 = default 2 ms */
+    int prefill_chunk;       /* prompt tokens per sequence per step; 0 = 128 */
+    int max_waiting;         /* queued requests beyond which submit says DUET_BUSY; 0 = 256 */
+    int kv_block_size;       /* tokens per KV block; 0 = 16 */
+    int kv_blocks;           /* KV blocks in the pool; 0 = enough for every slot at full context */
+} duet_engine_params;
+
+duet_engine_params duet_engine_params_default(void);
+
+duet_status duet_engine_start(const char *model_path, const duet_engine_params *params, duet_engine **out);
+/* Stops accepting; with drain, finishes in-flight requests first, otherwise
+ * cancels them (each gets its final event). Then joins the thread and frees. */
+void duet_engine_stop(duet_engine *e, bool drain);
+/* The engine's model, for tokenizing and describing (read-only use). */
+const duet_model *duet_engine_model(const duet_engine *e);
+
+typedef struct duet_request {
+    const int32_t *prompt; /* copied at submit */
+    int n_prompt;
+    int max_tokens;
+    duet_sampling sampling;
+    duet_priority priority;
+    bool ignore_eos;
+} duet_request;
+
+typedef enum duet_event_kind { DUET_EVENT_TOKEN, DUET_EVENT_DONE } duet_event_kind;
+
+typedef enum duet_finish {
+    DUET_FINISH_NONE = 0,
+    DUET_FINISH_STOP,      /* end-of-generation token */
+    DUET_FINISH_LENGTH,    /* max_tokens or context reached */
+    DUET_FINISH_CANCELLED, /* duet_engine_cancel or engine stop without drain */
+    DUET_FINISH_ERROR,     /* see message */
+} duet_finish;
+
+typedef struct duet_event {
+    duet_event_kind kind;
+    uint64_t request_id;
+    int32_t token;           /* TOKEN: the sampled id */
+    const char *text;        /* TOKEN: UTF-8 text it completes (may be empty) */
+    size_t text_len;
+    duet_finish finish;      /* DONE */
+    const char *message;     /* DONE with ERROR */
+    int prompt_tokens, generated_tokens;
+    double queue_seconds, ttft_seconds, total_seconds; /* DONE: timings */
+} duet_event;
+
+/* Called for every event of a request; DONE is always the last, exactly once. */
+typedef void (*duet_event_fn)(const duet_event *ev, void *user);
+
+/* Queues a request. Refusals: DUET_CONTEXT_FULL when the request can never fit, and DUET_BAD_REQUEST for invalid settings; when
+ * the queue is full it returns DUET_QUEUE_FULL. On failure fn is never called. */
+duet_status duet_engine_submit(duet_engine *e, const duet_request *req, duet_event_fn fn, void *user,
+                               uint64_t *id);
+/* Cancels a request in any state; its DONE event (CANCELLED) follows soon. */
+duet_status duet_engine_cancel(duet_engine *e, uint64_t id);
+
+/* Prometheus text exposition of the engine's metrics (malloc'd; free()). */
+char *duet_engine_metrics(duet_engine *e);
+
 
 #ifdef __cplusplus
 }

@@ -45,7 +45,8 @@ class Cli(unittest.TestCase):
         duet("mkmodel", "--shape", "tiny", "--type", "f32", "--seed", "7", "-o", cls.tiny)
 
     def test_run_json_fields_and_reference_prompts(self):
-        ref = json.load(open(os.path.join(MODELS, "reference", "stories260K-greedy.json")))
+        with open(os.path.join(MODELS, "reference", "stories260K-greedy.json")) as fh:
+            ref = json.load(fh)
         for e in ref:
             steps = e["top2_per_step"]
             out = duet("run", "-m", STORIES, "-p", e["prompt"], "--temp", "0", "--backend", "cpu",

@@ -90,8 +90,8 @@ START_TEST(greedy_matches_run_c) {
                               backend_name(b), i, cJSON_GetObjectItem(step, "pos")->valueint, c.ids[i], top1);
                 compared++;
             }
-            /* Every prompt has at least 180 steps before any near-tie. */
-            ck_assert_msg(compared >= 180, "'%s': only %d steps compared", prompt, compared);
+            /* Every prompt has at least 170 steps before any near-tie. */
+            ck_assert_msg(compared >= 170, "'%s': only %d steps compared", prompt, compared);
         }
         duet_model_close(m);
     }

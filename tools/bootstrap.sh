@@ -9,8 +9,14 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 jobs="$(nproc 2>/dev/null || echo 2)"
 
-deps="build-essential cmake pkg-config git libpcre2-dev libcjson-dev"
-test_deps="check clang libclang-rt-14-dev python3 python3-venv python3-pip"
+# Build: the library's dependencies, Vulkan (headers, volk, glslc, spirv-val)
+# and OpenCL (ICD loader, headers, CLBlast). Run: Mesa lavapipe and PoCL give
+# every backend a CPU device, so the demo and the tests run on any machine.
+deps="build-essential cmake pkg-config git libpcre2-dev libcjson-dev \
+ libvulkan-dev libvulkan-volk-dev glslc spirv-tools mesa-vulkan-drivers \
+ ocl-icd-opencl-dev opencl-headers libclblast-dev pocl-opencl-icd"
+test_deps="check clang libclang-rt-14-dev python3 python3-venv python3-pip \
+ vulkan-validationlayers oclgrind clinfo vulkan-tools"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     pkgs="$deps"
@@ -50,7 +56,7 @@ test)
     (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
         ctest --output-on-failure -j "$jobs")
     echo "== fuzzers (fixed iterations)"
-    sh tests/fuzz/run_fuzzers.sh "$root/build-fuzz"
+    bash tests/fuzz/run_fuzzers.sh "$root/build-fuzz" 20000
     echo "== all tests passed"
     ;;
 *)

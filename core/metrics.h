@@ -1,0 +1,54 @@
+/* metrics.h — counters, gauges and histograms of one engine instance.
+ *
+ * The engine records at every arrow of the data flow; the server exports
+ * the same numbers at /metrics (Prometheus text format, with vLLM-named
+ * aliases where the meaning is the same); the adaptive controller and
+ * duet-bench read them too. Every function is thread-safe (one mutex; the
+ * recording calls are a few additions each). No allocation after _new.
+ */
+#ifndef DUET_METRICS_H
+#define DUET_METRICS_H
+
+#include <stdint.h>
+
+#include "duet.h"
+
+typedef struct duet_metrics duet_metrics;
+
+duet_metrics *duet__metrics_new(const char *model_name);
+void duet__metrics_free(duet_metrics *m);
+
+/* A request left the system: its outcome, priority and timings (seconds). */
+void duet__metrics_request_done(duet_metrics *m, duet_priority prio, duet_finish finish, double e2e_s,
+                                double ttft_s, double queue_s, int prompt_tokens, int generated_tokens);
+/* A request was refused at submit (queue full -> "rejected", invalid -> "invalid"). */
+void duet__metrics_request_refused(duet_metrics *m, duet_priority prio, const char *reason);
+/* One inter-token gap of a running request. */
+void duet__metrics_inter_token(duet_metrics *m, double seconds);
+/* One engine step: sequences and tokens in it, and device time it took. */
+void duet__metrics_step(duet_metrics *m, int n_seqs, int n_tokens, double busy_s);
+/* A preemption (KV pressure). */
+void duet__metrics_preempted(duet_metrics *m, duet_priority prio);
+
+/* Gauges, set by the engine after each step. */
+typedef struct duet_metrics_gauges {
+    int waiting[2], running[2]; /* by duet_priority */
+    double kv_usage;            /* 0..1 */
+    int max_batch_seqs, max_batch_tokens, prefill_chunk;
+    double batch_timeout_s;
+} duet_metrics_gauges;
+void duet__metrics_set_gauges(duet_metrics *m, const duet_metrics_gauges *g);
+
+/* Recent-window view for the adaptive controller and benchmarks. */
+typedef struct duet_metrics_window {
+    double ttft_p99_s, itl_p99_s, e2e_p99_s; /* over the last window_s seconds */
+    double arrival_rate;                     /* requests per second */
+    double busy_ratio;                       /* device busy time / wall time */
+    int n_requests;
+} duet_metrics_window;
+void duet__metrics_window(duet_metrics *m, double now_s, double window_s, duet_metrics_window *out);
+
+/* Prometheus text exposition (malloc'd; caller frees). */
+char *duet__metrics_render(duet_metrics *m);
+
+#endif /* DUET_METRICS_H */
