@@ -1,0 +1,228 @@
+/* scheduler.h — the continuous-batching scheduler of one instance, as a pure
+ * state machine.
+ *
+ * It reads no clock, starts no thread and allocates nothing after
+ * duet__sched_new. Inputs are events stamped with a time; the output is the
+ * next step's plan, or "wait until T", or "idle". The engine thread drives it
+ * with the real clock; tests and simulators drive the same code with a
+ * virtual clock. Not thread safe: one owner calls everything.
+ *
+ * Time: int64 nanoseconds on any monotonic clock (the engine uses
+ * CLOCK_MONOTONIC; tests start at 0). Only differences matter.
+ *
+ * The drive loop:
+ *
+ *     for (;;) {
+ *         feed pending duet__sched_arrival / duet__sched_cancel events;
+ *         switch (duet__sched_plan(s, now, &plan)) {
+ *         case DUET_SCHED_STEP: drop the state of plan->preempted[];
+ *                               run the step; duet__sched_step_done(...);
+ *                               break;
+ *         case DUET_SCHED_WAIT: sleep until plan->wake_at or a new event;
+ *                               break;
+ *         case DUET_SCHED_IDLE: sleep until a new event;
+ *         }
+ *     }
+ *
+ * Requests. Each request is a token stream: its n_prompt prompt tokens
+ * followed by the tokens generated so far. A step entry asks the engine to
+ * run stream tokens [pos, pos + n_tokens) of one request in its sequence
+ * slot; when `logits` is set, the last of them yields logits and the engine
+ * samples the next token. A preempted request loses its KV blocks and
+ * slot; when it is scheduled again it re-prefills its whole stream (prompt +
+ * generated: recompute), and the entry that completes that re-prefill asks
+ * for logits and produces its next token. The engine keeps the stream (and
+ * the sampler state) across preemption; the scheduler only counts.
+ *
+ * Outcomes. Every accepted arrival leaves the scheduler exactly once:
+ * finished (step_done says so), or removed by duet__sched_cancel (the
+ * engine uses cancel for client cancellation and for failures alike). The
+ * engine reports the outcome (finish reason, error) to the client; the
+ * scheduler keeps no per-request timestamps beyond the arrival time (the
+ * engine records first-scheduled and first-token times itself, helped by
+ * duet_sched_seq.first_schedule).
+ *
+ * Policies:
+ * - Continuous batching: every running sequence gets a token each step
+ *   (decodes first, oldest interactive first); a sequence that finishes or
+ *   is cancelled frees its slot and KV blocks at once; waiting requests
+ *   join at the next plan.
+ * - Chunked prefill: after the decodes, prompt chunks (at most
+ *   prefill_chunk tokens per sequence) fill the rest of max_batch_tokens;
+ *   first those of running sequences still prefilling, then newly admitted
+ *   requests.
+ * - Admission: interactive queue first, then batch; FIFO by arrival within a
+ *   class; admission stops at the first request that does not fit (no
+ *   overtaking). A request is admitted only when free KV blocks cover its
+ *   whole stream so far (after preempting lower-priority sequences if
+ *   needed) and a slot is free (running < max_batch_seqs).
+ * - batch_timeout: when nothing is running, the scheduler starts prefilling
+ *   only once the oldest waiting request has waited batch_timeout, or as
+ *   soon as max_batch_seqs requests are waiting.
+ * - Preemption: when KV blocks run out, the lowest-ranked running sequence
+ *   not already in this step's plan is preempted (rank: interactive before
+ *   batch, then older arrival before younger). A running sequence may
+ *   preempt any sequence ranked below it, even one already placed in this
+ *   plan (it is taken out again); a decode that ranks lowest preempts
+ *   itself, a prompt chunk that ranks lowest shrinks to the free blocks (or
+ *   waits a step). A waiting request may preempt only lower-priority
+ *   (batch, when it is interactive) sequences. A preempted request goes
+ *   back to the front of its class's queue, in arrival order (it keeps its
+ *   place), and is not re-admitted in the same plan. The best-ranked
+ *   running sequence always progresses, so nothing livelocks.
+ * - Refusal at arrival: DUET_SCHED_QUEUE_FULL when max_waiting requests
+ *   are waiting (HTTP 429), DUET_SCHED_TOO_LONG when n_prompt + max_new
+ *   exceeds n_ctx or the whole KV pool (HTTP 400), DUET_SCHED_INVALID for
+ *   non-positive sizes, a bad priority or a duplicate id (HTTP 400).
+ */
+#ifndef DUET_SCHEDULER_H
+#define DUET_SCHEDULER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "duet.h"
+#include "kv_blocks.h"
+
+typedef struct duet_sched duet_sched;
+
+#define DUET_SCHED_NS_PER_MS INT64_C(1000000)
+#define DUET_SCHED_NS_PER_S INT64_C(1000000000)
+
+/* Knobs: settable at run time (duet__sched_set_knobs); take effect at the
+ * next plan. */
+typedef struct duet_sched_knobs {
+    int max_batch_seqs;       /* running sequences at most; 1..config.max_seqs */
+    int max_batch_tokens;     /* tokens per step; 1..config.max_tokens. Keep it
+                                 >= max_batch_seqs: otherwise the youngest
+                                 running sequences skip steps */
+    int prefill_chunk;        /* prompt tokens per sequence per step; >= 1 */
+    int max_waiting;          /* waiting requests at most; 0..config.max_waiting */
+    int64_t batch_timeout_ns; /* idle wait for more arrivals; >= 0 */
+} duet_sched_knobs;
+
+/* Capacities, fixed at creation (all memory is sized from them). */
+typedef struct duet_sched_config {
+    int max_seqs;      /* sequence slots; the engine's KV state holds this many */
+    int max_tokens;    /* largest step the engine's buffers take */
+    int max_waiting;   /* largest queue. Preempted requests count as
+                          waiting, and the request table always has room
+                          for them (it holds max_waiting + max_seqs) */
+    int n_ctx;         /* positions per sequence */
+    int kv_block_size; /* tokens per KV block (16 or 32) */
+    int kv_blocks;     /* blocks in the pool */
+    duet_sched_knobs knobs; /* initial knob values */
+} duet_sched_config;
+
+typedef enum duet_sched_admit {
+    DUET_SCHED_ADMITTED = 0,
+    DUET_SCHED_QUEUE_FULL, /* -> DUET_QUEUE_FULL / HTTP 429 */
+    DUET_SCHED_TOO_LONG,   /* -> DUET_CONTEXT_FULL / HTTP 400: can never fit */
+    DUET_SCHED_INVALID,    /* -> DUET_BAD_REQUEST / HTTP 400 */
+} duet_sched_admit;
+
+/* One sequence of a step. The engine feeds tokens [pos, pos + n_tokens) of
+ * the request's stream (prompt, then generated tokens) at positions
+ * pos.. in KV slot `slot`. */
+typedef struct duet_sched_seq {
+    uint64_t id;
+    int slot;             /* KV sequence slot, in [0, config.max_seqs) */
+    int pos;              /* first position = stream index of the first token */
+    int n_tokens;         /* >= 1: a prompt chunk, or 1 for a decode */
+    bool logits;          /* the last token's logits are wanted: sample one */
+    bool decode;          /* a decode (the stream's newest token), not a chunk */
+    bool first_schedule;  /* the first time this request runs (queue time ends) */
+    bool resumed;         /* re-prefill after a preemption */
+    int n_prompt;         /* stream layout, for the engine's convenience */
+    int n_generated;      /* tokens generated before this step */
+    const int32_t *blocks; /* KV block table covering [0, pos + n_tokens) */
+    int n_blocks;
+} duet_sched_seq;
+
+typedef enum duet_sched_action {
+    DUET_SCHED_IDLE = 0, /* nothing waiting or running: sleep until an event */
+    DUET_SCHED_WAIT,     /* waiting work, held back by batch_timeout: sleep
+                            until plan->wake_at or an event */
+    DUET_SCHED_STEP,     /* run plan->seqs, then call duet__sched_step_done */
+} duet_sched_action;
+
+/* Owned by the scheduler; valid until its next call. */
+typedef struct duet_sched_plan {
+    int n_seqs;
+    const duet_sched_seq *seqs; /* decodes first, then prompt chunks */
+    int n_tokens;               /* sum of seqs[i].n_tokens (<= max_batch_tokens) */
+    int n_logits;               /* entries with logits set */
+    int n_preempted;            /* requests preempted by this plan: the engine */
+    const uint64_t *preempted;  /* drops their KV state; they stay queued */
+    int64_t wake_at;            /* DUET_SCHED_WAIT: when to call plan again */
+} duet_sched_plan;
+
+/* What the engine reports for plan->seqs[i], in plan order. */
+typedef struct duet_sched_result {
+    uint64_t id;     /* must equal plan->seqs[i].id */
+    int n_generated; /* tokens appended to the stream: 1 when logits were
+                        sampled, else 0 */
+    bool finished;   /* the request is done (EOS, stop, max_tokens reached,
+                        context full); the engine decides, since it samples */
+} duet_sched_result;
+
+typedef struct duet_sched_stats {
+    int waiting[2];          /* by duet_priority: in queue (incl. preempted) */
+    int running[2];          /* holding a slot (prefilling or decoding) */
+    int prefilling;          /* running but not yet past their stream */
+    int kv_blocks_used, kv_blocks_total;
+    double kv_usage;         /* kv_blocks_used / kv_blocks_total */
+    uint64_t arrivals;       /* admitted */
+    uint64_t refused;        /* QUEUE_FULL */
+    uint64_t rejected;       /* TOO_LONG or INVALID */
+    uint64_t finished, cancelled;
+    uint64_t preemptions;
+    uint64_t steps, step_tokens;
+} duet_sched_stats;
+
+/* Validates config and allocates everything. DUET_INVALID_ARGUMENT on bad
+ * sizes (message in duet_last_error), DUET_OUT_OF_MEMORY. */
+duet_status duet__sched_new(const duet_sched_config *config, duet_sched **out);
+void duet__sched_free(duet_sched *s);
+
+/* A new request. n_prompt >= 1 and max_new >= 1 tokens. */
+duet_sched_admit duet__sched_arrival(duet_sched *s, int64_t now, uint64_t id, int n_prompt, int max_new,
+                                     duet_priority priority);
+/* Removes a request in any state (waiting, prefilling, running, preempted).
+ * DUET_OK, or DUET_INVALID_ARGUMENT if the id is unknown (already finished
+ * or cancelled). If the request is in the step now running, its slot and
+ * blocks are released at that step's step_done (the engine ignores its
+ * result; pass it anyway, in order). */
+duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id);
+
+/* Plans the next step. Must not be called while a step is outstanding
+ * (between DUET_SCHED_STEP and step_done/step_failed). */
+duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *plan);
+/* Ends the outstanding step: results[i] for plan->seqs[i], n == plan->n_seqs.
+ * Returns DUET_INVALID_ARGUMENT (and changes nothing) when results do not
+ * match the plan (wrong count or id, n_generated not 1 with logits / 0
+ * without, max_new reached without finished). Results of requests
+ * cancelled during the step are ignored. */
+duet_status duet__sched_step_done(duet_sched *s, int64_t now, const duet_sched_result *results, int n);
+/* The outstanding step did not run (device error): nothing advances; its
+ * sequences keep their slots and blocks. The engine may cancel them. */
+void duet__sched_step_failed(duet_sched *s, int64_t now);
+
+/* Knobs: validated against the config's capacities (DUET_INVALID_ARGUMENT
+ * otherwise); take effect at the next plan. Lowering max_batch_seqs below
+ * the running count preempts nothing: admission stops until it drains. */
+duet_status duet__sched_set_knobs(duet_sched *s, const duet_sched_knobs *knobs);
+duet_sched_knobs duet__sched_knobs(const duet_sched *s);
+duet_sched_config duet__sched_config(const duet_sched *s);
+
+void duet__sched_stats(const duet_sched *s, duet_sched_stats *out);
+/* The KV allocator (read-only: block tables, usage). */
+const duet_kv_blocks *duet__sched_kv(const duet_sched *s);
+/* Whether any request is waiting or running. */
+bool duet__sched_busy(const duet_sched *s);
+
+/* Checks internal invariants (queues, slots, KV blocks conserved, counts).
+ * DUET_OK or DUET_INVALID_ARGUMENT with a message. For tests. */
+duet_status duet__sched_check(const duet_sched *s);
+
+#endif /* DUET_SCHEDULER_H */
