@@ -8,23 +8,12 @@
 #include "forward.h"
 #include "sampler.h"
 #include "tokenizer.h"
+#include "duet_internal.h"
 
 /* Prefill runs in chunks of this many tokens (the step's activation size). */
 #define DUET_PREFILL_CHUNK 256
 /* Logit rows one step can return (decode of many sequences, spec verify). */
 #define DUET_MAX_OUT 64
-
-struct duet_model {
-    duet_gguf *gguf;
-    duet_tokenizer *tok;
-    duet_hparams hp;
-    bool vocab_only;
-    duet_backend *be;
-    duet_weights w;
-    duet_state *state;
-    float *logits; /* host [DUET_MAX_OUT][n_vocab] */
-    int n_ctx, n_seqs;
-};
 
 duet_open_params duet_open_params_default(void) {
     return (duet_open_params){.backend = "auto", .device = -1};
@@ -42,6 +31,11 @@ static duet_dtype default_kv_type(const duet_weights *w) {
 }
 
 duet_status duet_model_open(const char *path, const duet_open_params *params, duet_model **out) {
+    return duet__model_open(path, params, DUET_PREFILL_CHUNK, DUET_MAX_OUT, out);
+}
+
+duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
+                             duet_model **out) {
     if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: out is NULL");
     *out = NULL;
     if (!path) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: path is NULL");
@@ -90,10 +84,14 @@ duet_status duet_model_open(const char *path, const duet_open_params *params, du
             goto fail;
         }
     }
-    if ((st = duet__state_new(m->be, &m->hp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, m->n_ctx, m->n_seqs, kv,
-                              &m->state)))
+    if (max_step_tokens < DUET_PREFILL_CHUNK) max_step_tokens = DUET_PREFILL_CHUNK;
+    if (max_out < 1) max_out = 1;
+    if (max_out > max_step_tokens) max_out = max_step_tokens;
+    m->max_step_tokens = max_step_tokens;
+    m->max_out = max_out;
+    if ((st = duet__state_new(m->be, &m->hp, max_step_tokens, max_out, m->n_ctx, m->n_seqs, kv, &m->state)))
         goto fail;
-    m->logits = malloc((size_t)DUET_MAX_OUT * m->hp.n_vocab * sizeof(float));
+    m->logits = malloc((size_t)max_out * m->hp.n_vocab * sizeof(float));
     if (!m->logits) {
         st = duet__error(DUET_OUT_OF_MEMORY, "out of memory for logits");
         goto fail;

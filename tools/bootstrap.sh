@@ -12,7 +12,7 @@ jobs="$(nproc 2>/dev/null || echo 2)"
 # Build: the library's dependencies, Vulkan (headers, volk, glslc, spirv-val)
 # and OpenCL (ICD loader, headers, CLBlast). Run: Mesa lavapipe and PoCL give
 # every backend a CPU device, so the demo and the tests run on any machine.
-deps="build-essential cmake pkg-config git libpcre2-dev libcjson-dev \
+deps="build-essential cmake pkg-config git libpcre2-dev libcjson-dev libmicrohttpd-dev libcurl4-openssl-dev \
  libvulkan-dev libvulkan-volk-dev glslc spirv-tools mesa-vulkan-drivers \
  ocl-icd-opencl-dev opencl-headers libclblast-dev pocl-opencl-icd"
 test_deps="check clang libclang-rt-14-dev python3 python3-venv python3-pip \
@@ -47,7 +47,7 @@ test)
     venv="$root/build/venv"
     if [ ! -x "$venv/bin/python" ]; then
         python3 -m venv "$venv"
-        "$venv/bin/pip" install -q gguf numpy
+        "$venv/bin/pip" install -q gguf numpy openai prometheus-client
     fi
     build build -DDUET_WERROR=ON -DDUET_PYTHON="$venv/bin/python"
     (cd build && ctest --output-on-failure -j "$jobs")

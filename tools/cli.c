@@ -71,11 +71,13 @@ const char *cli_default_model(void) {
     snprintf(path, sizeof path, "%s/synthetic-125m-q8_0.gguf", dir);
     struct stat sb;
     if (stat(path, &sb) == 0) return path;
-    /* mkdir -p of the cache folder (two levels at most). */
-    char parent[3072];
-    snprintf(parent, sizeof parent, "%s", dir);
-    char *slash = strrchr(parent, '/');
-    if (slash) *slash = 0, mkdir(parent, 0755);
+    /* mkdir -p of the cache folder. */
+    for (char *q = dir + 1; *q; q++)
+        if (*q == '/') {
+            *q = 0;
+            mkdir(dir, 0755);
+            *q = '/';
+        }
     mkdir(dir, 0755);
     fprintf(stderr, "duet: generating the default model (synthetic 125m, q8_0) at %s\n", path);
     duet_mkmodel_params p = {.shape = "125m", .type = "q8_0", .seed = 1};

@@ -172,8 +172,9 @@ int cmd_run(int argc, char **argv) {
         cJSON_Delete(o);
     } else {
         printf("\n");
-        fprintf(stderr, "duet: %s on %s (%s): %d prompt tokens at %.1f tokens/s, %d generated at %.1f tokens/s\n",
-                d.arch, d.backend, d.device, gs.prompt_tokens, prefill_tps, gs.generated_tokens, decode_tps);
+        fflush(stdout);
+        fprintf(stderr, "duet: model %s\nduet: %s on %s (%s): %d prompt tokens at %.1f tokens/s, %d generated at %.1f tokens/s\n",
+                model, d.arch, d.backend, d.device, gs.prompt_tokens, prefill_tps, gs.generated_tokens, decode_tps);
     }
     cJSON_Delete(r.tokens);
     free(r.text);

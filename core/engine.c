@@ -1,0 +1,536 @@
+/* engine.c — one model instance serving many requests: an engine thread
+ * drives the continuous-batching scheduler (core/scheduler.c) with the real
+ * clock and runs each planned step as one batched forward pass.
+ *
+ * Locking: one mutex guards the scheduler, the request table and the
+ * cancel list. The engine thread holds it only to plan and to report a
+ * step; the forward pass, sampling and every user callback run unlocked,
+ * so submit/cancel from other threads never wait for the device and a
+ * callback may call duet_engine_cancel.
+ */
+#include <errno.h>
+#include <stdatomic.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "duet_internal.h"
+#include "metrics.h"
+#include "sampler.h"
+#include "scheduler.h"
+
+/* Request ids carry their table index in the low bits: O(1) look-up. */
+#define ID_INDEX_BITS 20
+#define ID_INDEX(id) ((int)((id) & ((1u << ID_INDEX_BITS) - 1)))
+
+typedef struct engine_req {
+    uint64_t id;            /* 0 when the entry is free */
+    int32_t *stream;        /* prompt then generated tokens [n_ctx] */
+    int n_prompt, n_gen, max_tokens;
+    bool ignore_eos;
+    duet_priority prio;
+    duet_sampler *smp;
+    duet_detok detok;
+    duet_event_fn fn;
+    void *user;
+    int64_t t_arrival, t_first_sched, t_first_token, t_last_token;
+    _Atomic bool cancelled; /* DONE(CANCELLED) is owed; read unlocked during a step */
+    duet_finish finish;     /* set when the engine decides it is done */
+} engine_req;
+
+struct duet_engine {
+    duet_model *model;
+    duet_sched *sched;
+    duet_metrics *metrics;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stopping, drain, thread_started;
+
+    engine_req *reqs; /* [cap] */
+    int cap;
+    uint64_t next_seq;
+    uint64_t *cancel_list; /* ids owed a DONE(CANCELLED) event */
+    int n_cancel;
+
+    /* Step scratch, sized once (max_tokens / max_seqs). */
+    duet_sched_seq *plan_seqs;
+    int32_t *tok, *pos, *seq, *out;
+    duet_sched_result *results;
+    int max_tokens, max_seqs;
+    char *err; /* message of a failed step */
+};
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static double secs(int64_t ns) { return (double)ns * 1e-9; }
+
+duet_engine_params duet_engine_params_default(void) {
+    return (duet_engine_params){.open = duet_open_params_default(),
+                                .max_batch_seqs = 16,
+                                .max_batch_tokens = 256,
+                                .batch_timeout_ms = 2.0,
+                                .prefill_chunk = 128,
+                                .max_waiting = 256,
+                                .kv_block_size = 16};
+}
+
+const duet_model *duet_engine_model(const duet_engine *e) { return e->model; }
+
+static engine_req *find_req(duet_engine *e, uint64_t id) {
+    int i = ID_INDEX(id);
+    return i < e->cap && e->reqs[i].id == id && id ? &e->reqs[i] : NULL;
+}
+
+static void release_req(engine_req *r) {
+    duet_sampler_free(r->smp);
+    r->smp = NULL;
+    r->id = 0;
+}
+
+/* ---- events (always called without the lock) ------------------------------ */
+
+static void emit_token(engine_req *r, int32_t token, const char *text, size_t len) {
+    duet_event ev = {.kind = DUET_EVENT_TOKEN, .request_id = r->id, .token = token, .text = text, .text_len = len};
+    r->fn(&ev, r->user);
+}
+
+static void emit_done(duet_engine *e, engine_req *r, duet_finish finish, const char *message) {
+    int64_t now = now_ns();
+    /* An unfinished UTF-8 character at the end is delivered as U+FFFD. */
+    char tail[16];
+    int n = finish != DUET_FINISH_ERROR ? duet_detok_flush(&r->detok, tail, sizeof tail) : 0;
+    if (n > 0) emit_token(r, -1, tail, (size_t)n);
+    duet_event ev = {.kind = DUET_EVENT_DONE,
+                     .request_id = r->id,
+                     .token = -1,
+                     .finish = finish,
+                     .message = message,
+                     .prompt_tokens = r->n_prompt,
+                     .generated_tokens = r->n_gen};
+    int64_t first = r->t_first_sched ? r->t_first_sched : now;
+    ev.queue_seconds = secs(first - r->t_arrival);
+    ev.ttft_seconds = r->t_first_token ? secs(r->t_first_token - r->t_arrival) : 0;
+    ev.total_seconds = secs(now - r->t_arrival);
+    duet__metrics_request_done(e->metrics, r->prio, finish, ev.total_seconds, ev.ttft_seconds, ev.queue_seconds,
+                               r->n_prompt, r->n_gen);
+    r->fn(&ev, r->user);
+}
+
+/* ---- submit / cancel (any thread) ----------------------------------------- */
+
+duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event_fn fn, void *user, uint64_t *id) {
+    if (!e || !q || !fn) return duet__error(DUET_INVALID_ARGUMENT, "submit: NULL argument");
+    const duet_model *m = e->model;
+    duet_priority prio = q->priority;
+    if (prio != DUET_PRIORITY_INTERACTIVE && prio != DUET_PRIORITY_BATCH)
+        return duet__error(DUET_BAD_REQUEST, "priority %d is not interactive (0) or batch (1)", (int)prio);
+    if (q->n_prompt < 1 || !q->prompt) {
+        duet__metrics_request_refused(e->metrics, prio, "invalid");
+        return duet__error(DUET_BAD_REQUEST, "the prompt is empty");
+    }
+    if (q->max_tokens < 1) {
+        duet__metrics_request_refused(e->metrics, prio, "invalid");
+        return duet__error(DUET_BAD_REQUEST, "max_tokens %d must be >= 1", q->max_tokens);
+    }
+    for (int i = 0; i < q->n_prompt; i++)
+        if (q->prompt[i] < 0 || q->prompt[i] >= m->hp.n_vocab) {
+            duet__metrics_request_refused(e->metrics, prio, "invalid");
+            return duet__error(DUET_BAD_REQUEST, "prompt token %d = %d is outside the vocabulary [0, %d)", i,
+                               q->prompt[i], m->hp.n_vocab);
+        }
+    if (q->n_prompt >= m->n_ctx) {
+        duet__metrics_request_refused(e->metrics, prio, "invalid");
+        return duet__error(DUET_CONTEXT_FULL, "the prompt has %d tokens; the context holds %d", q->n_prompt,
+                           m->n_ctx);
+    }
+    /* Generation stops at the context's end: clamp rather than refuse. */
+    int max_tokens = q->max_tokens;
+    if (max_tokens > m->n_ctx - q->n_prompt) max_tokens = m->n_ctx - q->n_prompt;
+    duet_sampler *smp;
+    duet_status st = duet_sampler_new(&q->sampling, m->hp.n_vocab, &smp);
+    if (st) {
+        duet__metrics_request_refused(e->metrics, prio, "invalid");
+        return DUET_BAD_REQUEST;
+    }
+    for (int i = 0; i < q->n_prompt; i++) duet_sampler_accept(smp, q->prompt[i]);
+
+    pthread_mutex_lock(&e->mu);
+    if (e->stopping) {
+        pthread_mutex_unlock(&e->mu);
+        duet_sampler_free(smp);
+        return duet__error(DUET_CANCELLED, "the engine is shutting down");
+    }
+    int slot = -1;
+    for (int i = 0; i < e->cap; i++) {
+        int j = (int)((e->next_seq + (uint64_t)i) % (uint64_t)e->cap);
+        if (!e->reqs[j].id) {
+            slot = j;
+            break;
+        }
+    }
+    uint64_t rid = ((++e->next_seq) << ID_INDEX_BITS) | (uint64_t)(slot < 0 ? 0 : slot);
+    duet_sched_admit a =
+        slot < 0 ? DUET_SCHED_QUEUE_FULL : duet__sched_arrival(e->sched, now_ns(), rid, q->n_prompt, max_tokens, prio);
+    if (a != DUET_SCHED_ADMITTED) {
+        pthread_mutex_unlock(&e->mu);
+        duet_sampler_free(smp);
+        if (a == DUET_SCHED_QUEUE_FULL) {
+            duet__metrics_request_refused(e->metrics, prio, "rejected");
+            return duet__error(DUET_QUEUE_FULL, "the queue is full; retry later");
+        }
+        duet__metrics_request_refused(e->metrics, prio, "invalid");
+        if (a == DUET_SCHED_TOO_LONG)
+            return duet__error(DUET_CONTEXT_FULL, "prompt (%d) + max_tokens (%d) can never fit the KV cache",
+                               q->n_prompt, max_tokens);
+        return duet__error(DUET_BAD_REQUEST, "the scheduler refused the request");
+    }
+    engine_req *r = &e->reqs[slot];
+    memcpy(r->stream, q->prompt, (size_t)q->n_prompt * sizeof(int32_t));
+    r->id = rid;
+    r->n_prompt = q->n_prompt;
+    r->n_gen = 0;
+    r->max_tokens = max_tokens;
+    r->ignore_eos = q->ignore_eos;
+    r->prio = prio;
+    r->smp = smp;
+    bool after_bos = q->prompt[q->n_prompt - 1] == duet_tokenizer_bos(m->tok);
+    duet_detok_init(&r->detok, m->tok, after_bos && !strcmp(duet_tokenizer_model(m->tok), "llama"));
+    r->fn = fn;
+    r->user = user;
+    r->t_arrival = now_ns();
+    r->t_first_sched = r->t_first_token = r->t_last_token = 0;
+    r->cancelled = false;
+    r->finish = DUET_FINISH_NONE;
+    if (id) *id = rid;
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    return DUET_OK;
+}
+
+duet_status duet_engine_cancel(duet_engine *e, uint64_t id) {
+    pthread_mutex_lock(&e->mu);
+    engine_req *r = find_req(e, id);
+    duet_status st = DUET_OK;
+    if (!r || r->cancelled || r->finish != DUET_FINISH_NONE) {
+        st = duet__error(DUET_INVALID_ARGUMENT, "request %llu is not in flight", (unsigned long long)id);
+    } else {
+        duet__sched_cancel(e->sched, now_ns(), id);
+        r->cancelled = true;
+        e->cancel_list[e->n_cancel++] = id;
+        pthread_cond_signal(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+/* ---- the engine thread ---------------------------------------------------- */
+
+/* Delivers DONE(CANCELLED) to every request on the cancel list. Called with
+ * the lock held; drops it around the callbacks. */
+static void flush_cancels(duet_engine *e) {
+    while (e->n_cancel > 0) {
+        uint64_t id = e->cancel_list[--e->n_cancel];
+        engine_req *r = find_req(e, id);
+        if (!r) continue;
+        pthread_mutex_unlock(&e->mu);
+        emit_done(e, r, DUET_FINISH_CANCELLED, NULL);
+        pthread_mutex_lock(&e->mu);
+        release_req(r);
+    }
+}
+
+static void update_gauges(duet_engine *e) {
+    duet_sched_stats st;
+    duet__sched_stats(e->sched, &st);
+    duet_sched_knobs k = duet__sched_knobs(e->sched);
+    duet_metrics_gauges g = {.kv_usage = st.kv_usage,
+                             .max_batch_seqs = k.max_batch_seqs,
+                             .max_batch_tokens = k.max_batch_tokens,
+                             .prefill_chunk = k.prefill_chunk,
+                             .batch_timeout_s = secs(k.batch_timeout_ns)};
+    memcpy(g.waiting, st.waiting, sizeof g.waiting);
+    memcpy(g.running, st.running, sizeof g.running);
+    duet__metrics_set_gauges(e->metrics, &g);
+}
+
+/* Runs one planned step (unlocked). Fills e->results; returns the forward's
+ * status. */
+static duet_status run_step(duet_engine *e, int n_seqs) {
+    duet_model *m = e->model;
+    int n = 0, n_out = 0;
+    for (int i = 0; i < n_seqs; i++) {
+        const duet_sched_seq *s = &e->plan_seqs[i];
+        engine_req *r = find_req(e, s->id);
+        for (int t = 0; t < s->n_tokens; t++) {
+            e->tok[n] = r->stream[s->pos + t];
+            e->pos[n] = s->pos + t;
+            e->seq[n] = s->slot;
+            n++;
+        }
+        if (s->logits) e->out[n_out++] = n - 1;
+    }
+    duet_batch b = {.n_tokens = n, .tokens = e->tok, .pos = e->pos, .seq = e->seq, .n_out = n_out, .out = e->out};
+    int64_t t0 = now_ns();
+    duet_status st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
+    duet__metrics_step(e->metrics, n_seqs, n, secs(now_ns() - t0));
+    if (st) return st;
+
+    /* Sample, stream, and decide who is done. */
+    int row = 0;
+    char text[512];
+    for (int i = 0; i < n_seqs; i++) {
+        const duet_sched_seq *s = &e->plan_seqs[i];
+        engine_req *r = find_req(e, s->id);
+        duet_sched_result *res = &e->results[i];
+        *res = (duet_sched_result){.id = s->id};
+        if (!s->logits) continue;
+        float *logits = m->logits + (size_t)(row++) * m->hp.n_vocab;
+        res->n_generated = 1;
+        int32_t id = duet_sampler_sample(r->smp, logits);
+        duet_sampler_accept(r->smp, id);
+        r->stream[r->n_prompt + r->n_gen++] = id;
+        int64_t now = now_ns();
+        if (!r->t_first_token) r->t_first_token = now;
+        else duet__metrics_inter_token(e->metrics, secs(now - r->t_last_token));
+        r->t_last_token = now;
+        bool eog = !r->ignore_eos && duet_tokenizer_is_eog(m->tok, id);
+        if (eog) r->finish = DUET_FINISH_STOP;
+        else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= m->n_ctx) r->finish = DUET_FINISH_LENGTH;
+        res->finished = r->finish != DUET_FINISH_NONE;
+        if (r->cancelled) continue; /* its DONE is owed; no more tokens */
+        int len = eog ? 0 : duet_detok_push(&r->detok, id, text, sizeof text);
+        emit_token(r, id, text, (size_t)(len > 0 ? len : 0));
+    }
+    return DUET_OK;
+}
+
+static void *engine_main(void *arg) {
+    duet_engine *e = arg;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        flush_cancels(e);
+        if (e->stopping && (!e->drain || !duet__sched_busy(e->sched))) break;
+        duet_sched_plan plan;
+        int64_t now = now_ns();
+        duet_sched_action act = duet__sched_plan(e->sched, now, &plan);
+        if (act == DUET_SCHED_IDLE) {
+            update_gauges(e);
+            pthread_cond_wait(&e->cv, &e->mu);
+            continue;
+        }
+        if (act == DUET_SCHED_WAIT) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            int64_t wake = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec + (plan.wake_at - now);
+            ts.tv_sec = wake / 1000000000;
+            ts.tv_nsec = wake % 1000000000;
+            pthread_cond_timedwait(&e->cv, &e->mu, &ts);
+            continue;
+        }
+        /* A step: copy the plan (arrivals during the step may reuse its
+         * memory), note first schedules and preemptions, then run unlocked. */
+        int n_seqs = plan.n_seqs;
+        memcpy(e->plan_seqs, plan.seqs, (size_t)n_seqs * sizeof *plan.seqs);
+        for (int i = 0; i < plan.n_preempted; i++) {
+            engine_req *r = find_req(e, plan.preempted[i]);
+            if (r) duet__metrics_preempted(e->metrics, r->prio);
+        }
+        for (int i = 0; i < n_seqs; i++) {
+            engine_req *r = find_req(e, e->plan_seqs[i].id);
+            if (r && !r->t_first_sched) r->t_first_sched = now;
+        }
+        pthread_mutex_unlock(&e->mu);
+        duet_status st = run_step(e, n_seqs);
+        if (st) snprintf(e->err, 1024, "%s", duet_last_error());
+        pthread_mutex_lock(&e->mu);
+        if (st) {
+            /* A device error fails this step's requests; the engine keeps
+             * serving the others. */
+            duet__sched_step_failed(e->sched, now_ns());
+            for (int i = 0; i < n_seqs; i++) {
+                engine_req *r = find_req(e, e->plan_seqs[i].id);
+                if (!r || r->cancelled) continue;
+                duet__sched_cancel(e->sched, now_ns(), r->id);
+                pthread_mutex_unlock(&e->mu);
+                emit_done(e, r, DUET_FINISH_ERROR, e->err);
+                pthread_mutex_lock(&e->mu);
+                release_req(r);
+            }
+            continue;
+        }
+        duet_status sd = duet__sched_step_done(e->sched, now_ns(), e->results, n_seqs);
+        if (sd) fprintf(stderr, "duet: engine: scheduler rejected a step result: %s\n", duet_last_error());
+        update_gauges(e);
+        for (int i = 0; i < n_seqs; i++) {
+            engine_req *r = find_req(e, e->plan_seqs[i].id);
+            if (!r || r->cancelled || r->finish == DUET_FINISH_NONE) continue;
+            pthread_mutex_unlock(&e->mu);
+            emit_done(e, r, r->finish, NULL);
+            pthread_mutex_lock(&e->mu);
+            release_req(r);
+        }
+    }
+    /* Stopping without drain: everything still here is cancelled. */
+    for (int i = 0; i < e->cap; i++) {
+        engine_req *r = &e->reqs[i];
+        if (!r->id) continue;
+        pthread_mutex_unlock(&e->mu);
+        emit_done(e, r, DUET_FINISH_CANCELLED, NULL);
+        pthread_mutex_lock(&e->mu);
+        release_req(r);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+/* ---- lifetime ------------------------------------------------------------- */
+
+static void engine_free(duet_engine *e) {
+    if (!e) return;
+    for (int i = 0; e->reqs && i < e->cap; i++) {
+        duet_sampler_free(e->reqs[i].smp);
+        free(e->reqs[i].stream);
+    }
+    free(e->reqs);
+    free(e->cancel_list);
+    free(e->plan_seqs);
+    free(e->tok), free(e->pos), free(e->seq), free(e->out);
+    free(e->results);
+    free(e->err);
+    duet__sched_free(e->sched);
+    duet__metrics_free(e->metrics);
+    duet_model_close(e->model);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv);
+    free(e);
+}
+
+duet_status duet_engine_start(const char *path, const duet_engine_params *params, duet_engine **out) {
+    *out = NULL;
+    duet_engine_params p = params ? *params : duet_engine_params_default();
+    duet_engine_params d = duet_engine_params_default();
+    if (!p.max_batch_seqs) p.max_batch_seqs = d.max_batch_seqs;
+    if (!p.max_batch_tokens) p.max_batch_tokens = d.max_batch_tokens;
+    if (p.batch_timeout_ms < 0) p.batch_timeout_ms = d.batch_timeout_ms;
+    if (!p.prefill_chunk) p.prefill_chunk = d.prefill_chunk;
+    if (!p.max_waiting) p.max_waiting = d.max_waiting;
+    if (!p.kv_block_size) p.kv_block_size = d.kv_block_size;
+    if (p.max_batch_seqs < 1 || p.max_batch_seqs > 1024)
+        return duet__error(DUET_INVALID_ARGUMENT, "max_batch_seqs %d out of range [1, 1024]", p.max_batch_seqs);
+    if (p.max_batch_tokens < p.max_batch_seqs || p.max_batch_tokens > 65536)
+        return duet__error(DUET_INVALID_ARGUMENT, "max_batch_tokens %d out of range [max_batch_seqs, 65536]",
+                           p.max_batch_tokens);
+    if (p.prefill_chunk < 1 || p.prefill_chunk > p.max_batch_tokens)
+        return duet__error(DUET_INVALID_ARGUMENT, "prefill_chunk %d out of range [1, max_batch_tokens]",
+                           p.prefill_chunk);
+    if (p.max_waiting < 1 || p.max_waiting > 100000)
+        return duet__error(DUET_INVALID_ARGUMENT, "max_waiting %d out of range [1, 100000]", p.max_waiting);
+    if (!(p.batch_timeout_ms <= 60000))
+        return duet__error(DUET_INVALID_ARGUMENT, "batch_timeout_ms %g out of range [0, 60000]", p.batch_timeout_ms);
+    if (p.kv_block_size != 16 && p.kv_block_size != 32)
+        return duet__error(DUET_INVALID_ARGUMENT, "kv_block_size %d must be 16 or 32", p.kv_block_size);
+
+    duet_engine *e = calloc(1, sizeof *e);
+    if (!e) return duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory");
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->cv, &ca);
+    pthread_condattr_destroy(&ca);
+
+    duet_open_params op = p.open;
+    op.n_seqs = p.max_batch_seqs;
+    duet_status st = duet__model_open(path, &op, p.max_batch_tokens, p.max_batch_seqs, &e->model);
+    if (st) goto fail;
+    duet_model *m = e->model;
+    const int n_ctx = m->n_ctx;
+    const int blocks_per_seq = (n_ctx + p.kv_block_size - 1) / p.kv_block_size;
+    int kv_blocks = p.kv_blocks ? p.kv_blocks : blocks_per_seq * p.max_batch_seqs;
+    duet_sched_config sc = {.max_seqs = p.max_batch_seqs,
+                            .max_tokens = p.max_batch_tokens,
+                            .max_waiting = p.max_waiting,
+                            .n_ctx = n_ctx,
+                            .kv_block_size = p.kv_block_size,
+                            .kv_blocks = kv_blocks,
+                            .knobs = {.max_batch_seqs = p.max_batch_seqs,
+                                      .max_batch_tokens = p.max_batch_tokens,
+                                      .prefill_chunk = p.prefill_chunk,
+                                      .max_waiting = p.max_waiting,
+                                      .batch_timeout_ns = (int64_t)(p.batch_timeout_ms * 1e6)}};
+    if ((st = duet__sched_new(&sc, &e->sched))) goto fail;
+    char name[256] = "";
+    if (duet_model_meta(m, "general.name", name, sizeof name) < 0) snprintf(name, sizeof name, "%s", path);
+    e->metrics = duet__metrics_new(name);
+    /* Requests in flight at most: every waiting one plus every running one. */
+    e->cap = p.max_waiting + p.max_batch_seqs + 1;
+    e->max_tokens = p.max_batch_tokens;
+    e->max_seqs = p.max_batch_seqs;
+    e->reqs = calloc((size_t)e->cap, sizeof *e->reqs);
+    e->cancel_list = calloc((size_t)e->cap, sizeof *e->cancel_list);
+    e->plan_seqs = calloc((size_t)p.max_batch_seqs, sizeof *e->plan_seqs);
+    e->results = calloc((size_t)p.max_batch_seqs, sizeof *e->results);
+    e->tok = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
+    e->pos = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
+    e->seq = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
+    e->out = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
+    e->err = calloc(1, 1024);
+    if (!e->metrics || !e->reqs || !e->cancel_list || !e->plan_seqs || !e->results || !e->tok || !e->pos ||
+        !e->seq || !e->out || !e->err) {
+        st = duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory");
+        goto fail;
+    }
+    for (int i = 0; i < e->cap; i++)
+        if (!(e->reqs[i].stream = malloc((size_t)n_ctx * sizeof(int32_t)))) {
+            st = duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory for request streams");
+            goto fail;
+        }
+    if (pthread_create(&e->thread, NULL, engine_main, e)) {
+        st = duet__error(DUET_OUT_OF_MEMORY, "engine: cannot start its thread: %s", strerror(errno));
+        goto fail;
+    }
+    e->thread_started = true;
+    *out = e;
+    return DUET_OK;
+fail:
+    engine_free(e);
+    return st;
+}
+
+void duet_engine_stop(duet_engine *e, bool drain) {
+    if (!e) return;
+    pthread_mutex_lock(&e->mu);
+    e->stopping = true;
+    e->drain = drain;
+    if (!drain) {
+        /* Remove everything from the scheduler; the thread then owes each a
+         * DONE(CANCELLED) and exits. */
+        for (int i = 0; i < e->cap; i++) {
+            engine_req *r = &e->reqs[i];
+            if (r->id && !r->cancelled && r->finish == DUET_FINISH_NONE) {
+                duet__sched_cancel(e->sched, now_ns(), r->id);
+                r->cancelled = true;
+                e->cancel_list[e->n_cancel++] = r->id;
+            }
+        }
+    }
+    pthread_cond_signal(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    if (e->thread_started) pthread_join(e->thread, NULL);
+    engine_free(e);
+}
+
+char *duet_engine_metrics(duet_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    update_gauges(e);
+    pthread_mutex_unlock(&e->mu);
+    return duet__metrics_render(e->metrics);
+}

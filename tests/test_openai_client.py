@@ -1,0 +1,205 @@
+#!/usr/bin/env python3
+"""`duet serve` against clients we did not write: the official `openai`
+Python client (completions, chat completions, streaming or not, n, stop,
+usage, errors) and `prometheus_client`'s parser for /metrics (with the
+vLLM-named metrics that dashboards and gateways read).
+
+usage: test_openai_client.py DUET_BINARY SHARED_DIR BUILD_DIR
+"""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import urllib.request
+
+DUET, SHARED, BUILD = sys.argv[1], sys.argv[2], sys.argv[3]
+STORIES = os.path.join(SHARED, "models", "stories260K.gguf")
+
+try:
+    import openai
+    from prometheus_client.parser import text_string_to_metric_families
+except ImportError as e:  # CI installs them; a missing module is a failure, not a skip
+    sys.exit(f"test_openai_client.py: needs the PyPI packages openai and prometheus-client ({e}); "
+             "pip install openai prometheus-client")
+
+
+class Server:
+    """A `duet serve` on a free port, stopped with SIGTERM."""
+
+    def __init__(self, *extra):
+        self.log = tempfile.NamedTemporaryFile(prefix="duet-serve-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [DUET, "serve", "-m", STORIES, "--backend", "cpu", "--port", "0", "-c", "1024", *extra],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.port = None
+        deadline = time.time() + 120
+        while time.time() < deadline and self.port is None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"duet serve exited during start-up:\n{self.text()}")
+            m = re.search(r" on http://[^\s]*:(\d+)\n", self.text())
+            if m:
+                self.port = int(m.group(1))
+            time.sleep(0.05)
+        if self.port is None:
+            raise AssertionError(f"duet serve did not start:\n{self.text()}")
+        self.base = f"http://127.0.0.1:{self.port}"
+
+    def text(self):
+        with open(self.log.name, errors="replace") as f:
+            return f.read()
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=60)
+        log = self.text()
+        os.unlink(self.log.name)
+        return rc, log
+
+
+class OpenAIClient(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server()
+        cls.client = openai.OpenAI(base_url=cls.server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+        cls.model = "stories260K"
+
+    @classmethod
+    def tearDownClass(cls):
+        rc, log = cls.server.stop()
+        if rc != 0:
+            raise AssertionError(f"duet serve exited {rc} after SIGTERM:\n{log}")
+
+    def test_models(self):
+        ids = [m.id for m in self.client.models.list().data]
+        self.assertEqual(ids, [self.model])
+
+    def test_completion_stream_equals_plain(self):
+        args = dict(model=self.model, prompt="Once upon a time", max_tokens=32, temperature=0)
+        r = self.client.completions.create(**args)
+        self.assertEqual(r.object, "text_completion")
+        self.assertEqual(len(r.choices), 1)
+        self.assertIn(r.choices[0].finish_reason, ("stop", "length"))
+        self.assertGreater(len(r.choices[0].text), 0)
+        self.assertGreater(r.usage.prompt_tokens, 0)
+        self.assertEqual(r.usage.total_tokens, r.usage.prompt_tokens + r.usage.completion_tokens)
+        if r.choices[0].finish_reason == "length":
+            self.assertEqual(r.usage.completion_tokens, 32)
+        text, finish, usage = "", None, None
+        for chunk in self.client.completions.create(**args, stream=True, stream_options={"include_usage": True}):
+            if chunk.usage:
+                usage = chunk.usage
+            for c in chunk.choices:
+                text += c.text
+                finish = c.finish_reason or finish
+        self.assertEqual(text, r.choices[0].text)
+        self.assertEqual(finish, r.choices[0].finish_reason)
+        self.assertEqual(usage.completion_tokens, r.usage.completion_tokens)
+        self.assertEqual(usage.prompt_tokens, r.usage.prompt_tokens)
+
+    def test_chat_stream_equals_plain(self):
+        msgs = [{"role": "system", "content": "You tell short stories."},
+                {"role": "user", "content": "Tell me about a cat."}]
+        r = self.client.chat.completions.create(model=self.model, messages=msgs, max_completion_tokens=24,
+                                                temperature=0)
+        self.assertEqual(r.object, "chat.completion")
+        self.assertEqual(r.choices[0].message.role, "assistant")
+        content = r.choices[0].message.content
+        self.assertTrue(content)
+        parts, roles = [], []
+        for chunk in self.client.chat.completions.create(model=self.model, messages=msgs, max_completion_tokens=24,
+                                                         temperature=0, stream=True):
+            for c in chunk.choices:
+                if c.delta.role:
+                    roles.append(c.delta.role)
+                if c.delta.content:
+                    parts.append(c.delta.content)
+        self.assertEqual(roles, ["assistant"])
+        self.assertEqual("".join(parts), content)
+
+    def test_n_choices_with_seed(self):
+        args = dict(model=self.model, prompt="The dog", max_tokens=12, temperature=1.0, seed=11, n=3)
+        a = self.client.completions.create(**args)
+        b = self.client.completions.create(**args)
+        self.assertEqual([c.index for c in a.choices], [0, 1, 2])
+        self.assertEqual([c.text for c in a.choices], [c.text for c in b.choices])
+        self.assertGreater(len({c.text for c in a.choices}), 1, "n=3 choices are identical")
+        texts = ["", "", ""]
+        for chunk in self.client.completions.create(**args, stream=True):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+        self.assertEqual(texts, [c.text for c in a.choices])
+
+    def test_stop_strings(self):
+        full = self.client.completions.create(model=self.model, prompt="Lily wanted", max_tokens=40,
+                                              temperature=0).choices[0].text
+        words = full.split(" ")
+        self.assertGreater(len(words), 4, full)
+        stop = " " + words[len(words) * 2 // 3]
+        want = full[:full.index(stop)]
+        r = self.client.completions.create(model=self.model, prompt="Lily wanted", max_tokens=40, temperature=0,
+                                           stop=[stop, "unlikely-stop"])
+        self.assertEqual(r.choices[0].text, want)
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        self.assertLess(r.usage.completion_tokens, 40)
+        text = "".join(c.text for ch in self.client.completions.create(
+            model=self.model, prompt="Lily wanted", max_tokens=40, temperature=0, stop=stop, stream=True)
+            for c in ch.choices)
+        self.assertEqual(text, want)
+
+    def test_bad_requests_raise_bad_request_error(self):
+        bad = [dict(temperature=5), dict(max_tokens=-1), dict(top_p=0), dict(n=50), dict(model="no-such-model"),
+               dict(prompt="dog " * 3000), dict(extra_body={"priority": "urgent"})]
+        for kw in bad:
+            args = dict(model=self.model, prompt="x", max_tokens=4)
+            args.update(kw)
+            with self.assertRaises(openai.BadRequestError, msg=str(kw)[:80]) as cm:
+                self.client.completions.create(**args)
+            self.assertEqual(cm.exception.status_code, 400)
+            body = cm.exception.body
+            self.assertIsInstance(body, dict, body)
+            self.assertTrue(body.get("message"), body)
+            self.assertEqual(body.get("type"), "invalid_request_error")
+        with self.assertRaises(openai.BadRequestError):
+            self.client.chat.completions.create(model=self.model, messages=[{"role": "wizard", "content": "x"}])
+
+    def test_vllm_extensions_and_priority(self):
+        r = self.client.completions.create(model=self.model, prompt="The sun", max_tokens=10, temperature=0.7,
+                                           extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                                                       "ignore_eos": True, "priority": "batch"})
+        self.assertEqual(r.usage.completion_tokens, 10)
+        self.assertEqual(r.choices[0].finish_reason, "length")
+
+    def test_metrics_parse_with_prometheus_client(self):
+        self.client.completions.create(model=self.model, prompt="One day", max_tokens=8, temperature=0,
+                                       extra_body={"ignore_eos": True})
+        with urllib.request.urlopen(self.server.base + "/metrics") as resp:
+            self.assertIn("text/plain", resp.headers["Content-Type"])
+            text = resp.read().decode()
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        # prometheus_client names counter families without the _total suffix.
+        want = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+                "vllm:kv_cache_usage_perc": "gauge", "vllm:prompt_tokens": "counter",
+                "vllm:generation_tokens": "counter", "vllm:request_success": "counter",
+                "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+                "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
+                "vllm:request_queue_time_seconds": "histogram", "duet_batch_size": "histogram",
+                "duet_batch_tokens": "histogram", "duet_device_busy_ratio": "gauge"}
+        for name, typ in want.items():
+            self.assertIn(name, fams, f"/metrics lacks {name}")
+            self.assertEqual(fams[name].type, typ, name)
+        for s in fams["vllm:kv_cache_usage_perc"].samples:
+            self.assertTrue(0 <= s.value <= 1)
+            self.assertIn("model_name", s.labels)
+        gen = sum(s.value for s in fams["vllm:generation_tokens"].samples if s.name.endswith("_total"))
+        self.assertGreaterEqual(gen, 8)
+        count = [s.value for s in fams["vllm:e2e_request_latency_seconds"].samples if s.name.endswith("_count")]
+        self.assertGreaterEqual(count[0], 1)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=2)

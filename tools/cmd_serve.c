@@ -1,0 +1,306 @@
+/* cmd_serve.c — `duet serve`: an OpenAI-compatible HTTP server over one
+ * engine instance. Options come from a JSON --config file first, then the
+ * command line (which wins). SIGTERM or SIGINT stops accepting, lets the
+ * requests in flight finish (up to --drain-timeout), then exits 0; a second
+ * signal cancels what is left. */
+#include <cjson/cJSON.h>
+#include <getopt.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cli.h"
+#include "server.h"
+
+static void usage(FILE *f) {
+    fprintf(f,
+            "usage: duet serve [-m MODEL] [options]\n"
+            "  -m, --model FILE            GGUF model (default: a synthetic 125m q8_0 model, generated once)\n"
+            "      --host ADDR             address to listen on (default 127.0.0.1; 0.0.0.0 or :: for all)\n"
+            "      --port N                port (default 8000; 0 = any free port, printed at start)\n"
+            "      --served-model-name S   the model's name in the API (default: the file name less .gguf)\n"
+            "      --chat-template NAME    auto|plain|chatml|llama3|llama2|mistral|zephyr|phi3|gemma (default auto:\n"
+            "                              from the model's tokenizer.chat_template; plain when it has none)\n"
+            "      --backend NAME          auto|cpu|vulkan|opencl (default auto)\n"
+            "      --device I              device index within the backend (default: best)\n"
+            "  -t, --threads N             cpu threads (default: all cores)\n"
+            "  -c, --ctx N                 context length per sequence (default: the model's, at most 4096)\n"
+            "      --kv-type T             f32|f16 KV cache\n"
+            "  scheduler (0 or absent = the engine's default):\n"
+            "      --max-batch-seqs N      sequences decoded together (default 16)\n"
+            "      --max-batch-tokens N    tokens per step, decodes plus prefill chunks (default 256)\n"
+            "      --batch-timeout-ms MS   how long an idle engine waits for more arrivals (default 2)\n"
+            "      --prefill-chunk N       prompt tokens per sequence per step (default 128)\n"
+            "      --max-waiting N         queued requests beyond which requests get 429 (default 256)\n"
+            "      --kv-blocks N           KV cache blocks (default: every slot at full context)\n"
+            "      --kv-block-size N       tokens per KV block (default 16)\n"
+            "  server:\n"
+            "      --config FILE           JSON object with any of these options by name (\"max_batch_seqs\": 32);\n"
+            "                              the command line overrides it\n"
+            "      --drain-timeout S       on SIGTERM, seconds to let requests in flight finish (default 60)\n"
+            "      --max-connections N     concurrent HTTP connections (default 1024)\n"
+            "  -v, --verbose               log one line per request\n"
+            "\n"
+            "endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics\n");
+}
+
+enum {
+    O_HOST = 256, O_PORT, O_NAME, O_TEMPLATE, O_BACKEND, O_DEVICE, O_KV, O_MAX_SEQS, O_MAX_TOKENS, O_TIMEOUT,
+    O_CHUNK, O_MAX_WAITING, O_KV_BLOCKS, O_KV_BLOCK_SIZE, O_CONFIG, O_DRAIN, O_MAX_CONN
+};
+
+static const struct option opts[] = {
+    {"model", required_argument, 0, 'm'},
+    {"host", required_argument, 0, O_HOST},
+    {"port", required_argument, 0, O_PORT},
+    {"served-model-name", required_argument, 0, O_NAME},
+    {"chat-template", required_argument, 0, O_TEMPLATE},
+    {"backend", required_argument, 0, O_BACKEND},
+    {"device", required_argument, 0, O_DEVICE},
+    {"threads", required_argument, 0, 't'},
+    {"ctx", required_argument, 0, 'c'},
+    {"kv-type", required_argument, 0, O_KV},
+    {"max-batch-seqs", required_argument, 0, O_MAX_SEQS},
+    {"max-batch-tokens", required_argument, 0, O_MAX_TOKENS},
+    {"batch-timeout-ms", required_argument, 0, O_TIMEOUT},
+    {"prefill-chunk", required_argument, 0, O_CHUNK},
+    {"max-waiting", required_argument, 0, O_MAX_WAITING},
+    {"kv-blocks", required_argument, 0, O_KV_BLOCKS},
+    {"kv-block-size", required_argument, 0, O_KV_BLOCK_SIZE},
+    {"config", required_argument, 0, O_CONFIG},
+    {"drain-timeout", required_argument, 0, O_DRAIN},
+    {"max-connections", required_argument, 0, O_MAX_CONN},
+    {"verbose", no_argument, 0, 'v'},
+    {"help", no_argument, 0, 'h'},
+    {0, 0, 0, 0},
+};
+
+typedef struct serve_opts {
+    const char *model, *config;
+    srv_config srv;
+    duet_engine_params ep;
+    double drain_timeout_s;
+} serve_opts;
+
+/* Applies one option (from argv or the config file); false after printing why. */
+static bool set_opt(serve_opts *o, int key, const char *v) {
+    duet_engine_params *ep = &o->ep;
+    float f;
+    int i;
+    switch (key) {
+    case 'm': o->model = v; return true;
+    case O_HOST: o->srv.host = v; return true;
+    case O_PORT: return cli_int("--port", v, 0, 65535, &o->srv.port);
+    case O_NAME: o->srv.model_name = v; return true;
+    case O_TEMPLATE: o->srv.chat_template = v; return true;
+    case O_BACKEND: ep->open.backend = v; return true;
+    case O_DEVICE: return cli_int("--device", v, 0, 1024, &ep->open.device);
+    case 't': return cli_int("--threads", v, 0, 1024, &ep->open.n_threads);
+    case 'c': return cli_int("--ctx", v, 1, 1 << 20, &ep->open.n_ctx);
+    case O_KV: ep->open.kv_type = v; return true;
+    case O_MAX_SEQS: return cli_int("--max-batch-seqs", v, 1, 4096, &ep->max_batch_seqs);
+    case O_MAX_TOKENS: return cli_int("--max-batch-tokens", v, 1, 1 << 20, &ep->max_batch_tokens);
+    case O_TIMEOUT:
+        if (!cli_float("--batch-timeout-ms", v, 0, 60000, &f)) return false;
+        ep->batch_timeout_ms = f;
+        return true;
+    case O_CHUNK: return cli_int("--prefill-chunk", v, 1, 1 << 20, &ep->prefill_chunk);
+    case O_MAX_WAITING: return cli_int("--max-waiting", v, 1, 1 << 20, &ep->max_waiting);
+    case O_KV_BLOCKS: return cli_int("--kv-blocks", v, 1, 1 << 24, &ep->kv_blocks);
+    case O_KV_BLOCK_SIZE: return cli_int("--kv-block-size", v, 1, 4096, &ep->kv_block_size);
+    case O_CONFIG: o->config = v; return true;
+    case O_DRAIN:
+        if (!cli_float("--drain-timeout", v, 0, 86400, &f)) return false;
+        o->drain_timeout_s = f;
+        return true;
+    case O_MAX_CONN:
+        if (!cli_int("--max-connections", v, 1, 65536, &i)) return false;
+        o->srv.max_connections = i;
+        return true;
+    case 'v': o->srv.verbose = true; return true;
+    default: return false;
+    }
+}
+
+/* Reads the --config JSON object: each key is an option's long name, with
+ * '_' or '-'. Values: strings, numbers, or true for flags. The parsed
+ * document stays alive (in *doc) because options point into it. */
+static bool load_config(serve_opts *o, const char *path, cJSON **doc) {
+    FILE *f = fopen(path, "rb");
+    if (!f) {
+        fprintf(stderr, "duet: --config %s: cannot open\n", path);
+        return false;
+    }
+    char *text = NULL;
+    size_t len = 0, cap = 0, n;
+    char buf[4096];
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0) {
+        if (len + n + 1 > cap) {
+            cap = (len + n + 1) * 2;
+            char *t = realloc(text, cap);
+            if (!t) break;
+            text = t;
+        }
+        memcpy(text + len, buf, n);
+        len += n;
+    }
+    fclose(f);
+    *doc = text ? cJSON_ParseWithLength(text, len) : NULL;
+    free(text);
+    if (!cJSON_IsObject(*doc)) {
+        fprintf(stderr, "duet: --config %s: not a JSON object\n", path);
+        return false;
+    }
+    for (cJSON *it = (*doc)->child; it; it = it->next) {
+        char name[64];
+        snprintf(name, sizeof name, "%s", it->string);
+        for (char *p = name; *p; p++)
+            if (*p == '_') *p = '-';
+        const struct option *op = NULL;
+        for (const struct option *q = opts; q->name; q++)
+            if (!strcmp(q->name, name) && strcmp(name, "config") && strcmp(name, "help")) op = q;
+        if (!op) {
+            fprintf(stderr, "duet: --config %s: unknown option \"%s\"\n", path, it->string);
+            return false;
+        }
+        char num[64];
+        const char *v = NULL;
+        if (op->has_arg == no_argument) {
+            if (!cJSON_IsBool(it)) {
+                fprintf(stderr, "duet: --config %s: \"%s\" must be true or false\n", path, it->string);
+                return false;
+            }
+            if (!cJSON_IsTrue(it)) continue;
+        } else if (cJSON_IsString(it)) {
+            v = it->valuestring;
+        } else if (cJSON_IsNumber(it)) {
+            snprintf(num, sizeof num, "%.17g", it->valuedouble);
+            v = num;
+        } else {
+            fprintf(stderr, "duet: --config %s: \"%s\" must be a string or a number\n", path, it->string);
+            return false;
+        }
+        if (!set_opt(o, op->val, v)) {
+            fprintf(stderr, "duet: (in --config %s)\n", path);
+            return false;
+        }
+    }
+    return true;
+}
+
+/* "models/foo-q8_0.gguf" -> "foo-q8_0" (malloc'd). */
+static char *default_name(const char *path) {
+    const char *base = strrchr(path, '/');
+    base = base ? base + 1 : path;
+    size_t n = strlen(base);
+    if (n > 5 && !strcmp(base + n - 5, ".gguf")) n -= 5;
+    char *s = malloc(n + 1);
+    if (s) memcpy(s, base, n), s[n] = 0;
+    return s;
+}
+
+static double mono_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+int cmd_serve(int argc, char **argv) {
+    serve_opts o = {.srv = {.host = "127.0.0.1", .port = 8000}, .ep = duet_engine_params_default(),
+                    .drain_timeout_s = 60};
+    /* Pass 1 finds --config, so the command line can override it in pass 2. */
+    int c;
+    opterr = 0;
+    optind = 0;
+    while ((c = getopt_long(argc, argv, "m:t:c:vh", opts, NULL)) != -1) {
+        if (c == 'h') {
+            usage(stdout);
+            return 0;
+        }
+        if (c == O_CONFIG) o.config = optarg;
+    }
+    cJSON *config_doc = NULL;
+    int rc = 2;
+    char *name = NULL;
+    if (o.config && !load_config(&o, o.config, &config_doc)) goto out;
+    opterr = 1;
+    optind = 0;
+    while ((c = getopt_long(argc, argv, "m:t:c:vh", opts, NULL)) != -1) {
+        if (c == '?' || c == ':' || !set_opt(&o, c, optarg)) {
+            usage(stderr);
+            goto out;
+        }
+    }
+    if (optind < argc) {
+        fprintf(stderr, "duet: unexpected argument '%s'\n", argv[optind]);
+        usage(stderr);
+        goto out;
+    }
+    rc = 1;
+    if (!o.model && !(o.model = cli_default_model())) goto out;
+    if (!o.srv.model_name) {
+        if (!(name = default_name(o.model))) goto out;
+        o.srv.model_name = name;
+    }
+    o.srv.model_path = o.model;
+
+    /* Signals go to this thread only: block them before any thread starts
+     * (threads inherit the mask), then wait for them with sigwait. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGINT);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN); /* a vanished client must not kill the server */
+
+    duet_engine *e;
+    duet_status st = duet_engine_start(o.model, &o.ep, &e);
+    if (st) {
+        rc = cli_fail(o.model, st);
+        goto out;
+    }
+    srv *s;
+    if (srv_start(e, &o.srv, &s)) {
+        duet_engine_stop(e, false);
+        goto out;
+    }
+    duet_model_desc d;
+    duet_model_describe(duet_engine_model(e), &d);
+    fprintf(stderr, "duet: serving %s (%s, %s on %s, context %d, chat template %s) on http://%s:%d\n",
+            o.srv.model_name, d.arch, d.backend, d.device, d.n_ctx, srv_chat_family_in_use(s), o.srv.host,
+            srv_port(s));
+    fflush(stderr);
+
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    fprintf(stderr, "duet: %s: no new requests; draining the ones in flight (up to %.0f s)\n",
+            sig == SIGTERM ? "SIGTERM" : "SIGINT", o.drain_timeout_s);
+    srv_drain(s);
+    /* Drain until idle, the timeout, or a second signal (then cancel). */
+    double deadline = mono_seconds() + o.drain_timeout_s;
+    bool cancelled = false;
+    while (!srv_wait_idle(s, 0.1)) {
+        struct timespec zero = {0, 0};
+        bool again = sigtimedwait(&sigs, NULL, &zero) > 0;
+        if (!cancelled && (again || mono_seconds() > deadline)) {
+            fprintf(stderr, "duet: %s; cancelling the requests in flight\n",
+                    again ? "second signal" : "drain timeout");
+            srv_cancel_all(s);
+            cancelled = true;
+            deadline = mono_seconds() + 10;
+        } else if (cancelled && mono_seconds() > deadline) {
+            break; /* srv_stop closes whatever is left */
+        }
+    }
+    srv_stop(s);
+    duet_engine_stop(e, true);
+    fprintf(stderr, "duet: stopped\n");
+    rc = 0;
+out:
+    free(name);
+    cJSON_Delete(config_doc);
+    return rc;
+}

@@ -1,0 +1,927 @@
+/* server.c — the HTTP side of `duet serve` (libmicrohttpd).
+ *
+ * Threads: libmicrohttpd runs one thread per connection, so a connection
+ * may block while its request generates: a non-streamed request waits in
+ * the access handler, a streamed one in the response's content reader. The
+ * engine thread only appends to a job under the job's mutex and signals its
+ * condition variable; it never waits for a connection.
+ *
+ * A job is one HTTP request: it fans out into one engine request ("slot")
+ * per prompt and choice (n). It is reference counted: one reference for the
+ * connection, one for a streaming response, one per engine request until
+ * its DONE event. Whoever drops the last one frees it.
+ *
+ * Client disconnects: every WAIT_SLICE_MS a waiting connection peeks at its
+ * socket (recv MSG_PEEK); an orderly close or a reset cancels the job's
+ * engine requests, whose KV blocks the engine frees at once. A stream whose
+ * write fails is cancelled the same way from the request-completed callback.
+ *
+ * Locks: the job mutex is never held while calling into the engine
+ * (duet_engine_cancel is called after unlocking), so the engine may hold its
+ * own lock while delivering events without risking a lock-order deadlock.
+ */
+#include <arpa/inet.h>
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <microhttpd.h>
+#include <netdb.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "server.h"
+
+#define MAX_BODY (8u << 20)     /* request bodies beyond this get 413 */
+#define WAIT_SLICE_MS 50        /* how often a waiting connection checks its client */
+#define STREAM_BLOCK (16 << 10) /* libmicrohttpd's buffer for a streamed response */
+#define CONN_STACK (2u << 20)   /* per connection thread: cJSON recursion up to its nesting limit fits */
+
+enum { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, N_ROUTES };
+static const char *const route_paths[N_ROUTES] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
+                                                  "/health", "/metrics", "other"};
+
+#define N_CODES 10
+static const int tracked_codes[N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503, 0, 0};
+
+struct srv {
+    struct MHD_Daemon *d;
+    duet_engine *e;
+    const duet_model *model;
+    char *name, *path, *name_label;
+    srv_limits lim;
+    int n_ctx, port;
+    srv_chat_family chat;
+    bool verbose;
+    long started;
+    uint64_t salt;
+    atomic_uint_fast64_t counter;
+    atomic_bool draining, cancel_all, stopping;
+
+    pthread_mutex_t mu; /* in_flight, stats */
+    pthread_cond_t idle;
+    int in_flight;
+    uint64_t stats[N_ROUTES][N_CODES]; /* the last code column counts "other" codes */
+};
+
+typedef struct job job;
+
+typedef struct slot {
+    job *j;
+    int index;  /* the choice index in the response */
+    int prompt; /* which prompt it answers */
+    uint64_t id;
+    bool submitted, done, stopped;
+    srv_text text; /* text released to the client (no stop string in it) */
+    srv_text pend; /* text held back: it could be the start of a stop string */
+    int tokens, prompt_tokens;
+    duet_finish finish;
+    char error[256];
+} slot;
+
+/* A stream event: slot's text grew to `end` bytes, or (finish) it ended. */
+typedef struct sse_ev {
+    int slot;
+    size_t end;
+    bool finish;
+} sse_ev;
+
+struct job {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    srv *s;
+    srv_request req;
+    char *stops[SRV_MAX_STOP + 4]; /* request's and the chat template's (not owned) */
+    int n_stops;
+    char id[48];
+    long created;
+    slot *slots;
+    int n_slots, n_done;
+    int prompt_tokens; /* the prompts' tokens, each prompt once */
+    bool cancelled;
+    sse_ev *ev; /* appended by the engine thread */
+    int n_ev, cap_ev;
+
+    /* The connection's side (its own thread only). */
+    int fd;
+    int ev_sent;
+    size_t *sent_end;
+    bool role_sent, stream_done;
+    srv_text out;
+    size_t out_off;
+    double t0;
+};
+
+typedef struct conn {
+    srv_text body;
+    bool too_big, counted;
+    int route, code;
+    job *j;
+} conn;
+
+static double mono_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static uint64_t splitmix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+static uint64_t fresh_u64(srv *s) { return splitmix64(s->salt ^ atomic_fetch_add(&s->counter, 1)); }
+
+/* ---- jobs --------------------------------------------------------------- */
+
+static void job_free(job *j) {
+    for (int i = 0; i < j->n_slots; i++) srv_text_free(&j->slots[i].text), srv_text_free(&j->slots[i].pend);
+    free(j->slots);
+    free(j->ev);
+    free(j->sent_end);
+    srv_text_free(&j->out);
+    srv_request_free(&j->req);
+    pthread_mutex_destroy(&j->mu);
+    pthread_cond_destroy(&j->cv);
+    free(j);
+}
+
+static void job_release(job *j) {
+    pthread_mutex_lock(&j->mu);
+    bool last = --j->refs == 0;
+    pthread_mutex_unlock(&j->mu);
+    if (last) job_free(j);
+}
+
+/* Under j->mu. A failed allocation drops the event: the final one is
+ * retried by the reader, which sees `done` and the text either way. */
+static void push_event(job *j, int slot_i, size_t end, bool finish) {
+    if (j->n_ev == j->cap_ev) {
+        int cap = j->cap_ev ? j->cap_ev * 2 : 64;
+        sse_ev *ev = realloc(j->ev, (size_t)cap * sizeof *ev);
+        if (!ev) return;
+        j->ev = ev;
+        j->cap_ev = cap;
+    }
+    j->ev[j->n_ev++] = (sse_ev){slot_i, end, finish};
+}
+
+/* Under j->mu: moves pend[0..n) to the released text. */
+static bool release(job *j, slot *sl, size_t n) {
+    if (n == 0) return true;
+    if (!srv_text_append(&sl->text, sl->pend.p, n)) return false;
+    memmove(sl->pend.p, sl->pend.p + n, sl->pend.len - n + 1);
+    sl->pend.len -= n;
+    push_event(j, sl->index, sl->text.len, false);
+    return true;
+}
+
+/* The engine's event callback: runs on the engine thread, so it only
+ * appends and signals. */
+static void on_event(const duet_event *ev, void *user) {
+    slot *sl = user;
+    job *j = sl->j;
+    bool cancel = false, last = false;
+    pthread_mutex_lock(&j->mu);
+    if (ev->kind == DUET_EVENT_TOKEN) {
+        if (!sl->stopped && !sl->done) {
+            if (ev->token >= 0) sl->tokens++;
+            bool ok = !ev->text_len || srv_text_append(&sl->pend, ev->text, ev->text_len);
+            bool hit = false;
+            size_t safe = ok ? srv_stop_scan(sl->pend.p, sl->pend.len, j->stops, j->n_stops, &hit) : 0;
+            ok = ok && release(j, sl, safe);
+            if (!ok) snprintf(sl->error, sizeof sl->error, "out of memory for the generated text");
+            if (hit || !ok) {
+                /* A stop string (or no memory): end here and free the sequence. */
+                sl->stopped = hit;
+                if (sl->pend.p) sl->pend.p[0] = 0;
+                sl->pend.len = 0;
+                cancel = true;
+            }
+        }
+    } else {
+        if (!sl->stopped) release(j, sl, sl->pend.len);
+        sl->done = true;
+        j->n_done++;
+        sl->finish = sl->stopped ? DUET_FINISH_STOP : ev->finish;
+        if (sl->error[0]) sl->finish = DUET_FINISH_ERROR;
+        /* The engine's count is the truth, except after a stop string, when
+         * tokens sampled past it do not belong to the answer. */
+        if (!sl->stopped) sl->tokens = ev->generated_tokens;
+        sl->prompt_tokens = ev->prompt_tokens;
+        if (ev->finish == DUET_FINISH_ERROR && !sl->error[0])
+            snprintf(sl->error, sizeof sl->error, "%s", ev->message && ev->message[0] ? ev->message : "engine error");
+        push_event(j, sl->index, sl->text.len, true);
+        last = --j->refs == 0;
+    }
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    if (cancel) duet_engine_cancel(j->s->e, ev->request_id);
+    if (last) job_free(j);
+}
+
+/* Cancels the job's engine requests that have not finished. */
+static void job_cancel(job *j) {
+    uint64_t ids[SRV_MAX_N * 4];
+    int n = 0;
+    pthread_mutex_lock(&j->mu);
+    j->cancelled = true;
+    for (int i = 0; i < j->n_slots; i++)
+        if (j->slots[i].submitted && !j->slots[i].done) ids[n++] = j->slots[i].id;
+    pthread_mutex_unlock(&j->mu);
+    for (int i = 0; i < n; i++) duet_engine_cancel(j->s->e, ids[i]);
+}
+
+/* Has the client closed its end (or reset the connection)? */
+static bool peer_gone(int fd) {
+    if (fd < 0) return false;
+    char b;
+    ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n == 0) return true;
+    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+}
+
+/* Waits on j->cv (held) for one slice. */
+static void wait_slice(job *j) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_nsec += WAIT_SLICE_MS * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+    pthread_cond_timedwait(&j->cv, &j->mu, &ts);
+}
+
+/* Between slices (j->mu not held): cancels on a vanished client, a server
+ * shutting down, or srv_cancel_all. Returns true when the client is gone. */
+static bool check_client(job *j) {
+    srv *s = j->s;
+    bool gone = peer_gone(j->fd) || atomic_load(&s->stopping);
+    if ((gone || atomic_load(&s->cancel_all)) && !j->cancelled) job_cancel(j);
+    return gone;
+}
+
+static const char *finish_name(duet_finish f) {
+    switch (f) {
+    case DUET_FINISH_LENGTH: return "length";
+    case DUET_FINISH_CANCELLED: return "abort";
+    case DUET_FINISH_ERROR: return "error";
+    default: return "stop";
+    }
+}
+
+static srv_usage job_usage(job *j) {
+    srv_usage u = {j->prompt_tokens, 0};
+    for (int i = 0; i < j->n_slots; i++) u.completion_tokens += j->slots[i].tokens;
+    return u;
+}
+
+/* ---- responses ------------------------------------------------------ */
+
+static void count_response(srv *s, conn *cn, int code) {
+    int k = N_CODES - 1;
+    for (int i = 0; i < N_CODES - 2; i++)
+        if (tracked_codes[i] == code) k = i;
+    pthread_mutex_lock(&s->mu);
+    s->stats[cn->route][k]++;
+    pthread_mutex_unlock(&s->mu);
+    cn->code = code;
+}
+
+static enum MHD_Result send_body(srv *s, conn *cn, struct MHD_Connection *c, int code, const char *ctype,
+                                 char *body, const char *retry_after) {
+    if (!body) {
+        body = strdup("{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,\"code\":null}}");
+        code = 500;
+        if (!body) return MHD_NO;
+    }
+    struct MHD_Response *r = MHD_create_response_from_buffer(strlen(body), body, MHD_RESPMEM_MUST_FREE);
+    if (!r) {
+        free(body);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
+    if (retry_after) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, retry_after);
+    if (atomic_load(&s->draining)) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+    enum MHD_Result ret = MHD_queue_response(c, (unsigned)code, r);
+    MHD_destroy_response(r);
+    count_response(s, cn, code);
+    return ret;
+}
+
+static enum MHD_Result send_json(srv *s, conn *cn, struct MHD_Connection *c, int code, char *body) {
+    return send_body(s, cn, c, code, "application/json", body, NULL);
+}
+
+static enum MHD_Result send_error(srv *s, conn *cn, struct MHD_Connection *c, const srv_error *err) {
+    return send_body(s, cn, c, err->http ? err->http : 400, "application/json", srv_error_json(err),
+                     err->http == 429 ? "1" : NULL);
+}
+
+static srv_error server_error(int http, const char *type, const char *code, const char *msg) {
+    srv_error e = {.http = http, .type = type, .code = code};
+    snprintf(e.message, sizeof e.message, "%s", msg);
+    return e;
+}
+
+/* ---- GET endpoints -------------------------------------------------- */
+
+static enum MHD_Result get_models(srv *s, conn *cn, struct MHD_Connection *c) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "object", "list");
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "id", s->name);
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", (double)s->started);
+    cJSON_AddStringToObject(m, "owned_by", "duet");
+    cJSON_AddNumberToObject(m, "max_model_len", s->n_ctx);
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "data"), m);
+    char *t = cJSON_PrintUnformatted(o);
+    char *body = t ? strdup(t) : NULL;
+    cJSON_free(t);
+    cJSON_Delete(o);
+    return send_json(s, cn, c, 200, body);
+}
+
+static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
+    char *engine = duet_engine_metrics(s->e);
+    if (!engine) {
+        srv_error e = server_error(500, "server_error", NULL, "could not render the metrics");
+        return send_error(s, cn, c, &e);
+    }
+    srv_text t = {0};
+    bool ok = srv_text_append(&t, engine, strlen(engine));
+    free(engine);
+    /* The server's own numbers: responses by endpoint and status code. */
+    ok = ok && srv_text_printf(&t, "# HELP duet_http_requests_total HTTP responses by endpoint and status code.\n"
+                                   "# TYPE duet_http_requests_total counter\n");
+    pthread_mutex_lock(&s->mu);
+    for (int r = 0; r < N_ROUTES; r++)
+        for (int k = 0; k < N_CODES; k++) {
+            if (k == N_CODES - 2) continue; /* unused column */
+            char code[8];
+            if (k == N_CODES - 1) snprintf(code, sizeof code, "other");
+            else snprintf(code, sizeof code, "%d", tracked_codes[k]);
+            ok = ok && srv_text_printf(&t, "duet_http_requests_total{model_name=\"%s\",path=\"%s\",code=\"%s\"} %llu\n",
+                                       s->name_label, route_paths[r], code, (unsigned long long)s->stats[r][k]);
+        }
+    pthread_mutex_unlock(&s->mu);
+    if (!ok) {
+        srv_text_free(&t);
+        t.p = NULL;
+    }
+    return send_body(s, cn, c, 200, "text/plain; version=0.0.4; charset=utf-8", t.p, NULL);
+}
+
+/* ---- generation ------------------------------------------------------ */
+
+/* Tokenizes text into a malloc'd array; returns the count or a negative status. */
+static int tokenize(const duet_model *m, const char *text, int32_t **out) {
+    size_t len = strlen(text);
+    int cap = (int)(len < (1u << 24) ? len : (1u << 24)) + 16;
+    for (;;) {
+        int32_t *ids = malloc((size_t)cap * sizeof *ids);
+        if (!ids) return DUET_OUT_OF_MEMORY;
+        int n = duet_tokenize(m, text, len, true, true, ids, cap);
+        if (n >= 0 && n <= cap) {
+            *out = ids;
+            return n;
+        }
+        free(ids);
+        if (n < 0) return n;
+        cap = n;
+    }
+}
+
+/* Builds the job's slots and prompts; on failure fills err. */
+static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *err) {
+    srv_request *r = &j->req;
+    int n_prompts = r->kind == SRV_CHAT ? 1 : r->n_prompts;
+    for (int p = 0; p < n_prompts; p++) {
+        const char *text = NULL;
+        srv_text chat = {0};
+        if (r->kind == SRV_CHAT) {
+            if (!srv_chat_render(s->chat, r->messages, r->n_messages, &chat)) {
+                srv_text_free(&chat);
+                return *err = server_error(500, "server_error", NULL, "out of memory"), false;
+            }
+            text = chat.p;
+        } else {
+            text = r->prompts[p].text;
+        }
+        if (text) {
+            int n = tokenize(s->model, text, &ids[p]);
+            srv_text_free(&chat);
+            if (n < 0) return srv_bad(err, r->kind == SRV_CHAT ? "messages" : "prompt", NULL, "cannot tokenize: %s",
+                                      duet_last_error()[0] ? duet_last_error() : duet_status_str((duet_status)n));
+            n_ids[p] = n;
+        } else {
+            n_ids[p] = r->prompts[p].n_ids;
+            if (!(ids[p] = malloc((size_t)n_ids[p] * sizeof **ids)))
+                return *err = server_error(500, "server_error", NULL, "out of memory"), false;
+            memcpy(ids[p], r->prompts[p].ids, (size_t)n_ids[p] * sizeof **ids);
+        }
+        const char *param = r->kind == SRV_CHAT ? "messages" : "prompt";
+        if (n_ids[p] == 0) return srv_bad(err, param, "invalid_value", "the prompt is empty (and the model adds no BOS)");
+        if (n_ids[p] >= s->n_ctx)
+            return srv_bad(err, param, "context_length_exceeded",
+                           "This model's maximum context length is %d tokens; the prompt has %d tokens", s->n_ctx,
+                           n_ids[p]);
+        if (r->max_tokens > 0 && n_ids[p] + r->max_tokens > s->n_ctx)
+            return srv_bad(err, "max_tokens", "context_length_exceeded",
+                           "This model's maximum context length is %d tokens. However, you requested %d tokens (%d in "
+                           "the prompt, %d for the completion). Reduce the prompt or max_tokens.",
+                           s->n_ctx, n_ids[p] + r->max_tokens, n_ids[p], r->max_tokens);
+        j->prompt_tokens += n_ids[p];
+    }
+    j->n_slots = n_prompts * r->n;
+    j->slots = calloc((size_t)j->n_slots, sizeof *j->slots);
+    j->sent_end = calloc((size_t)j->n_slots, sizeof *j->sent_end);
+    if (!j->slots || !j->sent_end) return *err = server_error(500, "server_error", NULL, "out of memory"), false;
+    for (int i = 0; i < j->n_slots; i++) {
+        j->slots[i].j = j;
+        j->slots[i].index = i;
+        j->slots[i].prompt = i / r->n;
+    }
+    /* Stop strings: the request's, then the template's end-of-turn markers. */
+    for (int i = 0; i < r->n_stop; i++) j->stops[j->n_stops++] = r->stop[i];
+    if (r->kind == SRV_CHAT)
+        for (const char *const *t = srv_chat_stops(s->chat); *t; t++) j->stops[j->n_stops++] = (char *)*t;
+    return true;
+}
+
+/* Submits every slot; on a refusal cancels the ones already queued. */
+static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_error *err) {
+    srv_request *r = &j->req;
+    for (int i = 0; i < j->n_slots; i++) {
+        slot *sl = &j->slots[i];
+        int p = sl->prompt;
+        duet_request q = {.prompt = ids[p], .n_prompt = n_ids[p], .sampling = r->sampling, .priority = r->priority,
+                          .ignore_eos = r->ignore_eos};
+        /* Default length: OpenAI's 16 for completions, the rest of the
+         * context for chat. */
+        int room = s->n_ctx - n_ids[p];
+        q.max_tokens = r->max_tokens > 0 ? r->max_tokens : r->kind == SRV_COMPLETION ? (room < 16 ? room : 16) : room;
+        /* n choices with one seed must still differ: seed + choice. */
+        q.sampling.seed = r->seed_set ? r->sampling.seed + (uint64_t)(i % r->n) : fresh_u64(s);
+        pthread_mutex_lock(&j->mu);
+        j->refs++;
+        pthread_mutex_unlock(&j->mu);
+        uint64_t id = 0;
+        duet_status st = duet_engine_submit(s->e, &q, on_event, sl, &id);
+        if (st) {
+            job_release(j); /* the reference the engine did not take */
+            const char *msg = duet_last_error()[0] ? duet_last_error() : duet_status_str(st);
+            if (st == DUET_QUEUE_FULL) *err = server_error(429, "rate_limit_error", "queue_full", msg);
+            else if (st == DUET_CONTEXT_FULL) srv_bad(err, "max_tokens", "context_length_exceeded", "%s", msg);
+            else if (st == DUET_BAD_REQUEST || st == DUET_INVALID_ARGUMENT) srv_bad(err, NULL, "invalid_value", "%s", msg);
+            else *err = server_error(503, "server_error", NULL, msg);
+            job_cancel(j);
+            return false;
+        }
+        pthread_mutex_lock(&j->mu);
+        sl->id = id;
+        sl->submitted = true;
+        pthread_mutex_unlock(&j->mu);
+    }
+    return true;
+}
+
+/* Formats what the engine produced since the last call into j->out. */
+static void stream_fill(job *j) {
+    srv *s = j->s;
+    srv_request *r = &j->req;
+    bool usage_null = r->include_usage;
+    if (!j->role_sent) {
+        j->role_sent = true;
+        if (r->kind == SRV_CHAT)
+            for (int i = 0; i < j->n_slots; i++)
+                srv_chunk_sse(&j->out, r->kind, j->id, j->created, s->name, i, NULL, 0, NULL, true, usage_null);
+        if (j->out.len) return;
+    }
+    pthread_mutex_lock(&j->mu);
+    while (j->ev_sent == j->n_ev && j->n_done < j->n_slots) {
+        wait_slice(j);
+        if (j->ev_sent == j->n_ev && j->n_done < j->n_slots) {
+            pthread_mutex_unlock(&j->mu);
+            bool gone = check_client(j);
+            pthread_mutex_lock(&j->mu);
+            if (gone) {
+                pthread_mutex_unlock(&j->mu);
+                j->stream_done = true; /* the reader ends the response with an error */
+                j->out.len = j->out_off = 0;
+                return;
+            }
+        }
+    }
+    /* Copy the new text out under the lock, format after it. */
+    int n = j->n_ev - j->ev_sent;
+    sse_ev *evs = n ? malloc((size_t)n * sizeof *evs) : NULL;
+    srv_text *texts = n ? calloc((size_t)n, sizeof *texts) : NULL;
+    duet_finish *fin = n ? calloc((size_t)n, sizeof *fin) : NULL;
+    char(*errs)[256] = n ? calloc((size_t)n, sizeof *errs) : NULL;
+    if (n && (!evs || !texts || !fin || !errs)) n = 0; /* retried on the next call */
+    for (int k = 0; k < n; k++) {
+        evs[k] = j->ev[j->ev_sent + k];
+        slot *sl = &j->slots[evs[k].slot];
+        size_t from = j->sent_end[evs[k].slot];
+        if (!evs[k].finish && evs[k].end > from) srv_text_append(&texts[k], sl->text.p + from, evs[k].end - from);
+        if (!evs[k].finish) j->sent_end[evs[k].slot] = evs[k].end;
+        fin[k] = sl->finish;
+        memcpy(errs[k], sl->error, sizeof errs[k]);
+    }
+    j->ev_sent += n;
+    bool all_done = j->n_done == j->n_slots && j->ev_sent == j->n_ev;
+    srv_usage u = job_usage(j);
+    pthread_mutex_unlock(&j->mu);
+
+    for (int k = 0; k < n; k++) {
+        if (!evs[k].finish) {
+            if (texts[k].len)
+                srv_chunk_sse(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, texts[k].p, texts[k].len, NULL,
+                              false, usage_null);
+        } else if (fin[k] == DUET_FINISH_ERROR) {
+            srv_error e = server_error(500, "server_error", NULL, errs[k]);
+            char *ej = srv_error_json(&e);
+            if (ej) srv_text_printf(&j->out, "data: %s\n\n", ej);
+            free(ej);
+        } else {
+            srv_chunk_sse(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, "", 0, finish_name(fin[k]), false,
+                          usage_null);
+        }
+        srv_text_free(&texts[k]);
+    }
+    free(evs);
+    free(texts);
+    free(fin);
+    free(errs);
+    if (all_done) {
+        if (r->include_usage) srv_usage_sse(&j->out, r->kind, j->id, j->created, s->name, u);
+        srv_text_printf(&j->out, "data: [DONE]\n\n");
+        j->stream_done = true;
+    }
+}
+
+static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    job *j = cls;
+    for (;;) {
+        if (j->out_off < j->out.len) {
+            size_t n = j->out.len - j->out_off < max ? j->out.len - j->out_off : max;
+            memcpy(buf, j->out.p + j->out_off, n);
+            j->out_off += n;
+            if (j->out_off == j->out.len) j->out.len = j->out_off = 0;
+            return (ssize_t)n;
+        }
+        if (j->stream_done) {
+            pthread_mutex_lock(&j->mu);
+            bool finished = j->n_done == j->n_slots;
+            pthread_mutex_unlock(&j->mu);
+            return finished ? MHD_CONTENT_READER_END_OF_STREAM : MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+        stream_fill(j);
+    }
+}
+
+static void stream_free(void *cls) { job_release(cls); }
+
+static enum MHD_Result finish_plain(srv *s, conn *cn, struct MHD_Connection *c, job *j) {
+    pthread_mutex_lock(&j->mu);
+    while (j->n_done < j->n_slots) {
+        wait_slice(j);
+        if (j->n_done == j->n_slots) break;
+        pthread_mutex_unlock(&j->mu);
+        bool gone = check_client(j);
+        pthread_mutex_lock(&j->mu);
+        if (gone) {
+            pthread_mutex_unlock(&j->mu);
+            count_response(s, cn, 499); /* nginx's "client closed request" */
+            return MHD_NO;
+        }
+    }
+    srv_choice_result *res = calloc((size_t)j->n_slots, sizeof *res);
+    const char *error = NULL;
+    for (int i = 0; res && i < j->n_slots; i++) {
+        slot *sl = &j->slots[i];
+        res[i] = (srv_choice_result){sl->text.p, sl->text.len, finish_name(sl->finish)};
+        if (sl->finish == DUET_FINISH_ERROR) error = sl->error;
+    }
+    srv_usage u = job_usage(j);
+    /* The engine thread is done with the slots: reading them unlocked is safe. */
+    pthread_mutex_unlock(&j->mu);
+    if (error) {
+        srv_error e = server_error(500, "server_error", NULL, error);
+        free(res);
+        return send_error(s, cn, c, &e);
+    }
+    char *body = res ? srv_response_json(j->req.kind, j->id, j->created, s->name, res, j->n_slots, u) : NULL;
+    free(res);
+    return send_json(s, cn, c, 200, body);
+}
+
+static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
+    srv_error err;
+    if (atomic_load(&s->draining)) {
+        err = server_error(503, "server_error", "shutting_down", "the server is shutting down");
+        return send_error(s, cn, c, &err);
+    }
+    if (cn->too_big) {
+        err = server_error(413, "invalid_request_error", "request_too_large", "the request body is too large");
+        return send_error(s, cn, c, &err);
+    }
+    job *j = calloc(1, sizeof *j);
+    if (!j) return MHD_NO;
+    srv_kind kind = cn->route == R_CHAT ? SRV_CHAT : SRV_COMPLETION;
+    if (!srv_request_parse(kind, cn->body.p ? cn->body.p : "", cn->body.len, &s->lim, &j->req, &err)) {
+        free(j);
+        return send_error(s, cn, c, &err);
+    }
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    j->refs = 1; /* the connection's */
+    j->s = s;
+    j->fd = -1;
+    j->t0 = mono_now();
+    j->created = (long)time(NULL);
+    snprintf(j->id, sizeof j->id, "%s%016llx", kind == SRV_CHAT ? "chatcmpl-" : "cmpl-",
+             (unsigned long long)fresh_u64(s));
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+    if (ci) j->fd = ci->connect_fd;
+    cn->j = j;
+    pthread_mutex_lock(&s->mu);
+    s->in_flight++;
+    pthread_mutex_unlock(&s->mu);
+    cn->counted = true;
+
+    int32_t *ids[SRV_MAX_PROMPTS] = {0};
+    int n_ids[SRV_MAX_PROMPTS] = {0};
+    bool ok = job_prepare(s, j, ids, n_ids, &err) && job_submit(s, j, ids, n_ids, &err);
+    for (int p = 0; p < SRV_MAX_PROMPTS; p++) free(ids[p]);
+    if (!ok) return send_error(s, cn, c, &err);
+
+    if (!j->req.stream) return finish_plain(s, cn, c, j);
+    pthread_mutex_lock(&j->mu);
+    j->refs++; /* the response's */
+    pthread_mutex_unlock(&j->mu);
+    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_read, j, stream_free);
+    if (!r) {
+        job_release(j);
+        return MHD_NO;
+    }
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
+    MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
+    MHD_add_response_header(r, "X-Accel-Buffering", "no"); /* proxies must not buffer the stream */
+    enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, r);
+    MHD_destroy_response(r);
+    count_response(s, cn, 200);
+    return ret;
+}
+
+/* ---- routing --------------------------------------------------------- */
+
+static int route_of(const char *url) {
+    for (int r = 0; r < R_OTHER; r++)
+        if (!strcmp(url, route_paths[r])) return r;
+    /* Without the /v1 prefix too, as some clients send. */
+    if (!strcmp(url, "/completions")) return R_COMPLETIONS;
+    if (!strcmp(url, "/chat/completions")) return R_CHAT;
+    if (!strcmp(url, "/models")) return R_MODELS;
+    return R_OTHER;
+}
+
+static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
+                              const char *version, const char *upload, size_t *upload_size, void **con_cls) {
+    srv *s = cls;
+    conn *cn = *con_cls;
+    if (!cn) { /* first call: headers only */
+        if (!(cn = calloc(1, sizeof *cn))) return MHD_NO;
+        cn->route = route_of(url);
+        cn->code = 0;
+        *con_cls = cn;
+        return MHD_YES;
+    }
+    if (*upload_size) {
+        if (cn->body.len + *upload_size > MAX_BODY) cn->too_big = true;
+        else if (!srv_text_append(&cn->body, upload, *upload_size)) return MHD_NO;
+        *upload_size = 0;
+        return MHD_YES;
+    }
+    if (cn->code) return MHD_YES; /* already answered */
+    bool post = !strcmp(method, MHD_HTTP_METHOD_POST), get = !strcmp(method, MHD_HTTP_METHOD_GET);
+    srv_error err;
+    switch (cn->route) {
+    case R_COMPLETIONS:
+    case R_CHAT:
+        if (post) return generate(s, cn, c);
+        break;
+    case R_MODELS:
+        if (get) return get_models(s, cn, c);
+        break;
+    case R_HEALTH:
+        if (get) {
+            bool draining = atomic_load(&s->draining);
+            return send_json(s, cn, c, draining ? 503 : 200,
+                             strdup(draining ? "{\"status\":\"draining\"}" : "{\"status\":\"ok\"}"));
+        }
+        break;
+    case R_METRICS:
+        if (get) return get_metrics(s, cn, c);
+        break;
+    default:
+        err = server_error(404, "invalid_request_error", "not_found", "");
+        snprintf(err.message, sizeof err.message, "no such endpoint: %s %.200s", method, url);
+        return send_error(s, cn, c, &err);
+    }
+    err = server_error(405, "invalid_request_error", "method_not_allowed", "");
+    snprintf(err.message, sizeof err.message, "%s is not allowed on %.200s", method, url);
+    return send_error(s, cn, c, &err);
+}
+
+static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    srv *s = cls;
+    conn *cn = *con_cls;
+    if (!cn) return;
+    if (cn->j) {
+        /* A stream cut short (write error, client gone) leaves work behind. */
+        pthread_mutex_lock(&cn->j->mu);
+        bool unfinished = cn->j->n_done < cn->j->n_slots;
+        pthread_mutex_unlock(&cn->j->mu);
+        if (unfinished) job_cancel(cn->j);
+        if (s->verbose) {
+            pthread_mutex_lock(&cn->j->mu);
+            srv_usage u = job_usage(cn->j);
+            pthread_mutex_unlock(&cn->j->mu);
+            fprintf(stderr, "duet: %s %d %s choices=%d prompt=%d generated=%d %.3fs%s\n", route_paths[cn->route],
+                    cn->code, cn->j->id, cn->j->n_slots, u.prompt_tokens, u.completion_tokens, mono_now() - cn->j->t0,
+                    unfinished ? " (cancelled)" : "");
+        }
+        job_release(cn->j);
+    }
+    if (cn->counted) {
+        pthread_mutex_lock(&s->mu);
+        if (--s->in_flight == 0) pthread_cond_broadcast(&s->idle);
+        pthread_mutex_unlock(&s->mu);
+    }
+    srv_text_free(&cn->body);
+    free(cn);
+    *con_cls = NULL;
+}
+
+/* ---- lifecycle --------------------------------------------------------- */
+
+/* libmicrohttpd's messages. A stream that ends because its client left is
+ * reported as an "internal error" by the library; that is routine here, so
+ * it is only shown with --verbose. */
+static void mhd_log(void *cls, const char *fmt, va_list ap) {
+    srv *s = cls;
+    char msg[512];
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    if (!s->verbose && strstr(msg, "Application reported internal error")) return;
+    fprintf(stderr, "duet: http: %s%s", msg, msg[0] && msg[strlen(msg) - 1] == '\n' ? "" : "\n");
+}
+
+static char *escape_label(const char *v) {
+    srv_text t = {0};
+    srv_text_append(&t, "", 0);
+    for (const char *p = v; *p; p++) {
+        if (*p == '\\' || *p == '"') srv_text_printf(&t, "\\%c", *p);
+        else if (*p == '\n') srv_text_printf(&t, "\\n");
+        else srv_text_append(&t, p, 1);
+    }
+    return t.p;
+}
+
+static uint64_t os_random(void) {
+    uint64_t x = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+    FILE *f = fopen("/dev/urandom", "rb");
+    if (f) {
+        uint64_t r;
+        if (fread(&r, sizeof r, 1, f) == 1) x ^= r;
+        fclose(f);
+    }
+    return x;
+}
+
+static void srv_free(srv *s) {
+    if (!s) return;
+    free(s->name);
+    free(s->path);
+    free(s->name_label);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->idle);
+    free(s);
+}
+
+int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
+    *out = NULL;
+    srv *s = calloc(1, sizeof *s);
+    if (!s) return fprintf(stderr, "duet: out of memory\n"), -1;
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_cond_init(&s->idle, NULL);
+    s->e = e;
+    s->model = duet_engine_model(e);
+    s->name = strdup(cfg->model_name ? cfg->model_name : "duet");
+    s->path = strdup(cfg->model_path ? cfg->model_path : "");
+    s->name_label = s->name ? escape_label(s->name) : NULL;
+    if (!s->name || !s->path || !s->name_label) {
+        srv_free(s);
+        return fprintf(stderr, "duet: out of memory\n"), -1;
+    }
+    duet_model_desc d;
+    duet_model_describe(s->model, &d);
+    s->n_ctx = d.n_ctx;
+    s->lim = (srv_limits){.model_name = s->name, .model_alias = s->path[0] ? s->path : NULL, .n_vocab = d.n_vocab};
+    s->verbose = cfg->verbose;
+    s->started = (long)time(NULL);
+    s->salt = os_random();
+
+    /* The chat template: forced by name, or recognised from the model. */
+    if (cfg->chat_template && strcmp(cfg->chat_template, "auto")) {
+        if (!srv_chat_from_name(cfg->chat_template, &s->chat)) {
+            fprintf(stderr, "duet: unknown chat template '%s' (auto, plain, chatml, llama3, llama2, mistral, zephyr, "
+                            "phi3, gemma)\n", cfg->chat_template);
+            srv_free(s);
+            return -1;
+        }
+    } else {
+        int n = duet_model_meta(s->model, "tokenizer.chat_template", NULL, 0);
+        char *tmpl = n >= 0 ? malloc((size_t)n + 1) : NULL;
+        if (tmpl) duet_model_meta(s->model, "tokenizer.chat_template", tmpl, (size_t)n + 1);
+        bool known;
+        s->chat = srv_chat_detect(tmpl, &known);
+        if (tmpl && !known)
+            fprintf(stderr, "duet: the model's chat template is not one duet knows; using the plain format "
+                            "(force one with --chat-template)\n");
+        free(tmpl);
+    }
+
+    /* Resolve the listen address. */
+    char port[16];
+    snprintf(port, sizeof port, "%d", cfg->port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE}, *ai = NULL;
+    int gai = getaddrinfo(cfg->host && *cfg->host ? cfg->host : NULL, port, &hints, &ai);
+    if (gai) {
+        fprintf(stderr, "duet: cannot resolve --host %s: %s\n", cfg->host ? cfg->host : "", gai_strerror(gai));
+        srv_free(s);
+        return -1;
+    }
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
+    if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    s->d = MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, handle, s, MHD_OPTION_NOTIFY_COMPLETED, completed, s,
+                            MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_CONNECTION_LIMIT,
+                            (unsigned)(cfg->max_connections > 0 ? cfg->max_connections : 1024),
+                            MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
+                            MHD_OPTION_THREAD_STACK_SIZE, (size_t)CONN_STACK,
+                            MHD_OPTION_END);
+    freeaddrinfo(ai);
+    if (!s->d) {
+        fprintf(stderr, "duet: cannot listen on %s:%d: %s\n", cfg->host ? cfg->host : "*", cfg->port, strerror(errno));
+        srv_free(s);
+        return -1;
+    }
+    const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
+    s->port = di ? di->port : cfg->port;
+    *out = s;
+    return 0;
+}
+
+int srv_port(const srv *s) { return s->port; }
+
+const char *srv_chat_family_in_use(const srv *s) { return srv_chat_name(s->chat); }
+
+void srv_drain(srv *s) {
+    if (atomic_exchange(&s->draining, true)) return;
+    /* Stop accepting: close the listening socket; open connections live on. */
+    MHD_socket fd = MHD_quiesce_daemon(s->d);
+    if (fd != MHD_INVALID_SOCKET) close(fd);
+}
+
+bool srv_wait_idle(srv *s, double timeout_s) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    double end = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9 + timeout_s;
+    ts.tv_sec = (time_t)end;
+    ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
+    pthread_mutex_lock(&s->mu);
+    int rc = 0;
+    while (s->in_flight > 0 && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&s->idle, &s->mu, &ts);
+    bool idle = s->in_flight == 0;
+    pthread_mutex_unlock(&s->mu);
+    return idle;
+}
+
+void srv_cancel_all(srv *s) { atomic_store(&s->cancel_all, true); }
+
+void srv_stop(srv *s) {
+    if (!s) return;
+    /* Waiting connections give up at their next slice, so MHD's joins end. */
+    atomic_store(&s->cancel_all, true);
+    atomic_store(&s->stopping, true);
+    MHD_stop_daemon(s->d);
+    srv_free(s);
+}

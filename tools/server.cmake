@@ -1,0 +1,22 @@
+# server.cmake — build rules of `duet serve` (tools/server*.c, tools/cmd_serve.c)
+# and its tests. Included at the end of the top CMakeLists.txt, after the
+# `duet` target and the test targets exist.
+#
+# libmicrohttpd serves HTTP (Debian: libmicrohttpd-dev); libcurl is the test
+# client (libcurl4-openssl-dev).
+pkg_check_modules(MHD REQUIRED IMPORTED_TARGET libmicrohttpd)
+target_link_libraries(duet PRIVATE PkgConfig::MHD)
+
+if(DUET_TESTS AND TARGET test_server)
+  pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
+  # test_server unit-tests the server's pure parts (parsing, templates, stop
+  # strings, JSON) as well as driving a live `duet serve` over HTTP.
+  target_sources(test_server PRIVATE
+    ${CMAKE_SOURCE_DIR}/tools/server_openai.c
+    ${CMAKE_SOURCE_DIR}/tools/server_chat.c)
+  target_include_directories(test_server PRIVATE ${CMAKE_SOURCE_DIR}/tools)
+  target_link_libraries(test_server PRIVATE PkgConfig::CURL)
+  # The live tests start the binary.
+  add_dependencies(test_server duet)
+  set_tests_properties(test_server PROPERTIES TIMEOUT 900 ENVIRONMENT "CK_DEFAULT_TIMEOUT=600")
+endif()

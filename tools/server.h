@@ -1,0 +1,196 @@
+/* server.h — the OpenAI-compatible HTTP server behind `duet serve`.
+ *
+ * server.c         the HTTP side (libmicrohttpd, one thread per connection):
+ *                  routing, jobs that fan a request out to engine requests,
+ *                  streaming, client disconnects, draining on SIGTERM.
+ * server_openai.c  the OpenAI dialect: request parsing and validation,
+ *                  stop strings, response and stream-chunk JSON, errors.
+ * server_chat.c    chat templates, detected from the GGUF metadata.
+ *
+ * The pure parts (parsing, templates, stop strings, JSON) take no locks
+ * and touch no engine, so tests/test_server.c tests them directly.
+ */
+#ifndef DUET_SERVER_H
+#define DUET_SERVER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "duet.h"
+
+/* ---- growable text -------------------------------------------------- */
+
+typedef struct srv_text {
+    char *p; /* NUL-terminated when not NULL */
+    size_t len, cap;
+} srv_text;
+
+bool srv_text_append(srv_text *t, const char *s, size_t n);
+bool srv_text_printf(srv_text *t, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+void srv_text_free(srv_text *t);
+
+/* ---- errors (OpenAI's error object) ---------------------------------- */
+
+typedef struct srv_error {
+    int http;          /* 400, 404, 405, 413, 429, 500, 503 */
+    const char *type;  /* "invalid_request_error", "rate_limit_error", "server_error" */
+    const char *code;  /* NULL, or e.g. "context_length_exceeded", "model_not_found" */
+    char param[64];    /* the offending field; "" when none */
+    char message[512];
+} srv_error;
+
+/* Fills err (http 400, invalid_request_error) and returns false, so a
+ * validator can `return srv_bad(err, "temperature", NULL, "...")`. */
+bool srv_bad(srv_error *err, const char *param, const char *code, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 4, 5)))
+#endif
+    ;
+/* {"error": {"message", "type", "param", "code"}} (malloc'd; free()). */
+char *srv_error_json(const srv_error *err);
+
+/* ---- chat templates -------------------------------------------------- */
+
+typedef enum srv_chat_family {
+    SRV_CHAT_PLAIN,   /* no template: "User: ...\nAssistant: ..." */
+    SRV_CHAT_CHATML,  /* <|im_start|>role ... <|im_end|> (Qwen, many fine-tunes) */
+    SRV_CHAT_LLAMA3,  /* <|start_header_id|>role<|end_header_id|> ... <|eot_id|> */
+    SRV_CHAT_LLAMA2,  /* [INST] <<SYS>> ... <</SYS>> ... [/INST] */
+    SRV_CHAT_MISTRAL, /* [INST] ... [/INST] without a system block */
+    SRV_CHAT_ZEPHYR,  /* <|user|> ... </s> */
+    SRV_CHAT_PHI3,    /* <|user|> ... <|end|> */
+    SRV_CHAT_GEMMA,   /* <start_of_turn>user ... <end_of_turn> */
+    SRV_CHAT_COUNT
+} srv_chat_family;
+
+/* The family of a Jinja template from GGUF `tokenizer.chat_template`, by
+ * its marker strings. NULL or unrecognised -> SRV_CHAT_PLAIN, with
+ * *recognised (may be NULL) saying which. */
+srv_chat_family srv_chat_detect(const char *tmpl, bool *recognised);
+const char *srv_chat_name(srv_chat_family f);
+bool srv_chat_from_name(const char *name, srv_chat_family *out);
+
+typedef enum srv_role { SRV_ROLE_SYSTEM, SRV_ROLE_USER, SRV_ROLE_ASSISTANT } srv_role;
+
+typedef struct srv_message {
+    srv_role role;
+    char *content;
+} srv_message;
+
+/* Renders the conversation and the opening of the assistant's reply. The
+ * text leaves out the BOS token: tokenizing with add_special adds it. */
+bool srv_chat_render(srv_chat_family f, const srv_message *msgs, int n, srv_text *out);
+/* End-of-turn markers that stop generation when the model writes them as
+ * text (NULL-terminated list; may be empty). */
+const char *const *srv_chat_stops(srv_chat_family f);
+
+/* ---- requests -------------------------------------------------------- */
+
+typedef enum srv_kind { SRV_COMPLETION, SRV_CHAT } srv_kind;
+
+#define SRV_MAX_N 16       /* choices per prompt */
+#define SRV_MAX_PROMPTS 16 /* prompts in one completion request */
+#define SRV_MAX_STOP 16    /* stop strings */
+#define SRV_MAX_STOP_LEN 256
+
+typedef struct srv_prompt {
+    char *text;   /* a text prompt, or NULL */
+    int32_t *ids; /* a token-id prompt (when text is NULL) */
+    int n_ids;
+} srv_prompt;
+
+typedef struct srv_request {
+    srv_kind kind;
+    srv_prompt prompts[SRV_MAX_PROMPTS]; /* completions */
+    int n_prompts;
+    srv_message *messages; /* chat */
+    int n_messages;
+    int max_tokens;       /* -1 when not given */
+    duet_sampling sampling;
+    bool seed_set;
+    int n;
+    bool stream, include_usage, ignore_eos;
+    char *stop[SRV_MAX_STOP];
+    int n_stop;
+    duet_priority priority;
+} srv_request;
+
+/* What validation needs to know about the served model. */
+typedef struct srv_limits {
+    const char *model_name;  /* the served name */
+    const char *model_alias; /* also accepted (the -m path); may be NULL */
+    int n_vocab;
+} srv_limits;
+
+/* Parses and validates a request body. Unknown fields are ignored; known
+ * fields of the wrong type or with absurd values are errors. On failure
+ * *err says why (http 400) and *out holds nothing to free. */
+bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_limits *lim, srv_request *out,
+                       srv_error *err);
+void srv_request_free(srv_request *r);
+
+/* ---- stop strings ----------------------------------------------------- */
+
+/* How many leading bytes of text[0..len) are safe to send: with a stop
+ * string in the text, the bytes before the earliest one (*hit = true);
+ * otherwise all but the longest tail that could begin a stop string. */
+size_t srv_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, bool *hit);
+
+/* ---- responses ------------------------------------------------------- */
+
+typedef struct srv_choice_result {
+    const char *text;
+    size_t len;
+    const char *finish; /* "stop", "length", ... */
+} srv_choice_result;
+
+typedef struct srv_usage {
+    int prompt_tokens, completion_tokens;
+} srv_usage;
+
+/* The whole (non-streamed) response body (malloc'd; free()). */
+char *srv_response_json(srv_kind kind, const char *id, long created, const char *model,
+                        const srv_choice_result *choices, int n, srv_usage usage);
+/* One SSE event "data: {...}\n\n" appended to out: a text delta of choice
+ * `index` (finish NULL), its final chunk (finish set, text empty), or with
+ * role=true the chat opening delta {"role":"assistant","content":""}.
+ * null_usage adds "usage": null (stream_options.include_usage). */
+bool srv_chunk_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, int index,
+                   const char *text, size_t len, const char *finish, bool role, bool null_usage);
+/* The usage chunk (empty choices) that ends a stream with include_usage. */
+bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, srv_usage u);
+
+/* ---- the server ------------------------------------------------------ */
+
+typedef struct srv_config {
+    const char *host;          /* address to bind; "0.0.0.0" or "::" for all */
+    int port;                  /* 0 = any free port (see srv_port) */
+    const char *model_name;    /* served name (the `model` field) */
+    const char *model_path;    /* also accepted as the model name */
+    const char *chat_template; /* NULL or "auto": from the model; or a family name */
+    int max_connections;
+    bool verbose; /* log one line per request */
+} srv_config;
+
+typedef struct srv srv;
+
+/* Starts listening. Returns 0, or -1 after printing why. */
+int srv_start(duet_engine *e, const srv_config *cfg, srv **out);
+int srv_port(const srv *s);
+const char *srv_chat_family_in_use(const srv *s);
+/* Stops accepting connections; requests arriving on open connections get
+ * 503. Requests in flight carry on. */
+void srv_drain(srv *s);
+/* Waits until no request is in flight (true) or the timeout passes. */
+bool srv_wait_idle(srv *s, double timeout_s);
+/* Cancels every request in flight (their clients get what was generated). */
+void srv_cancel_all(srv *s);
+/* Closes every connection and frees the server (the engine stays). */
+void srv_stop(srv *s);
+
+#endif /* DUET_SERVER_H */

@@ -1,0 +1,528 @@
+/* server_openai.c — the OpenAI dialect: parsing and validating request
+ * bodies, stop strings, and the JSON of responses, stream chunks and errors.
+ *
+ * Validation follows the OpenAI API reference for ranges (temperature in
+ * [0, 2], top_p in (0, 1], penalties in [-2, 2], n <= 16) and vLLM for the
+ * extensions (top_k, min_p, repetition_penalty, ignore_eos, integer
+ * priority). Unknown fields are ignored, as OpenAI's clients send new ones
+ * freely; a known field with the wrong type or an absurd value is a 400.
+ * JSON null counts as "not given".
+ */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "server.h"
+
+/* ---- growable text ---------------------------------------------------- */
+
+static bool text_reserve(srv_text *t, size_t extra) {
+    if (t->len + extra + 1 <= t->cap) return true;
+    size_t cap = t->cap ? t->cap : 64;
+    while (cap < t->len + extra + 1) cap *= 2;
+    char *p = realloc(t->p, cap);
+    if (!p) return false;
+    t->p = p;
+    t->cap = cap;
+    return true;
+}
+
+bool srv_text_append(srv_text *t, const char *s, size_t n) {
+    if (!text_reserve(t, n)) return false;
+    if (n) memcpy(t->p + t->len, s, n);
+    t->len += n;
+    t->p[t->len] = 0;
+    return true;
+}
+
+bool srv_text_printf(srv_text *t, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(NULL, 0, fmt, ap);
+    va_end(ap);
+    if (n < 0 || !text_reserve(t, (size_t)n)) return false;
+    va_start(ap, fmt);
+    vsnprintf(t->p + t->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    t->len += (size_t)n;
+    return true;
+}
+
+void srv_text_free(srv_text *t) {
+    free(t->p);
+    memset(t, 0, sizeof *t);
+}
+
+/* ---- errors ------------------------------------------------------------- */
+
+bool srv_bad(srv_error *err, const char *param, const char *code, const char *fmt, ...) {
+    err->http = 400;
+    err->type = "invalid_request_error";
+    err->code = code;
+    snprintf(err->param, sizeof err->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    va_end(ap);
+    return false;
+}
+
+/* cJSON allocates with malloc by default; copying into a plain malloc'd
+ * string keeps "free() it" true even if cJSON hooks are ever installed. */
+static char *print_json(cJSON *o) {
+    char *s = o ? cJSON_PrintUnformatted(o) : NULL;
+    char *out = s ? strdup(s) : NULL;
+    if (s) cJSON_free(s);
+    cJSON_Delete(o);
+    return out;
+}
+
+char *srv_error_json(const srv_error *err) {
+    cJSON *o = cJSON_CreateObject(), *e = cJSON_AddObjectToObject(o, "error");
+    cJSON_AddStringToObject(e, "message", err->message);
+    cJSON_AddStringToObject(e, "type", err->type ? err->type : "invalid_request_error");
+    if (err->param[0]) cJSON_AddStringToObject(e, "param", err->param);
+    else cJSON_AddNullToObject(e, "param");
+    if (err->code) cJSON_AddStringToObject(e, "code", err->code);
+    else cJSON_AddNullToObject(e, "code");
+    return print_json(o);
+}
+
+/* ---- field readers: false with *err set on a bad value; a missing or null
+ * field leaves *out alone ------------------------------------------------ */
+
+static bool given(const cJSON *v) { return v && !cJSON_IsNull(v); }
+
+static bool read_number(const cJSON *o, const char *key, double lo, double hi, bool lo_open, double *out,
+                        srv_error *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!given(v)) return true;
+    if (!cJSON_IsNumber(v)) return srv_bad(err, key, "invalid_type", "'%s' must be a number", key);
+    double x = v->valuedouble;
+    if (!isfinite(x) || x < lo || x > hi || (lo_open && x == lo))
+        return srv_bad(err, key, "invalid_value", "'%s' is %g; it must be in %s%g, %g]", key, x, lo_open ? "(" : "[",
+                       lo, hi);
+    *out = x;
+    return true;
+}
+
+static bool read_float(const cJSON *o, const char *key, double lo, double hi, bool lo_open, float *out,
+                       srv_error *err) {
+    double x = *out;
+    if (!read_number(o, key, lo, hi, lo_open, &x, err)) return false;
+    *out = (float)x;
+    return true;
+}
+
+static bool read_int(const cJSON *o, const char *key, double lo, double hi, double *out, bool *present,
+                     srv_error *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (present) *present = false;
+    if (!given(v)) return true;
+    if (!cJSON_IsNumber(v) || !isfinite(v->valuedouble) || v->valuedouble != floor(v->valuedouble))
+        return srv_bad(err, key, "invalid_type", "'%s' must be an integer", key);
+    double x = v->valuedouble;
+    if (x < lo || x > hi)
+        return srv_bad(err, key, "invalid_value", "'%s' is %.0f; it must be in [%.0f, %.0f]", key, x, lo, hi);
+    *out = x;
+    if (present) *present = true;
+    return true;
+}
+
+static bool read_bool(const cJSON *o, const char *key, bool *out, srv_error *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!given(v)) return true;
+    if (!cJSON_IsBool(v)) return srv_bad(err, key, "invalid_type", "'%s' must be true or false", key);
+    *out = cJSON_IsTrue(v);
+    return true;
+}
+
+/* Fields duet does not implement: refused when they ask for something,
+ * accepted when they hold their "off" value. */
+static bool refuse_unsupported(const cJSON *o, srv_kind kind, srv_error *err) {
+    const cJSON *v;
+    v = cJSON_GetObjectItemCaseSensitive(o, "logprobs");
+    if (given(v) && !cJSON_IsFalse(v)) return srv_bad(err, "logprobs", "unsupported", "logprobs are not supported");
+    v = cJSON_GetObjectItemCaseSensitive(o, "top_logprobs");
+    if (given(v) && !(cJSON_IsNumber(v) && v->valuedouble == 0))
+        return srv_bad(err, "top_logprobs", "unsupported", "top_logprobs is not supported");
+    v = cJSON_GetObjectItemCaseSensitive(o, "logit_bias");
+    if (given(v) && !(cJSON_IsObject(v) && !v->child))
+        return srv_bad(err, "logit_bias", "unsupported", "logit_bias is not supported");
+    v = cJSON_GetObjectItemCaseSensitive(o, "echo");
+    if (given(v) && !cJSON_IsFalse(v)) return srv_bad(err, "echo", "unsupported", "echo is not supported");
+    v = cJSON_GetObjectItemCaseSensitive(o, "suffix");
+    if (given(v) && !(cJSON_IsString(v) && !v->valuestring[0]))
+        return srv_bad(err, "suffix", "unsupported", "suffix is not supported");
+    if (kind == SRV_CHAT) {
+        v = cJSON_GetObjectItemCaseSensitive(o, "tools");
+        if (given(v) && !(cJSON_IsArray(v) && !v->child))
+            return srv_bad(err, "tools", "unsupported", "tools are not supported");
+        v = cJSON_GetObjectItemCaseSensitive(o, "response_format");
+        const cJSON *ty = v ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
+        if (given(v) && !(cJSON_IsString(ty) && !strcmp(ty->valuestring, "text")))
+            return srv_bad(err, "response_format", "unsupported", "only response_format {\"type\": \"text\"} is supported");
+    }
+    return true;
+}
+
+static bool parse_stop(const cJSON *o, srv_request *r, srv_error *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "stop");
+    if (!given(v)) return true;
+    const cJSON *one = cJSON_IsString(v) ? v : NULL;
+    if (!one && !cJSON_IsArray(v))
+        return srv_bad(err, "stop", "invalid_type", "'stop' must be a string or an array of strings");
+    if (!one && cJSON_GetArraySize(v) > SRV_MAX_STOP)
+        return srv_bad(err, "stop", "invalid_value", "at most %d stop strings", SRV_MAX_STOP);
+    const cJSON *it = one ? one : v->child;
+    for (; it; it = one ? NULL : it->next) {
+        if (!cJSON_IsString(it)) return srv_bad(err, "stop", "invalid_type", "every stop sequence must be a string");
+        size_t n = strlen(it->valuestring);
+        if (n == 0) return srv_bad(err, "stop", "invalid_value", "a stop sequence must not be empty");
+        if (n > SRV_MAX_STOP_LEN)
+            return srv_bad(err, "stop", "invalid_value", "a stop sequence may be at most %d bytes", SRV_MAX_STOP_LEN);
+        if (!(r->stop[r->n_stop++] = strdup(it->valuestring)))
+            return srv_bad(err, "stop", NULL, "out of memory");
+    }
+    return true;
+}
+
+static bool parse_priority(const cJSON *o, srv_request *r, srv_error *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "priority");
+    if (!given(v)) return true;
+    if (cJSON_IsString(v)) {
+        if (!strcmp(v->valuestring, "interactive")) r->priority = DUET_PRIORITY_INTERACTIVE;
+        else if (!strcmp(v->valuestring, "batch")) r->priority = DUET_PRIORITY_BATCH;
+        else return srv_bad(err, "priority", "invalid_value", "'priority' must be \"interactive\" or \"batch\"");
+        return true;
+    }
+    /* vLLM: an integer, lower is served first, default 0. */
+    double x = 0;
+    if (!read_int(o, "priority", -1e9, 1e9, &x, NULL, err))
+        return srv_bad(err, "priority", "invalid_type", "'priority' must be \"interactive\", \"batch\" or an integer");
+    r->priority = x > 0 ? DUET_PRIORITY_BATCH : DUET_PRIORITY_INTERACTIVE;
+    return true;
+}
+
+/* One completion prompt: a string or an array of token ids. */
+static bool parse_one_prompt(const cJSON *v, const srv_limits *lim, srv_prompt *p, srv_error *err) {
+    if (cJSON_IsString(v)) {
+        if (!(p->text = strdup(v->valuestring))) return srv_bad(err, "prompt", NULL, "out of memory");
+        return true;
+    }
+    int n = cJSON_GetArraySize(v);
+    if (n == 0) return srv_bad(err, "prompt", "invalid_value", "a token-id prompt must not be empty");
+    if (!(p->ids = malloc((size_t)n * sizeof *p->ids))) return srv_bad(err, "prompt", NULL, "out of memory");
+    for (const cJSON *it = v->child; it; it = it->next) {
+        double x = cJSON_IsNumber(it) ? it->valuedouble : -1;
+        if (!cJSON_IsNumber(it) || x != floor(x) || x < 0 || x >= lim->n_vocab)
+            return srv_bad(err, "prompt", "invalid_value", "prompt token ids must be integers in [0, %d)", lim->n_vocab);
+        p->ids[p->n_ids++] = (int32_t)x;
+    }
+    return true;
+}
+
+static bool is_id_array(const cJSON *v) { return cJSON_IsArray(v) && v->child && cJSON_IsNumber(v->child); }
+
+static bool parse_prompts(const cJSON *o, const srv_limits *lim, srv_request *r, srv_error *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "prompt");
+    if (!given(v)) return srv_bad(err, "prompt", "missing_required_parameter", "'prompt' is required");
+    /* A string, an array of ids, or an array of either (several prompts). */
+    if (cJSON_IsString(v) || is_id_array(v)) {
+        r->n_prompts = 1;
+        return parse_one_prompt(v, lim, &r->prompts[0], err);
+    }
+    if (!cJSON_IsArray(v) || !v->child)
+        return srv_bad(err, "prompt", "invalid_type",
+                       "'prompt' must be a string, an array of strings, or an array of token ids");
+    if (cJSON_GetArraySize(v) > SRV_MAX_PROMPTS)
+        return srv_bad(err, "prompt", "invalid_value", "at most %d prompts per request", SRV_MAX_PROMPTS);
+    for (const cJSON *it = v->child; it; it = it->next) {
+        if (!cJSON_IsString(it) && !is_id_array(it))
+            return srv_bad(err, "prompt", "invalid_type",
+                           "'prompt' must be a string, an array of strings, or an array of token ids");
+        if (!parse_one_prompt(it, lim, &r->prompts[r->n_prompts++], err)) return false;
+    }
+    return true;
+}
+
+/* Message content: a string, null, or an array of {"type":"text"} parts
+ * (joined with newlines, as vLLM does). */
+static bool parse_content(const cJSON *c, int i, char **out, srv_error *err) {
+    char param[32];
+    snprintf(param, sizeof param, "messages[%d].content", i);
+    if (!given(c)) return (*out = strdup("")) != NULL || srv_bad(err, param, NULL, "out of memory");
+    if (cJSON_IsString(c)) return (*out = strdup(c->valuestring)) != NULL || srv_bad(err, param, NULL, "out of memory");
+    if (!cJSON_IsArray(c)) return srv_bad(err, param, "invalid_type", "content must be a string or an array of parts");
+    srv_text t = {0};
+    for (const cJSON *part = c->child; part; part = part->next) {
+        const cJSON *ty = cJSON_GetObjectItemCaseSensitive(part, "type");
+        const cJSON *tx = cJSON_GetObjectItemCaseSensitive(part, "text");
+        if (!cJSON_IsString(ty) || strcmp(ty->valuestring, "text") || !cJSON_IsString(tx)) {
+            srv_text_free(&t);
+            return srv_bad(err, param, "unsupported", "only text content parts are supported");
+        }
+        if ((t.len && !srv_text_append(&t, "\n", 1)) || !srv_text_append(&t, tx->valuestring, strlen(tx->valuestring))) {
+            srv_text_free(&t);
+            return srv_bad(err, param, NULL, "out of memory");
+        }
+    }
+    *out = t.p ? t.p : strdup("");
+    return *out != NULL || srv_bad(err, param, NULL, "out of memory");
+}
+
+static bool parse_messages(const cJSON *o, srv_request *r, srv_error *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "messages");
+    if (!given(v)) return srv_bad(err, "messages", "missing_required_parameter", "'messages' is required");
+    if (!cJSON_IsArray(v) || !v->child)
+        return srv_bad(err, "messages", "invalid_type", "'messages' must be a non-empty array");
+    int n = cJSON_GetArraySize(v);
+    if (n > 4096) return srv_bad(err, "messages", "invalid_value", "at most 4096 messages");
+    if (!(r->messages = calloc((size_t)n, sizeof *r->messages))) return srv_bad(err, "messages", NULL, "out of memory");
+    int i = 0;
+    for (const cJSON *m = v->child; m; m = m->next, i++) {
+        char param[32];
+        snprintf(param, sizeof param, "messages[%d].role", i);
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        if (!cJSON_IsObject(m) || !cJSON_IsString(role))
+            return srv_bad(err, param, "invalid_type", "each message must be an object with a string 'role'");
+        const char *s = role->valuestring;
+        srv_message *msg = &r->messages[i];
+        if (!strcmp(s, "system") || !strcmp(s, "developer")) msg->role = SRV_ROLE_SYSTEM;
+        else if (!strcmp(s, "user")) msg->role = SRV_ROLE_USER;
+        else if (!strcmp(s, "assistant")) msg->role = SRV_ROLE_ASSISTANT;
+        else return srv_bad(err, param, "invalid_value", "role '%.64s' is not supported (system, user, assistant)", s);
+        r->n_messages = i + 1;
+        if (!parse_content(cJSON_GetObjectItemCaseSensitive(m, "content"), i, &msg->content, err)) return false;
+    }
+    return true;
+}
+
+static bool parse_model(const cJSON *o, const srv_limits *lim, srv_error *err) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "model");
+    if (!given(v)) return true; /* curl users may leave it out: there is one model */
+    if (!cJSON_IsString(v)) return srv_bad(err, "model", "invalid_type", "'model' must be a string");
+    if (!strcmp(v->valuestring, lim->model_name) || (lim->model_alias && !strcmp(v->valuestring, lim->model_alias)))
+        return true;
+    return srv_bad(err, "model", "model_not_found", "The model '%.200s' does not exist; this server serves '%.200s'",
+                   v->valuestring, lim->model_name);
+}
+
+static bool parse_fields(const cJSON *o, const srv_limits *lim, srv_request *r, srv_error *err) {
+    if (!parse_model(o, lim, err) || !refuse_unsupported(o, r->kind, err)) return false;
+    if (r->kind == SRV_COMPLETION ? !parse_prompts(o, lim, r, err) : !parse_messages(o, r, err)) return false;
+
+    /* Tokens: max_completion_tokens (chat's newer name) wins over max_tokens. */
+    double x;
+    bool present;
+    if (!read_int(o, "max_tokens", 1, 1 << 24, &x, &present, err)) return false;
+    if (present) r->max_tokens = (int)x;
+    if (!read_int(o, "max_completion_tokens", 1, 1 << 24, &x, &present, err)) return false;
+    if (present) r->max_tokens = (int)x;
+
+    duet_sampling *s = &r->sampling;
+    if (!read_float(o, "temperature", 0, 2, false, &s->temperature, err)) return false;
+    if (!read_float(o, "top_p", 0, 1, true, &s->top_p, err)) return false;
+    if (!read_float(o, "min_p", 0, 1, false, &s->min_p, err)) return false;
+    if (!read_float(o, "presence_penalty", -2, 2, false, &s->presence_penalty, err)) return false;
+    if (!read_float(o, "frequency_penalty", -2, 2, false, &s->frequency_penalty, err)) return false;
+    if (!read_float(o, "repetition_penalty", 0, 10, true, &s->repetition_penalty, err)) return false;
+    /* top_k: vLLM's -1 and 0 both mean off. */
+    x = 0;
+    if (!read_int(o, "top_k", -1, 1 << 24, &x, &present, err)) return false;
+    if (present) s->top_k = x < 0 ? 0 : (int)x;
+    /* seed: any 64-bit integer; the bits are what the sampler uses. */
+    if (!read_int(o, "seed", -9223372036854775808.0, 18446744073709551615.0, &x, &r->seed_set, err)) return false;
+    if (r->seed_set) s->seed = x < 0 ? (uint64_t)(int64_t)x : (x >= 18446744073709551615.0 ? UINT64_MAX : (uint64_t)x);
+
+    x = 1;
+    if (!read_int(o, "n", 1, SRV_MAX_N, &x, NULL, err)) return false;
+    r->n = (int)x;
+    /* best_of (completions) only as a synonym of n. */
+    double best_of = r->n;
+    if (!read_int(o, "best_of", 1, SRV_MAX_N, &best_of, NULL, err)) return false;
+    if ((int)best_of != r->n) return srv_bad(err, "best_of", "unsupported", "best_of other than n is not supported");
+    if (r->n * (r->kind == SRV_COMPLETION ? r->n_prompts : 1) > SRV_MAX_N * 4)
+        return srv_bad(err, "n", "invalid_value", "n times the number of prompts may be at most %d", SRV_MAX_N * 4);
+
+    if (!read_bool(o, "stream", &r->stream, err) || !read_bool(o, "ignore_eos", &r->ignore_eos, err)) return false;
+    const cJSON *so = cJSON_GetObjectItemCaseSensitive(o, "stream_options");
+    if (given(so)) {
+        if (!cJSON_IsObject(so)) return srv_bad(err, "stream_options", "invalid_type", "'stream_options' must be an object");
+        if (!r->stream)
+            return srv_bad(err, "stream_options", "invalid_value", "'stream_options' is only allowed with \"stream\": true");
+        const cJSON *iu = cJSON_GetObjectItemCaseSensitive(so, "include_usage");
+        if (given(iu) && !cJSON_IsBool(iu))
+            return srv_bad(err, "stream_options.include_usage", "invalid_type", "'include_usage' must be true or false");
+        r->include_usage = cJSON_IsTrue(iu);
+    }
+    return parse_stop(o, r, err) && parse_priority(o, r, err);
+}
+
+bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_limits *lim, srv_request *out,
+                       srv_error *err) {
+    memset(out, 0, sizeof *out);
+    memset(err, 0, sizeof *err);
+    out->kind = kind;
+    out->max_tokens = -1;
+    out->n = 1;
+    /* OpenAI's defaults, not the CLI's: plain sampling at temperature 1. */
+    duet_sampling *s = &out->sampling;
+    *s = duet_sampling_default();
+    s->temperature = 1;
+    s->top_k = 0;
+    s->top_p = 1;
+    s->min_p = 0;
+    s->repetition_penalty = 1;
+    s->presence_penalty = 0;
+    s->frequency_penalty = 0;
+    s->penalty_last_n = 0;
+
+    cJSON *o = cJSON_ParseWithLength(body, len);
+    if (!o) return srv_bad(err, NULL, "invalid_json", "the request body is not valid JSON");
+    bool ok = cJSON_IsObject(o) ? parse_fields(o, lim, out, err)
+                                : srv_bad(err, NULL, "invalid_json", "the request body must be a JSON object");
+    cJSON_Delete(o);
+    if (!ok) srv_request_free(out);
+    return ok;
+}
+
+void srv_request_free(srv_request *r) {
+    for (int i = 0; i < r->n_prompts; i++) free(r->prompts[i].text), free(r->prompts[i].ids);
+    for (int i = 0; i < r->n_messages; i++) free(r->messages[i].content);
+    free(r->messages);
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    memset(r, 0, sizeof *r);
+}
+
+/* ---- stop strings ------------------------------------------------------- */
+
+size_t srv_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, bool *hit) {
+    *hit = false;
+    size_t safe = len;
+    for (int i = 0; i < n_stop; i++) {
+        size_t sl = strlen(stop[i]);
+        if (sl == 0) continue;
+        /* A full match anywhere: the earliest one wins. */
+        for (size_t at = 0; at + sl <= len && at < safe; at++)
+            if (!memcmp(text + at, stop[i], sl)) {
+                safe = at;
+                *hit = true;
+                break;
+            }
+    }
+    if (*hit) return safe;
+    /* No match: hold back the longest tail that is a prefix of a stop string. */
+    for (int i = 0; i < n_stop; i++) {
+        size_t sl = strlen(stop[i]);
+        size_t max = sl - 1 < len ? sl - 1 : len;
+        for (size_t k = max; k > 0; k--)
+            if (len - k < safe && !memcmp(text + len - k, stop[i], k)) {
+                safe = len - k;
+                break;
+            }
+    }
+    return safe;
+}
+
+/* ---- responses ------------------------------------------------------ */
+
+static const char *object_name(srv_kind kind, bool chunk) {
+    if (kind == SRV_CHAT) return chunk ? "chat.completion.chunk" : "chat.completion";
+    return "text_completion";
+}
+
+static cJSON *response_head(srv_kind kind, bool chunk, const char *id, long created, const char *model) {
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "id", id);
+    cJSON_AddStringToObject(o, "object", object_name(kind, chunk));
+    cJSON_AddNumberToObject(o, "created", (double)created);
+    cJSON_AddStringToObject(o, "model", model);
+    return o;
+}
+
+/* A slice of text as a JSON string. cJSON strings end at NUL, so a NUL
+ * byte the model wrote is dropped rather than cutting the text short. */
+static cJSON *string_n(const char *s, size_t n) {
+    char *c = malloc(n + 1);
+    if (!c) return NULL;
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (s[i]) c[k++] = s[i];
+    c[k] = 0;
+    cJSON *v = cJSON_CreateString(c);
+    free(c);
+    return v;
+}
+
+static void add_usage(cJSON *o, srv_usage u) {
+    cJSON *us = cJSON_AddObjectToObject(o, "usage");
+    cJSON_AddNumberToObject(us, "prompt_tokens", u.prompt_tokens);
+    cJSON_AddNumberToObject(us, "completion_tokens", u.completion_tokens);
+    cJSON_AddNumberToObject(us, "total_tokens", u.prompt_tokens + u.completion_tokens);
+}
+
+char *srv_response_json(srv_kind kind, const char *id, long created, const char *model,
+                        const srv_choice_result *choices, int n, srv_usage usage) {
+    cJSON *o = response_head(kind, false, id, created, model);
+    cJSON *arr = cJSON_AddArrayToObject(o, "choices");
+    for (int i = 0; i < n; i++) {
+        cJSON *c = cJSON_CreateObject();
+        cJSON_AddNumberToObject(c, "index", i);
+        cJSON *text = string_n(choices[i].text ? choices[i].text : "", choices[i].text ? choices[i].len : 0);
+        if (kind == SRV_CHAT) {
+            cJSON *m = cJSON_AddObjectToObject(c, "message");
+            cJSON_AddStringToObject(m, "role", "assistant");
+            cJSON_AddItemToObject(m, "content", text);
+        } else {
+            cJSON_AddItemToObject(c, "text", text);
+        }
+        cJSON_AddNullToObject(c, "logprobs");
+        cJSON_AddStringToObject(c, "finish_reason", choices[i].finish);
+        cJSON_AddItemToArray(arr, c);
+    }
+    add_usage(o, usage);
+    return print_json(o);
+}
+
+static bool append_sse(srv_text *out, cJSON *o) {
+    char *s = print_json(o);
+    if (!s) return false;
+    bool ok = srv_text_printf(out, "data: %s\n\n", s);
+    free(s);
+    return ok;
+}
+
+bool srv_chunk_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, int index,
+                   const char *text, size_t len, const char *finish, bool role, bool null_usage) {
+    cJSON *o = response_head(kind, true, id, created, model);
+    cJSON *c = cJSON_CreateObject();
+    cJSON_AddNumberToObject(c, "index", index);
+    if (kind == SRV_CHAT) {
+        cJSON *d = cJSON_AddObjectToObject(c, "delta");
+        if (role) {
+            cJSON_AddStringToObject(d, "role", "assistant");
+            cJSON_AddStringToObject(d, "content", "");
+        } else if (!finish) {
+            cJSON_AddItemToObject(d, "content", string_n(text ? text : "", text ? len : 0));
+        }
+    } else {
+        cJSON_AddItemToObject(c, "text", string_n(text ? text : "", text ? len : 0));
+    }
+    cJSON_AddNullToObject(c, "logprobs");
+    if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
+    else cJSON_AddNullToObject(c, "finish_reason");
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "choices"), c);
+    if (null_usage) cJSON_AddNullToObject(o, "usage");
+    return append_sse(out, o);
+}
+
+bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, srv_usage u) {
+    cJSON *o = response_head(kind, true, id, created, model);
+    cJSON_AddArrayToObject(o, "choices");
+    add_usage(o, u);
+    return append_sse(out, o);
+}
