@@ -1,0 +1,113 @@
+/* cpu_internal.h — shared state of the cpu backend's files.
+ *
+ * cpu_backend.c   the interface, device info, buffers, op validation
+ * cpu_threadpool.c the persistent worker pool (the caller is worker 0)
+ * cpu_matmul.c    MATMUL for f32/f16/bf16/q8_0 weights
+ * cpu_ops.c       the other ops and the small vector kernels they use
+ *
+ * Kernels come in three paths chosen at run time from the CPU's features
+ * (one portable binary): scalar, avx2 (avx2+fma+f16c) and avx512
+ * (avx512f/bw/vl + avx512_vnni on top of avx2). */
+#ifndef DUET_CPU_INTERNAL_H
+#define DUET_CPU_INTERNAL_H
+
+#include <stdatomic.h>
+#include <pthread.h>
+
+#include "../backend.h"
+
+typedef enum cpu_isa {
+    CPU_ISA_SCALAR = 0,
+    CPU_ISA_AVX2 = 1,
+    CPU_ISA_AVX512 = 2,
+} cpu_isa;
+
+const char *duet__cpu_isa_name(cpu_isa isa);
+/* The best path this CPU runs, capped by $DUET_CPU_ISA (scalar|avx2|avx512)
+ * so tests can exercise every path on one machine. */
+cpu_isa duet__cpu_isa_detect(void);
+
+/* ---- thread pool ----------------------------------------------------------- */
+
+/* A task runs once on every worker: ith in [0, nth). */
+typedef void (*cpu_task_fn)(void *ctx, int ith, int nth);
+
+typedef struct cpu_pool {
+    int n_threads; /* workers including the caller */
+    pthread_t *threads;
+    cpu_task_fn fn;
+    void *ctx;
+    /* Futex words (32-bit). `gen` counts dispatches; workers wait for it to
+     * change. `pending` counts workers still running the current task. */
+    _Atomic uint32_t gen;
+    _Atomic uint32_t pending;
+    _Atomic int sleepers;       /* workers blocked in futex_wait on gen */
+    _Atomic int caller_waiting; /* the caller is blocked on pending */
+    _Atomic int stop;
+} cpu_pool;
+
+duet_status duet__cpu_pool_init(cpu_pool *pool, int n_threads);
+void duet__cpu_pool_free(cpu_pool *pool);
+/* Runs fn(ctx, i, nth) on nth = min(n, n_threads) workers and returns when
+ * all are done. n <= 1 runs inline with no synchronisation at all. */
+void duet__cpu_pool_run(cpu_pool *pool, int n, cpu_task_fn fn, void *ctx);
+
+/* Splits [0, n) into nth contiguous chunks, each a multiple of `align`
+ * (except the last); sets [*lo, *hi) for worker ith. */
+static inline void cpu_split(int64_t n, int ith, int nth, int64_t align, int64_t *lo, int64_t *hi) {
+    int64_t units = (n + align - 1) / align;
+    int64_t a = units * ith / nth * align, b = units * (ith + 1) / nth * align;
+    *lo = a < n ? a : n;
+    *hi = b < n ? b : n;
+}
+
+/* ---- the backend ---------------------------------------------------------- */
+
+struct duet_buffer {
+    void *data; /* 64-byte aligned */
+    size_t size;
+};
+
+typedef struct cpu_scratch {
+    void *p;
+    size_t size;
+} cpu_scratch;
+
+typedef struct cpu_backend {
+    duet_backend base; /* must be first */
+    cpu_isa isa;
+    cpu_pool pool;
+    bool in_step;
+    /* Scratch grown on demand and kept: the token loop never allocates in
+     * steady state. */
+    cpu_scratch act;     /* matmul: quantized activations */
+    cpu_scratch work;    /* per-thread rows: attention scores, rope tables */
+    double *rope_freq;   /* inverse frequencies for (rope_base, rope_n_rot) */
+    float rope_base;
+    int rope_n_rot;
+} cpu_backend;
+
+/* Grows s to at least `size` bytes (64-byte aligned); contents are lost. */
+duet_status duet__cpu_scratch_reserve(cpu_scratch *s, size_t size);
+
+/* Ops, run after validation (cpu_backend.c); operand pointers resolved. */
+duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, const float *x,
+                             const float *bias, float *out);
+duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *tokens,
+                            const void *table, float *out);
+duet_status duet__cpu_rmsnorm(cpu_backend *be, const duet_op *op, const float *x, const float *w,
+                              float *out);
+duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, float *k, const float *v,
+                              const int32_t *pos, const int32_t *seq, void *k_cache, void *v_cache);
+duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float *q,
+                                const int32_t *pos, const int32_t *seq, const void *k_cache,
+                                const void *v_cache, float *out);
+duet_status duet__cpu_swiglu(cpu_backend *be, const duet_op *op, const float *gate, const float *up,
+                             float *out);
+duet_status duet__cpu_add(cpu_backend *be, const duet_op *op, const float *a, const float *b,
+                          float *out);
+duet_status duet__cpu_gather(cpu_backend *be, const duet_op *op, const float *x,
+                             const int32_t *rows, float *out);
+duet_status duet__cpu_argmax(cpu_backend *be, const duet_op *op, const float *x, int32_t *out);
+
+#endif /* DUET_CPU_INTERNAL_H */
