@@ -1005,7 +1005,9 @@ START_TEST(overload_gets_429) {
         ck_assert_msg(xs[i].code == 200 || xs[i].code == 429, "request %d: HTTP %ld %s", i, xs[i].code, xs[i].buf);
         xfer_free(&xs[i]);
     }
-    ck_assert_msg(ok >= 2 && busy >= 1, "%d served and %d refused; want both (one running + one waiting at most)",
+    /* How many are served depends on timing (the first may still be waiting
+     * when the second arrives); some must be served and some refused. */
+    ck_assert_msg(ok >= 1 && busy >= 1 && ok <= N - 1, "%d served and %d refused; want both",
                   ok, busy);
     double rejected = scrape(s.port, "duet_requests_total", "status=\"rejected\"");
     ck_assert_msg(rejected == busy, "duet_requests_total{status=rejected} %g, want %d", rejected, busy);

@@ -27,7 +27,8 @@
 typedef float cpu_tile_res[CPU_MR][CPU_MT];
 
 /* q8 tile: res[i][j] = dot(W row i, x token j) over nb blocks. xq: token
- * rows of int8 (stride xqs bytes); xd: token rows of scales (stride xds). */
+ * rows of int8 quants (stride xqs bytes; the avx512 path stores them +128 as
+ * unsigned); xd: token rows of scales (stride xds floats). */
 typedef void (*q8_tile_fn)(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq,
                            int64_t xqs, const float *xd, int64_t xds, int64_t nb, cpu_tile_res res);
 /* f tile: the same with f32 activations (stride xs floats) over n columns. */
@@ -272,10 +273,13 @@ static const mm_kernels mm_avx2 = {
 /* avx512 (f, bw, vl, vnni)                                                    */
 /* ======================================================================== */
 
-/* Like avx2_quantize, but each scale is stored pre-broadcast: per pair of
- * blocks 16 floats (8 x d0, 8 x d1), matching the int32 lanes the pair's
- * dot product lands in, so the kernel loads it with one instruction. A
- * missing second block of the last pair gets scale 0 and zero quants. */
+/* Like avx2_quantize, with two differences for the kernel below:
+ * - quants are stored offset by +128 as unsigned bytes (q + 128 in 1..255),
+ *   the operand vpdpbusd wants unsigned;
+ * - each scale is stored pre-broadcast: per pair of blocks 16 floats
+ *   (8 x d0, 8 x d1), matching the int32 lanes the pair's dot product lands
+ *   in, so the kernel loads it with one instruction.
+ * A missing second block of the last pair gets scale 0 and quants 0 (= 128). */
 CPU_AVX512 static void avx512_quantize(const float *x, int64_t n, int8_t *qs, float *d) {
     int64_t nb = n / 32;
     for (int64_t b = 0; b < nb; b++) {
@@ -285,24 +289,28 @@ CPU_AVX512 static void avx512_quantize(const float *x, int64_t n, int8_t *qs, fl
         __m512 s = _mm512_set1_ps(id);
         __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        _mm_storeu_si128((__m128i *)(qs + b * 32), _mm512_cvtsepi32_epi8(i0));
-        _mm_storeu_si128((__m128i *)(qs + b * 32 + 16), _mm512_cvtsepi32_epi8(i1));
+        const __m512i off = _mm512_set1_epi32(128);
+        _mm_storeu_si128((__m128i *)(qs + b * 32), _mm512_cvtusepi32_epi8(_mm512_add_epi32(i0, off)));
+        _mm_storeu_si128((__m128i *)(qs + b * 32 + 16), _mm512_cvtusepi32_epi8(_mm512_add_epi32(i1, off)));
         _mm256_storeu_ps(d + (b / 2) * 16 + (b % 2) * 8, _mm256_set1_ps(amax / 127.0f));
     }
     if (nb % 2) {
-        memset(qs + nb * 32, 0, 32);
+        memset(qs + nb * 32, 128, 32);
         _mm256_storeu_ps(d + (nb / 2) * 16 + 8, _mm256_setzero_ps());
     }
 }
 
-/* Two blocks per 512-bit register. No 512-bit sign instruction: negate x
- * where w < 0 with a masked subtract; vpdpbusd sums |w| (as unsigned, so
- * -128 reads as 128) times the signed x into int32 lanes, 8 lanes per block. */
+/* Two blocks per 512-bit register. vpdpbusd multiplies unsigned by signed
+ * bytes: with u = x + 128 (stored so by avx512_quantize) and the weights as
+ * they are, sum(u*w) = sum(x*w) + 128*sum(w). The correction 128*sum(w) is
+ * one vpdpbusd per weight vector, shared by the tile's tokens, and enters
+ * negated as each token's accumulator start value. A zero upper half (odd
+ * last block) contributes zero to both. */
 CPU_AVX512 CPU_INLINE void avx512_q8_body(const int NR, const int NT, const uint8_t *w, size_t ws,
                                           const int8_t *xq, int64_t xqs, const float *xd,
                                           int64_t xds, int64_t nb, cpu_tile_res res) {
     __m512 acc[CPU_MR][CPU_MT];
-    const __m512i zero = _mm512_setzero_si512();
+    const __m512i zero = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
@@ -333,12 +341,10 @@ CPU_AVX512 CPU_INLINE void avx512_q8_body(const int NR, const int NT, const uint
                 dh = _mm256_set_m128i(_mm_setzero_si128(), _mm_set1_epi16((short)blk[0].d));
             }
             __m512 dw = _mm512_cvtph_ps(dh);
-            __mmask64 neg = _mm512_movepi8_mask(wv);
-            __m512i aw = _mm512_abs_epi8(wv);
+            __m512i corr = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, c128, wv));
 #pragma GCC unroll 4
             for (int j = 0; j < NT; j++) {
-                __m512i sx = _mm512_mask_sub_epi8(xv[j], neg, zero, xv[j]);
-                __m512i dot = _mm512_dpbusd_epi32(zero, aw, sx);
+                __m512i dot = _mm512_dpbusd_epi32(corr, xv[j], wv);
                 acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dw, dx[j]), acc[i][j]);
             }
         }
