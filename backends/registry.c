@@ -37,14 +37,17 @@ const duet_backend_iface *duet_backend_find(const char *name) {
     return NULL;
 }
 
-/* auto ranks devices: discrete GPU > integrated GPU > CPU device > cpu backend. */
+/* auto ranks devices: discrete GPU > integrated GPU > cpu backend > a CPU
+ * exposed through a GPU API (lavapipe, PoCL) > anything else. The native
+ * cpu backend beats a GPU API's CPU emulation on the same cores, so those
+ * are used only when asked for by name (tests, vendor comparisons). */
 static int duet__device_rank(duet_device_type t) {
     switch (t) {
     case DUET_DEVICE_DISCRETE_GPU: return 4;
     case DUET_DEVICE_INTEGRATED_GPU: return 3;
-    case DUET_DEVICE_CPU: return 2;
-    case DUET_DEVICE_OTHER: return 1;
-    case DUET_DEVICE_HOST: return 0;
+    case DUET_DEVICE_HOST: return 2;
+    case DUET_DEVICE_CPU: return 1;
+    case DUET_DEVICE_OTHER: return 0;
     }
     return 0;
 }
@@ -90,7 +93,15 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
         }
     }
     if (!best) return duet__error(DUET_NO_DEVICE, "no backend has a usable device");
-    if (device >= 0) best_dev = device;
+    if (device >= 0) {
+        /* An explicit index picks within the best backend; check it here, as
+         * the named path does, rather than trusting every backend's open. */
+        int n = best->device_count();
+        if (device >= n)
+            return duet__error(DUET_NO_DEVICE, "auto chose %s, which has no device %d (it has %d; see `duet devices`)",
+                               best->name, device, n);
+        best_dev = device;
+    }
     return best->open(best_dev, params, out);
 }
 

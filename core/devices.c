@@ -1,6 +1,7 @@
 /* devices.c — every backend and device, or why a backend is unavailable. */
 #include <cjson/cJSON.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../backends/backend.h"
@@ -18,12 +19,14 @@ static const char *device_type_name(duet_device_type t) {
 
 size_t duet_devices_describe(char *buf, size_t size, bool json) {
     cJSON *arr = cJSON_CreateArray();
-    char text[8192];
-    size_t n = 0;
-    text[0] = 0;
+    /* The text grows with the devices (a fixed buffer would cut it short
+     * and misreport the length needed). */
+    char *text = NULL;
+    size_t text_len = 0;
+    FILE *tf = open_memstream(&text, &text_len);
 #define OUT(...)                                                                                         \
     do {                                                                                                 \
-        if (n < sizeof text) n += (size_t)snprintf(text + n, sizeof text - n, __VA_ARGS__);              \
+        if (tf) fprintf(tf, __VA_ARGS__);                                                                \
     } while (0)
     for (int b = 0; b < duet_backend_count(); b++) {
         const duet_backend_iface *be = duet_backend_get(b);
@@ -44,6 +47,11 @@ size_t duet_devices_describe(char *buf, size_t size, bool json) {
         for (int d = 0; d < nd; d++) {
             duet_device_info info;
             if (be->device_info(d, &info) != DUET_OK) {
+                /* Reported in both forms: JSON readers must not lose it. */
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddNumberToObject(e, "index", d);
+                cJSON_AddStringToObject(e, "error", duet_last_error());
+                cJSON_AddItemToArray(devs, e);
                 OUT("  [%d] error: %s\n", d, duet_last_error());
                 continue;
             }
@@ -70,16 +78,13 @@ size_t duet_devices_describe(char *buf, size_t size, bool json) {
         cJSON_AddItemToArray(arr, o);
     }
 #undef OUT
-    size_t need;
-    if (json) {
-        char *s = cJSON_PrintUnformatted(arr);
-        need = s ? strlen(s) : 0;
-        if (size) snprintf(buf, size, "%s", s ? s : "");
-        cJSON_free(s);
-    } else {
-        need = strlen(text);
-        if (size) snprintf(buf, size, "%s", text);
-    }
+    if (tf) fclose(tf);
+    char *s = json ? cJSON_PrintUnformatted(arr) : NULL;
+    const char *result = json ? s : text;
+    size_t need = result ? strlen(result) : 0;
+    if (size) snprintf(buf, size, "%s", result ? result : "");
+    cJSON_free(s);
+    free(text);
     cJSON_Delete(arr);
     return need;
 }

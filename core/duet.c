@@ -30,6 +30,18 @@ static duet_dtype default_kv_type(const duet_weights *w) {
     return w->layers && w->layers[0].wq.type == DUET_DTYPE_F32 ? DUET_DTYPE_F32 : DUET_DTYPE_F16;
 }
 
+/* A token's text has no length limit in GGUF. The detokenizer emits at most
+ * three bytes (U+FFFD) per byte of a token plus a pending partial
+ * character, so size buffers from the longest token. */
+static size_t detok_size(const duet_tokenizer *t) {
+    int longest = 0;
+    for (int id = 0; id < duet_tokenizer_n_vocab(t); id++) {
+        int n = duet_tokenizer_token_bytes(t, id, false, NULL, 0);
+        if (n > longest) longest = n;
+    }
+    return 3 * ((size_t)longest + 4) + 1;
+}
+
 duet_status duet_model_open(const char *path, const duet_open_params *params, duet_model **out) {
     return duet__model_open(path, params, DUET_PREFILL_CHUNK, DUET_MAX_OUT, out);
 }
@@ -52,6 +64,7 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
     duet_status st = duet_gguf_open(path, &m->gguf);
     if (st) goto fail;
     if ((st = duet_tokenizer_load(m->gguf, &m->tok))) goto fail;
+    m->detok_size = detok_size(m->tok);
     m->vocab_only = p.vocab_only;
     if (p.vocab_only) {
         /* Hyperparameters are informative only here; a vocab file may lack them. */
@@ -175,9 +188,10 @@ static duet_status eval_seq0(duet_model *m, const int32_t *tokens, int n, int po
 duet_status duet_eval(duet_model *m, const int32_t *tokens, int n, int pos0, float *logits) {
     if (!m || !tokens || n < 1) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: bad arguments");
     if (m->vocab_only) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: model was opened vocab-only");
-    if (pos0 < 0 || pos0 + n > m->n_ctx)
-        return duet__error(DUET_CONTEXT_FULL, "duet_eval: positions %d..%d exceed the context of %d", pos0,
-                           pos0 + n - 1, m->n_ctx);
+    /* n > n_ctx - pos0, not pos0 + n > n_ctx: the sum may overflow. */
+    if (pos0 < 0 || pos0 > m->n_ctx || n > m->n_ctx - pos0)
+        return duet__error(DUET_CONTEXT_FULL, "duet_eval: %d tokens at position %d exceed the context of %d", n,
+                           pos0, m->n_ctx);
     duet_status st = eval_seq0(m, tokens, n, pos0);
     if (!st && logits) memcpy(logits, m->logits, (size_t)m->hp.n_vocab * sizeof(float));
     return st;
@@ -204,6 +218,11 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
     duet_sampler *smp;
     duet_status st = duet_sampler_new(sampling ? sampling : &defaults, m->hp.n_vocab, &smp);
     if (st) return st;
+    char *text = malloc(m->detok_size);
+    if (!text) {
+        duet_sampler_free(smp);
+        return duet__error(DUET_OUT_OF_MEMORY, "generate: out of memory for %zu bytes of text", m->detok_size);
+    }
     for (int i = 0; i < n_prompt; i++) duet_sampler_accept(smp, prompt[i]);
 
     /* The context bounds generation: the last position is n_ctx - 1. */
@@ -218,23 +237,27 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
     duet_detok detok;
     bool after_bos = prompt[n_prompt - 1] == duet_tokenizer_bos(m->tok);
     duet_detok_init(&detok, m->tok, after_bos && strcmp(duet_tokenizer_model(m->tok), "llama") == 0);
-    char text[512];
     int pos = n_prompt;
+    bool stopped = false; /* fn returned false: it is not called again */
     for (int i = 0; !st && i < max_tokens; i++) {
         int32_t id = duet_sampler_sample(smp, m->logits);
         duet_sampler_accept(smp, id);
         stats->generated_tokens++;
         bool eog = !ignore_eos && duet_tokenizer_is_eog(m->tok, id);
-        int len = eog ? 0 : duet_detok_push(&detok, id, text, sizeof text);
+        int len = eog ? 0 : duet_detok_push(&detok, id, text, m->detok_size);
         if (eog) stats->stopped_by_eos = true;
-        if (fn && !fn(id, text, (size_t)(len > 0 ? len : 0), user)) break;
+        if (fn && !fn(id, text, (size_t)(len > 0 ? len : 0), user)) {
+            stopped = true;
+            break;
+        }
         if (eog || i + 1 == max_tokens) break;
         st = eval_seq0(m, &id, 1, pos++);
     }
-    if (!st && fn) {
-        int len = duet_detok_flush(&detok, text, sizeof text);
+    if (!st && fn && !stopped) {
+        int len = duet_detok_flush(&detok, text, m->detok_size);
         if (len > 0) fn(-1, text, (size_t)len, user);
     }
+    free(text);
     stats->decode_seconds = now_seconds() - t1;
     duet_sampler_free(smp);
     return st;

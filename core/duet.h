@@ -154,8 +154,9 @@ duet_sampling duet_sampling_default(void);
 
 /* Called once per generated token with its id and the UTF-8 text it
  * completes (possibly empty: a split character waits for its last byte).
- * Return false to stop. After the last token, one more call with id -1
- * delivers an unfinished character (as U+FFFD) if one is pending. */
+ * Return false to stop: no further call follows. Otherwise, after the last
+ * token, one more call with id -1 delivers an unfinished character (as
+ * U+FFFD) if one is pending. */
 typedef bool (*duet_token_fn)(int32_t id, const char *text, size_t len, void *user);
 
 typedef struct duet_generate_stats {
@@ -192,7 +193,7 @@ typedef struct duet_engine_params {
     int max_batch_tokens;    /* tokens per step (decodes + prefill chunks); 0 = 256 */
     double batch_timeout_ms; /* an idle engine waits this long for more arrivals; <0 = default 2 ms */
     int prefill_chunk;       /* prompt tokens per sequence per step; 0 = 128 */
-    int max_waiting;         /* queued requests beyond which submit says DUET_BUSY; 0 = 256 */
+    int max_waiting;         /* queued requests beyond which submit says DUET_QUEUE_FULL; 0 = 256 */
     int kv_block_size;       /* tokens per KV block; 0 = 16 */
     int kv_blocks;           /* KV blocks in the pool; 0 = enough for every slot at full context */
 } duet_engine_params;
@@ -249,6 +250,44 @@ duet_status duet_engine_cancel(duet_engine *e, uint64_t id);
 
 /* Prometheus text exposition of the engine's metrics (malloc'd; free()). */
 char *duet_engine_metrics(duet_engine *e);
+
+/* ---- quality evaluation ---------------------------------------------- */
+
+/* How closely `model` follows a reference on one token sequence (teacher
+ * forcing: both read the same tokens and predict each next one). Used to
+ * check a quantised model or a backend against an f32 original on the CPU. */
+typedef struct duet_quality {
+    int positions;          /* next-token predictions scored */
+    int windows;            /* passes from position 0 over the split text */
+    double kl_mean;         /* mean KL(ref || model) of the next-token distributions, nats */
+    double kl_p99, kl_max;  /* 99th percentile (nearest rank) and largest per-position KL */
+    double top1_agreement;  /* fraction of positions where both argmaxes are the same id */
+    double ppl, ppl_ref;    /* exp(mean -log p(actual next token)) under model and ref */
+    double seconds;         /* wall time of the two forward passes and the scoring */
+} duet_quality;
+
+/* Scores `model` against `ref` over tokens[0..n_tokens). Both handles come
+ * from duet_model_open (any backends and devices) and must have the same
+ * vocabulary, else DUET_INVALID_ARGUMENT with a message naming the first
+ * difference. The text is split into windows of at most `window` tokens
+ * (0 = the smaller context of the two), each run from position 0; a window
+ * after the first starts with BOS (or the previous token when the model has
+ * no BOS) unless its first token already is BOS. Every token that follows
+ * another in a window is predicted once, so positions is n_tokens - 1 less
+ * the windows that start at a BOS of the text. Logits are compared in double
+ * precision. A non-finite logit is an error (DUET_DEVICE) naming the model
+ * and position. Sequence 0's KV cache of both handles is overwritten. */
+duet_status duet_quality_eval(duet_model *model, duet_model *ref, const int32_t *tokens, int n_tokens,
+                              int window, duet_quality *out);
+
+/* Writes n_tokens of text sampled from `ref` into tokens[]: BOS, then tokens
+ * drawn at temperature 1 from the full distribution (no top-k/top-p/min-p,
+ * no penalties), so the text is in the model's own distribution and not the
+ * repetitive loop greedy decoding falls into. Each segment holds at most
+ * `window` tokens (0 = the context); at EOS or a full segment the next one
+ * starts with BOS and a seed derived from `seed`. Same model, seed and window
+ * give the same tokens. DUET_UNSUPPORTED when the model has no BOS token. */
+duet_status duet_quality_generate(duet_model *ref, int n_tokens, int window, uint64_t seed, int32_t *tokens);
 
 
 #ifdef __cplusplus

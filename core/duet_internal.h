@@ -18,6 +18,7 @@ struct duet_model {
     float *logits;        /* host [max_out][n_vocab] */
     int n_ctx, n_seqs;
     int max_step_tokens, max_out;
+    size_t detok_size; /* bytes a detokenizer buffer needs for any one token */
 };
 
 /* duet_model_open with the step sizes the caller needs (the engine batches

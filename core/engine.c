@@ -25,6 +25,7 @@
 /* Request ids carry their table index in the low bits: O(1) look-up. */
 #define ID_INDEX_BITS 20
 #define ID_INDEX(id) ((int)((id) & ((1u << ID_INDEX_BITS) - 1)))
+#define ENGINE_ERR_SIZE 1024
 
 typedef struct engine_req {
     uint64_t id;            /* 0 when the entry is free */
@@ -38,7 +39,7 @@ typedef struct engine_req {
     void *user;
     int64_t t_arrival, t_first_sched, t_first_token, t_last_token;
     _Atomic bool cancelled; /* DONE(CANCELLED) is owed; read unlocked during a step */
-    duet_finish finish;     /* set when the engine decides it is done */
+    duet_finish finish;     /* set under the lock when the engine decides it is done */
 } engine_req;
 
 struct duet_engine {
@@ -60,8 +61,10 @@ struct duet_engine {
     duet_sched_seq *plan_seqs;
     int32_t *tok, *pos, *seq, *out;
     duet_sched_result *results;
+    duet_finish *step_finish; /* [max_seqs] what the step decided; published under the lock */
     int max_tokens, max_seqs;
-    char *err; /* message of a failed step */
+    char *text; /* [model->detok_size] a token's text, for the engine thread */
+    char *err; /* message of a failed step [ENGINE_ERR_SIZE] */
 };
 
 static int64_t now_ns(void) {
@@ -261,8 +264,9 @@ static void update_gauges(duet_engine *e) {
     duet__metrics_set_gauges(e->metrics, &g);
 }
 
-/* Runs one planned step (unlocked). Fills e->results; returns the forward's
- * status. */
+/* Runs one planned step (unlocked). Fills e->results and e->step_finish;
+ * returns the forward's status. Request fields that other threads read
+ * (finish) are left for the caller to set under the lock. */
 static duet_status run_step(duet_engine *e, int n_seqs) {
     duet_model *m = e->model;
     int n = 0, n_out = 0;
@@ -285,12 +289,12 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
 
     /* Sample, stream, and decide who is done. */
     int row = 0;
-    char text[512];
     for (int i = 0; i < n_seqs; i++) {
         const duet_sched_seq *s = &e->plan_seqs[i];
         engine_req *r = find_req(e, s->id);
         duet_sched_result *res = &e->results[i];
         *res = (duet_sched_result){.id = s->id};
+        e->step_finish[i] = DUET_FINISH_NONE;
         if (!s->logits) continue;
         float *logits = m->logits + (size_t)(row++) * m->hp.n_vocab;
         res->n_generated = 1;
@@ -302,12 +306,13 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
         else duet__metrics_inter_token(e->metrics, secs(now - r->t_last_token));
         r->t_last_token = now;
         bool eog = !r->ignore_eos && duet_tokenizer_is_eog(m->tok, id);
-        if (eog) r->finish = DUET_FINISH_STOP;
-        else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= m->n_ctx) r->finish = DUET_FINISH_LENGTH;
-        res->finished = r->finish != DUET_FINISH_NONE;
+        if (eog) e->step_finish[i] = DUET_FINISH_STOP;
+        else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= m->n_ctx)
+            e->step_finish[i] = DUET_FINISH_LENGTH;
+        res->finished = e->step_finish[i] != DUET_FINISH_NONE;
         if (r->cancelled) continue; /* its DONE is owed; no more tokens */
-        int len = eog ? 0 : duet_detok_push(&r->detok, id, text, sizeof text);
-        emit_token(r, id, text, (size_t)(len > 0 ? len : 0));
+        int len = eog ? 0 : duet_detok_push(&r->detok, id, e->text, m->detok_size);
+        emit_token(r, id, e->text, (size_t)(len > 0 ? len : 0));
     }
     return DUET_OK;
 }
@@ -349,8 +354,19 @@ static void *engine_main(void *arg) {
         }
         pthread_mutex_unlock(&e->mu);
         duet_status st = run_step(e, n_seqs);
-        if (st) snprintf(e->err, 1024, "%s", duet_last_error());
+        if (st) snprintf(e->err, ENGINE_ERR_SIZE, "%s", duet_last_error());
         pthread_mutex_lock(&e->mu);
+        if (!st) {
+            for (int i = 0; i < n_seqs; i++) {
+                engine_req *r = find_req(e, e->plan_seqs[i].id);
+                if (r && !r->cancelled) r->finish = e->step_finish[i];
+            }
+            st = duet__sched_step_done(e->sched, now_ns(), e->results, n_seqs);
+            /* Cannot happen unless engine and scheduler disagree; failing the
+             * step beats leaving it outstanding, which would wedge the engine. */
+            if (st) snprintf(e->err, ENGINE_ERR_SIZE, "engine: the scheduler refused a step's results: %s",
+                             duet_last_error());
+        }
         if (st) {
             /* A device error fails this step's requests; the engine keeps
              * serving the others. */
@@ -359,15 +375,15 @@ static void *engine_main(void *arg) {
                 engine_req *r = find_req(e, e->plan_seqs[i].id);
                 if (!r || r->cancelled) continue;
                 duet__sched_cancel(e->sched, now_ns(), r->id);
+                r->finish = DUET_FINISH_ERROR; /* a cancel from now on is refused */
                 pthread_mutex_unlock(&e->mu);
                 emit_done(e, r, DUET_FINISH_ERROR, e->err);
                 pthread_mutex_lock(&e->mu);
                 release_req(r);
             }
+            update_gauges(e);
             continue;
         }
-        duet_status sd = duet__sched_step_done(e->sched, now_ns(), e->results, n_seqs);
-        if (sd) fprintf(stderr, "duet: engine: scheduler rejected a step result: %s\n", duet_last_error());
         update_gauges(e);
         for (int i = 0; i < n_seqs; i++) {
             engine_req *r = find_req(e, e->plan_seqs[i].id);
@@ -404,6 +420,8 @@ static void engine_free(duet_engine *e) {
     free(e->plan_seqs);
     free(e->tok), free(e->pos), free(e->seq), free(e->out);
     free(e->results);
+    free(e->step_finish);
+    free(e->text);
     free(e->err);
     duet__sched_free(e->sched);
     duet__metrics_free(e->metrics);
@@ -414,6 +432,7 @@ static void engine_free(duet_engine *e) {
 }
 
 duet_status duet_engine_start(const char *path, const duet_engine_params *params, duet_engine **out) {
+    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_start: out is NULL");
     *out = NULL;
     duet_engine_params p = params ? *params : duet_engine_params_default();
     duet_engine_params d = duet_engine_params_default();
@@ -454,7 +473,16 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     duet_model *m = e->model;
     const int n_ctx = m->n_ctx;
     const int blocks_per_seq = (n_ctx + p.kv_block_size - 1) / p.kv_block_size;
-    int kv_blocks = p.kv_blocks ? p.kv_blocks : blocks_per_seq * p.max_batch_seqs;
+    /* The cache holds every slot at full context: more blocks than that
+     * could never be used, fewer make admission preempt. */
+    const int max_blocks = blocks_per_seq * p.max_batch_seqs;
+    int kv_blocks = p.kv_blocks ? p.kv_blocks : max_blocks;
+    if (kv_blocks < 1 || kv_blocks > max_blocks) {
+        st = duet__error(DUET_INVALID_ARGUMENT,
+                         "kv_blocks %d out of range [1, %d] (%d sequences x %d positions in blocks of %d)",
+                         kv_blocks, max_blocks, p.max_batch_seqs, n_ctx, p.kv_block_size);
+        goto fail;
+    }
     duet_sched_config sc = {.max_seqs = p.max_batch_seqs,
                             .max_tokens = p.max_batch_tokens,
                             .max_waiting = p.max_waiting,
@@ -482,9 +510,11 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     e->pos = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
     e->seq = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
     e->out = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
-    e->err = calloc(1, 1024);
+    e->step_finish = calloc((size_t)p.max_batch_seqs, sizeof *e->step_finish);
+    e->text = malloc(m->detok_size);
+    e->err = calloc(1, ENGINE_ERR_SIZE);
     if (!e->metrics || !e->reqs || !e->cancel_list || !e->plan_seqs || !e->results || !e->tok || !e->pos ||
-        !e->seq || !e->out || !e->err) {
+        !e->seq || !e->out || !e->step_finish || !e->text || !e->err) {
         st = duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory");
         goto fail;
     }

@@ -7,6 +7,7 @@
  *   logits = rmsnorm(x[out rows])·Wout
  */
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -223,9 +224,12 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
     if (b->n_out > 0 && logits)
         return duet_buffer_download(be, s->logits, 0, logits, (size_t)b->n_out * hp->n_vocab * sizeof(float));
     return DUET_OK;
-fail:
-    /* Close the step so the backend is ready for the next one. */
+fail:;
+    /* Close the step so the backend is ready for the next one, keeping the
+     * message of the op that failed (closing may set its own). */
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", duet_last_error());
     duet_step_submit(be);
     duet_step_wait(be);
-    return st;
+    return duet__error(st, "%s", msg);
 }

@@ -160,7 +160,7 @@ duet_status duet_mkmodel(const duet_mkmodel_params *p, const char *path) {
     else if (strcmp(p->type, "q8_0") == 0) type = DUET_DTYPE_Q8_0;
     else return duet__error(DUET_INVALID_ARGUMENT, "mkmodel: unknown type '%s' (have: f32, f16, q8_0)", p->type);
     if (p->n_ctx < 0 || p->n_ctx > (1 << 20))
-        return duet__error(DUET_INVALID_ARGUMENT, "mkmodel: --ctx %d out of range [1, 1048576]", p->n_ctx);
+        return duet__error(DUET_INVALID_ARGUMENT, "mkmodel: n_ctx %d out of range [1, 1048576] (0 = the shape's default)", p->n_ctx);
 
     duet_gguf_writer *w = duet_gguf_writer_new();
     if (!w) return duet__error(DUET_OUT_OF_MEMORY, "mkmodel: out of memory");

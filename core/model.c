@@ -1,4 +1,5 @@
 /* model.c — hyperparameters and weights of a Llama-family GGUF model. */
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -6,6 +7,10 @@
 #include "model.h"
 
 static const char *const supported_archs[] = {"llama", "qwen2", "mistral"};
+
+/* Larger than any released vocabulary (Gemma's 256k), small enough that
+ * n_vocab-sized logit rows stay a sane allocation. */
+#define DUET_MAX_VOCAB (1 << 22)
 
 /* Reads "<arch>.<suffix>" as an int. */
 static bool get_arch_int(const duet_gguf *g, const char *arch, const char *suffix, int64_t *out) {
@@ -51,19 +56,25 @@ duet_status duet__hparams_load(const duet_gguf *g, duet_hparams *hp) {
         (st = need_int(g, a, "attention.head_count", 1024, &hp->n_head)) ||
         (st = need_int(g, a, "feed_forward_length", 1 << 18, &hp->n_ff)))
         return st;
-    int64_t v;
-    hp->n_head_kv = get_arch_int(g, a, "attention.head_count_kv", &v) ? (int)v : hp->n_head;
-    if (hp->n_head_kv < 1 || hp->n_head_kv > hp->n_head || hp->n_head % hp->n_head_kv)
-        return duet__error(DUET_BAD_MODEL, "model: head_count_kv %d must divide head_count %d", hp->n_head_kv,
+    /* Optional keys are checked as int64 before narrowing, so a huge value
+     * cannot wrap into a plausible one. */
+    int64_t v = hp->n_head;
+    get_arch_int(g, a, "attention.head_count_kv", &v);
+    if (v < 1 || v > hp->n_head || hp->n_head % v)
+        return duet__error(DUET_BAD_MODEL, "model: head_count_kv %lld must divide head_count %d", (long long)v,
                            hp->n_head);
-    hp->head_dim = hp->n_embd / hp->n_head;
-    if (get_arch_int(g, a, "attention.key_length", &v)) hp->head_dim = (int)v;
-    if (hp->head_dim < 2 || hp->head_dim > 1024 || hp->head_dim % 2)
-        return duet__error(DUET_BAD_MODEL, "model: head dimension %d must be even, in [2, 1024]", hp->head_dim);
-    hp->n_rot = get_arch_int(g, a, "rope.dimension_count", &v) ? (int)v : hp->head_dim;
-    if (hp->n_rot < 2 || hp->n_rot > hp->head_dim || hp->n_rot % 2)
-        return duet__error(DUET_BAD_MODEL, "model: rope.dimension_count %d must be even and <= head dim %d",
-                           hp->n_rot, hp->head_dim);
+    hp->n_head_kv = (int)v;
+    v = hp->n_embd / hp->n_head;
+    get_arch_int(g, a, "attention.key_length", &v);
+    if (v < 2 || v > 1024 || v % 2)
+        return duet__error(DUET_BAD_MODEL, "model: head dimension %lld must be even, in [2, 1024]", (long long)v);
+    hp->head_dim = (int)v;
+    v = hp->head_dim;
+    get_arch_int(g, a, "rope.dimension_count", &v);
+    if (v < 2 || v > hp->head_dim || v % 2)
+        return duet__error(DUET_BAD_MODEL, "model: rope.dimension_count %lld must be even and <= head dim %d",
+                           (long long)v, hp->head_dim);
+    hp->n_rot = (int)v;
     hp->n_ctx_train = get_arch_int(g, a, "context_length", &v) && v > 0 && v < (1 << 24) ? (int)v : 2048;
     hp->norm_eps = 1e-5f;
     get_arch_f32(g, a, "attention.layer_norm_rms_epsilon", &hp->norm_eps);
@@ -78,13 +89,15 @@ duet_status duet__hparams_load(const duet_gguf *g, duet_hparams *hp) {
 
     /* The vocabulary size comes from the embedding (what the weights hold). */
     const duet_gguf_tensor *emb = duet_gguf_find_tensor(g, "token_embd.weight");
-    if (emb && emb->n_dims == 2) hp->n_vocab = (int)emb->ne[1];
-    else if (get_arch_int(g, a, "vocab_size", &v)) hp->n_vocab = (int)v;
-    else {
+    if (emb && emb->n_dims == 2) v = emb->ne[1];
+    else if (!get_arch_int(g, a, "vocab_size", &v)) {
         const duet_gguf_kv *kv = duet_gguf_find(g, "tokenizer.ggml.tokens");
-        hp->n_vocab = kv && kv->value.type == DUET_GGUF_ARRAY ? (int)kv->value.arr.n : 0;
+        v = kv && kv->value.type == DUET_GGUF_ARRAY && kv->value.arr.n <= INT32_MAX ? (int64_t)kv->value.arr.n : 0;
     }
-    if (hp->n_vocab < 1) return duet__error(DUET_BAD_MODEL, "model: cannot tell the vocabulary size");
+    if (v < 1 || v > DUET_MAX_VOCAB)
+        return duet__error(DUET_BAD_MODEL, "model: vocabulary size %lld is not in [1, %d]", (long long)v,
+                           DUET_MAX_VOCAB);
+    hp->n_vocab = (int)v;
     return DUET_OK;
 }
 
@@ -130,8 +143,7 @@ static duet_status load_weight(const duet_gguf *g, const char *name, int64_t col
                            "model: tensor '%s' has shape [%lld, %lld] (n_dims %d), expected [%lld, %lld]",
                            name, (long long)t->ne[0], (long long)(t->n_dims > 1 ? t->ne[1] : 1), t->n_dims,
                            (long long)cols, (long long)(rows ? rows : 1));
-    if (t->type != DUET_DTYPE_F32 && t->type != DUET_DTYPE_F16 && t->type != DUET_DTYPE_BF16 &&
-        t->type != DUET_DTYPE_Q8_0)
+    if (!duet_dtype_is_weight(t->type))
         return duet__error(DUET_UNSUPPORTED, "model: tensor '%s' has type %s (supported: f32, f16, bf16, q8_0)",
                            name, duet_dtype_name(t->type) ? duet_dtype_name(t->type) : "unknown");
     return upload_tensor(t, force_f32 ? DUET_DTYPE_F32 : t->type, be, w);

@@ -2,6 +2,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "gguf.h"
 
@@ -24,6 +25,12 @@ duet_status duet_quantize_file(const char *in, const char *out, const char *type
     if (strcmp(type, "q8_0") == 0) target = DUET_DTYPE_Q8_0;
     else if (strcmp(type, "f16") == 0) target = DUET_DTYPE_F16;
     else return duet__error(DUET_INVALID_ARGUMENT, "quantize: type '%s' is not supported (use q8_0 or f16)", type);
+    /* The output is written while the input is still mapped: writing over
+     * the input would truncate the mapping under the reader (SIGBUS). */
+    struct stat si, so;
+    if (stat(in, &si) == 0 && stat(out, &so) == 0 && si.st_dev == so.st_dev && si.st_ino == so.st_ino)
+        return duet__error(DUET_INVALID_ARGUMENT, "quantize: '%s' and '%s' are the same file; write to a new one",
+                           in, out);
     duet_gguf *g;
     duet_status st = duet_gguf_open(in, &g);
     if (st) return st;
@@ -46,7 +53,7 @@ duet_status duet_quantize_file(const char *in, const char *out, const char *type
         snprintf(name, sizeof name, "%.*s", (int)(t->name.len < 255 ? t->name.len : 255), t->name.ptr);
         /* Only 2-D weight matrices change; norms and biases stay as they are. */
         duet_dtype to = t->type;
-        if (t->n_dims == 2 && strstr(name, ".weight")) {
+        if (t->n_dims == 2 && strstr(name, ".weight") && duet_dtype_is_weight(t->type)) {
             to = target;
             if (target == DUET_DTYPE_Q8_0 && t->ne[0] % DUET_QK8_0 != 0) {
                 to = DUET_DTYPE_F16;

@@ -73,7 +73,9 @@ typedef struct duet_detok {
 
 void duet_detok_init(duet_detok *d, const duet_tokenizer *t, bool strip_leading_space);
 /* Appends the text completed by `id` to out (at most size bytes, NUL-terminated)
- * and returns its length. size >= 256 is always enough for one token. */
+ * and returns its full length; if that is >= size, the text was cut at a
+ * character boundary. Token texts have no length limit in GGUF: 3 bytes per
+ * byte of the longest token, plus 13, is always enough. */
 int duet_detok_push(duet_detok *d, int32_t id, char *out, size_t size);
 /* Flushes an unfinished character as U+FFFD replacement bytes. */
 int duet_detok_flush(duet_detok *d, char *out, size_t size);

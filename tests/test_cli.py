@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 DUET, SHARED, BUILD = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -97,7 +98,8 @@ class Cli(unittest.TestCase):
         # Same parameters, same bytes.
         again = os.path.join(self.tmp.name, "tiny-again.gguf")
         duet("mkmodel", "--shape", "tiny", "--type", "f32", "--seed", "7", "-o", again)
-        self.assertEqual(open(again, "rb").read(), open(self.tiny, "rb").read())
+        with open(again, "rb") as a, open(self.tiny, "rb") as b:
+            self.assertEqual(a.read(), b.read())
 
     def test_mkmodel_tokenizer_works(self):
         r = json.loads(duet("tokenize", "-m", self.tiny, "--json", "hello there").stdout)
@@ -166,6 +168,55 @@ class Cli(unittest.TestCase):
             p = duet(*args, check=False)
             self.assertNotEqual(p.returncode, 0, args)
             self.assertIn(needle.lower(), p.stderr.lower(), f"{args}: {p.stderr}")
+
+    def test_quantize_refuses_to_overwrite_its_input(self):
+        # The input stays mapped while the output is written: writing over it
+        # would truncate the mapping under the reader (SIGBUS) and lose the file.
+        src = os.path.join(self.tmp.name, "inplace.gguf")
+        alias = os.path.join(self.tmp.name, "inplace-alias.gguf")
+        with open(STORIES, "rb") as fh:
+            original = fh.read()
+        with open(src, "wb") as fh:
+            fh.write(original)
+        os.link(src, alias)
+        for out in (src, alias):
+            p = duet("quantize", src, out, "--type", "q8_0", check=False)
+            self.assertEqual(p.returncode, 1, p.stderr)
+            self.assertIn("same file", p.stderr)
+            with open(src, "rb") as fh:
+                self.assertEqual(fh.read(), original, "the input was modified")
+
+    def test_devices_usage_error_goes_to_stderr(self):
+        p = duet("devices", "--bogus", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertEqual(p.stdout, "")
+        self.assertIn("--bogus", p.stderr)
+        self.assertIn("usage", p.stderr)
+        p = duet("devices", "--help")
+        self.assertIn("usage", p.stdout)
+
+    def test_auto_backend_device_out_of_range(self):
+        p = duet("run", "-m", STORIES, "-p", "x", "--device", "1000", check=False)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("device 1000", p.stderr)
+        self.assertIn("duet devices", p.stderr)
+
+    def test_default_model_is_created_atomically(self):
+        # Runs without -m generate the default model on first use. Started
+        # together, none may read another's half-written file, and no
+        # temporary file may stay behind.
+        cache = os.path.join(self.tmp.name, "xdg-cache")
+        env = dict(os.environ, XDG_CACHE_HOME=cache)
+        procs = []
+        for _ in range(3):  # staggered, so later runs start while the first is writing
+            procs.append(subprocess.Popen([DUET, "run", "-p", "Once", "-n", "2", "--temp", "0", "--json"], env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            time.sleep(0.2)
+        outs = [p.communicate(timeout=600) for p in procs]
+        for p, (out, err) in zip(procs, outs):
+            self.assertEqual(p.returncode, 0, err)
+            self.assertEqual(len(json.loads(out)["tokens"]), 2)
+        self.assertIn("synthetic-125m-q8_0.gguf", os.listdir(os.path.join(cache, "duet")))
 
 
 if __name__ == "__main__":

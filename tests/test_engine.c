@@ -1,9 +1,13 @@
 /* test_engine.c — the serving engine end to end on stories260K: batching
  * does not change results, cancellation and preemption lose nothing, bad
- * requests are refused with clear errors and the engine keeps serving. */
+ * requests are refused with clear errors, a device error fails only the
+ * requests of its step, and the engine keeps serving. */
 #include <pthread.h>
+#include <time.h>
 
 #include "duet.h"
+#include "duet_internal.h"
+#include "fault_backend.h"
 #include "test_util.h"
 
 #define N_REQ 24
@@ -16,6 +20,7 @@ typedef struct collected {
     int n[N_REQ];
     int done[N_REQ]; /* DONE events seen */
     duet_finish finish[N_REQ];
+    char message[N_REQ][256]; /* of DONE(ERROR) */
     int n_done;
     uint64_t rid[N_REQ];
     int cancel_after; /* cancel request 0 after this many tokens (0 = never) */
@@ -40,6 +45,7 @@ static void on_event(const duet_event *ev, void *user) {
     } else if (ev->kind == DUET_EVENT_DONE) {
         c->done[x->i]++;
         c->finish[x->i] = ev->finish;
+        snprintf(c->message[x->i], sizeof c->message[x->i], "%s", ev->message ? ev->message : "");
         c->n_done++;
         pthread_cond_broadcast(&c->cv);
     }
@@ -53,8 +59,9 @@ static int tokenize(const duet_model *m, int i, int32_t *ids) {
     return duet_tokenize(m, p, strlen(p), true, false, ids, 64);
 }
 
-static duet_engine *start(int max_seqs, int kv_blocks, int max_waiting) {
+static duet_engine *start_timeout(int max_seqs, int kv_blocks, int max_waiting, double batch_timeout_ms) {
     duet_engine_params p = duet_engine_params_default();
+    p.batch_timeout_ms = batch_timeout_ms;
     p.open.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
     p.open.n_ctx = 256;
     p.max_batch_seqs = max_seqs;
@@ -66,6 +73,10 @@ static duet_engine *start(int max_seqs, int kv_blocks, int max_waiting) {
     ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK, "start: %s",
                   duet_last_error());
     return e;
+}
+
+static duet_engine *start(int max_seqs, int kv_blocks, int max_waiting) {
+    return start_timeout(max_seqs, kv_blocks, max_waiting, -1);
 }
 
 static void wait_all(collected *c, int n) {
@@ -109,6 +120,17 @@ static collected *run_requests(duet_engine *e, bool one_at_a_time, int n_req) {
     return c;
 }
 
+typedef struct gen_ctx {
+    int32_t ids[MAX_GEN + 8];
+    int n;
+} gen_ctx;
+
+static bool collect_token(int32_t id, const char *text, size_t len, void *user) {
+    gen_ctx *g = user;
+    if (id >= 0 && g->n < MAX_GEN + 8) g->ids[g->n++] = id;
+    return true;
+}
+
 START_TEST(batching_does_not_change_greedy_outputs) {
     duet_engine *e = start(8, 0, 64);
     collected *seq = run_requests(e, true, N_REQ);
@@ -122,9 +144,27 @@ START_TEST(batching_does_not_change_greedy_outputs) {
             ck_assert_msg(seq->ids[i][t] == par->ids[i][t], "request %d token %d: %d alone, %d batched", i, t,
                           seq->ids[i][t], par->ids[i][t]);
     }
-    /* And both equal the single-sequence API. */
-    const duet_model *m = duet_engine_model(e);
-    (void)m;
+    /* And both equal the single-sequence API (one prefill, then decodes),
+     * which shares no scheduling code with the engine. */
+    duet_open_params op = duet_open_params_default();
+    op.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    op.n_ctx = 256;
+    duet_model *m;
+    ck_assert_msg(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m) == DUET_OK, "open: %s",
+                  duet_last_error());
+    for (int i = 0; i < N_REQ; i++) {
+        int32_t ids[64];
+        int n = tokenize(m, i, ids);
+        gen_ctx g = {0};
+        duet_sampling smp = duet_sampling_default();
+        smp.temperature = 0;
+        ck_assert_int_eq(duet_generate(m, ids, n, seq->n[i], &smp, true, collect_token, &g, NULL), DUET_OK);
+        ck_assert_int_eq(g.n, seq->n[i]);
+        for (int t = 0; t < g.n; t++)
+            ck_assert_msg(g.ids[t] == seq->ids[i][t], "request %d token %d: %d from the engine, %d from generate", i,
+                          t, seq->ids[i][t], g.ids[t]);
+    }
+    duet_model_close(m);
     free(seq), free(par);
     duet_engine_stop(e, true);
 }
@@ -226,6 +266,137 @@ START_TEST(queue_full_and_stop_without_drain) {
 }
 END_TEST
 
+/* Absurd sizes are refused with a message before anything is allocated. */
+START_TEST(bad_engine_params) {
+    duet_engine_params p = duet_engine_params_default();
+    p.open.backend = "cpu";
+    p.open.n_ctx = 256;
+    p.max_batch_seqs = 4;
+    duet_engine *e = (duet_engine *)1;
+    const char *model = test_shared_path("models/stories260K.gguf");
+    /* 4 sequences x 256 positions = 64 blocks of 16: more could never be used. */
+    p.kv_blocks = 65;
+    ck_assert_int_eq(duet_engine_start(model, &p, &e), DUET_INVALID_ARGUMENT);
+    ck_assert_ptr_null(e);
+    ck_assert_msg(strstr(duet_last_error(), "kv_blocks 65"), "message: %s", duet_last_error());
+    p.kv_blocks = -3;
+    ck_assert_int_eq(duet_engine_start(model, &p, &e), DUET_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(duet_last_error(), "kv_blocks -3"), "message: %s", duet_last_error());
+    p.kv_blocks = 64;
+    ck_assert_int_eq(duet_engine_start(model, &p, NULL), DUET_INVALID_ARGUMENT);
+    ck_assert_msg(duet_engine_start(model, &p, &e) == DUET_OK, "start: %s", duet_last_error());
+    duet_engine_stop(e, true);
+}
+END_TEST
+
+/* A device error fails the requests of its step, each with one DONE(ERROR)
+ * that carries the device's message; a failed request cannot be cancelled;
+ * the engine then serves new requests normally. */
+START_TEST(device_error_fails_the_step_not_the_engine) {
+    duet_engine *e = start(4, 0, 16);
+    duet_model *m = (duet_model *)duet_engine_model(e);
+    fault_install(m->be);
+    atomic_store(&fault_ops_left, 0);
+    collected *c = collected_new();
+    c->engine = e;
+    ctx xs[4];
+    for (int i = 0; i < 4; i++) {
+        int32_t ids[64];
+        int n = tokenize(m, i, ids);
+        xs[i] = (ctx){c, i};
+        duet_request q = greedy_request(ids, n, 8, DUET_PRIORITY_INTERACTIVE);
+        ck_assert_int_eq(duet_engine_submit(e, &q, on_event, &xs[i], &c->rid[i]), DUET_OK);
+    }
+    wait_all(c, 4);
+    for (int i = 0; i < 4; i++) {
+        ck_assert_int_eq(c->done[i], 1);
+        ck_assert_int_eq(c->finish[i], DUET_FINISH_ERROR);
+        ck_assert_msg(strstr(c->message[i], "injected op failure"), "request %d: message '%s'", i, c->message[i]);
+        ck_assert_int_eq(duet_engine_cancel(e, c->rid[i]), DUET_INVALID_ARGUMENT);
+    }
+    atomic_store(&fault_ops_left, -1);
+    collected *after = run_requests(e, false, 4);
+    for (int i = 0; i < 4; i++) {
+        ck_assert_int_eq(after->done[i], 1);
+        ck_assert_int_eq(after->finish[i], DUET_FINISH_LENGTH);
+    }
+    char *metrics = duet_engine_metrics(e);
+    ck_assert_msg(strstr(metrics, "priority=\"interactive\",status=\"error\"} 4\n"),
+                  "metrics do not count 4 errors:\n%s", metrics);
+    free(metrics);
+    free(c), free(after);
+    duet_engine_stop(e, true);
+    /* The engine closed the model; the fault layer goes with it. */
+}
+END_TEST
+
+/* ---- cancel racing the end of a request ---------------------------------- */
+
+typedef struct race_req {
+    pthread_mutex_t *mu;
+    int done, tokens_after_done;
+    duet_finish finish;
+} race_req;
+
+static void race_event(const duet_event *ev, void *user) {
+    race_req *r = user;
+    pthread_mutex_lock(r->mu);
+    if (ev->kind == DUET_EVENT_DONE) {
+        r->done++;
+        r->finish = ev->finish;
+    } else if (r->done) {
+        r->tokens_after_done++;
+    }
+    pthread_mutex_unlock(r->mu);
+}
+
+/* Requests of 1-3 tokens, each cancelled at a moment that lands before,
+ * during or after its last step: whatever wins, every request gets exactly
+ * one DONE and nothing after it, and a cancel that succeeds always means
+ * DONE(CANCELLED). */
+START_TEST(cancel_racing_completion) {
+    enum { ROUNDS = 30, PER_ROUND = 8 };
+    duet_engine *e = start_timeout(8, 0, 64, 0); /* steps start at once */
+    const duet_model *m = duet_engine_model(e);
+    pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    race_req *rs = calloc(ROUNDS * PER_ROUND, sizeof *rs);
+    bool *cancelled = calloc(ROUNDS * PER_ROUND, sizeof *cancelled);
+    int32_t ids[64];
+    int n = tokenize(m, 0, ids);
+    for (int round = 0; round < ROUNDS; round++) {
+        uint64_t rid[PER_ROUND];
+        for (int k = 0; k < PER_ROUND; k++) {
+            race_req *r = &rs[round * PER_ROUND + k];
+            r->mu = &mu;
+            duet_request q = greedy_request(ids, n, 1 + k % 3, DUET_PRIORITY_INTERACTIVE);
+            ck_assert_int_eq(duet_engine_submit(e, &q, race_event, r, &rid[k]), DUET_OK);
+        }
+        /* Spread the cancels over about the length of a request. */
+        for (int k = 0; k < PER_ROUND; k++) {
+            nanosleep(&(struct timespec){0, (long)((round * 7 + k * 13) % 11) * 100000}, NULL);
+            duet_status st = duet_engine_cancel(e, rid[k]);
+            ck_assert_msg(st == DUET_OK || st == DUET_INVALID_ARGUMENT, "cancel: status %d", st);
+            cancelled[round * PER_ROUND + k] = st == DUET_OK;
+        }
+    }
+    duet_engine_stop(e, true); /* drains: every DONE has been delivered */
+    int n_cancelled = 0;
+    for (int i = 0; i < ROUNDS * PER_ROUND; i++) {
+        ck_assert_msg(rs[i].done == 1, "request %d: %d DONE events", i, rs[i].done);
+        ck_assert_msg(rs[i].tokens_after_done == 0, "request %d: %d tokens after DONE", i, rs[i].tokens_after_done);
+        if (cancelled[i])
+            ck_assert_msg(rs[i].finish == DUET_FINISH_CANCELLED, "request %d: cancel succeeded, finish %d", i,
+                          rs[i].finish);
+        else
+            ck_assert_msg(rs[i].finish == DUET_FINISH_LENGTH, "request %d: cancel refused, finish %d", i,
+                          rs[i].finish);
+        n_cancelled += cancelled[i];
+    }
+    fprintf(stderr, "cancel_racing_completion: %d of %d cancels won the race\n", n_cancelled, ROUNDS * PER_ROUND);
+    free(rs), free(cancelled);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("engine");
     TCase *tc = tcase_create("stories260K");
@@ -234,6 +405,9 @@ int main(void) {
     tcase_add_test(tc, preemption_under_kv_pressure_loses_nothing);
     tcase_add_test(tc, cancel_and_refusals);
     tcase_add_test(tc, queue_full_and_stop_without_drain);
+    tcase_add_test(tc, bad_engine_params);
+    tcase_add_test(tc, device_error_fails_the_step_not_the_engine);
+    tcase_add_test(tc, cancel_racing_completion);
     suite_add_tcase(s, tc);
     return test_run_suite(s);
 }

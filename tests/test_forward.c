@@ -1,10 +1,17 @@
 /* test_forward.c — the forward pass against a naive double-precision
  * transformer written here, on small models the test writes itself: llama
  * (adjacent-pair RoPE, GQA), qwen2 (q/k/v biases, NeoX RoPE, own rope base),
- * tied and separate outputs, and every weight type (f32, f16, bf16, q8_0). */
+ * tied and separate outputs, and every weight type (f32, f16, bf16, q8_0).
+ * Also: a token's logits do not depend on the rest of its batch (bit for
+ * bit), hostile hyperparameters and arguments get errors, and a failing
+ * device op reports its own message. */
+#include <limits.h>
 #include <math.h>
+#include <pthread.h>
 
 #include "duet.h"
+#include "duet_internal.h"
+#include "fault_backend.h"
 #include "gguf.h"
 #include "test_util.h"
 
@@ -32,6 +39,8 @@ typedef struct ref_tensor {
 
 static ref_tensor tensors[256];
 static int n_tensors;
+/* When set, the vocabulary's last token has this text. */
+static const char *last_token_text;
 
 static const float *T(const char *name) {
     for (int i = 0; i < n_tensors; i++)
@@ -82,7 +91,7 @@ static void write_model(const cfg *c, const char *path) {
         if (i < 3) snprintf(store[i], 16, "%s", i == 0 ? "<unk>" : i == 1 ? "<s>" : "</s>");
         else if (i < 259) snprintf(store[i], 16, "<0x%02X>", i - 3);
         else snprintf(store[i], 16, "tok%d", i);
-        toks[i] = store[i];
+        toks[i] = i == c->V - 1 && last_token_text ? last_token_text : store[i];
         types[i] = i == 0 ? 2 : i < 3 ? 3 : i < 259 ? 6 : 1;
     }
     duet_gguf_set_str(w, "tokenizer.ggml.model", "llama");
@@ -119,6 +128,39 @@ static void write_model(const cfg *c, const char *path) {
 #undef KEY
     ck_assert_msg(duet_gguf_write(w, path) == DUET_OK, "write: %s", duet_last_error());
     duet_gguf_writer_free(w);
+}
+
+static void free_tensors(void) {
+    for (int i = 0; i < n_tensors; i++) free(tensors[i].data);
+    n_tensors = 0;
+}
+
+/* What rewrite_model changes on the way. */
+typedef struct rewrite {
+    const char *drop;   /* leave out tensors whose name contains this */
+    const char *zero;   /* this tensor's data becomes zeros */
+    const char *key;    /* this metadata key is set to the uint64 `value` */
+    uint64_t value;
+} rewrite;
+
+static void rewrite_model(const char *in, const char *out, const rewrite *rw) {
+    duet_gguf *g;
+    ck_assert_msg(duet_gguf_open(in, &g) == DUET_OK, "open %s: %s", in, duet_last_error());
+    duet_gguf_writer *w = duet_gguf_writer_new();
+    duet_gguf_copy_kv(w, g);
+    if (rw->key) duet_gguf_set_u64(w, rw->key, rw->value);
+    for (uint64_t i = 0; i < g->n_tensors; i++) {
+        const duet_gguf_tensor *t = &g->tensors[i];
+        char name[96];
+        snprintf(name, sizeof name, "%.*s", (int)t->name.len, t->name.ptr);
+        if (rw->drop && strstr(name, rw->drop)) continue;
+        void *zeros = rw->zero && !strcmp(name, rw->zero) ? calloc(1, t->size) : NULL;
+        duet_gguf_add_tensor(w, name, t->type, t->n_dims, t->ne, zeros ? zeros : t->data, false);
+        free(zeros);
+    }
+    ck_assert_msg(duet_gguf_write(w, out) == DUET_OK, "write %s: %s", out, duet_last_error());
+    duet_gguf_writer_free(w);
+    duet_gguf_close(g);
 }
 
 /* ---- the naive reference (double precision, whole sequence) ------------- */
@@ -234,7 +276,7 @@ static void check_model(const cfg *c, double tol) {
     }
     free(got), free(want);
     duet_model_close(m);
-    for (int i = 0; i < n_tensors; i++) free(tensors[i].data);
+    free_tensors();
     remove(path);
 }
 
@@ -270,29 +312,328 @@ START_TEST(unknown_arch_and_missing_tensor) {
 
     cfg c = {"llama", DUET_DTYPE_F32, false, 64, 1, 4, 4, 96, 300, 10000};
     write_model(&c, path);
-    for (int i = 0; i < n_tensors; i++) free(tensors[i].data);
-    duet_gguf *g;
-    ck_assert_int_eq(duet_gguf_open(path, &g), DUET_OK);
+    free_tensors();
     /* Rewrite without ffn_up: the loader must name it. */
-    w = duet_gguf_writer_new();
-    duet_gguf_copy_kv(w, g);
-    for (uint64_t i = 0; i < g->n_tensors; i++) {
-        char name[96];
-        snprintf(name, sizeof name, "%.*s", (int)g->tensors[i].name.len, g->tensors[i].name.ptr);
-        if (strstr(name, "ffn_up")) continue;
-        duet_gguf_add_tensor(w, name, g->tensors[i].type, g->tensors[i].n_dims, g->tensors[i].ne, g->tensors[i].data,
-                             false);
-    }
     char path2[600];
     snprintf(path2, sizeof path2, "%s.2", path);
-    ck_assert_int_eq(duet_gguf_write(w, path2), DUET_OK);
-    duet_gguf_writer_free(w);
-    duet_gguf_close(g);
+    rewrite_model(path, path2, &(rewrite){.drop = "ffn_up"});
     st = duet_model_open(path2, &p, &m);
     ck_assert_int_eq(st, DUET_BAD_MODEL);
     ck_assert_msg(strstr(duet_last_error(), "blk.0.ffn_up.weight"), "message: %s", duet_last_error());
     remove(path);
     remove(path2);
+}
+END_TEST
+
+/* ---- batch invariance ------------------------------------------------------ */
+
+#define BI_SEQS 4
+#define BI_MAX_LEN 20
+static const int bi_len[BI_SEQS] = {13, 1, 7, 20};
+
+static int32_t bi_token(int s, int i, int n_vocab) { return (s * 31 + i * 17 + 3) % n_vocab; }
+
+/* Runs the listed (seq, pos) entries as one step, every row asking for
+ * logits, and files each row's logits under [seq][pos] in `into`. */
+static void bi_step(duet_model *m, const int32_t *seqs, const int32_t *poss, int n, float *into) {
+    int32_t tok[64], out[64];
+    ck_assert_int_le(n, 64);
+    for (int i = 0; i < n; i++) {
+        tok[i] = bi_token(seqs[i], poss[i], m->hp.n_vocab);
+        out[i] = i;
+    }
+    const size_t V = (size_t)m->hp.n_vocab;
+    float *logits = malloc(sizeof(float) * V * (size_t)n);
+    duet_batch b = {.n_tokens = n, .tokens = tok, .pos = poss, .seq = seqs, .n_out = n, .out = out};
+    ck_assert_msg(duet__forward(m->state, &m->hp, &m->w, &b, logits) == DUET_OK, "forward: %s", duet_last_error());
+    for (int i = 0; i < n; i++)
+        memcpy(into + ((size_t)seqs[i] * BI_MAX_LEN + (size_t)poss[i]) * V, logits + (size_t)i * V, V * sizeof(float));
+    free(logits);
+}
+
+/* Every row of `got` equals `want` bit for bit. */
+static void bi_compare(const duet_model *m, const float *want, const float *got, const char *how, duet_dtype type) {
+    const size_t V = (size_t)m->hp.n_vocab;
+    for (int s = 0; s < BI_SEQS; s++)
+        for (int i = 0; i < bi_len[s]; i++) {
+            const float *a = want + ((size_t)s * BI_MAX_LEN + (size_t)i) * V, *b = got + ((size_t)s * BI_MAX_LEN + (size_t)i) * V;
+            if (!memcmp(a, b, V * sizeof(float))) continue;
+            double worst = 0;
+            for (size_t k = 0; k < V; k++) worst = fmax(worst, fabs((double)a[k] - b[k]));
+            ck_abort_msg("%s weights, %s: seq %d pos %d differs from one token at a time (max |diff| %g)",
+                         duet_dtype_name(type), how, s, i, worst);
+        }
+}
+
+/* The engine batches whatever is running; greedy outputs must not depend
+ * on that. Each token's logits, computed one token per step, must equal
+ * those from big mixed steps exactly (the matmul tiles, thread splits and
+ * activation quantization all vary with the step's size). */
+static void check_batch_invariance(duet_dtype type, int n_ff) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/test_forward_bi_%s.gguf", DUET_BINARY_DIR, duet_dtype_name(type));
+    /* Widths large enough for threaded matmuls and every tile shape; n_ff
+     * leaves a column tail (f32/f16/bf16) or an odd block count (q8_0). */
+    write_model(&(cfg){"llama", type, false, 128, 2, 4, 2, n_ff, 300, 10000}, path);
+    free_tensors();
+    duet_open_params p = duet_open_params_default();
+    p.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    p.n_ctx = 64;
+    p.n_seqs = BI_SEQS;
+    duet_model *m;
+    ck_assert_msg(duet__model_open(path, &p, 256, 64, &m) == DUET_OK, "open: %s", duet_last_error());
+    const size_t per_run = (size_t)BI_SEQS * BI_MAX_LEN * (size_t)m->hp.n_vocab;
+    float *one = calloc(per_run, sizeof(float)), *all = calloc(per_run, sizeof(float)),
+          *halves = calloc(per_run, sizeof(float));
+
+    /* One token per step, the sequences interleaved. */
+    for (int i = 0; i < BI_MAX_LEN; i++)
+        for (int s = 0; s < BI_SEQS; s++)
+            if (i < bi_len[s]) bi_step(m, &(int32_t){s}, &(int32_t){i}, 1, one);
+
+    /* Every token of every sequence in one step. */
+    int32_t seqs[64], poss[64];
+    int n = 0;
+    for (int s = 0; s < BI_SEQS; s++)
+        for (int i = 0; i < bi_len[s]; i++) seqs[n] = s, poss[n++] = i;
+    bi_step(m, seqs, poss, n, all);
+    bi_compare(m, one, all, "all tokens in one step", type);
+
+    /* Two steps, each holding part of every sequence, in reverse order:
+     * chunked prefills next to single-token decodes. */
+    for (int half = 0; half < 2; half++) {
+        n = 0;
+        for (int s = BI_SEQS - 1; s >= 0; s--) {
+            int lo = half ? bi_len[s] / 2 : 0, hi = half ? bi_len[s] : bi_len[s] / 2;
+            for (int i = lo; i < hi; i++) seqs[n] = s, poss[n++] = i;
+        }
+        bi_step(m, seqs, poss, n, halves);
+    }
+    bi_compare(m, one, halves, "two mixed steps", type);
+
+    free(one), free(all), free(halves);
+    duet_model_close(m);
+    remove(path);
+}
+
+START_TEST(batch_invariant_f32) { check_batch_invariance(DUET_DTYPE_F32, 172); }
+END_TEST
+START_TEST(batch_invariant_f16) { check_batch_invariance(DUET_DTYPE_F16, 172); }
+END_TEST
+START_TEST(batch_invariant_bf16) { check_batch_invariance(DUET_DTYPE_BF16, 172); }
+END_TEST
+START_TEST(batch_invariant_q8_0) { check_batch_invariance(DUET_DTYPE_Q8_0, 224); }
+END_TEST
+
+/* ---- hostile input ----------------------------------------------------------- */
+
+/* A small f32 llama model at DUET_BINARY_DIR/test_forward_<tag>.gguf. */
+static void write_small(const char *tag, char *path, size_t size) {
+    snprintf(path, size, "%s/test_forward_%s.gguf", DUET_BINARY_DIR, tag);
+    write_model(&(cfg){"llama", DUET_DTYPE_F32, false, 64, 1, 4, 2, 96, 300, 10000}, path);
+    free_tensors();
+}
+
+/* Opens a model on the cpu backend with 32 positions. */
+static duet_model *open_small(const char *path) {
+    duet_open_params p = duet_open_params_default();
+    p.backend = "cpu";
+    p.n_ctx = 32;
+    duet_model *m;
+    ck_assert_msg(duet_model_open(path, &p, &m) == DUET_OK, "open %s: %s", path, duet_last_error());
+    return m;
+}
+
+/* Hyperparameters are int64 in the file: a value past INT_MAX must be
+ * refused, not wrapped into a plausible int (2^32 + 16 would have become a
+ * head dimension of 16, and the model would have loaded). */
+START_TEST(huge_hyperparameters_are_refused) {
+    char path[512], bad[600];
+    write_small("hp", path, sizeof path);
+    snprintf(bad, sizeof bad, "%s.bad", path);
+    static const struct {
+        const char *key, *needle;
+    } cases[] = {
+        {"llama.attention.key_length", "head dimension 4294967312"},
+        {"llama.attention.head_count_kv", "head_count_kv 4294967298"},
+        {"llama.rope.dimension_count", "rope.dimension_count 4294967312"},
+    };
+    const uint64_t values[] = {(1ull << 32) + 16, (1ull << 32) + 2, (1ull << 32) + 16};
+    duet_open_params p = duet_open_params_default();
+    p.backend = "cpu";
+    for (int i = 0; i < 3; i++) {
+        rewrite_model(path, bad, &(rewrite){.key = cases[i].key, .value = values[i]});
+        duet_model *m = NULL;
+        duet_status st = duet_model_open(bad, &p, &m);
+        ck_assert_msg(st == DUET_BAD_MODEL, "%s = %llu: status %d, want DUET_BAD_MODEL", cases[i].key,
+                      (unsigned long long)values[i], st);
+        ck_assert_ptr_null(m);
+        ck_assert_msg(strstr(duet_last_error(), cases[i].needle), "%s: message '%s' lacks '%s'", cases[i].key,
+                      duet_last_error(), cases[i].needle);
+    }
+    remove(path);
+    remove(bad);
+}
+END_TEST
+
+/* Positions near INT_MAX: a clear CONTEXT_FULL, no signed overflow (UBSan
+ * builds abort on one). */
+START_TEST(eval_positions_do_not_overflow) {
+    char path[512];
+    write_small("pos", path, sizeof path);
+    duet_model *m = open_small(path);
+    int32_t tok[2] = {5, 6};
+    ck_assert_int_eq(duet_eval(m, tok, 1, INT_MAX, NULL), DUET_CONTEXT_FULL);
+    ck_assert_int_eq(duet_eval(m, tok, 2, INT_MAX - 1, NULL), DUET_CONTEXT_FULL);
+    ck_assert_int_eq(duet_eval(m, tok, INT_MAX, 1, NULL), DUET_CONTEXT_FULL);
+    ck_assert_msg(strstr(duet_last_error(), "context of 32"), "message: %s", duet_last_error());
+    ck_assert_int_eq(duet_eval(m, tok, 2, 30, NULL), DUET_OK); /* the last two positions */
+    ck_assert_int_eq(duet_eval(m, tok, 1, 32, NULL), DUET_CONTEXT_FULL);
+    duet_model_close(m);
+    remove(path);
+}
+END_TEST
+
+/* ---- callbacks and errors -------------------------------------------------- */
+
+typedef struct stop_ctx {
+    int calls;
+    int32_t first;
+} stop_ctx;
+
+static bool stop_at_once(int32_t id, const char *text, size_t len, void *user) {
+    stop_ctx *c = user;
+    if (c->calls++ == 0) c->first = id;
+    return false;
+}
+
+/* duet.h: "Return false to stop: no further call follows", even when a
+ * partial UTF-8 character is pending (which a normal end would flush). */
+START_TEST(generate_stops_when_the_callback_says_so) {
+    char path[512], zero[600];
+    write_small("stop", path, sizeof path);
+    snprintf(zero, sizeof zero, "%s.zero", path);
+    /* All-zero output weights: every logit is 0, so a negative presence
+     * penalty makes the prompt's one token the greedy choice: byte 0xE2,
+     * the first of a three-byte character, left pending. */
+    rewrite_model(path, zero, &(rewrite){.zero = "output.weight"});
+    duet_model *m = open_small(zero);
+    const int32_t e2 = 3 + 0xE2;
+    duet_sampling smp = duet_sampling_default();
+    smp.temperature = 0;
+    smp.presence_penalty = -5;
+    stop_ctx c = {0};
+    ck_assert_int_eq(duet_generate(m, &e2, 1, 8, &smp, true, stop_at_once, &c, NULL), DUET_OK);
+    ck_assert_int_eq(c.first, e2);
+    ck_assert_msg(c.calls == 1, "the callback returned false, yet was called %d times", c.calls);
+    duet_model_close(m);
+    remove(path);
+    remove(zero);
+}
+END_TEST
+
+/* A device op that fails mid-step: its status and message reach the
+ * caller, even when closing the step leaves a message of its own, and the
+ * next step runs normally. */
+START_TEST(failed_op_keeps_its_message) {
+    char path[512];
+    write_small("fault", path, sizeof path);
+    duet_model *m = open_small(path);
+    int32_t tok[3] = {5, 6, 7};
+    float *want = malloc(sizeof(float) * 300), *got = malloc(sizeof(float) * 300);
+    ck_assert_int_eq(duet_eval(m, tok, 3, 0, want), DUET_OK);
+    fault_install(m->be);
+    atomic_store(&fault_ops_left, 4); /* the fifth op of the step fails */
+    atomic_store(&fault_noisy_submit, true);
+    ck_assert_int_eq(duet_eval(m, tok, 3, 0, got), DUET_DEVICE);
+    ck_assert_msg(strstr(duet_last_error(), "injected op failure"), "message: %s", duet_last_error());
+    atomic_store(&fault_ops_left, -1);
+    ck_assert_int_eq(duet_eval(m, tok, 3, 0, got), DUET_OK);
+    ck_assert_msg(!memcmp(want, got, sizeof(float) * 300), "logits after a failed step differ");
+    fault_remove(m->be);
+    free(want), free(got);
+    duet_model_close(m);
+    remove(path);
+}
+END_TEST
+
+/* ---- long token texts -------------------------------------------------------- */
+
+typedef struct text_acc {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    char *buf;
+    size_t len;
+    bool done;
+} text_acc;
+
+static void text_append(text_acc *a, const char *text, size_t len) {
+    a->buf = realloc(a->buf, a->len + len + 1);
+    memcpy(a->buf + a->len, text, len);
+    a->len += len;
+    a->buf[a->len] = 0;
+}
+
+static bool on_text(int32_t id, const char *text, size_t len, void *user) {
+    text_append(user, text, len);
+    return true;
+}
+
+static void on_engine_event(const duet_event *ev, void *user) {
+    text_acc *a = user;
+    pthread_mutex_lock(&a->mu);
+    if (ev->kind == DUET_EVENT_TOKEN) text_append(a, ev->text, ev->text_len);
+    else a->done = true;
+    pthread_cond_broadcast(&a->cv);
+    pthread_mutex_unlock(&a->mu);
+}
+
+/* Nothing limits a token's text in a GGUF vocabulary. A token of 1200 bytes
+ * reaches the callbacks of duet_generate and of the engine whole: no
+ * truncation, and no read past the end of a fixed-size text buffer (which
+ * ASan builds would report). */
+START_TEST(long_token_text_is_delivered_whole) {
+    char path[512], zero[600], longest[1201];
+    memset(longest, 'a', 1200);
+    longest[1200] = 0;
+    last_token_text = longest;
+    write_small("long", path, sizeof path);
+    last_token_text = NULL;
+    snprintf(zero, sizeof zero, "%s.zero", path);
+    /* Zero output weights and a negative presence penalty: greedy decoding
+     * repeats the prompt's one token (see generate_stops_...). */
+    rewrite_model(path, zero, &(rewrite){.zero = "output.weight"});
+    const int32_t tok = 299;
+    duet_sampling smp = duet_sampling_default();
+    smp.temperature = 0;
+    smp.presence_penalty = -5;
+    char want[2401];
+    memset(want, 'a', 2400);
+    want[2400] = 0;
+
+    duet_model *m = open_small(zero);
+    text_acc g = {.buf = NULL};
+    ck_assert_int_eq(duet_generate(m, &tok, 1, 2, &smp, true, on_text, &g, NULL), DUET_OK);
+    ck_assert_msg(g.len == 2400 && !strcmp(g.buf, want), "generate delivered %zu bytes, want 2400 'a's", g.len);
+    duet_model_close(m);
+    free(g.buf);
+
+    duet_engine_params ep = duet_engine_params_default();
+    ep.open.backend = "cpu";
+    ep.open.n_ctx = 32;
+    duet_engine *e;
+    ck_assert_msg(duet_engine_start(zero, &ep, &e) == DUET_OK, "engine: %s", duet_last_error());
+    text_acc a = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    duet_request q = {.prompt = &tok, .n_prompt = 1, .max_tokens = 2, .sampling = smp, .ignore_eos = true};
+    ck_assert_int_eq(duet_engine_submit(e, &q, on_engine_event, &a, NULL), DUET_OK);
+    pthread_mutex_lock(&a.mu);
+    while (!a.done) pthread_cond_wait(&a.cv, &a.mu);
+    pthread_mutex_unlock(&a.mu);
+    duet_engine_stop(e, true);
+    ck_assert_msg(a.len == 2400 && !strcmp(a.buf, want), "the engine delivered %zu bytes, want 2400 'a's", a.len);
+    free(a.buf);
+    remove(path);
+    remove(zero);
 }
 END_TEST
 
@@ -306,6 +647,15 @@ int main(void) {
     tcase_add_test(tc, llama_q8_0);
     tcase_add_test(tc, qwen2_f32_bias_neox);
     tcase_add_test(tc, unknown_arch_and_missing_tensor);
+    tcase_add_test(tc, batch_invariant_f32);
+    tcase_add_test(tc, batch_invariant_f16);
+    tcase_add_test(tc, batch_invariant_bf16);
+    tcase_add_test(tc, batch_invariant_q8_0);
+    tcase_add_test(tc, huge_hyperparameters_are_refused);
+    tcase_add_test(tc, eval_positions_do_not_overflow);
+    tcase_add_test(tc, generate_stops_when_the_callback_says_so);
+    tcase_add_test(tc, failed_op_keeps_its_message);
+    tcase_add_test(tc, long_token_text_is_delivered_whole);
     suite_add_tcase(s, tc);
     return test_run_suite(s);
 }

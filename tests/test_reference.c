@@ -5,21 +5,45 @@
 #include <cjson/cJSON.h>
 #include <math.h>
 
+#include "backend.h"
 #include "duet.h"
 #include "test_util.h"
 
 #define TIE_GAP 1e-3
 #define LOGIT_TOL 1e-3
 
+/* The backends to check: DUET_TEST_BACKENDS (comma list) or, by default,
+ * every compiled-in backend that can run here. One named in
+ * DUET_REQUIRE_BACKENDS that cannot run fails the test (CI sets it). */
 static const char *backend_name(int i) {
     static char names[8][32];
     static int n = -1;
     if (n < 0) {
-        const char *env = getenv("DUET_TEST_BACKENDS");
-        char buf[256];
-        snprintf(buf, sizeof buf, "%s", env && *env ? env : "cpu");
         n = 0;
-        for (char *tok = strtok(buf, ","); tok && n < 8; tok = strtok(NULL, ",")) snprintf(names[n++], 32, "%s", tok);
+        const char *env = getenv("DUET_TEST_BACKENDS");
+        if (env && *env) {
+            char buf[256];
+            snprintf(buf, sizeof buf, "%s", env);
+            for (char *tok = strtok(buf, ","); tok && n < 8; tok = strtok(NULL, ","))
+                snprintf(names[n++], 32, "%s", tok);
+        } else {
+            for (int b = 0; b < duet_backend_count() && n < 8; b++) {
+                const duet_backend_iface *be = duet_backend_get(b);
+                char why[256] = "";
+                if (be->available(why, sizeof why) && be->device_count() > 0) snprintf(names[n++], 32, "%s", be->name);
+                else printf("SKIP %s: unavailable (%s)\n", be->name, why);
+            }
+        }
+        const char *req = getenv("DUET_REQUIRE_BACKENDS");
+        if (req && *req) {
+            char buf[256];
+            snprintf(buf, sizeof buf, "%s", req);
+            for (char *tok = strtok(buf, ","); tok; tok = strtok(NULL, ",")) {
+                bool found = false;
+                for (int j = 0; j < n; j++) found |= strcmp(names[j], tok) == 0;
+                ck_assert_msg(found, "backend '%s' is required (DUET_REQUIRE_BACKENDS) but unavailable", tok);
+            }
+        }
     }
     return i < n ? names[i] : NULL;
 }

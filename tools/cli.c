@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "cli.h"
 
@@ -62,6 +63,32 @@ int cli_fail(const char *what, duet_status st) {
     return 1;
 }
 
+int cli_tokenize(const duet_model *m, const char *text, bool add_special, bool parse_special, int32_t **ids) {
+    *ids = NULL;
+    size_t len = strlen(text);
+    /* Ask for the count first: the tokenizer says how many ids it needs. */
+    int n = duet_tokenize(m, text, len, add_special, parse_special, NULL, 0);
+    if (n < 0) {
+        cli_fail("tokenize", (duet_status)n);
+        return -1;
+    }
+    if (n == 0) return 0;
+    int32_t *buf = malloc((size_t)n * sizeof *buf);
+    if (!buf) {
+        fprintf(stderr, "duet: tokenize: out of memory for %d ids\n", n);
+        return -1;
+    }
+    int got = duet_tokenize(m, text, len, add_special, parse_special, buf, n);
+    if (got < 0 || got > n) {
+        free(buf);
+        if (got < 0) cli_fail("tokenize", (duet_status)got);
+        else fprintf(stderr, "duet: tokenize: the id count changed between calls (%d, then %d)\n", n, got);
+        return -1;
+    }
+    *ids = buf;
+    return got;
+}
+
 const char *cli_default_model(void) {
     static char path[4096];
     const char *cache = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
@@ -80,10 +107,19 @@ const char *cli_default_model(void) {
         }
     mkdir(dir, 0755);
     fprintf(stderr, "duet: generating the default model (synthetic 125m, q8_0) at %s\n", path);
+    /* Written under a private name, then renamed: a concurrent run, or one
+     * after an interrupted write, never finds a partial file at `path`. */
+    char tmp[sizeof path + 32];
+    snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
     duet_mkmodel_params p = {.shape = "125m", .type = "q8_0", .seed = 1};
-    duet_status st = duet_mkmodel(&p, path);
+    duet_status st = duet_mkmodel(&p, tmp);
     if (st) {
         cli_fail("mkmodel", st);
+        return NULL;
+    }
+    if (rename(tmp, path) != 0) {
+        fprintf(stderr, "duet: cannot move %s to %s: %s\n", tmp, path, strerror(errno));
+        remove(tmp);
         return NULL;
     }
     return path;

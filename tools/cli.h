@@ -13,6 +13,7 @@ int cmd_tokenize(int argc, char **argv);
 int cmd_mkmodel(int argc, char **argv);
 int cmd_quantize(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
+int cmd_eval(int argc, char **argv);
 
 /* Parse a number, printing "duet: --flag: ..." and returning false when the
  * text is not a number or outside [min, max]. */
@@ -22,6 +23,10 @@ bool cli_float(const char *flag, const char *text, double min, double max, float
 
 /* Prints "duet: <what>: <last error>" (with a hint when useful) and returns 1. */
 int cli_fail(const char *what, duet_status st);
+
+/* Tokenizes `text` into a malloc'd array (*ids, NULL when there are none;
+ * the caller frees it). Returns the id count, or -1 after printing why. */
+int cli_tokenize(const duet_model *m, const char *text, bool add_special, bool parse_special, int32_t **ids);
 
 /* Path of the embedded default model, generated on first use. */
 const char *cli_default_model(void);

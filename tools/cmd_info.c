@@ -37,8 +37,11 @@ int cmd_devices(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json")) json = true;
         else {
-            printf("usage: duet devices [--json]\n");
-            return strcmp(argv[i], "-h") && strcmp(argv[i], "--help") ? 2 : 0;
+            /* Help goes to stdout; a usage error to stderr. */
+            bool help = !strcmp(argv[i], "-h") || !strcmp(argv[i], "--help");
+            if (!help) fprintf(stderr, "duet: devices: unknown argument '%s'\n", argv[i]);
+            fprintf(help ? stdout : stderr, "usage: duet devices [--json]\n");
+            return help ? 0 : 2;
         }
     }
     size_t need = duet_devices_describe(NULL, 0, json);

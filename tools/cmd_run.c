@@ -121,20 +121,13 @@ int cmd_run(int argc, char **argv) {
     duet_model_desc d;
     duet_model_describe(m, &d);
 
-    size_t plen = strlen(prompt);
-    int cap = (int)plen + 16;
-    int32_t *ids = malloc((size_t)cap * sizeof *ids);
-    int n = ids ? duet_tokenize(m, prompt, plen, true, true, ids, cap) : DUET_OUT_OF_MEMORY;
-    if (n < 0) {
+    int32_t *ids;
+    int n = cli_tokenize(m, prompt, true, true, &ids);
+    if (n <= 0) {
+        if (n == 0) fprintf(stderr, "duet: the prompt is empty and the model adds no BOS token: give a prompt with -p\n");
         free(ids);
         duet_model_close(m);
-        return cli_fail("tokenize", (duet_status)n);
-    }
-    if (n == 0) {
-        fprintf(stderr, "duet: the prompt is empty and the model adds no BOS token: give a prompt with -p\n");
-        free(ids);
-        duet_model_close(m);
-        return 2;
+        return n < 0 ? 1 : 2;
     }
 
     run_ctx r = {.json = json, .tokens = json ? cJSON_CreateArray() : NULL};

@@ -38,14 +38,11 @@ int cmd_tokenize(int argc, char **argv) {
     duet_model *m;
     duet_status st = duet_model_open(model, &op, &m);
     if (st) return cli_fail(model, st);
-    size_t len = strlen(text);
-    int n = duet_tokenize(m, text, len, bos, special, NULL, 0);
-    int32_t *ids = n > 0 ? malloc((size_t)n * sizeof *ids) : NULL;
-    if (n > 0 && ids) n = duet_tokenize(m, text, len, bos, special, ids, n);
+    int32_t *ids;
+    int n = cli_tokenize(m, text, bos, special, &ids);
     if (n < 0) {
-        free(ids);
         duet_model_close(m);
-        return cli_fail("tokenize", (duet_status)n);
+        return 1;
     }
     char piece[256];
     if (json) {

@@ -16,6 +16,7 @@ static const struct {
     {"tokenize", cmd_tokenize, "print the token ids of a text"},
     {"mkmodel", cmd_mkmodel, "write a synthetic Llama-shaped model"},
     {"quantize", cmd_quantize, "convert a model's weights to q8_0 or f16"},
+    {"eval", cmd_eval, "compare a model with a reference: KL divergence, top-1 agreement, perplexity"},
 };
 
 static void usage(FILE *f) {

@@ -48,8 +48,10 @@ typedef struct cpu_pool {
 
 duet_status duet__cpu_pool_init(cpu_pool *pool, int n_threads);
 void duet__cpu_pool_free(cpu_pool *pool);
-/* Runs fn(ctx, i, nth) on nth = min(n, n_threads) workers and returns when
- * all are done. n <= 1 runs inline with no synchronisation at all. */
+/* n <= 1 (or a one-thread pool): runs fn(ctx, 0, 1) inline, with no
+ * synchronisation at all. Otherwise runs fn(ctx, i, n_threads) on every
+ * worker i (the caller is 0) and returns when all are done; a task splits
+ * its work by (i, n_threads), e.g. with cpu_split. */
 void duet__cpu_pool_run(cpu_pool *pool, int n, cpu_task_fn fn, void *ctx);
 
 /* Splits [0, n) into nth contiguous chunks, each a multiple of `align`
