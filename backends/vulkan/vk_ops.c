@@ -1,0 +1,781 @@
+/* vk_ops.c — each HAL op as dispatches: validation (the same rules as the
+ * cpu backend, so a bad op fails the same way before anything is recorded),
+ * the shader variant, bindings, push constants and grid.
+ *
+ * Index inputs (token ids, positions, sequence slots, rows) are checked on
+ * the host when their buffer is mapped and no dispatch of this step writes
+ * it (the usual case: the caller uploaded them before begin); otherwise the
+ * shaders check them and wait() reports a violation. Either way nothing is
+ * read or written out of bounds.
+ *
+ * Ranges larger than the device's limits are split: matmul by rows (weights
+ * larger than a texel view) and tokens (outputs larger than a storage
+ * binding), embed by table rows, rope_kv by sequence windows of the cache. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vk_internal.h"
+
+static const char *const op_names[DUET_OP_COUNT] = {
+    [DUET_OP_EMBED] = "embed",         [DUET_OP_RMSNORM] = "rmsnorm", [DUET_OP_MATMUL] = "matmul",
+    [DUET_OP_ROPE_KV] = "rope_kv",     [DUET_OP_ATTENTION] = "attention", [DUET_OP_SWIGLU] = "swiglu",
+    [DUET_OP_ADD] = "add",             [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
+};
+
+#define VK_MAX_HEAD_DIM 256
+
+#define CHECK(expr)                     \
+    do {                                \
+        duet_status st_ = (expr);       \
+        if (st_ != DUET_OK) return st_; \
+    } while (0)
+#define REQUIRE(cond, ...)                                                   \
+    do {                                                                     \
+        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__); \
+    } while (0)
+
+/* ---- validation helpers (as in the cpu backend) --------------------------------------- */
+
+static uint64_t mul2(uint64_t a, uint64_t b) {
+    uint64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+static uint64_t mul3(uint64_t a, uint64_t b, uint64_t c) { return mul2(mul2(a, b), c); }
+
+static duet_status view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align) {
+    if (!v.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: %s has no buffer", op, name);
+    if (v.offset % align)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s offset %zu is not a multiple of %zu", op, name, v.offset, align);
+    if (v.offset > v.buf->size || bytes > (uint64_t)(v.buf->size - v.offset))
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s needs %llu bytes at offset %zu but its buffer holds %zu", op,
+                           name, (unsigned long long)bytes, v.offset, v.buf->size);
+    return DUET_OK;
+}
+
+static uint64_t view_avail(duet_view v) { return v.buf && v.offset <= v.buf->size ? v.buf->size - v.offset : 0; }
+
+static bool views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) {
+    return a.buf && a.buf == b.buf && a.offset < b.offset + bn && b.offset < a.offset + an;
+}
+
+static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out, uint64_t bytes) {
+    if (views_overlap(in, bytes, out, bytes) && in.offset != out.offset)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: out partly overlaps %s", op, name);
+    return DUET_OK;
+}
+
+/* The i32 index data of a view, readable now: mapped, and not written by a
+ * dispatch of this step (else its final values are not known yet). */
+static const int32_t *host_indices(const vk_backend *be, duet_view v) {
+    if (!v.buf->map || be->n_written > VK_MAX_WRITTEN) return NULL;
+    for (int i = 0; i < be->n_written; i++)
+        if (be->written[i] == v.buf->id) return NULL;
+    return (const int32_t *)((const char *)v.buf->map + v.offset);
+}
+
+/* ---- bindings ---------------------------------------------------------------------------- */
+
+/* A read of [v.offset, v.offset + bytes) through the texel view holding it;
+ * *rel is the byte offset from that view's start. */
+static duet_status tex_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off, uint64_t bytes,
+                            vk_binding *bind, uint32_t *rel) {
+    int k = b->n_views == 1 ? 0 : (int)(off / b->view_stride);
+    if (k >= b->n_views) k = b->n_views - 1;
+    size_t start = (size_t)k * b->view_stride;
+    if (off + bytes > start + b->view_span[k])
+        return duet__error(DUET_UNSUPPORTED, "%s: %s spans %llu bytes; one texel view on %s holds at most %llu", op, name,
+                           (unsigned long long)bytes, be->base.info.name, (unsigned long long)be->max_texel_bytes / 2);
+    *bind = (vk_binding){.buf = b, .view = k};
+    *rel = (uint32_t)(off - start);
+    return DUET_OK;
+}
+
+/* A write (or read-write) of [off, off + bytes) through a storage binding
+ * that starts at an aligned offset; *rel is off's byte offset inside it. */
+static duet_status ssbo_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off, uint64_t bytes,
+                             vk_binding *bind, uint32_t *rel) {
+    size_t start = off & ~(size_t)(be->ssbo_align - 1);
+    uint64_t range = ((off - start) + bytes + 3) & ~(uint64_t)3;
+    size_t padded = (b->size + 15) & ~(size_t)15;
+    if (start + range > padded) range = padded - start;
+    if (range > be->max_ssbo_range)
+        return duet__error(DUET_UNSUPPORTED, "%s: %s writes %llu bytes; one storage binding on %s holds at most %llu", op,
+                           name, (unsigned long long)bytes, be->base.info.name,
+                           (unsigned long long)be->max_ssbo_range);
+    *bind = (vk_binding){.buf = b, .offset = start, .range = range};
+    *rel = (uint32_t)(off - start);
+    return DUET_OK;
+}
+
+static vk_binding status_bind(vk_backend *be) { return (vk_binding){.buf = be->status, .offset = 0, .range = 16}; }
+
+static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) { return (vk_range){b->id, off, off + bytes}; }
+
+static uint32_t div_up(uint64_t a, uint64_t b) { return (uint32_t)((a + b - 1) / b); }
+
+static duet_status pipe(vk_backend *be, vk_shader s, int n_tex, int n_ssbo, int n_spec, const uint32_t *spec,
+                        vk_dispatch *d) {
+    return duet__vk_pipeline_get(be, s, n_tex, n_ssbo, n_spec, spec, &d->pipe);
+}
+
+/* ---- embed --------------------------------------------------------------------------------- */
+
+static duet_status rec_embed(vk_backend *be, const duet_op *op) {
+    const char *name = "embed";
+    const duet_dtype dt = op->embed.dtype;
+    const int dim = op->embed.dim;
+    const uint64_t nt = (uint64_t)op->n_tokens;
+    REQUIRE(dim > 0 && dim % duet_dtype_block(dt) == 0, "embed: dim %d is not a positive multiple of %s's block", dim,
+            duet_dtype_name(dt));
+    uint64_t row = duet_dtype_row_bytes(dt, dim);
+    CHECK(view_check(name, "tokens", op->embed.tokens, nt * 4, 4));
+    CHECK(view_check(name, "table", op->embed.table, row, dt == DUET_DTYPE_F32 ? 4 : 2));
+    CHECK(view_check(name, "out", op->embed.out, mul3(nt, (uint64_t)dim, 4), 4));
+    uint64_t n_rows = view_avail(op->embed.table) / row;
+    const int32_t *tok = host_indices(be, op->embed.tokens);
+    for (int t = 0; tok && t < op->n_tokens; t++)
+        REQUIRE(tok[t] >= 0 && (uint64_t)tok[t] < n_rows, "embed: token %d is %d, outside the %llu-row table", t, tok[t],
+                (unsigned long long)n_rows);
+    REQUIRE(n_rows <= INT32_MAX, "embed: table of %llu rows", (unsigned long long)n_rows);
+
+    const uint32_t wg = (uint32_t)be->tune.ew_wg;
+    const uint32_t spec[2] = {wg, (uint32_t)dt};
+    vk_dispatch d = {.kind = DUET_OP_EMBED, .n_reads = 2, .n_writes = 1};
+    CHECK(pipe(be, VK_SHADER_EMBED, 2, 2, 2, spec, &d));
+    struct {
+        uint32_t tok_off, table_off, out_off, dim, row_bytes;
+        int32_t row_lo, n_rows, n_total;
+    } pc = {.dim = (uint32_t)dim, .row_bytes = (uint32_t)row, .n_total = (int32_t)n_rows};
+    uint32_t rel;
+    CHECK(tex_bind(be, name, "tokens", op->embed.tokens.buf, op->embed.tokens.offset, nt * 4, &d.bind[0], &pc.tok_off));
+    CHECK(ssbo_bind(be, name, "out", op->embed.out.buf, op->embed.out.offset, nt * (uint64_t)dim * 4, &d.bind[2], &rel));
+    pc.out_off = rel / 4;
+    d.bind[3] = status_bind(be);
+    d.reads[0] = rng(op->embed.tokens.buf, op->embed.tokens.offset, nt * 4);
+    d.writes[0] = rng(op->embed.out.buf, op->embed.out.offset, nt * (uint64_t)dim * 4);
+    d.groups[0] = div_up((uint64_t)dim, 4u * wg);
+    d.groups[1] = (uint32_t)nt;
+    d.groups[2] = 1;
+    d.push = &pc;
+    d.push_size = sizeof pc;
+    /* One dispatch per texel view the table's rows fall into. */
+    duet_buffer *tb = op->embed.table.buf;
+    for (uint64_t lo = 0; lo < n_rows;) {
+        size_t byte = op->embed.table.offset + (size_t)(lo * row);
+        int k = tb->n_views == 1 ? 0 : (int)(byte / tb->view_stride);
+        if (k >= tb->n_views) k = tb->n_views - 1;
+        uint64_t fit = ((size_t)k * tb->view_stride + tb->view_span[k] - byte) / row;
+        if (fit == 0) return duet__error(DUET_UNSUPPORTED, "embed: a %llu-byte row does not fit a texel view", (unsigned long long)row);
+        uint64_t n = n_rows - lo < fit ? n_rows - lo : fit;
+        CHECK(tex_bind(be, name, "table", tb, byte, n * row, &d.bind[1], &pc.table_off));
+        pc.row_lo = (int32_t)lo;
+        pc.n_rows = (int32_t)n;
+        d.reads[1] = rng(tb, byte, n * row);
+        CHECK(duet__vk_dispatch(be, &d));
+        lo += n;
+    }
+    return DUET_OK;
+}
+
+/* ---- rmsnorm ------------------------------------------------------------------------------- */
+
+static duet_status rec_rmsnorm(vk_backend *be, const duet_op *op) {
+    const char *name = "rmsnorm";
+    const int dim = op->rmsnorm.dim;
+    const uint64_t nt = (uint64_t)op->n_tokens;
+    REQUIRE(dim > 0, "rmsnorm: dim %d", dim);
+    uint64_t bytes = mul3(nt, (uint64_t)dim, 4);
+    CHECK(view_check(name, "x", op->rmsnorm.x, bytes, 4));
+    CHECK(view_check(name, "w", op->rmsnorm.w, (uint64_t)dim * 4, 4));
+    CHECK(view_check(name, "out", op->rmsnorm.out, bytes, 4));
+    CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
+    REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes), "rmsnorm: out overlaps w");
+
+    vk_dispatch d = {.kind = DUET_OP_RMSNORM, .n_reads = 2, .n_writes = 1};
+    struct {
+        uint32_t x_off, w_off, out_off, dim;
+        float eps;
+    } pc = {.dim = (uint32_t)dim, .eps = op->rmsnorm.eps};
+    uint32_t rel;
+    CHECK(tex_bind(be, name, "x", op->rmsnorm.x.buf, op->rmsnorm.x.offset, bytes, &d.bind[0], &pc.x_off));
+    CHECK(tex_bind(be, name, "w", op->rmsnorm.w.buf, op->rmsnorm.w.offset, (uint64_t)dim * 4, &d.bind[1], &pc.w_off));
+    CHECK(ssbo_bind(be, name, "out", op->rmsnorm.out.buf, op->rmsnorm.out.offset, bytes, &d.bind[2], &rel));
+    pc.out_off = rel / 4;
+    const uint32_t spec[2] = {(uint32_t)be->tune.norm_wg, pc.x_off % 16 == 0 && pc.w_off % 16 == 0 && dim % 4 == 0};
+    CHECK(pipe(be, VK_SHADER_RMSNORM, 2, 1, 2, spec, &d));
+    d.reads[0] = rng(op->rmsnorm.x.buf, op->rmsnorm.x.offset, bytes);
+    d.reads[1] = rng(op->rmsnorm.w.buf, op->rmsnorm.w.offset, (uint64_t)dim * 4);
+    d.writes[0] = rng(op->rmsnorm.out.buf, op->rmsnorm.out.offset, bytes);
+    d.groups[0] = 1;
+    d.groups[1] = (uint32_t)nt;
+    d.groups[2] = 1;
+    d.push = &pc;
+    d.push_size = sizeof pc;
+    return duet__vk_dispatch(be, &d);
+}
+
+/* ---- matmul -------------------------------------------------------------------------------- */
+
+/* Quantizes x [n_tok][n_in] into be->xq (layout: quantize_q8.comp) unless
+ * it already holds exactly this range, unchanged since. */
+static duet_status quantize_x(vk_backend *be, duet_view x, int n_tok, int n_in) {
+    const uint64_t nb = (uint64_t)n_in / 32, nb_pad = (nb + 7) & ~(uint64_t)7;
+    const uint64_t xbytes = (uint64_t)n_tok * (uint64_t)n_in * 4;
+    if (be->xq_src_id == x.buf->id && be->xq_src_off == x.offset && be->xq_src_bytes == xbytes &&
+        be->xq_tokens == n_tok && be->xq_n_in == n_in)
+        return DUET_OK;
+    const uint64_t qbytes = (uint64_t)n_tok * nb * 32, dbytes = (uint64_t)n_tok * nb_pad * 4;
+    CHECK(duet__vk_scratch_reserve(be, &be->xq, qbytes + dbytes));
+    const uint32_t wg = (uint32_t)be->tune.ew_wg;
+    vk_dispatch d = {.kind = DUET_OP_MATMUL, .n_reads = 1, .n_writes = 1};
+    struct {
+        uint32_t x_off, nb, nb_pad, d_off;
+    } pc = {.nb = (uint32_t)nb, .nb_pad = (uint32_t)nb_pad, .d_off = (uint32_t)(qbytes / 4)};
+    uint32_t rel;
+    CHECK(tex_bind(be, "matmul", "x", x.buf, x.offset, xbytes, &d.bind[0], &pc.x_off));
+    CHECK(ssbo_bind(be, "matmul", "quantized x", be->xq, 0, qbytes + dbytes, &d.bind[1], &rel));
+    const uint32_t spec[2] = {wg, pc.x_off % 16 == 0};
+    CHECK(pipe(be, VK_SHADER_QUANTIZE_Q8, 1, 1, 2, spec, &d));
+    d.reads[0] = rng(x.buf, x.offset, xbytes);
+    d.writes[0] = rng(be->xq, 0, qbytes + dbytes);
+    d.groups[0] = div_up(nb, wg);
+    d.groups[1] = (uint32_t)n_tok;
+    d.groups[2] = 1;
+    d.push = &pc;
+    d.push_size = sizeof pc;
+    CHECK(duet__vk_dispatch(be, &d));
+    be->xq_src_id = x.buf->id;
+    be->xq_src_off = x.offset;
+    be->xq_src_bytes = xbytes;
+    be->xq_tokens = n_tok;
+    be->xq_n_in = n_in;
+    return DUET_OK;
+}
+
+/* Push constants of the three matmul shaders (see their sources). */
+typedef struct mm_tile_push {
+    uint32_t w_off, row_bytes, x_off, n_in, bias_off, out_off, out_stride, n_rows, n_tok;
+} mm_tile_push;
+typedef struct mm_tile_q8_push {
+    uint32_t w_off, row_bytes, q_off, d_off, nb, nb_pad, bias_off, out_off, out_stride, n_rows, n_tok;
+} mm_tile_q8_push;
+typedef struct mm_sg_push {
+    uint32_t w_off, row_bytes, x_off, d_off, n_in, nb_pad, bias_off, out_off, out_stride, n_rows, n_tok;
+} mm_sg_push;
+
+static vk_shader matmul_shader(duet_dtype dt, bool tile, bool dot) {
+    switch (dt) {
+    case DUET_DTYPE_F32: return tile ? VK_SHADER_MATMUL_TILE_F32 : VK_SHADER_MATMUL_SG_F32;
+    case DUET_DTYPE_F16: return tile ? VK_SHADER_MATMUL_TILE_F16 : VK_SHADER_MATMUL_SG_F16;
+    case DUET_DTYPE_BF16: return tile ? VK_SHADER_MATMUL_TILE_BF16 : VK_SHADER_MATMUL_SG_BF16;
+    default:
+        if (tile) return dot ? VK_SHADER_MATMUL_TILE_Q8_0_DOT : VK_SHADER_MATMUL_TILE_Q8_0;
+        return dot ? VK_SHADER_MATMUL_SG_Q8_0_DOT : VK_SHADER_MATMUL_SG_Q8_0;
+    }
+}
+
+static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
+    const char *name = "matmul";
+    const duet_dtype dt = op->matmul.dtype;
+    const int n_in = op->matmul.n_in, n_out = op->matmul.n_out, n = op->n_tokens;
+    const uint64_t nt = (uint64_t)n;
+    REQUIRE(n_in > 0 && n_out > 0, "matmul: n_in %d, n_out %d", n_in, n_out);
+    REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d", n_in,
+            duet_dtype_name(dt), duet_dtype_block(dt));
+    const uint64_t rb = duet_dtype_row_bytes(dt, n_in);
+    uint64_t wbytes = mul2((uint64_t)n_out, rb), xbytes = mul3(nt, (uint64_t)n_in, 4), obytes = mul3(nt, (uint64_t)n_out, 4);
+    const duet_view w = op->matmul.w, x = op->matmul.x, bias = op->matmul.bias, out = op->matmul.out;
+    CHECK(view_check(name, "w", w, wbytes, dt == DUET_DTYPE_F32 ? 4 : 2));
+    CHECK(view_check(name, "x", x, xbytes, 4));
+    if (bias.buf) CHECK(view_check(name, "bias", bias, (uint64_t)n_out * 4, 4));
+    CHECK(view_check(name, "out", out, obytes, 4));
+    REQUIRE(!views_overlap(out, obytes, x, xbytes), "matmul: out overlaps x");
+    REQUIRE(!views_overlap(out, obytes, w, wbytes), "matmul: out overlaps w");
+    REQUIRE(!views_overlap(out, obytes, bias, (uint64_t)n_out * 4), "matmul: out overlaps bias");
+
+    const bool q8 = dt == DUET_DTYPE_Q8_0;
+    const uint64_t nb = q8 ? (uint64_t)n_in / 32 : 0, nb_pad = (nb + 7) & ~(uint64_t)7;
+    /* The tile path wants texel-aligned rows; anything else takes the
+     * subgroup path, which reads at any alignment. */
+    bool tile = be->tune.matmul == VK_MATMUL_TILE && rb % 16 == 0 && w.offset % 16 == 0 &&
+                (q8 ? nb % 8 == 0 : (x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0));
+    if (!tile && !be->phys->subgroup_arith)
+        return duet__error(DUET_UNSUPPORTED, "matmul: %s rows of %d that are not 16-byte aligned need subgroup "
+                           "arithmetic, which %s lacks", duet_dtype_name(dt), n_in, be->base.info.name);
+    if (q8) CHECK(quantize_x(be, x, n, n_in));
+
+    const bool dot = q8 && be->tune.int_dot;
+    const uint32_t WG = (uint32_t)(tile ? be->tune.tile_wg : be->tune.sg_wg);
+    const uint32_t R = (uint32_t)(tile ? be->tune.tile_rows : be->tune.sg_rows);
+    const uint32_t T = tile && n > 1 ? (uint32_t)be->tune.tile_tokens : 1;
+    const bool has_bias = bias.buf != NULL, acc = op->matmul.accumulate;
+    const bool sg_aligned = !q8 && rb % 16 == 0 && w.offset % 16 == 0 && x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0;
+    const bool sg_grouped = q8 && nb % 8 == 0 && rb % 16 == 0 && w.offset % 16 == 0;
+    const uint32_t spec[7] = {WG, R, tile ? T : WG, has_bias, acc, sg_aligned, sg_grouped};
+    vk_dispatch d = {.kind = DUET_OP_MATMUL};
+    CHECK(pipe(be, matmul_shader(dt, tile, dot), 3, 1, tile ? 5 : 7, spec, &d));
+    mm_sg_push sg;
+    mm_tile_push tf;
+    mm_tile_q8_push tq;
+
+    /* Tokens per dispatch: the output rows must fit one storage binding. */
+    uint64_t tok_chunk = be->max_ssbo_range / ((uint64_t)n_out * 4);
+    if (tok_chunk == 0)
+        return duet__error(DUET_UNSUPPORTED, "matmul: an output row of %d floats exceeds a storage binding on %s", n_out,
+                           be->base.info.name);
+    if (tok_chunk > (uint64_t)be->max_groups[1] * T) tok_chunk = (uint64_t)be->max_groups[1] * T;
+    /* Rows per dispatch: the grid limit; texel views bound them below. */
+    uint64_t row_cap = (uint64_t)be->max_groups[0] * (tile ? WG * R : R);
+    for (uint64_t t0 = 0; t0 < nt; t0 += tok_chunk) {
+        const uint64_t tc = nt - t0 < tok_chunk ? nt - t0 : tok_chunk;
+        for (uint64_t r0 = 0; r0 < (uint64_t)n_out;) {
+            size_t wbyte = w.offset + (size_t)(r0 * rb);
+            int k = w.buf->n_views == 1 ? 0 : (int)(wbyte / w.buf->view_stride);
+            if (k >= w.buf->n_views) k = w.buf->n_views - 1;
+            uint64_t fit = ((size_t)k * w.buf->view_stride + w.buf->view_span[k] - wbyte) / rb;
+            if (fit == 0) return duet__error(DUET_UNSUPPORTED, "matmul: a %llu-byte row does not fit a texel view", (unsigned long long)rb);
+            uint64_t rc = (uint64_t)n_out - r0;
+            if (rc > fit) rc = fit;
+            if (rc > row_cap) rc = row_cap;
+
+            uint32_t w_rel, x_rel, b_rel = 0, o_rel;
+            CHECK(tex_bind(be, name, "w", w.buf, wbyte, rc * rb, &d.bind[0], &w_rel));
+            const uint64_t orange = ((tc - 1) * (uint64_t)n_out + rc) * 4;
+            const size_t obyte = out.offset + (size_t)((t0 * (uint64_t)n_out + r0) * 4);
+            CHECK(ssbo_bind(be, name, "out", out.buf, obyte, orange, &d.bind[3], &o_rel));
+            if (bias.buf) CHECK(tex_bind(be, name, "bias", bias.buf, bias.offset + r0 * 4, rc * 4, &d.bind[2], &b_rel));
+            else d.bind[2] = d.bind[0]; /* unread: any valid view */
+            d.n_reads = d.n_writes = 0;
+            d.reads[d.n_reads++] = rng(w.buf, wbyte, rc * rb);
+            if (bias.buf) d.reads[d.n_reads++] = rng(bias.buf, bias.offset + r0 * 4, rc * 4);
+            if (op->matmul.accumulate) d.reads[d.n_reads++] = rng(out.buf, obyte, orange);
+            d.writes[d.n_writes++] = rng(out.buf, obyte, orange);
+            uint32_t q_rel = 0, d_rel = 0;
+            if (q8) {
+                const uint64_t qbytes = nt * nb * 32;
+                CHECK(tex_bind(be, name, "quantized x", be->xq, 0, qbytes + nt * nb_pad * 4, &d.bind[1], &x_rel));
+                q_rel = x_rel + (uint32_t)(t0 * nb * 32);
+                d_rel = x_rel + (uint32_t)(qbytes + t0 * nb_pad * 4);
+                d.reads[d.n_reads++] = rng(be->xq, 0, qbytes + nt * nb_pad * 4);
+            } else {
+                CHECK(tex_bind(be, name, "x", x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4,
+                               &d.bind[1], &x_rel));
+                d.reads[d.n_reads++] = rng(x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4);
+            }
+            if (tile && q8) {
+                tq = (mm_tile_q8_push){w_rel, (uint32_t)rb, q_rel, d_rel, (uint32_t)nb, (uint32_t)nb_pad, b_rel, o_rel / 4,
+                                       (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
+                d.push = &tq;
+                d.push_size = sizeof tq;
+            } else if (tile) {
+                tf = (mm_tile_push){w_rel, (uint32_t)rb, x_rel, (uint32_t)n_in, b_rel, o_rel / 4, (uint32_t)n_out,
+                                    (uint32_t)rc, (uint32_t)tc};
+                d.push = &tf;
+                d.push_size = sizeof tf;
+            } else {
+                sg = (mm_sg_push){w_rel, (uint32_t)rb, q8 ? q_rel : x_rel, d_rel, q8 ? (uint32_t)nb : (uint32_t)n_in,
+                                  (uint32_t)nb_pad, b_rel, o_rel / 4, (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
+                d.push = &sg;
+                d.push_size = sizeof sg;
+            }
+            d.groups[0] = tile ? div_up(rc, (uint64_t)WG * R) : div_up(rc, R);
+            d.groups[1] = tile ? div_up(tc, T) : (uint32_t)tc;
+            d.groups[2] = 1;
+            CHECK(duet__vk_dispatch(be, &d));
+            r0 += rc;
+        }
+    }
+    return DUET_OK;
+}
+
+/* ---- rope_kv -------------------------------------------------------------------------------- */
+
+/* cos/sin of pos * base^(-2i/n_rot) for every position and pair, computed
+ * in double like the cpu backend: a table of [n_ctx][n_rot/2] (cos, sin). */
+static duet_status rope_table(vk_backend *be, float base, int n_rot, int n_ctx) {
+    if (be->rope_table && be->rope_base == base && be->rope_n_rot == n_rot && be->rope_n_ctx == n_ctx) return DUET_OK;
+    const int half = n_rot / 2;
+    size_t bytes = (size_t)n_ctx * (size_t)half * 2 * sizeof(float);
+    float *tab = malloc(bytes);
+    if (!tab) return duet__error(DUET_OUT_OF_MEMORY, "rope_kv: cos/sin table");
+    for (int i = 0; i < half; i++) {
+        double f = pow((double)base, -2.0 * i / n_rot);
+        for (int p = 0; p < n_ctx; p++) {
+            double th = (double)p * f;
+            tab[((size_t)p * half + i) * 2] = (float)cos(th);
+            tab[((size_t)p * half + i) * 2 + 1] = (float)sin(th);
+        }
+    }
+    /* A new buffer each time: dispatches recorded earlier in this step may
+     * still read the old table. */
+    duet_buffer *nb;
+    duet_status st = duet__vk_buffer_create(be, bytes, false, &nb);
+    if (st == DUET_OK) st = duet__vk_write(be, nb, 0, tab, bytes);
+    free(tab);
+    if (st != DUET_OK) {
+        duet__vk_buffer_destroy(be, nb);
+        return st;
+    }
+    if (be->rope_table) {
+        if (be->in_step && be->n_retired < (int)(sizeof be->retired / sizeof be->retired[0]))
+            be->retired[be->n_retired++] = be->rope_table;
+        else if (be->in_step) {
+            duet__vk_buffer_destroy(be, nb);
+            return duet__error(DUET_UNSUPPORTED, "rope_kv: too many RoPE parameter changes in one step");
+        } else
+            duet__vk_buffer_destroy(be, be->rope_table);
+    }
+    be->rope_table = nb;
+    be->rope_base = base;
+    be->rope_n_rot = n_rot;
+    be->rope_n_ctx = n_ctx;
+    return DUET_OK;
+}
+
+/* Every slot a token touches, [seq][0..pos], must lie inside both caches. */
+static duet_status check_kv(const char *op, const int32_t *pos, const int32_t *seq, int n_tokens, int n_ctx,
+                            uint64_t kv_row_bytes, duet_view kc, duet_view vc) {
+    uint64_t avail = view_avail(kc) < view_avail(vc) ? view_avail(kc) : view_avail(vc);
+    for (int t = 0; t < n_tokens; t++) {
+        REQUIRE(pos[t] >= 0 && pos[t] < n_ctx, "%s: token %d has position %d outside [0, %d)", op, t, pos[t], n_ctx);
+        REQUIRE(seq[t] >= 0, "%s: token %d has sequence %d", op, t, seq[t]);
+        uint64_t end = mul2((uint64_t)seq[t] * (uint64_t)n_ctx + (uint64_t)pos[t] + 1, kv_row_bytes);
+        REQUIRE(end <= avail, "%s: token %d (sequence %d, position %d) is past the end of the KV cache", op, t, seq[t],
+                pos[t]);
+    }
+    return DUET_OK;
+}
+
+static duet_status rec_rope_kv(vk_backend *be, const duet_op *op) {
+    const char *name = "rope_kv";
+    const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim;
+    const int n_rot = op->rope_kv.n_rot, n_ctx = op->rope_kv.n_ctx;
+    const uint64_t nt = (uint64_t)op->n_tokens;
+    REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0, "rope_kv: n_head %d, n_head_kv %d, head_dim %d, n_ctx %d", nh, nkv,
+            hd, n_ctx);
+    REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0, "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot,
+            hd);
+    REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g", (double)op->rope_kv.freq_base);
+    const duet_dtype kvt = op->rope_kv.kv_dtype;
+    REQUIRE(kvt == DUET_DTYPE_F32 || kvt == DUET_DTYPE_F16, "rope_kv: kv dtype %d", (int)kvt);
+    const uint64_t es = duet_dtype_block_bytes(kvt), kvw = (uint64_t)nkv * (uint64_t)hd;
+    uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), kbytes = mul2(mul2(nt, kvw), 4);
+    uint64_t kv_row = mul2(kvw, es);
+    const duet_view q = op->rope_kv.q, k = op->rope_kv.k, v = op->rope_kv.v, pos = op->rope_kv.pos,
+                    seq = op->rope_kv.seq, kc = op->rope_kv.k_cache, vc = op->rope_kv.v_cache;
+    CHECK(view_check(name, "q", q, qbytes, 4));
+    CHECK(view_check(name, "k", k, kbytes, 4));
+    CHECK(view_check(name, "v", v, kbytes, 4));
+    CHECK(view_check(name, "pos", pos, nt * 4, 4));
+    CHECK(view_check(name, "seq", seq, nt * 4, 4));
+    CHECK(view_check(name, "k_cache", kc, kv_row, es));
+    CHECK(view_check(name, "v_cache", vc, kv_row, es));
+    REQUIRE(!views_overlap(q, qbytes, k, kbytes), "rope_kv: q overlaps k");
+    const int32_t *hp = host_indices(be, pos), *hs = host_indices(be, seq);
+    if (hp && hs) CHECK(check_kv(name, hp, hs, op->n_tokens, n_ctx, kv_row, kc, vc));
+    uint64_t avail = view_avail(kc) < view_avail(vc) ? view_avail(kc) : view_avail(vc);
+    uint64_t avail_rows = avail / kv_row;
+    if (avail_rows > UINT32_MAX) avail_rows = UINT32_MAX;
+    REQUIRE(nt <= be->max_groups[1], "rope_kv: %d tokens exceed the grid limit", op->n_tokens);
+    if (n_rot > 0) CHECK(rope_table(be, op->rope_kv.freq_base, n_rot, n_ctx));
+
+    const uint32_t spec[3] = {(uint32_t)be->tune.ew_wg, kvt == DUET_DTYPE_F16, op->rope_kv.neox};
+    vk_dispatch d = {.kind = DUET_OP_ROPE_KV};
+    CHECK(pipe(be, VK_SHADER_ROPE_KV, 4, 5, 3, spec, &d));
+    struct {
+        uint32_t q_off, k_off, v_off, pos_off, seq_off, tab_off, kc_off, vc_off;
+        uint32_t n_head, n_head_kv, hd, n_rot, n_ctx, seq_lo, seq_hi, rotate, avail_rows;
+    } pc = {.n_head = (uint32_t)nh, .n_head_kv = (uint32_t)nkv, .hd = (uint32_t)hd, .n_rot = (uint32_t)n_rot,
+            .n_ctx = (uint32_t)n_ctx, .avail_rows = (uint32_t)avail_rows};
+    uint32_t rel;
+    CHECK(tex_bind(be, name, "pos", pos.buf, pos.offset, nt * 4, &d.bind[0], &pc.pos_off));
+    CHECK(tex_bind(be, name, "seq", seq.buf, seq.offset, nt * 4, &d.bind[1], &pc.seq_off));
+    CHECK(tex_bind(be, name, "v", v.buf, v.offset, kbytes, &d.bind[2], &pc.v_off));
+    if (n_rot > 0)
+        CHECK(tex_bind(be, name, "rope table", be->rope_table, 0, be->rope_table->size, &d.bind[3], &pc.tab_off));
+    else
+        d.bind[3] = d.bind[0]; /* unread */
+    CHECK(ssbo_bind(be, name, "q", q.buf, q.offset, qbytes, &d.bind[4], &rel));
+    pc.q_off = rel / 4;
+    CHECK(ssbo_bind(be, name, "k", k.buf, k.offset, kbytes, &d.bind[5], &rel));
+    pc.k_off = rel / 4;
+    d.bind[8] = status_bind(be);
+    d.push = &pc;
+    d.push_size = sizeof pc;
+    d.groups[0] = 1;
+    d.groups[1] = (uint32_t)nt;
+    d.groups[2] = 1;
+
+    /* Sequence windows: each dispatch's cache bindings hold whole sequences. */
+    const uint64_t seq_bytes = mul2((uint64_t)n_ctx, kv_row);
+    const uint64_t n_seq = (avail_rows + (uint64_t)n_ctx - 1) / (uint64_t)n_ctx;
+    uint64_t win = (be->max_ssbo_range - be->ssbo_align) / seq_bytes;
+    if (win == 0)
+        return duet__error(DUET_UNSUPPORTED, "rope_kv: one sequence of the KV cache (%llu bytes) exceeds a storage "
+                           "binding on %s", (unsigned long long)seq_bytes, be->base.info.name);
+    for (uint64_t s0 = 0; s0 < n_seq || s0 == 0; s0 += win) {
+        uint64_t s1 = s0 + win < n_seq ? s0 + win : n_seq;
+        uint64_t lo_row = s0 * (uint64_t)n_ctx, hi_row = s1 * (uint64_t)n_ctx < avail_rows ? s1 * (uint64_t)n_ctx : avail_rows;
+        uint64_t bytes = (hi_row - lo_row) * kv_row;
+        CHECK(ssbo_bind(be, name, "k_cache", kc.buf, kc.offset + lo_row * kv_row, bytes, &d.bind[6], &rel));
+        pc.kc_off = rel / (uint32_t)es;
+        CHECK(ssbo_bind(be, name, "v_cache", vc.buf, vc.offset + lo_row * kv_row, bytes, &d.bind[7], &rel));
+        pc.vc_off = rel / (uint32_t)es;
+        pc.seq_lo = (uint32_t)s0;
+        pc.seq_hi = (uint32_t)(s1 > UINT32_MAX ? UINT32_MAX : s1);
+        pc.rotate = s0 == 0;
+        d.n_reads = d.n_writes = 0;
+        d.reads[d.n_reads++] = rng(pos.buf, pos.offset, nt * 4);
+        d.reads[d.n_reads++] = rng(seq.buf, seq.offset, nt * 4);
+        d.reads[d.n_reads++] = rng(v.buf, v.offset, kbytes);
+        if (n_rot > 0) d.reads[d.n_reads++] = rng(be->rope_table, 0, be->rope_table->size);
+        d.writes[d.n_writes++] = rng(q.buf, q.offset, qbytes);
+        d.writes[d.n_writes++] = rng(k.buf, k.offset, kbytes);
+        d.writes[d.n_writes++] = rng(kc.buf, kc.offset + lo_row * kv_row, bytes);
+        d.writes[d.n_writes++] = rng(vc.buf, vc.offset + lo_row * kv_row, bytes);
+        CHECK(duet__vk_dispatch(be, &d));
+        if (s1 >= n_seq) break;
+    }
+    return DUET_OK;
+}
+
+/* ---- attention ------------------------------------------------------------------------------- */
+
+static duet_status rec_attention(vk_backend *be, const duet_op *op) {
+    const char *name = "attention";
+    const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
+    const int n_ctx = op->attention.n_ctx;
+    const uint64_t nt = (uint64_t)op->n_tokens;
+    REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh % nkv == 0,
+            "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d, n_ctx %d", nh, nkv, hd, n_ctx);
+    const duet_dtype kvt = op->attention.kv_dtype;
+    REQUIRE(kvt == DUET_DTYPE_F32 || kvt == DUET_DTYPE_F16, "attention: kv dtype %d", (int)kvt);
+    const uint64_t es = duet_dtype_block_bytes(kvt), kvw = (uint64_t)nkv * (uint64_t)hd;
+    uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), kv_row = mul2(kvw, es);
+    const duet_view q = op->attention.q, pos = op->attention.pos, seq = op->attention.seq, kc = op->attention.k_cache,
+                    vc = op->attention.v_cache, out = op->attention.out;
+    CHECK(view_check(name, "q", q, qbytes, 4));
+    CHECK(view_check(name, "pos", pos, nt * 4, 4));
+    CHECK(view_check(name, "seq", seq, nt * 4, 4));
+    CHECK(view_check(name, "k_cache", kc, kv_row, es));
+    CHECK(view_check(name, "v_cache", vc, kv_row, es));
+    CHECK(view_check(name, "out", out, qbytes, 4));
+    CHECK(check_inplace(name, "q", q, out, qbytes));
+    uint64_t kc_bytes = view_avail(kc), vc_bytes = view_avail(vc);
+    REQUIRE(!views_overlap(out, qbytes, kc, kc_bytes) && !views_overlap(out, qbytes, vc, vc_bytes),
+            "attention: out overlaps the KV cache");
+    if (hd > VK_MAX_HEAD_DIM)
+        return duet__error(DUET_UNSUPPORTED, "attention: head_dim %d (the vulkan backend handles up to %d)", hd,
+                           VK_MAX_HEAD_DIM);
+    const int32_t *hp = host_indices(be, pos), *hs = host_indices(be, seq);
+    if (hp && hs) CHECK(check_kv(name, hp, hs, op->n_tokens, n_ctx, kv_row, kc, vc));
+    uint64_t avail_rows = (kc_bytes < vc_bytes ? kc_bytes : vc_bytes) / kv_row;
+    if (avail_rows > UINT32_MAX) avail_rows = UINT32_MAX;
+
+    /* Lanes per workgroup and per (token, head) pair: the tuned counts,
+     * fewer if the merge buffers would not fit shared memory. */
+    const uint32_t hd4 = (uint32_t)(hd + 3) / 4;
+    uint32_t wg = (uint32_t)be->tune.attn_wg, split = (uint32_t)be->tune.attn_split;
+    if (split > wg) split = wg;
+    while (split > 1 && (uint64_t)wg * (hd4 * 16 + 8) > be->phys->props.limits.maxComputeSharedMemorySize) wg /= 2;
+    if (split > wg) split = wg;
+    vk_dispatch d = {.kind = DUET_OP_ATTENTION, .n_reads = 5, .n_writes = 1};
+    struct {
+        uint32_t q_off, pos_off, seq_off, kc_off, vc_off, out_off, n_head, n_head_kv, hd, n_ctx, n_tok;
+        float scale;
+        uint32_t avail_rows;
+    } pc = {.n_head = (uint32_t)nh, .n_head_kv = (uint32_t)nkv, .hd = (uint32_t)hd, .n_ctx = (uint32_t)n_ctx,
+            .n_tok = (uint32_t)nt, .scale = op->attention.scale, .avail_rows = (uint32_t)avail_rows};
+    uint32_t rel;
+    uint64_t kv_used = avail_rows * kv_row;
+    CHECK(tex_bind(be, name, "q", q.buf, q.offset, qbytes, &d.bind[0], &pc.q_off));
+    CHECK(tex_bind(be, name, "pos", pos.buf, pos.offset, nt * 4, &d.bind[1], &pc.pos_off));
+    CHECK(tex_bind(be, name, "seq", seq.buf, seq.offset, nt * 4, &d.bind[2], &pc.seq_off));
+    CHECK(tex_bind(be, name, "k_cache", kc.buf, kc.offset, kv_used, &d.bind[3], &pc.kc_off));
+    CHECK(tex_bind(be, name, "v_cache", vc.buf, vc.offset, kv_used, &d.bind[4], &pc.vc_off));
+    CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, qbytes, &d.bind[5], &rel));
+    pc.out_off = rel / 4;
+    d.bind[6] = status_bind(be);
+    /* The shader's ALIGNED: 1 when every 4-element group of a head's row
+     * (and of q) starts a half (f16) or whole (f32) texel; 2 (f16) when rows
+     * are whole texels, read 8 elements a fetch. */
+    const uint32_t va = kvt == DUET_DTYPE_F16 ? 8 : 16;
+    uint32_t aligned = kvw % 4 == 0 && hd % 4 == 0 && pc.q_off % 16 == 0 && pc.kc_off % va == 0 && pc.vc_off % va == 0;
+    if (aligned && kvt == DUET_DTYPE_F16 && kvw % 8 == 0 && hd % 8 == 0 && pc.kc_off % 16 == 0 && pc.vc_off % 16 == 0)
+        aligned = 2;
+    const uint32_t spec[5] = {wg, hd4, split, kvt == DUET_DTYPE_F16, aligned};
+    CHECK(pipe(be, VK_SHADER_ATTENTION, 5, 2, 5, spec, &d));
+    d.reads[0] = rng(q.buf, q.offset, qbytes);
+    d.reads[1] = rng(pos.buf, pos.offset, nt * 4);
+    d.reads[2] = rng(seq.buf, seq.offset, nt * 4);
+    d.reads[3] = rng(kc.buf, kc.offset, kv_used);
+    d.reads[4] = rng(vc.buf, vc.offset, kv_used);
+    d.writes[0] = rng(out.buf, out.offset, qbytes);
+    d.groups[0] = div_up(nt * (uint64_t)nh, wg / split);
+    d.groups[1] = 1;
+    d.groups[2] = 1;
+    d.push = &pc;
+    d.push_size = sizeof pc;
+    return duet__vk_dispatch(be, &d);
+}
+
+/* ---- swiglu, add ------------------------------------------------------------------------------ */
+
+static duet_status rec_binary(vk_backend *be, const duet_op *op) {
+    const bool swiglu = op->kind == DUET_OP_SWIGLU;
+    const char *name = op_names[op->kind];
+    const int dim = swiglu ? op->swiglu.dim : op->add.dim;
+    const duet_view a = swiglu ? op->swiglu.gate : op->add.a, b = swiglu ? op->swiglu.up : op->add.b,
+                    out = swiglu ? op->swiglu.out : op->add.out;
+    const uint64_t nt = (uint64_t)op->n_tokens;
+    REQUIRE(dim > 0, "%s: dim %d", name, dim);
+    uint64_t bytes = mul3(nt, (uint64_t)dim, 4);
+    CHECK(view_check(name, swiglu ? "gate" : "a", a, bytes, 4));
+    CHECK(view_check(name, swiglu ? "up" : "b", b, bytes, 4));
+    CHECK(view_check(name, "out", out, bytes, 4));
+    CHECK(check_inplace(name, swiglu ? "gate" : "a", a, out, bytes));
+    CHECK(check_inplace(name, swiglu ? "up" : "b", b, out, bytes));
+    REQUIRE(nt <= be->max_groups[1], "%s: %d tokens exceed the grid limit", name, op->n_tokens);
+
+    const uint32_t wg = (uint32_t)be->tune.ew_wg;
+    vk_dispatch d = {.kind = op->kind, .n_reads = 2, .n_writes = 1};
+    struct {
+        uint32_t a_off, b_off, out_off, dim;
+    } pc = {.dim = (uint32_t)dim};
+    uint32_t rel;
+    CHECK(tex_bind(be, name, "a", a.buf, a.offset, bytes, &d.bind[0], &pc.a_off));
+    CHECK(tex_bind(be, name, "b", b.buf, b.offset, bytes, &d.bind[1], &pc.b_off));
+    CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, bytes, &d.bind[2], &rel));
+    pc.out_off = rel / 4;
+    const uint32_t spec[2] = {wg, pc.a_off % 16 == 0 && pc.b_off % 16 == 0 && dim % 4 == 0};
+    CHECK(pipe(be, swiglu ? VK_SHADER_SWIGLU : VK_SHADER_ADD, 2, 1, 2, spec, &d));
+    d.reads[0] = rng(a.buf, a.offset, bytes);
+    d.reads[1] = rng(b.buf, b.offset, bytes);
+    d.writes[0] = rng(out.buf, out.offset, bytes);
+    d.groups[0] = div_up((uint64_t)dim, 4u * wg);
+    d.groups[1] = (uint32_t)nt;
+    d.groups[2] = 1;
+    d.push = &pc;
+    d.push_size = sizeof pc;
+    return duet__vk_dispatch(be, &d);
+}
+
+/* ---- gather_rows -------------------------------------------------------------------------------- */
+
+static duet_status rec_gather(vk_backend *be, const duet_op *op) {
+    const char *name = "gather_rows";
+    const int dim = op->gather.dim;
+    const uint64_t nt = (uint64_t)op->n_tokens;
+    REQUIRE(dim > 0, "gather_rows: dim %d", dim);
+    uint64_t row = (uint64_t)dim * 4, obytes = mul2(nt, row);
+    const duet_view x = op->gather.x, rows = op->gather.rows, out = op->gather.out;
+    CHECK(view_check(name, "x", x, row, 4));
+    CHECK(view_check(name, "rows", rows, nt * 4, 4));
+    CHECK(view_check(name, "out", out, obytes, 4));
+    uint64_t n_rows = view_avail(x) / row;
+    const int32_t *hr = host_indices(be, rows);
+    for (int t = 0; hr && t < op->n_tokens; t++)
+        REQUIRE(hr[t] >= 0 && (uint64_t)hr[t] < n_rows, "gather_rows: row %d is %d, outside the %llu rows of x", t, hr[t],
+                (unsigned long long)n_rows);
+    REQUIRE(!views_overlap(out, obytes, x, n_rows * row), "gather_rows: out overlaps x");
+    REQUIRE(nt <= be->max_groups[1], "gather_rows: %d rows exceed the grid limit", op->n_tokens);
+    if (n_rows > UINT32_MAX) n_rows = UINT32_MAX;
+
+    const uint32_t wg = (uint32_t)be->tune.ew_wg;
+    vk_dispatch d = {.kind = DUET_OP_GATHER_ROWS, .n_reads = 2, .n_writes = 1};
+    CHECK(pipe(be, VK_SHADER_GATHER_ROWS, 2, 2, 1, &wg, &d));
+    struct {
+        uint32_t x_off, rows_off, out_off, dim, n_rows;
+    } pc = {.dim = (uint32_t)dim, .n_rows = (uint32_t)n_rows};
+    uint32_t rel;
+    CHECK(tex_bind(be, name, "x", x.buf, x.offset, n_rows * row, &d.bind[0], &pc.x_off));
+    CHECK(tex_bind(be, name, "rows", rows.buf, rows.offset, nt * 4, &d.bind[1], &pc.rows_off));
+    CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, obytes, &d.bind[2], &rel));
+    pc.out_off = rel / 4;
+    d.bind[3] = status_bind(be);
+    d.reads[0] = rng(x.buf, x.offset, n_rows * row);
+    d.reads[1] = rng(rows.buf, rows.offset, nt * 4);
+    d.writes[0] = rng(out.buf, out.offset, obytes);
+    d.groups[0] = div_up((uint64_t)dim, 4u * wg);
+    d.groups[1] = (uint32_t)nt;
+    d.groups[2] = 1;
+    d.push = &pc;
+    d.push_size = sizeof pc;
+    return duet__vk_dispatch(be, &d);
+}
+
+/* ---- argmax ---------------------------------------------------------------------------------------- */
+
+static duet_status rec_argmax(vk_backend *be, const duet_op *op) {
+    const char *name = "argmax";
+    const int dim = op->argmax.dim;
+    const uint64_t nt = (uint64_t)op->n_tokens;
+    REQUIRE(dim > 0, "argmax: dim %d", dim);
+    uint64_t xbytes = mul3(nt, (uint64_t)dim, 4);
+    CHECK(view_check(name, "x", op->argmax.x, xbytes, 4));
+    CHECK(view_check(name, "out", op->argmax.out, nt * 4, 4));
+    REQUIRE(nt <= be->max_groups[1], "argmax: %d rows exceed the grid limit", op->n_tokens);
+
+    const uint32_t wg = (uint32_t)be->tune.norm_wg;
+    vk_dispatch d = {.kind = DUET_OP_ARGMAX, .n_reads = 1, .n_writes = 1};
+    CHECK(pipe(be, VK_SHADER_ARGMAX, 1, 1, 1, &wg, &d));
+    struct {
+        uint32_t x_off, out_off, dim;
+    } pc = {.dim = (uint32_t)dim};
+    uint32_t rel;
+    CHECK(tex_bind(be, name, "x", op->argmax.x.buf, op->argmax.x.offset, xbytes, &d.bind[0], &pc.x_off));
+    CHECK(ssbo_bind(be, name, "out", op->argmax.out.buf, op->argmax.out.offset, nt * 4, &d.bind[1], &rel));
+    pc.out_off = rel / 4;
+    d.reads[0] = rng(op->argmax.x.buf, op->argmax.x.offset, xbytes);
+    d.writes[0] = rng(op->argmax.out.buf, op->argmax.out.offset, nt * 4);
+    d.groups[0] = 1;
+    d.groups[1] = (uint32_t)nt;
+    d.groups[2] = 1;
+    d.push = &pc;
+    d.push_size = sizeof pc;
+    return duet__vk_dispatch(be, &d);
+}
+
+/* ---- the interface ----------------------------------------------------------------------------------- */
+
+bool duet__vk_supports_op(duet_backend *be, const duet_op *op) {
+    (void)be;
+    switch (op->kind) {
+    case DUET_OP_EMBED: return duet_dtype_is_weight(op->embed.dtype);
+    case DUET_OP_MATMUL: return duet_dtype_is_weight(op->matmul.dtype);
+    case DUET_OP_ROPE_KV: return op->rope_kv.kv_dtype == DUET_DTYPE_F32 || op->rope_kv.kv_dtype == DUET_DTYPE_F16;
+    case DUET_OP_ATTENTION:
+        return (op->attention.kv_dtype == DUET_DTYPE_F32 || op->attention.kv_dtype == DUET_DTYPE_F16) &&
+               op->attention.head_dim <= VK_MAX_HEAD_DIM;
+    case DUET_OP_RMSNORM:
+    case DUET_OP_SWIGLU:
+    case DUET_OP_ADD:
+    case DUET_OP_GATHER_ROWS:
+    case DUET_OP_ARGMAX: return true;
+    case DUET_OP_COUNT: break;
+    }
+    return false;
+}
+
+duet_status duet__vk_record_op(vk_backend *be, const duet_op *op) {
+    if ((unsigned)op->kind >= DUET_OP_COUNT)
+        return duet__error(DUET_INVALID_ARGUMENT, "vulkan: unknown op kind %d", (int)op->kind);
+    if (op->n_tokens <= 0) return duet__error(DUET_INVALID_ARGUMENT, "%s: n_tokens %d", op_names[op->kind], op->n_tokens);
+    if (!duet__vk_supports_op(&be->base, op))
+        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype or shape on the vulkan backend", op_names[op->kind]);
+    switch (op->kind) {
+    case DUET_OP_EMBED: return rec_embed(be, op);
+    case DUET_OP_RMSNORM: return rec_rmsnorm(be, op);
+    case DUET_OP_MATMUL: return rec_matmul(be, op);
+    case DUET_OP_ROPE_KV: return rec_rope_kv(be, op);
+    case DUET_OP_ATTENTION: return rec_attention(be, op);
+    case DUET_OP_SWIGLU:
+    case DUET_OP_ADD: return rec_binary(be, op);
+    case DUET_OP_GATHER_ROWS: return rec_gather(be, op);
+    case DUET_OP_ARGMAX: return rec_argmax(be, op);
+    case DUET_OP_COUNT: break;
+    }
+    return duet__error(DUET_INVALID_ARGUMENT, "vulkan: unknown op kind %d", (int)op->kind);
+}
