@@ -1,0 +1,176 @@
+/* ocl_internal.h — shared state of the OpenCL backend's files.
+ *
+ * ocl_device.c   platforms and devices through the ICD loader, device info,
+ *                CL error names and the CL_TRY macro's target
+ * ocl_program.c  kernel sources (embedded or $DUET_KERNEL_DIR), run-time
+ *                compilation with -D options, the on-disk binary cache
+ * ocl_tuning.c   the per-device tuning table (exact device -> vendor/arch
+ *                -> default) and the $DUET_OPENCL_TUNE override
+ * ocl_backend.c  the interface: instances, buffers, op validation, steps,
+ *                profiling
+ * ocl_ops.c      one enqueue function per op (kernel arguments and
+ *                NDRanges), CLBlast for large F32/F16 GEMMs
+ */
+#ifndef DUET_OCL_INTERNAL_H
+#define DUET_OCL_INTERNAL_H
+
+#ifndef CL_TARGET_OPENCL_VERSION
+#define CL_TARGET_OPENCL_VERSION 120
+#endif
+#include <CL/cl.h>
+
+#include "../backend.h"
+
+extern const duet_backend_iface duet_opencl_backend_iface;
+
+/* ---- errors -------------------------------------------------------------- */
+
+const char *duet__ocl_error_name(cl_int err); /* "CL_OUT_OF_RESOURCES", ... */
+/* Records "opencl: <expr> failed: <CL name> (<code>) at file:line" and
+ * returns the matching duet_status. */
+duet_status duet__ocl_fail(cl_int err, const char *expr, const char *file, int line);
+
+/* Turns a CL result into a duet_status at the backend boundary. */
+#define CL_TRY(expr)                                                                   \
+    do {                                                                               \
+        cl_int cl_try_err_ = (expr);                                                   \
+        if (cl_try_err_ != CL_SUCCESS) return duet__ocl_fail(cl_try_err_, #expr, __FILE__, __LINE__); \
+    } while (0)
+
+/* ---- devices (ocl_device.c) ------------------------------------------------- */
+
+typedef struct ocl_device {
+    cl_platform_id platform;
+    cl_device_id id;
+    duet_device_info info;
+    char platform_name[128];
+    char version[128];    /* CL_DEVICE_VERSION */
+    cl_ulong local_mem;   /* bytes of local memory per work-group */
+    cl_ulong max_alloc;   /* largest single buffer */
+    size_t max_wg;        /* largest work-group */
+    bool fp16;            /* cl_khr_fp16 */
+    bool fp64;            /* cl_khr_fp64 */
+    bool subgroups;       /* cl_khr_subgroups */
+    bool int_dot;         /* cl_khr_integer_dot_product */
+    bool unified;         /* host-unified memory */
+    bool local_is_global; /* CL_GLOBAL local memory (CPU devices) */
+} ocl_device;
+
+/* Every OpenCL device of every platform, enumerated once per process. On
+ * failure (no loader vendors, no platform, no device) returns false and
+ * fills `why`. */
+bool duet__ocl_devices(const ocl_device **list, int *n, char *why, size_t why_size);
+
+/* ---- tuning (ocl_tuning.c) ------------------------------------------------- */
+
+/* Every knob a kernel or the dispatcher reads. Kernels get them as -D
+ * options (CLBlast style: #ifndef NAME / #define NAME default). */
+typedef struct ocl_tuning {
+    char entry[64];       /* which table entry matched (for logs and tests) */
+    int mv_r;             /* matmul: work-items sharing one dot product (1 = none) */
+    int mv_nr;            /* matmul: output rows per work-item (1, 2, 4) */
+    int mv_vw;            /* matmul: vector width of the inner loop (4, 8, 16) */
+    int mv_wg;            /* matmul: work-group size (a multiple of mv_r) */
+    int mv_mt;            /* matmul: tokens per work-item when n_tokens > 1 (1..8) */
+    int norm_wg;          /* rmsnorm and argmax: work-items per row (power of two) */
+    int att_wg;           /* attention: work-items per (token, head) (power of two) */
+    int ew_wg;            /* elementwise ops: work-group size (0 = the driver's choice) */
+    int clblast_min;      /* F32/F16 matmuls with at least this many tokens use CLBlast; 0 = never */
+    size_t clblast_scratch; /* bytes of f32 scratch for F16 weights converted for CLBlast */
+} ocl_tuning;
+
+/* The entry for `dev`, then any overrides from $DUET_OPENCL_TUNE
+ * ("mv_r=32,clblast_min=0"). Fails on a malformed override. */
+duet_status duet__ocl_tuning_for(const ocl_device *dev, ocl_tuning *out);
+
+/* ---- programs (ocl_program.c) ---------------------------------------------- */
+
+#define OCL_MAX_PROGRAMS 64
+#define OCL_MAX_KERNELS 8
+
+typedef struct ocl_program {
+    char family[32];    /* kernels/<family>.cl */
+    char options[512];  /* the -D options it was built with (beyond the device's) */
+    cl_program prog;
+    int n_kernels;
+    char kernel_names[OCL_MAX_KERNELS][32];
+    cl_kernel kernels[OCL_MAX_KERNELS];
+} ocl_program;
+
+typedef struct ocl_stats {
+    int programs_built;     /* compiled from source */
+    int programs_cached;    /* loaded from the on-disk cache */
+    int programs_cache_saved;
+    int clblast_calls;      /* GEMMs that went to CLBlast */
+    int feature_fallbacks;  /* builds retried without fp16/subgroup code */
+} ocl_stats;
+
+typedef struct ocl_backend ocl_backend;
+
+/* The kernel `name` of kernels/<family>.cl built with `options` (plus the
+ * device's feature defines and common.cl), compiled on first use. */
+duet_status duet__ocl_kernel(ocl_backend *be, const char *family, const char *options, const char *name,
+                             cl_kernel *out);
+void duet__ocl_programs_free(ocl_backend *be);
+/* Where program binaries are cached: $DUET_OPENCL_CACHE_DIR, else
+ * $XDG_CACHE_HOME/duet/opencl, else ~/.cache/duet/opencl; "" when off
+ * (DUET_OPENCL_CACHE=0). */
+void duet__ocl_cache_dir(char *out, size_t size);
+
+/* ---- the instance (ocl_backend.c) ------------------------------------------- */
+
+struct duet_buffer {
+    cl_mem mem;
+    size_t size;
+};
+
+/* Profiling counters: every op kind, plus CLBlast's GEMMs apart. */
+#define OCL_PROF_CLBLAST DUET_OP_COUNT
+#define OCL_PROF_KINDS (DUET_OP_COUNT + 1)
+
+struct ocl_backend {
+    duet_backend base; /* must be first */
+    const ocl_device *dev;
+    cl_context ctx;
+    cl_command_queue queue; /* in order: ops run in recording order */
+    ocl_tuning tune;
+    char dev_options[256]; /* -D options from the device's features */
+    bool in_step;
+
+    ocl_program programs[OCL_MAX_PROGRAMS];
+    int n_programs;
+    ocl_stats stats;
+
+    /* f32 copy of F16 weight rows for CLBlast, grown on first need. */
+    cl_mem scratch;
+    size_t scratch_size;
+
+    /* Profiling ($DUET_PROFILE=1): an event per enqueue, read at wait. */
+    bool profile;
+    cl_event *events;
+    int *event_kinds;
+    int n_events, cap_events;
+    double prof_ms[OCL_PROF_KINDS];
+    long prof_count[OCL_PROF_KINDS];
+};
+
+/* The event slot for the next enqueue of kind `kind` when profiling, else
+ * NULL. The enqueue that receives it must succeed or call ocl_event_drop. */
+cl_event *duet__ocl_event_slot(ocl_backend *be, int kind);
+void duet__ocl_event_drop(ocl_backend *be);
+
+/* Per-op-kind device time since open (ms) and op counts; zeros unless
+ * profiling. Fills at most OCL_PROF_KINDS entries. */
+void duet__ocl_profile(const ocl_backend *be, double *ms, long *count);
+
+/* ---- ops (ocl_ops.c) ----------------------------------------------------------- */
+
+/* Enqueues one validated op. */
+duet_status duet__ocl_enqueue(ocl_backend *be, const duet_op *op);
+/* Which path a matmul of this shape takes ("clblast", "matvec"). */
+const char *duet__ocl_matmul_path(const ocl_backend *be, const duet_op *op);
+
+/* Largest head_dim the attention kernel takes. */
+#define OCL_ATT_DMAX 256
+
+#endif /* DUET_OCL_INTERNAL_H */

@@ -1,0 +1,138 @@
+/* ocl_tuning.c — the per-device tuning table.
+ *
+ * Looked up exact device -> vendor/architecture -> device type -> default
+ * (the first entry that matches, in table order). Numbers for PoCL come
+ * from bench_backend_ops on a 2-core Xeon (bench/results/); GPU entries are
+ * the usual starting points for each vendor's wave/warp size, to be
+ * replaced by measurements on that hardware.
+ *
+ * $DUET_OPENCL_TUNE overrides any knob ("mv_r=32,mv_wg=64,clblast_min=0"):
+ * the benchmark sweeps with it and the tests force every code path with it. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ocl_internal.h"
+
+typedef struct tune_entry {
+    const char *device;   /* substring of the device name, or NULL */
+    const char *platform; /* substring of the platform name, or NULL */
+    const char *vendor;   /* duet_device_info.vendor, or NULL */
+    int type;             /* duet_device_type, or -1 for any */
+    ocl_tuning t;
+} tune_entry;
+
+#define MiB ((size_t)1 << 20)
+
+static const tune_entry tune_table[] = {
+    /* Oclgrind simulates a GPU-like device: use the cooperative (work-group
+     * reduction) paths so the race and memory checks cover them. */
+    {"Oclgrind", NULL, NULL, -1,
+     {"oclgrind", .mv_r = 8, .mv_nr = 2, .mv_vw = 4, .mv_wg = 16, .mv_mt = 2, .norm_wg = 16, .att_wg = 8,
+      .ew_wg = 16, .clblast_min = 0, .clblast_scratch = 16 * MiB}},
+    /* PoCL on CPUs: one work-item per group of rows, explicit vectors in the
+     * inner loop (LLVM turns them into AVX/AVX-512), few barriers; one
+     * work-item per (token, head) in attention. CLBlast's untuned kernels
+     * run at 3-5 GFLOP/s here against our 25-50 at every token count the
+     * benchmark sweeps (bench/results/opencl-pocl-xeon-2c.json): never. */
+    {NULL, "Portable Computing Language", NULL, DUET_DEVICE_CPU,
+     {"pocl-cpu", .mv_r = 1, .mv_nr = 2, .mv_vw = 16, .mv_wg = 8, .mv_mt = 4, .norm_wg = 16, .att_wg = 1,
+      .ew_wg = 0, .clblast_min = 0, .clblast_scratch = 64 * MiB}},
+    {NULL, NULL, "NVIDIA", DUET_DEVICE_DISCRETE_GPU,
+     {"nvidia-gpu", .mv_r = 32, .mv_nr = 2, .mv_vw = 4, .mv_wg = 128, .mv_mt = 4, .norm_wg = 256, .att_wg = 64,
+      .ew_wg = 256, .clblast_min = 16, .clblast_scratch = 256 * MiB}},
+    {NULL, NULL, "AMD", DUET_DEVICE_DISCRETE_GPU,
+     {"amd-gpu", .mv_r = 64, .mv_nr = 2, .mv_vw = 4, .mv_wg = 256, .mv_mt = 4, .norm_wg = 256, .att_wg = 64,
+      .ew_wg = 256, .clblast_min = 16, .clblast_scratch = 256 * MiB}},
+    {NULL, NULL, "Intel", DUET_DEVICE_INTEGRATED_GPU,
+     {"intel-igpu", .mv_r = 16, .mv_nr = 2, .mv_vw = 4, .mv_wg = 64, .mv_mt = 4, .norm_wg = 128, .att_wg = 32,
+      .ew_wg = 128, .clblast_min = 16, .clblast_scratch = 64 * MiB}},
+    /* Any other CPU runtime (Intel's, Arm's). */
+    {NULL, NULL, NULL, DUET_DEVICE_CPU,
+     {"cpu", .mv_r = 1, .mv_nr = 2, .mv_vw = 16, .mv_wg = 8, .mv_mt = 4, .norm_wg = 16, .att_wg = 1, .ew_wg = 0,
+      .clblast_min = 0, .clblast_scratch = 64 * MiB}},
+    /* Any other GPU or accelerator. */
+    {NULL, NULL, NULL, -1,
+     {"default", .mv_r = 32, .mv_nr = 2, .mv_vw = 4, .mv_wg = 64, .mv_mt = 2, .norm_wg = 128, .att_wg = 32,
+      .ew_wg = 128, .clblast_min = 32, .clblast_scratch = 64 * MiB}},
+};
+
+static bool entry_matches(const tune_entry *e, const ocl_device *d) {
+    if (e->device && !strstr(d->info.name, e->device)) return false;
+    if (e->platform && !strstr(d->platform_name, e->platform)) return false;
+    if (e->vendor && strcmp(d->info.vendor, e->vendor) != 0) return false;
+    if (e->type >= 0 && (int)d->info.type != e->type) return false;
+    return true;
+}
+
+static bool pow2(int v) { return v > 0 && (v & (v - 1)) == 0; }
+
+/* Checks the knobs against each other and the device's limits. */
+static duet_status check(const ocl_tuning *t, const ocl_device *d) {
+    const char *bad = NULL;
+    if (!pow2(t->mv_r)) bad = "mv_r must be a power of two";
+    else if (t->mv_nr != 1 && t->mv_nr != 2 && t->mv_nr != 4) bad = "mv_nr must be 1, 2 or 4";
+    else if (t->mv_vw != 4 && t->mv_vw != 8 && t->mv_vw != 16) bad = "mv_vw must be 4, 8 or 16";
+    else if (t->mv_wg < t->mv_r || t->mv_wg % t->mv_r) bad = "mv_wg must be a multiple of mv_r";
+    else if (t->mv_mt < 1 || t->mv_mt > 8) bad = "mv_mt must be 1..8";
+    else if (!pow2(t->norm_wg)) bad = "norm_wg must be a power of two";
+    else if (!pow2(t->att_wg)) bad = "att_wg must be a power of two";
+    else if (t->ew_wg < 0) bad = "ew_wg must be >= 0";
+    else if (t->clblast_min < 0) bad = "clblast_min must be >= 0";
+    else if (t->clblast_scratch < MiB) bad = "clblast_scratch must be at least 1 MiB";
+    else if ((size_t)t->mv_wg > d->max_wg || (size_t)t->norm_wg > d->max_wg || (size_t)t->att_wg > d->max_wg ||
+             (size_t)t->ew_wg > d->max_wg)
+        bad = "a work-group size exceeds the device's maximum";
+    if (bad) return duet__error(DUET_INVALID_ARGUMENT, "opencl tuning '%s': %s (device allows %zu work-items)",
+                                t->entry, bad, d->max_wg);
+    return DUET_OK;
+}
+
+/* Applies "key=value,key=value" on top of *t. */
+static duet_status apply_overrides(ocl_tuning *t, const char *spec) {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s", spec);
+    char *save = NULL;
+    for (char *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(kv, '=');
+        char *end = NULL;
+        long v = eq ? strtol(eq + 1, &end, 10) : 0;
+        if (!eq || end == eq + 1 || *end || v < 0 || v > (1L << 30))
+            return duet__error(DUET_INVALID_ARGUMENT, "DUET_OPENCL_TUNE: '%s' is not key=number", kv);
+        *eq = 0;
+        if (!strcmp(kv, "mv_r")) t->mv_r = (int)v;
+        else if (!strcmp(kv, "mv_nr")) t->mv_nr = (int)v;
+        else if (!strcmp(kv, "mv_vw")) t->mv_vw = (int)v;
+        else if (!strcmp(kv, "mv_wg")) t->mv_wg = (int)v;
+        else if (!strcmp(kv, "mv_mt")) t->mv_mt = (int)v;
+        else if (!strcmp(kv, "norm_wg")) t->norm_wg = (int)v;
+        else if (!strcmp(kv, "att_wg")) t->att_wg = (int)v;
+        else if (!strcmp(kv, "ew_wg")) t->ew_wg = (int)v;
+        else if (!strcmp(kv, "clblast_min")) t->clblast_min = (int)v;
+        else if (!strcmp(kv, "clblast_scratch_mb")) t->clblast_scratch = (size_t)v * MiB;
+        else
+            return duet__error(DUET_INVALID_ARGUMENT,
+                               "DUET_OPENCL_TUNE: unknown knob '%s' (have mv_r, mv_nr, mv_vw, mv_wg, mv_mt, "
+                               "norm_wg, att_wg, ew_wg, clblast_min, clblast_scratch_mb)",
+                               kv);
+    }
+    size_t n = strlen(t->entry);
+    snprintf(t->entry + n, sizeof t->entry - n, "+env");
+    return DUET_OK;
+}
+
+duet_status duet__ocl_tuning_for(const ocl_device *dev, ocl_tuning *out) {
+    const int n = (int)(sizeof tune_table / sizeof tune_table[0]);
+    *out = tune_table[n - 1].t;
+    for (int i = 0; i < n; i++)
+        if (entry_matches(&tune_table[i], dev)) {
+            *out = tune_table[i].t;
+            break;
+        }
+    const char *env = getenv("DUET_OPENCL_TUNE");
+    if (env && *env) {
+        duet_status st = apply_overrides(out, env);
+        if (st != DUET_OK) return st;
+    }
+    return check(out, dev);
+}

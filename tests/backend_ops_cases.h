@@ -1,0 +1,548 @@
+/* backend_ops_cases.h — the one case table of the backend op tests.
+ *
+ * Each case is an op x dtype x shape class. tests/test_backend_ops.c runs
+ * the BO_TEST cases on every non-cpu device against the cpu backend (the
+ * oracle); bench/bench_backend_ops.c times the BO_PERF cases. Both build
+ * the operands here, from the same deterministic data, so a benchmark
+ * number always belongs to a shape the parity test covers.
+ *
+ * Shapes include ragged sizes (not a multiple of any tile: 7, 37, 100,
+ * 129...), single-token and multi-token batches, GQA, several sequences in
+ * one batch and positions up to a few hundred. Every operand lives at a
+ * non-zero offset inside a larger buffer: the bytes around it are guard
+ * bytes that the test checks after the op (an out-of-bounds write shows).
+ *
+ * Backend-agnostic: only backends/backend.h. */
+#ifndef DUET_BACKEND_OPS_CASES_H
+#define DUET_BACKEND_OPS_CASES_H
+
+#include <math.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+
+enum {
+    BO_TEST = 1,  /* parity test */
+    BO_PERF = 2,  /* benchmark */
+    BO_SMALL = 4, /* small enough for a simulator (oclgrind) */
+};
+
+typedef struct bo_case {
+    const char *shape;  /* shape class: "decode", "prefill", "ragged", "gqa", ... */
+    duet_op_kind kind;
+    duet_dtype dtype;   /* weights (embed, matmul) or the KV cache (rope_kv, attention); else f32 */
+    int n_tokens;
+    int dim;            /* embed/rmsnorm/swiglu/add/gather/argmax: row width; matmul: n_in; rope/attention: head_dim */
+    int rows;           /* embed: vocab rows; gather: rows of x; matmul: n_out; rope/attention: n_ctx */
+    int n_head, n_head_kv, n_seqs, pos0, n_rot; /* rope/attention */
+    bool bias, accumulate, neox, inplace;
+    unsigned modes;
+} bo_case;
+
+#define F32 DUET_DTYPE_F32
+#define F16 DUET_DTYPE_F16
+#define BF16 DUET_DTYPE_BF16
+#define Q8 DUET_DTYPE_Q8_0
+#define T BO_TEST
+#define P BO_PERF
+#define S BO_SMALL
+
+/* clang-format off */
+static const bo_case bo_cases[] = {
+    /* shape        kind                 dtype tok  dim   rows   nh nkv seqs pos0 rot  bias  acc    neox   inplace modes */
+    {"decode",      DUET_OP_EMBED,       F32,   1,  64,    100,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"prefill",     DUET_OP_EMBED,       F32,  37, 100,    50,   0, 0, 0, 0, 0, false, false, false, false, T},
+    {"prefill",     DUET_OP_EMBED,       F16,  37, 100,    50,   0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"prefill",     DUET_OP_EMBED,       BF16, 37, 100,    50,   0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"prefill",     DUET_OP_EMBED,       Q8,   37, 96,     50,   0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"125m",        DUET_OP_EMBED,       Q8,  128, 768,  32000,  0, 0, 0, 0, 0, false, false, false, false, P},
+
+    {"decode",      DUET_OP_RMSNORM,     F32,   1, 768,      0,  0, 0, 0, 0, 0, false, false, false, false, T|P},
+    {"ragged",      DUET_OP_RMSNORM,     F32,   7, 100,      0,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"inplace",     DUET_OP_RMSNORM,     F32,  37, 129,      0,  0, 0, 0, 0, 0, false, false, false, true,  T|S},
+    {"prefill",     DUET_OP_RMSNORM,     F32, 128, 768,      0,  0, 0, 0, 0, 0, false, false, false, false, T|P},
+
+    /* matmul: decode GEMV, ragged edges, small batches, prefill tiles */
+    {"decode",      DUET_OP_MATMUL,      F32,   1, 256,    100,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"decode",      DUET_OP_MATMUL,      F16,   1, 256,    100,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"decode",      DUET_OP_MATMUL,      BF16,  1, 256,    100,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"decode",      DUET_OP_MATMUL,      Q8,    1, 256,    100,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"ragged",      DUET_OP_MATMUL,      F32,   3, 100,     37,  0, 0, 0, 0, 0, true,  false, false, false, T|S},
+    {"ragged",      DUET_OP_MATMUL,      F16,   5, 129,     33,  0, 0, 0, 0, 0, false, true,  false, false, T|S},
+    {"ragged",      DUET_OP_MATMUL,      BF16,  7,  70,     19,  0, 0, 0, 0, 0, true,  true,  false, false, T|S},
+    {"ragged",      DUET_OP_MATMUL,      Q8,    5, 96,      37,  0, 0, 0, 0, 0, true,  true,  false, false, T|S},
+    {"batch",       DUET_OP_MATMUL,      Q8,   13, 320,    130,  0, 0, 0, 0, 0, false, false, false, false, T},
+    {"prefill",     DUET_OP_MATMUL,      F32,  77, 288,    131,  0, 0, 0, 0, 0, true,  true,  false, false, T},
+    {"prefill",     DUET_OP_MATMUL,      F16,  77, 288,    131,  0, 0, 0, 0, 0, false, true,  false, false, T},
+    {"prefill",     DUET_OP_MATMUL,      BF16, 77, 288,    131,  0, 0, 0, 0, 0, true,  false, false, false, T},
+    {"prefill",     DUET_OP_MATMUL,      Q8,   77, 288,    131,  0, 0, 0, 0, 0, true,  true,  false, false, T},
+    /* the 125m and 1b models' matrices, decode and prefill */
+    {"125m-qkv",    DUET_OP_MATMUL,      Q8,    1, 768,    768,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-up",     DUET_OP_MATMUL,      Q8,    1, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, T|P},
+    {"125m-down",   DUET_OP_MATMUL,      Q8,    1, 2048,   768,  0, 0, 0, 0, 0, false, true,  false, false, P},
+    {"125m-out",    DUET_OP_MATMUL,      Q8,    1, 768,  32000,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-up",     DUET_OP_MATMUL,      F16,   1, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-up",     DUET_OP_MATMUL,      F32,   1, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"1b-up",       DUET_OP_MATMUL,      Q8,    1, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"1b-up",       DUET_OP_MATMUL,      F16,   1, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-up-pf",  DUET_OP_MATMUL,      Q8,  128, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-up-pf",  DUET_OP_MATMUL,      F16, 128, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, T|P},
+    {"125m-up-pf",  DUET_OP_MATMUL,      F32, 128, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, T|P},
+    {"125m-up-pf32", DUET_OP_MATMUL,     F32,  32, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-up-pf32", DUET_OP_MATMUL,     F16,  32, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"1b-up-pf",    DUET_OP_MATMUL,      F16, 128, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P},
+
+    /* rope + KV store: adjacent and NeoX pairs, partial rotation, GQA, several sequences */
+    {"decode",      DUET_OP_ROPE_KV,     F32,   1, 64,     300,  4, 4, 1, 250, 64, false, false, false, false, T|S},
+    {"decode",      DUET_OP_ROPE_KV,     F16,   1, 64,     300,  4, 4, 1, 299, 64, false, false, true,  false, T|S},
+    {"gqa-seqs",    DUET_OP_ROPE_KV,     F32,   9, 32,     200,  8, 2, 3, 120, 32, false, false, false, false, T|S},
+    {"partial",     DUET_OP_ROPE_KV,     F16,   6, 48,      64,  4, 2, 2, 10, 32, false, false, true,  false, T|S},
+    {"odd-dims",    DUET_OP_ROPE_KV,     F32,   5, 15,      40,  3, 1, 1, 3,  10, false, false, false, false, T|S},
+    {"125m",        DUET_OP_ROPE_KV,     F16,   1, 64,     512, 12, 12, 1, 256, 64, false, false, false, false, P},
+
+    /* attention: online softmax over the cache, causal, GQA, sequences */
+    {"decode",      DUET_OP_ATTENTION,   F32,   1, 64,     300,  4, 4, 1, 250, 0, false, false, false, false, T|S},
+    {"decode",      DUET_OP_ATTENTION,   F16,   1, 64,     300,  4, 2, 1, 299, 0, false, false, false, false, T|S},
+    {"gqa-seqs",    DUET_OP_ATTENTION,   F32,  11, 32,     160,  8, 2, 3, 100, 0, false, false, false, false, T|S},
+    {"gqa-seqs",    DUET_OP_ATTENTION,   F16,  11, 100,    160,  6, 3, 2, 7,   0, false, false, false, false, T},
+    {"prefill",     DUET_OP_ATTENTION,   F16,  40, 128,     64,  4, 1, 1, 0,   0, false, false, false, false, T},
+    {"inplace",     DUET_OP_ATTENTION,   F32,   4, 8,       20,  8, 4, 2, 0,   0, false, false, false, true,  T|S},
+    {"hd256",       DUET_OP_ATTENTION,   F32,   2, 256,     30,  2, 1, 1, 17,  0, false, false, false, false, T},
+    {"125m",        DUET_OP_ATTENTION,   F16,   1, 64,     512, 12, 12, 1, 255, 0, false, false, false, false, P},
+    {"125m-pf",     DUET_OP_ATTENTION,   F16, 128, 64,     512, 12, 12, 1, 0,  0, false, false, false, false, P},
+
+    {"ragged",      DUET_OP_SWIGLU,      F32,   3, 129,      0,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"inplace",     DUET_OP_SWIGLU,      F32,  37, 100,      0,  0, 0, 0, 0, 0, false, false, false, true,  T|S},
+    {"125m",        DUET_OP_SWIGLU,      F32,   1, 2048,     0,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"ragged",      DUET_OP_ADD,         F32,   3, 129,      0,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"inplace",     DUET_OP_ADD,         F32,  37, 100,      0,  0, 0, 0, 0, 0, false, false, false, true,  T|S},
+    {"125m",        DUET_OP_ADD,         F32, 128, 768,      0,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"ragged",      DUET_OP_GATHER_ROWS, F32,   5, 100,     37,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"125m",        DUET_OP_GATHER_ROWS, F32,   1, 768,    128,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"ragged",      DUET_OP_ARGMAX,      F32,   7, 1000,     0,  0, 0, 0, 0, 0, false, false, false, false, T|S},
+    {"vocab",       DUET_OP_ARGMAX,      F32,   2, 32000,    0,  0, 0, 0, 0, 0, false, false, false, false, T|P},
+};
+/* clang-format on */
+#undef F32
+#undef F16
+#undef BF16
+#undef Q8
+#undef T
+#undef P
+#undef S
+
+#define BO_N_CASES ((int)(sizeof bo_cases / sizeof bo_cases[0]))
+#define BO_GUARD 256 /* guard bytes before and after every operand */
+#define BO_GUARD_BYTE 0xA5
+#define BO_MAX_OPERANDS 8
+
+static inline const char *bo_op_name(duet_op_kind k) {
+    static const char *const names[DUET_OP_COUNT] = {
+        [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",     [DUET_OP_MATMUL] = "matmul",
+        [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention", [DUET_OP_SWIGLU] = "swiglu",
+        [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
+    };
+    return (unsigned)k < DUET_OP_COUNT ? names[k] : "?";
+}
+
+/* "matmul q8_0 ragged 5x96->37 +bias +acc" */
+static inline void bo_case_label(const bo_case *c, char *buf, size_t size) {
+    const char *dt = duet_dtype_name(c->dtype);
+    switch (c->kind) {
+    case DUET_OP_MATMUL:
+        snprintf(buf, size, "matmul %s %s %dx%d->%d%s%s", dt, c->shape, c->n_tokens, c->dim, c->rows,
+                 c->bias ? " +bias" : "", c->accumulate ? " +acc" : "");
+        break;
+    case DUET_OP_ROPE_KV:
+    case DUET_OP_ATTENTION:
+        snprintf(buf, size, "%s kv=%s %s t=%d hd=%d heads=%d/%d seqs=%d pos0=%d%s%s", bo_op_name(c->kind), dt, c->shape,
+                 c->n_tokens, c->dim, c->n_head, c->n_head_kv, c->n_seqs, c->pos0, c->neox ? " neox" : "",
+                 c->inplace ? " inplace" : "");
+        break;
+    default:
+        snprintf(buf, size, "%s %s %s t=%d dim=%d%s", bo_op_name(c->kind), dt, c->shape, c->n_tokens, c->dim,
+                 c->inplace ? " inplace" : "");
+    }
+}
+
+/* ---- operands ------------------------------------------------------------------ */
+
+typedef enum bo_elem { BO_ELEM_F32, BO_ELEM_I32, BO_ELEM_RAW } bo_elem;
+
+typedef struct bo_operand {
+    const char *name;
+    size_t bytes;   /* the view's size */
+    void *host;     /* initial content (malloc'd) */
+    bo_elem elem;   /* how outputs are compared */
+    bool output;    /* compared after the op */
+    int alias;      /* >= 0: the op uses operand `alias`'s view here (in place) */
+} bo_operand;
+
+/* Host side of one case: operands and the op with views left empty. */
+typedef struct bo_host {
+    const bo_case *c;
+    int n;
+    bo_operand ops[BO_MAX_OPERANDS];
+    int32_t *pos, *seq; /* rope/attention: per-token position and sequence (in ops too) */
+} bo_host;
+
+/* Deterministic data: a 64-bit LCG per (case, operand). */
+static inline float bo_rand(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (float)((*s >> 40) & 0xffffff) / (float)0x800000 - 1.0f; /* [-1, 1) */
+}
+
+static inline void *bo_fill_f32(size_t n, uint64_t seed, float scale) {
+    float *p = malloc(n * sizeof(float) + 1);
+    for (size_t i = 0; i < n; i++) p[i] = bo_rand(&seed) * scale;
+    return p;
+}
+
+/* rows x cols random values in [-scale, scale) converted to dtype. */
+static inline void *bo_fill_typed(duet_dtype t, int64_t rows, int64_t cols, uint64_t seed, float scale) {
+    size_t rb = duet_dtype_row_bytes(t, cols);
+    uint8_t *p = malloc((size_t)rows * rb + 1);
+    float *tmp = malloc((size_t)cols * sizeof(float));
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < cols; i++) tmp[i] = bo_rand(&seed) * scale;
+        duet_convert_row(t, tmp, p + (size_t)r * rb, cols);
+    }
+    free(tmp);
+    return p;
+}
+
+static inline int bo_add(bo_host *h, const char *name, size_t bytes, void *data, bo_elem elem, bool output) {
+    bo_operand *o = &h->ops[h->n];
+    o->name = name;
+    o->bytes = bytes;
+    o->host = data;
+    o->elem = elem;
+    o->output = output;
+    o->alias = -1;
+    return h->n++;
+}
+
+static inline int32_t *bo_ints(size_t n) { return malloc(n * sizeof(int32_t) + 1); }
+
+/* Positions and sequences of rope/attention: token t belongs to sequence
+ * t % n_seqs at position pos0 + 3s + t / n_seqs (distinct slots, several
+ * tokens of one sequence in one batch, causal order inside it). */
+static inline void bo_positions(const bo_case *c, int32_t *pos, int32_t *seq) {
+    for (int t = 0; t < c->n_tokens; t++) {
+        seq[t] = t % c->n_seqs;
+        pos[t] = c->pos0 + 3 * seq[t] + t / c->n_seqs;
+        if (pos[t] >= c->rows) pos[t] = c->rows - 1 - (t / c->n_seqs); /* stay inside n_ctx */
+    }
+}
+
+/* Builds the host operands of case `ci`. Operand order per op:
+ *   embed: tokens table out | rmsnorm: x w out | matmul: w x bias? out
+ *   rope_kv: q k v pos seq k_cache v_cache | attention: q pos seq k_cache v_cache out
+ *   swiglu: gate up out | add: a b out | gather: x rows out | argmax: x out */
+static inline void bo_host_build(int ci, bo_host *h) {
+    const bo_case *c = &bo_cases[ci];
+    memset(h, 0, sizeof *h);
+    h->c = c;
+    const size_t T = (size_t)c->n_tokens, D = (size_t)c->dim;
+    uint64_t seed = 0x9e3779b97f4a7c15ull * (uint64_t)(ci + 1);
+    switch (c->kind) {
+    case DUET_OP_EMBED: {
+        int32_t *tok = bo_ints(T);
+        for (size_t t = 0; t < T; t++) tok[t] = (int32_t)((t * 7919 + 3) % (size_t)c->rows);
+        bo_add(h, "tokens", T * 4, tok, BO_ELEM_I32, false);
+        bo_add(h, "table", (size_t)c->rows * duet_dtype_row_bytes(c->dtype, c->dim),
+               bo_fill_typed(c->dtype, c->rows, c->dim, seed + 1, 1.0f), BO_ELEM_RAW, false);
+        bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f), BO_ELEM_F32, true);
+        break;
+    }
+    case DUET_OP_RMSNORM:
+        bo_add(h, "x", T * D * 4, bo_fill_f32(T * D, seed + 1, 2.0f), BO_ELEM_F32, c->inplace);
+        bo_add(h, "w", D * 4, bo_fill_f32(D, seed + 2, 1.0f), BO_ELEM_F32, false);
+        bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 3, 1.0f), BO_ELEM_F32, true);
+        if (c->inplace) h->ops[2].alias = 0;
+        break;
+    case DUET_OP_MATMUL: {
+        const size_t O = (size_t)c->rows;
+        bo_add(h, "w", O * duet_dtype_row_bytes(c->dtype, c->dim), bo_fill_typed(c->dtype, c->rows, c->dim, seed + 1, 1.0f),
+               BO_ELEM_RAW, false);
+        bo_add(h, "x", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f), BO_ELEM_F32, false);
+        if (c->bias) bo_add(h, "bias", O * 4, bo_fill_f32(O, seed + 3, 1.0f), BO_ELEM_F32, false);
+        bo_add(h, "out", T * O * 4, bo_fill_f32(T * O, seed + 4, 4.0f), BO_ELEM_F32, true);
+        break;
+    }
+    case DUET_OP_ROPE_KV:
+    case DUET_OP_ATTENTION: {
+        const size_t qw = (size_t)c->n_head * D, kvw = (size_t)c->n_head_kv * D;
+        const size_t cache_rows = (size_t)c->n_seqs * (size_t)c->rows;
+        h->pos = bo_ints(T);
+        h->seq = bo_ints(T);
+        bo_positions(c, h->pos, h->seq);
+        const bool rope = c->kind == DUET_OP_ROPE_KV;
+        bo_add(h, "q", T * qw * 4, bo_fill_f32(T * qw, seed + 1, 1.0f), BO_ELEM_F32, rope || c->inplace);
+        if (rope) {
+            bo_add(h, "k", T * kvw * 4, bo_fill_f32(T * kvw, seed + 2, 1.0f), BO_ELEM_F32, true);
+            bo_add(h, "v", T * kvw * 4, bo_fill_f32(T * kvw, seed + 3, 1.0f), BO_ELEM_F32, false);
+        }
+        int32_t *pos = bo_ints(T), *seq = bo_ints(T);
+        memcpy(pos, h->pos, T * 4);
+        memcpy(seq, h->seq, T * 4);
+        bo_add(h, "pos", T * 4, pos, BO_ELEM_I32, false);
+        bo_add(h, "seq", T * 4, seq, BO_ELEM_I32, false);
+        /* Caches start full of random rows: attention reads them, rope_kv
+         * must change exactly the slots it stores (compared whole). */
+        size_t cache_bytes = cache_rows * duet_dtype_row_bytes(c->dtype, (int64_t)kvw);
+        bo_add(h, "k_cache", cache_bytes, bo_fill_typed(c->dtype, (int64_t)cache_rows, (int64_t)kvw, seed + 4, 1.0f),
+               BO_ELEM_RAW, rope);
+        bo_add(h, "v_cache", cache_bytes, bo_fill_typed(c->dtype, (int64_t)cache_rows, (int64_t)kvw, seed + 5, 1.0f),
+               BO_ELEM_RAW, rope);
+        if (!rope) {
+            bo_add(h, "out", T * qw * 4, bo_fill_f32(T * qw, seed + 6, 1.0f), BO_ELEM_F32, true);
+            if (c->inplace) h->ops[h->n - 1].alias = 0;
+        }
+        break;
+    }
+    case DUET_OP_SWIGLU:
+    case DUET_OP_ADD:
+        bo_add(h, c->kind == DUET_OP_ADD ? "a" : "gate", T * D * 4, bo_fill_f32(T * D, seed + 1, 3.0f), BO_ELEM_F32,
+               c->inplace);
+        bo_add(h, c->kind == DUET_OP_ADD ? "b" : "up", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f), BO_ELEM_F32, false);
+        bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 3, 1.0f), BO_ELEM_F32, true);
+        if (c->inplace) h->ops[2].alias = 0;
+        break;
+    case DUET_OP_GATHER_ROWS: {
+        bo_add(h, "x", (size_t)c->rows * D * 4, bo_fill_f32((size_t)c->rows * D, seed + 1, 1.0f), BO_ELEM_F32, false);
+        int32_t *rows = bo_ints(T);
+        for (size_t t = 0; t < T; t++) rows[t] = (int32_t)((t * 13 + 5) % (size_t)c->rows);
+        bo_add(h, "rows", T * 4, rows, BO_ELEM_I32, false);
+        bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f), BO_ELEM_F32, true);
+        break;
+    }
+    case DUET_OP_ARGMAX: {
+        float *x = bo_fill_f32(T * D, seed + 1, 1.0f);
+        /* Ties (lowest index must win), a NaN and an -inf on some rows. */
+        for (size_t t = 0; t < T; t++) {
+            float *r = x + t * D;
+            if (t % 3 == 0) r[D / 3] = r[D / 2] = r[D - 1] = 2.0f;
+            if (t % 3 == 1) r[t % D] = NAN;
+            if (t % 3 == 2) r[0] = -INFINITY;
+        }
+        bo_add(h, "x", T * D * 4, x, BO_ELEM_F32, false);
+        bo_add(h, "out", T * 4, bo_ints(T), BO_ELEM_I32, true);
+        memset(h->ops[1].host, 0xff, T * 4);
+        break;
+    }
+    case DUET_OP_COUNT: break;
+    }
+}
+
+static inline void bo_host_free(bo_host *h) {
+    for (int i = 0; i < h->n; i++) free(h->ops[i].host);
+    free(h->pos);
+    free(h->seq);
+    memset(h, 0, sizeof *h);
+}
+
+/* ---- one backend's copy: buffers with guard bytes ------------------------------------ */
+
+typedef struct bo_dev {
+    duet_backend *be;
+    duet_buffer *buf[BO_MAX_OPERANDS];
+    duet_op op;
+} bo_dev;
+
+static inline duet_view bo_view(const bo_dev *d, const bo_host *h, int i) {
+    int j = h->ops[i].alias >= 0 ? h->ops[i].alias : i;
+    return (duet_view){d->buf[j], BO_GUARD};
+}
+
+/* Allocates every operand as [guard][data][guard], uploads it and builds
+ * the op. Returns the first failure. */
+static inline duet_status bo_dev_setup(duet_backend *be, const bo_host *h, bo_dev *d) {
+    memset(d, 0, sizeof *d);
+    d->be = be;
+    duet_status st = DUET_OK;
+    for (int i = 0; i < h->n && st == DUET_OK; i++) {
+        if (h->ops[i].alias >= 0) continue;
+        size_t total = BO_GUARD + h->ops[i].bytes + BO_GUARD;
+        uint8_t *img = malloc(total);
+        memset(img, BO_GUARD_BYTE, total);
+        memcpy(img + BO_GUARD, h->ops[i].host, h->ops[i].bytes);
+        st = duet_buffer_alloc(be, total, &d->buf[i]);
+        if (st == DUET_OK) st = duet_buffer_upload(be, d->buf[i], 0, img, total);
+        free(img);
+    }
+    if (st != DUET_OK) return st;
+    const bo_case *c = h->c;
+    duet_op *op = &d->op;
+    memset(op, 0, sizeof *op);
+    op->kind = c->kind;
+    op->n_tokens = c->n_tokens;
+    switch (c->kind) {
+    case DUET_OP_EMBED:
+        op->embed.tokens = bo_view(d, h, 0);
+        op->embed.table = bo_view(d, h, 1);
+        op->embed.out = bo_view(d, h, 2);
+        op->embed.dtype = c->dtype;
+        op->embed.dim = c->dim;
+        break;
+    case DUET_OP_RMSNORM:
+        op->rmsnorm.x = bo_view(d, h, 0);
+        op->rmsnorm.w = bo_view(d, h, 1);
+        op->rmsnorm.out = bo_view(d, h, 2);
+        op->rmsnorm.dim = c->dim;
+        op->rmsnorm.eps = 1e-5f;
+        break;
+    case DUET_OP_MATMUL:
+        op->matmul.w = bo_view(d, h, 0);
+        op->matmul.dtype = c->dtype;
+        op->matmul.x = bo_view(d, h, 1);
+        if (c->bias) op->matmul.bias = bo_view(d, h, 2);
+        op->matmul.out = bo_view(d, h, c->bias ? 3 : 2);
+        op->matmul.accumulate = c->accumulate;
+        op->matmul.n_in = c->dim;
+        op->matmul.n_out = c->rows;
+        break;
+    case DUET_OP_ROPE_KV:
+        op->rope_kv.q = bo_view(d, h, 0);
+        op->rope_kv.k = bo_view(d, h, 1);
+        op->rope_kv.v = bo_view(d, h, 2);
+        op->rope_kv.pos = bo_view(d, h, 3);
+        op->rope_kv.seq = bo_view(d, h, 4);
+        op->rope_kv.k_cache = bo_view(d, h, 5);
+        op->rope_kv.v_cache = bo_view(d, h, 6);
+        op->rope_kv.kv_dtype = c->dtype;
+        op->rope_kv.n_head = c->n_head;
+        op->rope_kv.n_head_kv = c->n_head_kv;
+        op->rope_kv.head_dim = c->dim;
+        op->rope_kv.n_rot = c->n_rot;
+        op->rope_kv.n_ctx = c->rows;
+        op->rope_kv.freq_base = 10000.0f;
+        op->rope_kv.neox = c->neox;
+        break;
+    case DUET_OP_ATTENTION:
+        op->attention.q = bo_view(d, h, 0);
+        op->attention.pos = bo_view(d, h, 1);
+        op->attention.seq = bo_view(d, h, 2);
+        op->attention.k_cache = bo_view(d, h, 3);
+        op->attention.v_cache = bo_view(d, h, 4);
+        op->attention.out = bo_view(d, h, 5);
+        op->attention.kv_dtype = c->dtype;
+        op->attention.n_head = c->n_head;
+        op->attention.n_head_kv = c->n_head_kv;
+        op->attention.head_dim = c->dim;
+        op->attention.n_ctx = c->rows;
+        op->attention.scale = 1.0f / sqrtf((float)c->dim);
+        break;
+    case DUET_OP_SWIGLU:
+        op->swiglu.gate = bo_view(d, h, 0);
+        op->swiglu.up = bo_view(d, h, 1);
+        op->swiglu.out = bo_view(d, h, 2);
+        op->swiglu.dim = c->dim;
+        break;
+    case DUET_OP_ADD:
+        op->add.a = bo_view(d, h, 0);
+        op->add.b = bo_view(d, h, 1);
+        op->add.out = bo_view(d, h, 2);
+        op->add.dim = c->dim;
+        break;
+    case DUET_OP_GATHER_ROWS:
+        op->gather.x = bo_view(d, h, 0);
+        op->gather.rows = bo_view(d, h, 1);
+        op->gather.out = bo_view(d, h, 2);
+        op->gather.dim = c->dim;
+        break;
+    case DUET_OP_ARGMAX:
+        op->argmax.x = bo_view(d, h, 0);
+        op->argmax.out = bo_view(d, h, 1);
+        op->argmax.dim = c->dim;
+        break;
+    case DUET_OP_COUNT: break;
+    }
+    return DUET_OK;
+}
+
+/* One step with the op, `reps` times. */
+static inline duet_status bo_dev_run(bo_dev *d, int reps) {
+    duet_status st = duet_step_begin(d->be);
+    for (int r = 0; r < reps && st == DUET_OK; r++) st = duet_step_op(d->be, &d->op);
+    duet_status st2 = duet_step_submit(d->be);
+    duet_status st3 = duet_step_wait(d->be);
+    return st ? st : st2 ? st2 : st3;
+}
+
+/* Downloads operand i with its guards into a malloc'd image. */
+static inline uint8_t *bo_dev_image(bo_dev *d, const bo_host *h, int i) {
+    size_t total = BO_GUARD + h->ops[i].bytes + BO_GUARD;
+    uint8_t *img = malloc(total);
+    if (duet_buffer_download(d->be, d->buf[i], 0, img, total) != DUET_OK) {
+        free(img);
+        return NULL;
+    }
+    return img;
+}
+
+static inline void bo_dev_free(bo_dev *d) {
+    for (int i = 0; i < BO_MAX_OPERANDS; i++) duet_buffer_free(d->be, d->buf[i]);
+    memset(d->buf, 0, sizeof d->buf);
+}
+
+/* ---- what an op moves and computes (for the benchmark) ---------------------------------- */
+
+/* Bytes read + written and floating-point operations of one run. */
+static inline void bo_case_cost(const bo_case *c, double *bytes, double *flops) {
+    const double T = c->n_tokens, D = c->dim;
+    switch (c->kind) {
+    case DUET_OP_EMBED:
+        *bytes = T * (4 + (double)duet_dtype_row_bytes(c->dtype, c->dim) + D * 4);
+        *flops = 0;
+        break;
+    case DUET_OP_RMSNORM:
+        *bytes = T * D * 8 + D * 4;
+        *flops = T * D * 4;
+        break;
+    case DUET_OP_MATMUL:
+        *bytes = (double)c->rows * (double)duet_dtype_row_bytes(c->dtype, c->dim) + T * D * 4 +
+                 T * c->rows * 4 * (c->accumulate ? 2 : 1);
+        *flops = 2 * T * D * c->rows;
+        break;
+    case DUET_OP_ROPE_KV: {
+        double kvw = (double)c->n_head_kv * D, es = (double)duet_dtype_block_bytes(c->dtype);
+        *bytes = T * ((c->n_head * D + kvw) * 8 + kvw * 4 + 2 * kvw * es);
+        *flops = T * (c->n_head + c->n_head_kv) * c->n_rot * 3;
+        break;
+    }
+    case DUET_OP_ATTENTION: {
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)c->n_tokens), *seq = malloc(sizeof(int32_t) * (size_t)c->n_tokens);
+        bo_positions(c, pos, seq);
+        double ctx = 0;
+        for (int t = 0; t < c->n_tokens; t++) ctx += pos[t] + 1;
+        free(pos);
+        free(seq);
+        double es = (double)duet_dtype_block_bytes(c->dtype);
+        /* K and V rows of each (token, kv head) read once; q and out. */
+        *bytes = ctx * c->n_head_kv * D * 2 * es + T * c->n_head * D * 8;
+        *flops = ctx * c->n_head * D * 4;
+        break;
+    }
+    case DUET_OP_SWIGLU:
+    case DUET_OP_ADD:
+        *bytes = T * D * 12;
+        *flops = T * D * (c->kind == DUET_OP_SWIGLU ? 5 : 1);
+        break;
+    case DUET_OP_GATHER_ROWS:
+        *bytes = T * (4 + D * 8);
+        *flops = 0;
+        break;
+    case DUET_OP_ARGMAX:
+        *bytes = T * (D * 4 + 4);
+        *flops = T * D;
+        break;
+    default: *bytes = *flops = 0;
+    }
+}
+
+#endif /* DUET_BACKEND_OPS_CASES_H */
