@@ -16,7 +16,7 @@ deps="build-essential cmake pkg-config git libpcre2-dev libcjson-dev libmicrohtt
  libvulkan-dev libvulkan-volk-dev glslc spirv-tools mesa-vulkan-drivers \
  ocl-icd-opencl-dev opencl-headers libclblast-dev pocl-opencl-icd"
 test_deps="check clang libclang-rt-14-dev python3 python3-venv python3-pip \
- vulkan-validationlayers oclgrind clinfo vulkan-tools"
+ vulkan-validationlayers oclgrind clinfo vulkan-tools gnuplot-nox"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     pkgs="$deps"

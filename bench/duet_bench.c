@@ -1,0 +1,555 @@
+/* duet_bench.c — duet-bench's command line: parse the flags (named as in
+ * `vllm bench serve` where the meaning is the same), run the sweep on one
+ * target or on every backend and device, write the reports, print the
+ * operating point.
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "duet_bench.h"
+
+static const char usage[] =
+    "usage: duet-bench (--base-url URL | --in-process -m MODEL | --serve-cmd CMD) [options]\n"
+    "\n"
+    "Target (one of):\n"
+    "  --base-url URL             an OpenAI-compatible server (streams POST /v1/completions)\n"
+    "  --host H --port P          the same as --base-url http://H:P\n"
+    "  --in-process               run a duet engine in this process (needs -m)\n"
+    "  --serve-cmd CMD            start a server per knob setting: CMD plus --host, --port and the knob "
+    "flags\n"
+    "                             (e.g. \"./duet serve -m model.gguf\"); needed for HTTP knob sweeps\n"
+    "  -m, --model PATH           the GGUF model (in-process: the model; HTTP: its tokenizer, for token-id "
+    "prompts)\n"
+    "  --backend B --device N     in-process or --serve-cmd: backend (auto|cpu|vulkan|opencl) and device\n"
+    "  --threads N --ctx N        in-process: cpu threads (0 = all) and context length\n"
+    "  --all-devices              the same sweep on every backend x device found; writes comparison.md/.png\n"
+    "  --endpoint PATH            default /v1/completions\n"
+    "  --served-model-name NAME   the \"model\" field (default: the first id of GET /v1/models)\n"
+    "\n"
+    "Workload:\n"
+    "  --num-prompts N            requests per point (default 100)\n"
+    "  --duration S               stop sending after S seconds (then --num-prompts defaults to unbounded)\n"
+    "  --random-input-len N       prompt tokens (default 64)\n"
+    "  --random-output-len N      output tokens (default 32)\n"
+    "  --random-range-ratio R     lengths uniform in [len*(1-R), len*(1+R)] (default 0: fixed)\n"
+    "  --dataset-path FILE        JSONL lines {\"prompt\": \"...\", \"output_len\": N}\n"
+    "  --priority-mix X           share of interactive requests, as 0.3 or 3:7 (interactive:batch)\n"
+    "  --temperature T            default 0 (greedy)\n"
+    "  --ignore-eos / --no-ignore-eos   generate exactly the output length (default on)\n"
+    "  --seed N                   workload and arrival seed (default 0)\n"
+    "  --warmup N                 unmeasured requests, sent at once, before each knob setting (default:\n"
+    "                             max_batch_seqs, so every batch size runs once before measuring)\n"
+    "\n"
+    "Load and sweeps:\n"
+    "  --request-rate R           requests/s, Poisson arrivals (default inf: all at once)\n"
+    "  --burstiness B             gamma shape of the gaps (1 = Poisson; <1 burstier)\n"
+    "  --max-concurrency N        at most N requests in flight (closed loop with rate inf)\n"
+    "  --sweep-rate L             e.g. 1,2,4,inf\n"
+    "  --sweep-concurrency L      e.g. 1,2,4,8\n"
+    "  --sweep-batch-timeout-ms L e.g. 0,2,10 (in-process or --serve-cmd)\n"
+    "  --sweep-max-batch-seqs L   e.g. 1,4,16 (in-process or --serve-cmd)\n"
+    "  --batch-timeout-ms X --max-batch-seqs N --max-batch-tokens N --prefill-chunk N --max-waiting N\n"
+    "                             engine knobs when not swept (default: the engine's)\n"
+    "\n"
+    "Statistics:\n"
+    "  --percentile-metrics L     printed metrics, of ttft,tpot,itl,e2el (default all)\n"
+    "  --metric-percentiles L     default 50,90,99 (p50 and p99 are always computed)\n"
+    "  --goodput KEY:MS ...       SLOs for goodput, keys ttft tpot itl e2el (itl: every gap of a request)\n"
+    "  --slo-ttft-ms X --slo-itl-ms Y   targets for the operating point (p99 TTFT and p99 ITL)\n"
+    "\n"
+    "Output:\n"
+    "  --output-dir DIR           default bench/results/<timestamp>-<device>\n"
+    "  --label NAME               names the device in reports (HTTP mode)\n"
+    "  --save-detailed            also write requests.csv (every request's timings)\n"
+    "  --no-plots                 skip gnuplot\n"
+    "  --disable-tqdm, --no-progress   no progress line\n";
+
+static bool parse_int(const char *flag, const char *v, long lo, long hi, int *out) {
+    char *end;
+    errno = 0;
+    long x = strtol(v, &end, 10);
+    if (!*v || *end || errno || x < lo || x > hi) {
+        fprintf(stderr, "duet-bench: %s wants an integer in [%ld, %ld], got '%s'\n", flag, lo, hi, v);
+        return false;
+    }
+    *out = (int)x;
+    return true;
+}
+
+static bool parse_double(const char *flag, const char *v, double lo, double hi, bool inf_ok, double *out) {
+    if (inf_ok && (!strcmp(v, "inf") || !strcmp(v, "infinity"))) {
+        *out = INFINITY;
+        return true;
+    }
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (!*v || *end || errno || !(x >= lo && x <= hi)) {
+        fprintf(stderr, "duet-bench: %s wants a number in [%g, %g]%s, got '%s'\n", flag, lo, hi,
+                inf_ok ? " or inf" : "", v);
+        return false;
+    }
+    *out = x;
+    return true;
+}
+
+static bool parse_sweep(const char *flag, const char *v, double *out, int *n, bool integer, bool inf_ok) {
+    if (!db_parse_list(v, out, DB_MAX_SWEEP, n)) {
+        fprintf(stderr,
+                "duet-bench: %s wants a comma-separated list of up to %d non-negative numbers, got '%s'\n",
+                flag, DB_MAX_SWEEP, v);
+        return false;
+    }
+    for (int i = 0; i < *n; i++)
+        if ((!inf_ok && isinf(out[i])) || (integer && (out[i] != floor(out[i]) || out[i] < 1))) {
+            fprintf(stderr, "duet-bench: %s: '%s' is not a valid entry\n", flag, v);
+            return false;
+        }
+    return true;
+}
+
+static bool parse_priority_mix(const char *v, double *share) {
+    const char *colon = strchr(v, ':');
+    char *end;
+    if (colon) {
+        double a = strtod(v, &end);
+        if (end != colon) return false;
+        double b = strtod(colon + 1, &end);
+        if (*end || !(a >= 0 && b >= 0 && a + b > 0)) return false;
+        *share = a / (a + b);
+        return true;
+    }
+    double x = strtod(v, &end);
+    if (!*v || *end || !(x >= 0 && x <= 1)) return false;
+    *share = x;
+    return true;
+}
+
+static bool parse_metric_list(const char *v, db_config *c) {
+    c->pm_ttft = c->pm_tpot = c->pm_itl = c->pm_e2el = false;
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", v);
+    for (char *save, *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save)) {
+        if (!strcmp(t, "ttft"))
+            c->pm_ttft = true;
+        else if (!strcmp(t, "tpot"))
+            c->pm_tpot = true;
+        else if (!strcmp(t, "itl"))
+            c->pm_itl = true;
+        else if (!strcmp(t, "e2el"))
+            c->pm_e2el = true;
+        else
+            return false;
+    }
+    return true;
+}
+
+/* Adds p to the percentile list unless present. */
+static void ensure_pct(db_config *c, double p) {
+    for (int i = 0; i < c->n_ps; i++)
+        if (c->ps[i] == p) return;
+    if (c->n_ps < DB_MAX_PCT) c->ps[c->n_ps++] = p;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void default_dir(const char *what, char *out, size_t size) {
+    char ts[32], slug[200];
+    time_t t = time(NULL);
+    struct tm tm;
+    localtime_r(&t, &tm);
+    strftime(ts, sizeof ts, "%Y%m%d-%H%M%S", &tm);
+    db_slug(slug, sizeof slug, what);
+    snprintf(out, size, "bench/results/%s-%s", ts, slug[0] ? slug : "unknown");
+}
+
+static void print_table(const db_sweep *s) {
+    printf("\n%-3s %-22s %-34s %9s %10s %10s %10s %10s %10s\n", "#", "load", "knobs", "req/s", "tok/s",
+           "TTFTp50", "TTFTp99", "ITLp50", "ITLp99");
+    for (int p = 0; p < s->n_points; p++) {
+        const db_point *pt = &s->points[p];
+        char ld[64], kn[96], r[32], bt[32], mbs[32];
+        db_fmt_num(r, sizeof r, pt->load.rate);
+        if (pt->load.max_concurrency > 0)
+            snprintf(ld, sizeof ld, "rate %s conc %d", r, pt->load.max_concurrency);
+        else
+            snprintf(ld, sizeof ld, "rate %s", r);
+        db_fmt_num(bt, sizeof bt, pt->knobs.batch_timeout_ms < 0 ? NAN : pt->knobs.batch_timeout_ms);
+        db_fmt_num(mbs, sizeof mbs, pt->knobs.max_batch_seqs <= 0 ? NAN : pt->knobs.max_batch_seqs);
+        snprintf(kn, sizeof kn, "timeout %s ms, seqs %s", bt, mbs);
+        printf("%-3d %-22s %-34s %9.2f %10.1f %10.1f %10.1f %10.2f %10.2f%s\n", p, ld, kn,
+               pt->stats.request_throughput, pt->stats.output_throughput, pt->ttft_p50_ms, pt->ttft_p99_ms,
+               pt->itl_p50_ms, pt->itl_p99_ms, p == s->op ? "  <- operating point" : "");
+    }
+}
+
+/* Runs one target and writes its report. */
+static bool run_one(db_config *cfg, const char *backend, int device, const char *dir_hint, db_sweep *s,
+                    const char *command) {
+    snprintf(s->dir, sizeof s->dir, "%s", dir_hint ? dir_hint : "");
+    /* A server started by us logs next to the results: the folder must exist. */
+    if (cfg->serve_cmd && s->dir[0]) db_mkdirs(s->dir);
+    bool ok = db_sweep_run(cfg, backend, device, s);
+    snprintf(s->meta.command, sizeof s->meta.command, "%s", command);
+    if (!s->dir[0]) default_dir(s->meta.device, s->dir, sizeof s->dir);
+    if (!ok) fprintf(stderr, "duet-bench: %s%s%s\n", backend ? backend : "", backend ? ": " : "", s->why);
+    if (s->n_points > 0) {
+        print_table(s);
+        db_report_write(cfg, s, s->dir);
+        printf("results: %s\n", s->dir);
+    }
+    db_report_print_op(cfg, s);
+    return ok;
+}
+
+int main(int argc, char **argv) {
+    db_config c = {0};
+    c.device = -1;
+    c.workload = (db_workload_cfg){.input_len = 64, .output_len = 32, .interactive_share = -1};
+    c.req = (db_req_opts){.temperature = 0, .ignore_eos = true};
+    c.num_prompts = 0; /* 0 = not given */
+    c.warmup = -1;     /* auto */
+    c.load = (db_load){.rate = INFINITY, .burstiness = 1};
+    c.knobs = (db_knobs){.batch_timeout_ms = -1};
+    c.pm_ttft = c.pm_tpot = c.pm_itl = c.pm_e2el = true;
+    c.ps[0] = 50, c.ps[1] = 90, c.ps[2] = 99, c.n_ps = 3;
+    c.plots = c.progress = true;
+    snprintf(c.http.endpoint, sizeof c.http.endpoint, "/v1/completions");
+    const char *host = NULL;
+    int port = 0;
+    bool goodput_given = false;
+
+#define NEED_ARG()                                                                                           \
+    do {                                                                                                     \
+        if (i + 1 >= argc) {                                                                                 \
+            fprintf(stderr, "duet-bench: %s needs a value\n%s", a, usage);                                   \
+            return 2;                                                                                        \
+        }                                                                                                    \
+        v = argv[++i];                                                                                       \
+    } while (0)
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = NULL;
+        bool ok = true;
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            fputs(usage, stdout);
+            return 0;
+        } else if (!strcmp(a, "--base-url")) {
+            NEED_ARG();
+            snprintf(c.http.base_url, sizeof c.http.base_url, "%s", v);
+            size_t n = strlen(c.http.base_url);
+            while (n > 0 && c.http.base_url[n - 1] == '/')
+                c.http.base_url[--n] = 0;
+        } else if (!strcmp(a, "--host")) {
+            NEED_ARG();
+            host = v;
+        } else if (!strcmp(a, "--port")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 65535, &port);
+        } else if (!strcmp(a, "--endpoint")) {
+            NEED_ARG();
+            snprintf(c.http.endpoint, sizeof c.http.endpoint, "%s", v);
+        } else if (!strcmp(a, "--served-model-name")) {
+            NEED_ARG();
+            snprintf(c.http.model_name, sizeof c.http.model_name, "%s", v);
+        } else if (!strcmp(a, "--in-process")) {
+            c.in_process = true;
+        } else if (!strcmp(a, "-m") || !strcmp(a, "--model")) {
+            NEED_ARG();
+            c.model_path = v;
+        } else if (!strcmp(a, "--backend")) {
+            NEED_ARG();
+            c.backend = !strcmp(v, "auto") ? NULL : v;
+        } else if (!strcmp(a, "--device")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 0, 1024, &c.device);
+        } else if (!strcmp(a, "--threads")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 0, 1024, &c.n_threads);
+        } else if (!strcmp(a, "--ctx")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 1 << 20, &c.n_ctx);
+        } else if (!strcmp(a, "--all-devices")) {
+            c.all_devices = true;
+        } else if (!strcmp(a, "--serve-cmd")) {
+            NEED_ARG();
+            c.serve_cmd = v;
+        } else if (!strcmp(a, "--serve-port")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 65535, &c.serve_port);
+        } else if (!strcmp(a, "--num-prompts")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 1000000, &c.num_prompts);
+        } else if (!strcmp(a, "--duration")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 0.001, 1e7, false, &c.load.duration_s);
+        } else if (!strcmp(a, "--random-input-len")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 1 << 20, &c.workload.input_len);
+        } else if (!strcmp(a, "--random-output-len")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 1 << 20, &c.workload.output_len);
+        } else if (!strcmp(a, "--random-range-ratio")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 0, 0.999, false, &c.workload.range_ratio);
+        } else if (!strcmp(a, "--dataset-path")) {
+            NEED_ARG();
+            c.workload.dataset_path = v;
+        } else if (!strcmp(a, "--priority-mix")) {
+            NEED_ARG();
+            if (!parse_priority_mix(v, &c.workload.interactive_share)) {
+                fprintf(
+                    stderr,
+                    "duet-bench: --priority-mix wants a share in [0, 1] (0.3) or a ratio (3:7), got '%s'\n",
+                    v);
+                ok = false;
+            }
+        } else if (!strcmp(a, "--temperature")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 0, 100, false, &c.req.temperature);
+        } else if (!strcmp(a, "--ignore-eos")) {
+            c.req.ignore_eos = true;
+        } else if (!strcmp(a, "--no-ignore-eos")) {
+            c.req.ignore_eos = false;
+        } else if (!strcmp(a, "--seed")) {
+            NEED_ARG();
+            int s;
+            ok = parse_int(a, v, 0, 2147483647L, &s);
+            c.workload.seed = c.load.seed = (uint64_t)s;
+        } else if (!strcmp(a, "--warmup")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 0, 1000, &c.warmup);
+        } else if (!strcmp(a, "--request-rate")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 1e-6, 1e9, true, &c.load.rate);
+        } else if (!strcmp(a, "--burstiness")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 1e-3, 1e3, false, &c.load.burstiness);
+        } else if (!strcmp(a, "--max-concurrency")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 1000000, &c.load.max_concurrency);
+        } else if (!strcmp(a, "--sweep-rate")) {
+            NEED_ARG();
+            ok = parse_sweep(a, v, c.sweep_rate, &c.n_sweep_rate, false, true);
+            for (int k = 0; ok && k < c.n_sweep_rate; k++)
+                if (c.sweep_rate[k] <= 0) {
+                    fprintf(stderr, "duet-bench: --sweep-rate entries must be > 0\n");
+                    ok = false;
+                }
+        } else if (!strcmp(a, "--sweep-concurrency")) {
+            NEED_ARG();
+            ok = parse_sweep(a, v, c.sweep_conc, &c.n_sweep_conc, true, false);
+        } else if (!strcmp(a, "--sweep-batch-timeout-ms")) {
+            NEED_ARG();
+            ok = parse_sweep(a, v, c.sweep_bt, &c.n_sweep_bt, false, false);
+        } else if (!strcmp(a, "--sweep-max-batch-seqs")) {
+            NEED_ARG();
+            ok = parse_sweep(a, v, c.sweep_mbs, &c.n_sweep_mbs, true, false);
+        } else if (!strcmp(a, "--batch-timeout-ms")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 0, 60000, false, &c.knobs.batch_timeout_ms);
+        } else if (!strcmp(a, "--max-batch-seqs")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 1024, &c.knobs.max_batch_seqs);
+        } else if (!strcmp(a, "--max-batch-tokens")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 65536, &c.knobs.max_batch_tokens);
+        } else if (!strcmp(a, "--prefill-chunk")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 65536, &c.knobs.prefill_chunk);
+        } else if (!strcmp(a, "--max-waiting")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 100000, &c.max_waiting);
+        } else if (!strcmp(a, "--goodput")) {
+            /* vLLM takes the SLOs as separate words: --goodput ttft:500 tpot:50 */
+            char buf[512] = "";
+            while (i + 1 < argc && argv[i + 1][0] != '-' && strchr(argv[i + 1], ':')) {
+                size_t n = strlen(buf);
+                snprintf(buf + n, sizeof buf - n, "%s%s", n ? " " : "", argv[++i]);
+            }
+            char err[200];
+            if (!buf[0]) {
+                fprintf(stderr, "duet-bench: --goodput needs KEY:MS values (e.g. ttft:500 itl:50)\n");
+                ok = false;
+            } else if (!db_slo_parse(buf, &c.goodput, err, sizeof err)) {
+                fprintf(stderr, "duet-bench: %s\n", err);
+                ok = false;
+            }
+            goodput_given = true;
+        } else if (!strcmp(a, "--percentile-metrics")) {
+            NEED_ARG();
+            if (!parse_metric_list(v, &c)) {
+                fprintf(stderr, "duet-bench: --percentile-metrics takes ttft,tpot,itl,e2el; got '%s'\n", v);
+                ok = false;
+            }
+        } else if (!strcmp(a, "--metric-percentiles")) {
+            NEED_ARG();
+            double ps[DB_MAX_PCT];
+            int n;
+            ok = db_parse_list(v, ps, DB_MAX_PCT - 2, &n);
+            for (int k = 0; ok && k < n; k++)
+                ok = ps[k] > 0 && ps[k] < 100;
+            if (!ok)
+                fprintf(stderr,
+                        "duet-bench: --metric-percentiles wants up to %d values in (0, 100), got '%s'\n",
+                        DB_MAX_PCT - 2, v);
+            else
+                memcpy(c.ps, ps, sizeof ps), c.n_ps = n;
+        } else if (!strcmp(a, "--slo-ttft-ms")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 1e-6, 1e9, false, &c.slo_ttft_ms);
+        } else if (!strcmp(a, "--slo-itl-ms")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 1e-6, 1e9, false, &c.slo_itl_ms);
+        } else if (!strcmp(a, "--output-dir")) {
+            NEED_ARG();
+            c.output_dir = v;
+        } else if (!strcmp(a, "--label")) {
+            NEED_ARG();
+            c.label = v;
+        } else if (!strcmp(a, "--save-detailed")) {
+            c.save_requests = true;
+        } else if (!strcmp(a, "--no-plots")) {
+            c.plots = false;
+        } else if (!strcmp(a, "--disable-tqdm") || !strcmp(a, "--no-progress")) {
+            c.progress = false;
+        } else {
+            fprintf(stderr, "duet-bench: unknown argument '%s'\n%s", a, usage);
+            return 2;
+        }
+        if (!ok) return 2;
+    }
+#undef NEED_ARG
+    (void)goodput_given;
+
+    /* Consistency of the target. */
+    if (host || port) {
+        snprintf(c.http.base_url, sizeof c.http.base_url, "http://%s:%d", host ? host : "127.0.0.1",
+                 port ? port : 8000);
+    }
+    int targets = (c.http.base_url[0] != 0) + c.in_process + (c.serve_cmd != NULL);
+    if (targets != 1) {
+        fprintf(
+            stderr,
+            "duet-bench: choose one target: --base-url URL, --in-process -m MODEL, or --serve-cmd CMD\n%s",
+            usage);
+        return 2;
+    }
+    if (c.in_process && !c.model_path) {
+        fprintf(stderr, "duet-bench: --in-process needs -m MODEL\n");
+        return 2;
+    }
+    if (c.http.base_url[0] && (c.n_sweep_bt || c.n_sweep_mbs || c.all_devices)) {
+        fprintf(stderr, "duet-bench: knob sweeps and --all-devices need a server duet-bench starts itself "
+                        "(--serve-cmd) or --in-process; a running server's knobs cannot be changed\n");
+        return 2;
+    }
+    if (c.n_sweep_rate && c.n_sweep_conc) {
+        fprintf(stderr,
+                "duet-bench: --sweep-rate and --sweep-concurrency are exclusive (sweep one load axis)\n");
+        return 2;
+    }
+    if (c.all_devices && (c.backend || c.device >= 0)) {
+        fprintf(stderr, "duet-bench: --all-devices chooses the backend and device itself\n");
+        return 2;
+    }
+    if (c.num_prompts == 0) c.num_prompts = c.load.duration_s > 0 ? -1 : 100;
+    /* p50 and p99 feed the plots and the operating point. */
+    ensure_pct(&c, 50);
+    ensure_pct(&c, 99);
+    qsort(c.ps, (size_t)c.n_ps, sizeof *c.ps, cmp_double);
+
+    char command[2048] = "";
+    for (int i = 0; i < argc; i++) {
+        size_t n = strlen(command);
+        bool quote = strpbrk(argv[i], " \t\"'") != NULL;
+        snprintf(command + n, sizeof command - n, "%s%s%s%s", i ? " " : "", quote ? "'" : "", argv[i],
+                 quote ? "'" : "");
+    }
+    if (c.plots && !db_gnuplot_terminal())
+        fprintf(
+            stderr,
+            "duet-bench: gnuplot not found (or it lacks the png terminals): CSV and JSON only, no plots\n");
+
+    if (!c.all_devices) {
+        db_sweep s = {0};
+        bool ok = run_one(&c, c.backend, c.device, c.output_dir, &s, command);
+        db_sweep_free(&s);
+        return ok ? 0 : 1;
+    }
+
+    /* --all-devices: every available backend and device, one after the other. */
+    size_t need = duet_devices_describe(NULL, 0, true);
+    char *buf = malloc(need + 1);
+    if (!buf) return 1;
+    duet_devices_describe(buf, need + 1, true);
+    cJSON *arr = cJSON_Parse(buf);
+    free(buf);
+    char top[1024];
+    if (c.output_dir)
+        snprintf(top, sizeof top, "%s", c.output_dir);
+    else
+        default_dir("all-devices", top, sizeof top);
+    db_sweep sweeps[64];
+    int n = 0;
+    int n_ok = 0;
+    const cJSON *b;
+    cJSON_ArrayForEach(b, arr) {
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(b, "backend");
+        if (!cJSON_IsString(name) || n == 64) continue;
+        if (!cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(b, "available"))) {
+            const cJSON *why = cJSON_GetObjectItemCaseSensitive(b, "reason");
+            db_sweep *s = &sweeps[n++];
+            memset(s, 0, sizeof *s);
+            s->failed = true;
+            s->op = -1;
+            snprintf(s->meta.backend, sizeof s->meta.backend, "%s", name->valuestring);
+            snprintf(s->meta.device, sizeof s->meta.device, "–");
+            snprintf(s->meta.driver, sizeof s->meta.driver, "–");
+            snprintf(s->why, sizeof s->why, "unavailable: %s",
+                     cJSON_IsString(why) ? why->valuestring : "(no reason)");
+            printf("%s: %s\n", name->valuestring, s->why);
+            continue;
+        }
+        const cJSON *d;
+        cJSON_ArrayForEach(d, cJSON_GetObjectItemCaseSensitive(b, "devices")) {
+            if (n == 64) break;
+            const cJSON *idx = cJSON_GetObjectItemCaseSensitive(d, "index");
+            const cJSON *dn = cJSON_GetObjectItemCaseSensitive(d, "name");
+            int di = cJSON_IsNumber(idx) ? idx->valueint : 0;
+            char sub[1280], slug[200], what[400];
+            snprintf(what, sizeof what, "%s-%d-%s", name->valuestring, di,
+                     cJSON_IsString(dn) ? dn->valuestring : "");
+            db_slug(slug, sizeof slug, what);
+            snprintf(sub, sizeof sub, "%s/%s", top, slug);
+            printf("\n=== %s device %d: %s ===\n", name->valuestring, di,
+                   cJSON_IsString(dn) ? dn->valuestring : "?");
+            fflush(stdout);
+            db_sweep *s = &sweeps[n++];
+            memset(s, 0, sizeof *s);
+            if (run_one(&c, name->valuestring, di, sub, s, command)) n_ok++;
+            if (s->n_points == 0) {
+                snprintf(s->meta.backend, sizeof s->meta.backend, "%s", name->valuestring);
+                if (cJSON_IsString(dn))
+                    snprintf(s->meta.device, sizeof s->meta.device, "%s", dn->valuestring);
+            }
+        }
+    }
+    cJSON_Delete(arr);
+    db_report_compare(&c, sweeps, n, top);
+    printf("\ncomparison: %s/comparison.md\n", top);
+    for (int i = 0; i < n; i++)
+        db_sweep_free(&sweeps[i]);
+    /* A backend or device that fails is reported, not fatal: the tool
+     * fails only when no device could be measured. */
+    return n_ok > 0 ? 0 : 1;
+}
