@@ -361,6 +361,20 @@ int main(int argc, char **argv) {
     if (o.threads < 1) o.threads = 1;
     const double triad = bench_triad_gbs(o.threads, 5);
     cJSON *root = cJSON_CreateObject();
+    char cmd[512] = "";
+    for (int i = 0; i < argc; i++) {
+        size_t len = strlen(cmd);
+        snprintf(cmd + len, sizeof cmd - len, "%s%s", i ? " " : "", argv[i]);
+    }
+    cJSON_AddStringToObject(root, "command", cmd);
+    /* The machine may be shared: its load says how much to trust the times. */
+    double load = -1;
+    FILE *lf = fopen("/proc/loadavg", "r");
+    if (lf) {
+        if (fscanf(lf, "%lf", &load) != 1) load = -1;
+        fclose(lf);
+    }
+    cJSON_AddNumberToObject(root, "load_average_1min", load);
     cJSON_AddNumberToObject(root, "threads", o.threads);
     cJSON_AddNumberToObject(root, "triad_gbs", triad);
     cJSON *devices = cJSON_AddArrayToObject(root, "devices");

@@ -9,7 +9,11 @@
  *     vector it loads is used MV_MT times and every x vector MV_NR times;
  *   - the inner loop walks 32-element chunks (one q8_0 block) as vectors of
  *     MV_VW floats: explicit vectors that a CPU compiler (PoCL) maps onto
- *     SIMD registers, and that GPUs split into scalars.
+ *     SIMD registers, and that GPUs split into scalars;
+ *   - q8_0 with MV_QG = 8 converts the fp16 scales of 8 consecutive blocks
+ *     at once with vector integer ops: a CPU without half conversion
+ *     instructions in OpenCL (PoCL) otherwise spends most of its time in a
+ *     scalar vload_half per block. GPUs keep MV_QG = 1 (one block per lane).
  *
  * NDRange: dim 0 = MV_R x ceil(n_out / MV_NR) row groups (rounded up to the
  * work-group size MV_WG), dim 1 = ceil(n_tokens / MV_MT). Work-items past
@@ -33,6 +37,12 @@
 #endif
 #ifndef MV_MT
 #define MV_MT 1
+#endif
+#ifndef MV_QG
+#define MV_QG 1
+#endif
+#if MV_QG != 1 && MV_QG != 8
+#error "matmul.cl: MV_QG must be 1 or 8"
 #endif
 
 #define FV CAT(float, MV_VW)
@@ -60,6 +70,25 @@ inline FV load_w(gbytes row, int c, int v) {
 #else
 #error "matmul.cl: unknown WTYPE"
 #endif
+}
+
+/* Exact fp16 -> f32 of eight raw halves (zeros, subnormals, inf, NaN too). */
+inline float8 half8_to_float8(ushort8 h) {
+    const uint8 u = convert_uint8(h);
+    const uint8 ex = u & 0x7c00u, man = u & 0x3ffu;
+    const float8 normal = as_float8(((u & 0x7fffu) << 13) + 0x38000000u); /* rebias 15 -> 127 */
+    const float8 sub = convert_float8(man) * 0x1.0p-24f;
+    const float8 infnan = as_float8((man << 13) | 0x7f800000u);
+    float8 f = select(normal, sub, ex == (uint8)(0u));
+    f = select(f, infnan, ex == (uint8)(0x7c00u));
+    return as_float8(as_uint8(f) | ((u & 0x8000u) << 16));
+}
+
+/* The scales of blocks c0 .. c0 + 7 of a q8_0 row. */
+inline float8 q8_scales8(gbytes row, int c0) {
+    global const ushort *s = (global const ushort *)(row + (ulong)c0 * Q8_0_BYTES);
+    const int k = Q8_0_BYTES / 2; /* block stride in ushorts */
+    return half8_to_float8((ushort8)(s[0], s[k], s[2 * k], s[3 * k], s[4 * k], s[5 * k], s[6 * k], s[7 * k]));
 }
 
 inline float chunk_scale(gbytes row, int c) {
@@ -102,27 +131,47 @@ kernel void matmul(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ul
 #pragma unroll
         for (int t = 0; t < MV_MT; t++) acc[r][t] = (FV)(0.0f);
 
+/* acc[r][t] += W[row r][chunk c] . x[token t][chunk c], row r scaled by d[r]. */
+#if WTYPE == DT_Q8_0
+#define MV_WEIGHT(r, c, v, d) (load_w(wrow[r], c, v) * d[r])
+#else
+#define MV_WEIGHT(r, c, v, d) load_w(wrow[r], c, v)
+#endif
+#define MV_CHUNK(c, d)                                                                  \
+    do {                                                                                \
+        _Pragma("unroll") for (int v = 0; v < NV; v++) {                                \
+            FV xv[MV_MT];                                                               \
+            _Pragma("unroll") for (int t = 0; t < MV_MT; t++) xv[t] = VLOAD((c) * NV + v, xs[t]); \
+            _Pragma("unroll") for (int r = 0; r < MV_NR; r++) {                         \
+                const FV wv = MV_WEIGHT(r, c, v, d);                                    \
+                _Pragma("unroll") for (int t = 0; t < MV_MT; t++) acc[r][t] = fma(wv, xv[t], acc[r][t]); \
+            }                                                                           \
+        }                                                                               \
+    } while (0)
+
     const int nc = n_in / QK8_0;
-    for (int c = lane; c < nc; c += MV_R) {
+    int c_first = 0; /* first chunk of the one-chunk-at-a-time loop */
+#if WTYPE == DT_Q8_0 && MV_QG == 8
+    const int ng = nc / 8;
+    for (int g = lane; g < ng; g += MV_R) {
+        float ds[MV_NR][8];
+#pragma unroll
+        for (int r = 0; r < MV_NR; r++) vstore8(q8_scales8(wrow[r], g * 8), 0, ds[r]);
+#pragma unroll
+        for (int b = 0; b < 8; b++) {
+            float d[MV_NR];
+#pragma unroll
+            for (int r = 0; r < MV_NR; r++) d[r] = ds[r][b];
+            MV_CHUNK(g * 8 + b, d);
+        }
+    }
+    c_first = ng * 8;
+#endif
+    for (int c = c_first + lane; c < nc; c += MV_R) {
         float d[MV_NR];
 #pragma unroll
         for (int r = 0; r < MV_NR; r++) d[r] = chunk_scale(wrow[r], c);
-#pragma unroll
-        for (int v = 0; v < NV; v++) {
-            FV xv[MV_MT];
-#pragma unroll
-            for (int t = 0; t < MV_MT; t++) xv[t] = VLOAD(c * NV + v, xs[t]);
-#pragma unroll
-            for (int r = 0; r < MV_NR; r++) {
-#if WTYPE == DT_Q8_0
-                FV wv = load_w(wrow[r], c, v) * d[r];
-#else
-                FV wv = load_w(wrow[r], c, v);
-#endif
-#pragma unroll
-                for (int t = 0; t < MV_MT; t++) acc[r][t] = fma(wv, xv[t], acc[r][t]);
-            }
-        }
+        MV_CHUNK(c, d);
     }
 
     float res[MV_NR][MV_MT];

@@ -452,9 +452,9 @@ static const char *ops_binary(void) {
 START_TEST(test_forced_paths) {
     if (!have_device()) return;
     static const char *const tunes[] = {
-        "DUET_OPENCL_TUNE=mv_r=16,mv_wg=64,mv_nr=4,mv_vw=4,mv_mt=3,norm_wg=64,att_wg=32,ew_wg=64,clblast_min=8,"
+        "DUET_OPENCL_TUNE=mv_r=16,mv_wg=64,mv_nr=4,mv_vw=4,mv_mt=3,mv_qg=8,norm_wg=64,att_wg=32,ew_wg=64,clblast_min=8,"
         "clblast_scratch_mb=1",
-        "DUET_OPENCL_TUNE=mv_r=1,mv_wg=1,mv_nr=1,mv_vw=8,mv_mt=8,norm_wg=1,att_wg=1,ew_wg=0,clblast_min=0",
+        "DUET_OPENCL_TUNE=mv_r=1,mv_wg=1,mv_nr=1,mv_vw=8,mv_mt=8,mv_qg=1,norm_wg=1,att_wg=1,ew_wg=0,clblast_min=0",
     };
     for (int i = 0; i < 2; i++) {
         const char *env[] = {tunes[i], "DUET_OPS_BACKENDS=opencl", "CK_FORK=no", NULL};
@@ -478,7 +478,7 @@ START_TEST(test_oclgrind) {
     }
     static const char *const tunes[] = {
         "DUET_OPENCL_TUNE=clblast_min=0",
-        "DUET_OPENCL_TUNE=mv_r=1,mv_wg=4,mv_nr=4,mv_vw=16,mv_mt=4,norm_wg=1,att_wg=1,ew_wg=0,clblast_min=0",
+        "DUET_OPENCL_TUNE=mv_r=1,mv_wg=4,mv_nr=4,mv_vw=16,mv_mt=4,mv_qg=8,norm_wg=1,att_wg=1,ew_wg=0,clblast_min=0",
     };
     for (int i = 0; i < 2; i++) {
         char log[128];

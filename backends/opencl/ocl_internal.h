@@ -72,6 +72,7 @@ typedef struct ocl_tuning {
     int mv_vw;            /* matmul: vector width of the inner loop (4, 8, 16) */
     int mv_wg;            /* matmul: work-group size (a multiple of mv_r) */
     int mv_mt;            /* matmul: tokens per work-item when n_tokens > 1 (1..8) */
+    int mv_qg;            /* matmul q8_0: blocks whose scales convert together (1 or 8) */
     int norm_wg;          /* rmsnorm and argmax: work-items per row (power of two) */
     int att_wg;           /* attention: work-items per (token, head) (power of two) */
     int ew_wg;            /* elementwise ops: work-group size (0 = the driver's choice) */

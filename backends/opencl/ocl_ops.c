@@ -129,8 +129,8 @@ static duet_status op_rmsnorm(ocl_backend *be, const duet_op *op) {
 static duet_status matmul_kernel(ocl_backend *be, duet_dtype dt, int mt, const char *name, cl_kernel *k) {
     const ocl_tuning *t = &be->tune;
     char opts[160];
-    snprintf(opts, sizeof opts, "-DWTYPE=%d -DMV_R=%d -DMV_NR=%d -DMV_VW=%d -DMV_WG=%d -DMV_MT=%d", (int)dt, t->mv_r,
-             t->mv_nr, t->mv_vw, t->mv_wg, mt);
+    snprintf(opts, sizeof opts, "-DWTYPE=%d -DMV_R=%d -DMV_NR=%d -DMV_VW=%d -DMV_WG=%d -DMV_MT=%d -DMV_QG=%d", (int)dt,
+             t->mv_r, t->mv_nr, t->mv_vw, t->mv_wg, mt, dt == DUET_DTYPE_Q8_0 ? t->mv_qg : 1);
     return duet__ocl_kernel(be, "matmul", opts, name, k);
 }
 

@@ -28,32 +28,34 @@ static const tune_entry tune_table[] = {
     /* Oclgrind simulates a GPU-like device: use the cooperative (work-group
      * reduction) paths so the race and memory checks cover them. */
     {"Oclgrind", NULL, NULL, -1,
-     {"oclgrind", .mv_r = 8, .mv_nr = 2, .mv_vw = 4, .mv_wg = 16, .mv_mt = 2, .norm_wg = 16, .att_wg = 8,
+     {"oclgrind", .mv_r = 8, .mv_nr = 2, .mv_vw = 4, .mv_wg = 16, .mv_mt = 2, .mv_qg = 1, .norm_wg = 16, .att_wg = 8,
       .ew_wg = 16, .clblast_min = 0, .clblast_scratch = 16 * MiB}},
     /* PoCL on CPUs: one work-item per group of rows, explicit vectors in the
      * inner loop (LLVM turns them into AVX/AVX-512), few barriers; one
-     * work-item per (token, head) in attention. CLBlast's untuned kernels
-     * run at 3-5 GFLOP/s here against our 25-50 at every token count the
-     * benchmark sweeps (bench/results/opencl-pocl-xeon-2c.json): never. */
+     * work-item per (token, head) in attention; q8_0 scales converted 8
+     * blocks at a time (+27% matrix-vector). CLBlast's untuned kernels run
+     * at 6-10 GFLOP/s here against our 45-80 at every token count the
+     * benchmark sweeps, 4 to 128 (bench/results/opencl-pocl-xeon-2c.json):
+     * never. */
     {NULL, "Portable Computing Language", NULL, DUET_DEVICE_CPU,
-     {"pocl-cpu", .mv_r = 1, .mv_nr = 2, .mv_vw = 16, .mv_wg = 8, .mv_mt = 4, .norm_wg = 16, .att_wg = 1,
+     {"pocl-cpu", .mv_r = 1, .mv_nr = 2, .mv_vw = 16, .mv_wg = 8, .mv_mt = 4, .mv_qg = 8, .norm_wg = 16, .att_wg = 1,
       .ew_wg = 0, .clblast_min = 0, .clblast_scratch = 64 * MiB}},
     {NULL, NULL, "NVIDIA", DUET_DEVICE_DISCRETE_GPU,
-     {"nvidia-gpu", .mv_r = 32, .mv_nr = 2, .mv_vw = 4, .mv_wg = 128, .mv_mt = 4, .norm_wg = 256, .att_wg = 64,
+     {"nvidia-gpu", .mv_r = 32, .mv_nr = 2, .mv_vw = 4, .mv_wg = 128, .mv_mt = 4, .mv_qg = 1, .norm_wg = 256, .att_wg = 64,
       .ew_wg = 256, .clblast_min = 16, .clblast_scratch = 256 * MiB}},
     {NULL, NULL, "AMD", DUET_DEVICE_DISCRETE_GPU,
-     {"amd-gpu", .mv_r = 64, .mv_nr = 2, .mv_vw = 4, .mv_wg = 256, .mv_mt = 4, .norm_wg = 256, .att_wg = 64,
+     {"amd-gpu", .mv_r = 64, .mv_nr = 2, .mv_vw = 4, .mv_wg = 256, .mv_mt = 4, .mv_qg = 1, .norm_wg = 256, .att_wg = 64,
       .ew_wg = 256, .clblast_min = 16, .clblast_scratch = 256 * MiB}},
     {NULL, NULL, "Intel", DUET_DEVICE_INTEGRATED_GPU,
-     {"intel-igpu", .mv_r = 16, .mv_nr = 2, .mv_vw = 4, .mv_wg = 64, .mv_mt = 4, .norm_wg = 128, .att_wg = 32,
+     {"intel-igpu", .mv_r = 16, .mv_nr = 2, .mv_vw = 4, .mv_wg = 64, .mv_mt = 4, .mv_qg = 1, .norm_wg = 128, .att_wg = 32,
       .ew_wg = 128, .clblast_min = 16, .clblast_scratch = 64 * MiB}},
     /* Any other CPU runtime (Intel's, Arm's). */
     {NULL, NULL, NULL, DUET_DEVICE_CPU,
-     {"cpu", .mv_r = 1, .mv_nr = 2, .mv_vw = 16, .mv_wg = 8, .mv_mt = 4, .norm_wg = 16, .att_wg = 1, .ew_wg = 0,
+     {"cpu", .mv_r = 1, .mv_nr = 2, .mv_vw = 16, .mv_wg = 8, .mv_mt = 4, .mv_qg = 8, .norm_wg = 16, .att_wg = 1, .ew_wg = 0,
       .clblast_min = 0, .clblast_scratch = 64 * MiB}},
     /* Any other GPU or accelerator. */
     {NULL, NULL, NULL, -1,
-     {"default", .mv_r = 32, .mv_nr = 2, .mv_vw = 4, .mv_wg = 64, .mv_mt = 2, .norm_wg = 128, .att_wg = 32,
+     {"default", .mv_r = 32, .mv_nr = 2, .mv_vw = 4, .mv_wg = 64, .mv_mt = 2, .mv_qg = 1, .norm_wg = 128, .att_wg = 32,
       .ew_wg = 128, .clblast_min = 32, .clblast_scratch = 64 * MiB}},
 };
 
@@ -75,6 +77,7 @@ static duet_status check(const ocl_tuning *t, const ocl_device *d) {
     else if (t->mv_vw != 4 && t->mv_vw != 8 && t->mv_vw != 16) bad = "mv_vw must be 4, 8 or 16";
     else if (t->mv_wg < t->mv_r || t->mv_wg % t->mv_r) bad = "mv_wg must be a multiple of mv_r";
     else if (t->mv_mt < 1 || t->mv_mt > 8) bad = "mv_mt must be 1..8";
+    else if (t->mv_qg != 1 && t->mv_qg != 8) bad = "mv_qg must be 1 or 8";
     else if (!pow2(t->norm_wg)) bad = "norm_wg must be a power of two";
     else if (!pow2(t->att_wg)) bad = "att_wg must be a power of two";
     else if (t->ew_wg < 0) bad = "ew_wg must be >= 0";
@@ -105,6 +108,7 @@ static duet_status apply_overrides(ocl_tuning *t, const char *spec) {
         else if (!strcmp(kv, "mv_vw")) t->mv_vw = (int)v;
         else if (!strcmp(kv, "mv_wg")) t->mv_wg = (int)v;
         else if (!strcmp(kv, "mv_mt")) t->mv_mt = (int)v;
+        else if (!strcmp(kv, "mv_qg")) t->mv_qg = (int)v;
         else if (!strcmp(kv, "norm_wg")) t->norm_wg = (int)v;
         else if (!strcmp(kv, "att_wg")) t->att_wg = (int)v;
         else if (!strcmp(kv, "ew_wg")) t->ew_wg = (int)v;
@@ -112,7 +116,7 @@ static duet_status apply_overrides(ocl_tuning *t, const char *spec) {
         else if (!strcmp(kv, "clblast_scratch_mb")) t->clblast_scratch = (size_t)v * MiB;
         else
             return duet__error(DUET_INVALID_ARGUMENT,
-                               "DUET_OPENCL_TUNE: unknown knob '%s' (have mv_r, mv_nr, mv_vw, mv_wg, mv_mt, "
+                               "DUET_OPENCL_TUNE: unknown knob '%s' (have mv_r, mv_nr, mv_vw, mv_wg, mv_mt, mv_qg, "
                                "norm_wg, att_wg, ew_wg, clblast_min, clblast_scratch_mb)",
                                kv);
     }
