@@ -57,6 +57,7 @@ test)
     echo "== the same suite under AddressSanitizer + UndefinedBehaviorSanitizer"
     build build-asan -DDUET_WERROR=ON -DDUET_SANITIZE=ON -DDUET_PYTHON="$venv/bin/python"
     (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+        LSAN_OPTIONS="suppressions=$root/tests/lsan.supp" \
         ctest --output-on-failure -j "$jobs" -LE slow)
     echo "== fuzzers (fixed iterations)"
     bash tests/fuzz/run_fuzzers.sh "$root/build-fuzz" 20000
