@@ -29,33 +29,46 @@ cpu_isa duet__cpu_isa_detect(void);
 
 /* ---- thread pool ----------------------------------------------------------- */
 
-/* A task runs once on every worker: ith in [0, nth). */
-typedef void (*cpu_task_fn)(void *ctx, int ith, int nth);
+/* A task is split into n_chunks chunks; fn runs once per chunk, on whichever
+ * worker claims it. `worker` (0 = the caller) indexes per-thread scratch. */
+typedef void (*cpu_task_fn)(void *ctx, int chunk, int n_chunks, int worker);
 
 typedef struct cpu_pool {
     int n_threads; /* workers including the caller */
     pthread_t *threads;
-    cpu_task_fn fn;
-    void *ctx;
-    /* Futex words (32-bit). `gen` counts dispatches; workers wait for it to
-     * change. `pending` counts workers still running the current task. */
+    /* The current task. Atomics (relaxed) only because a late worker may
+     * read them while the next task is written; it then fails to claim. */
+    _Atomic(cpu_task_fn) fn;
+    _Atomic(void *) ctx;
+    _Atomic int n_chunks;
+    /* (task sequence << 32) | next unclaimed chunk: claiming is one CAS
+     * that also proves the task is still the one whose fields were read. */
+    _Atomic uint64_t claim;
+    /* Futex words (32-bit): `gen` is the task sequence workers sleep on;
+     * `done` counts the current task's finished chunks. */
     _Atomic uint32_t gen;
-    _Atomic uint32_t pending;
+    _Atomic uint32_t done;
     _Atomic int sleepers;       /* workers blocked in futex_wait on gen */
-    _Atomic int caller_waiting; /* the caller is blocked on pending */
+    _Atomic int caller_waiting; /* the caller is blocked on done */
     _Atomic int stop;
 } cpu_pool;
 
 duet_status duet__cpu_pool_init(cpu_pool *pool, int n_threads);
 void duet__cpu_pool_free(cpu_pool *pool);
-/* n <= 1 (or a one-thread pool): runs fn(ctx, 0, 1) inline, with no
- * synchronisation at all. Otherwise runs fn(ctx, i, n_threads) on every
- * worker i (the caller is 0) and returns when all are done; a task splits
- * its work by (i, n_threads), e.g. with cpu_split. */
-void duet__cpu_pool_run(cpu_pool *pool, int n, cpu_task_fn fn, void *ctx);
+/* Runs fn on chunks 0..n_chunks-1 and returns when all are done. The caller
+ * claims chunks too, so work never waits for a worker that the OS has not
+ * scheduled; only a chunk a worker already started is waited for.
+ * n_chunks <= 1 or a one-thread pool runs inline, with no synchronisation. */
+void duet__cpu_pool_run(cpu_pool *pool, int n_chunks, cpu_task_fn fn, void *ctx);
+/* Chunks to cut a task of `units` independent units into: a few per
+ * thread, so a slow or descheduled thread's share gets picked up. */
+static inline int cpu_chunks(const cpu_pool *pool, int64_t units) {
+    int64_t want = (int64_t)pool->n_threads * 4;
+    return (int)(units < want ? units : want);
+}
 
-/* Splits [0, n) into nth contiguous chunks, each a multiple of `align`
- * (except the last); sets [*lo, *hi) for worker ith. */
+/* Splits [0, n) into nth contiguous parts, each a multiple of `align`
+ * (except the last); sets [*lo, *hi) for part ith. */
 static inline void cpu_split(int64_t n, int ith, int nth, int64_t align, int64_t *lo, int64_t *hi) {
     int64_t units = (n + align - 1) / align;
     int64_t a = units * ith / nth * align, b = units * (ith + 1) / nth * align;

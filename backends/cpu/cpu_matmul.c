@@ -336,7 +336,7 @@ CPU_AVX512 CPU_INLINE void avx512_q8_body(const int NR, const int NT, const uint
                 wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)blk[0].qs)),
                                         _mm256_loadu_si256((const __m256i *)blk[1].qs), 1);
                 dh = _mm256_set_m128i(_mm_set1_epi16((short)blk[1].d), _mm_set1_epi16((short)blk[0].d));
-            } else { /* odd last block: upper half zero (x's is zero too) */
+            } else { /* odd last block: zero upper weights add nothing */
                 wv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)blk[0].qs));
                 dh = _mm256_set_m128i(_mm_setzero_si128(), _mm_set1_epi16((short)blk[0].d));
             }
@@ -492,10 +492,10 @@ typedef struct mm_task {
     int64_t token_chunk; /* tokens whose activations stay in L2 while W rows cycle */
 } mm_task;
 
-static void mm_quantize_task(void *p, int ith, int nth) {
+static void mm_quantize_task(void *p, int chunk, int n_chunks, int worker) {
     mm_task *t = p;
     int64_t lo, hi;
-    cpu_split(t->n_tokens, ith, nth, 1, &lo, &hi);
+    cpu_split(t->n_tokens, chunk, n_chunks, 1, &lo, &hi);
     for (int64_t i = lo; i < hi; i++)
         t->k->quantize(t->x + i * t->n_in, t->n_in, t->xq + i * t->xqs, t->xd + i * t->xds);
 }
@@ -510,11 +510,11 @@ static void mm_store(const mm_task *t, int64_t r, int64_t tok, int nr, int nt, c
     }
 }
 
-static void mm_rows_task(void *p, int ith, int nth) {
+static void mm_rows_task(void *p, int chunk, int n_chunks, int worker) {
     mm_task *t = p;
     const mm_kernels *k = t->k;
     int64_t lo, hi;
-    cpu_split(t->n_out, ith, nth, k->mr, &lo, &hi);
+    cpu_split(t->n_out, chunk, n_chunks, k->mr, &lo, &hi);
     f_tile_fn f = t->dtype == DUET_DTYPE_F16 ? k->f16 : t->dtype == DUET_DTYPE_BF16 ? k->bf16 : k->f32;
     cpu_tile_res res;
     for (int64_t t0 = 0; t0 < t->n_tokens; t0 += t->token_chunk) {
@@ -557,7 +557,7 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
         t.xd = be->act.p;
         t.xq = (int8_t *)be->act.p + (size_t)(t.n_tokens * t.xds) * sizeof(float);
         /* A few tokens quantize faster inline than a dispatch costs. */
-        duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? be->pool.n_threads : 1, mm_quantize_task, &t);
+        duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1, mm_quantize_task, &t);
         x_row_bytes = t.xqs;
     }
     /* Keep a chunk of activations (~256 KiB) in L2 while the W rows of a
@@ -565,8 +565,10 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
     int64_t chunk = (256 * 1024) / (x_row_bytes > 0 ? x_row_bytes : 1);
     chunk = chunk / k->mt * k->mt;
     t.token_chunk = chunk < k->mt ? k->mt : chunk;
-    /* Tiny matmuls (per-op work well under the cost of a dispatch) run inline. */
+    /* Tiny matmuls (per-op work well under the cost of a dispatch) run
+     * inline; others in contiguous row ranges, a few per thread. */
     int64_t work = (int64_t)t.n_tokens * t.n_in * t.n_out;
-    duet__cpu_pool_run(&be->pool, work >= 32 * 1024 ? be->pool.n_threads : 1, mm_rows_task, &t);
+    int64_t units = (t.n_out + k->mr - 1) / k->mr;
+    duet__cpu_pool_run(&be->pool, work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1, mm_rows_task, &t);
     return DUET_OK;
 }

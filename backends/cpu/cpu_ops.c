@@ -309,34 +309,31 @@ static const vec_kernels *vec_for(cpu_isa isa) {
 /* row-parallel driver                                                        */
 /* ======================================================================== */
 
-typedef void (*row_fn)(const void *ctx, int64_t row, int ith);
+/* fn(ctx, row, worker): worker indexes per-thread scratch. */
+typedef void (*row_fn)(const void *ctx, int64_t row, int worker);
 
 typedef struct rows_job {
     row_fn fn;
     const void *ctx;
     int64_t n;
-    bool dynamic;          /* rows of very different cost: hand them out one by one */
-    _Atomic int64_t next;
 } rows_job;
 
-static void rows_task(void *p, int ith, int nth) {
+static void rows_task(void *p, int chunk, int n_chunks, int worker) {
     rows_job *j = p;
-    if (j->dynamic) {
-        for (int64_t r; (r = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed)) < j->n;)
-            j->fn(j->ctx, r, ith);
-        return;
-    }
     int64_t lo, hi;
-    cpu_split(j->n, ith, nth, 1, &lo, &hi);
-    for (int64_t r = lo; r < hi; r++) j->fn(j->ctx, r, ith);
+    cpu_split(j->n, chunk, n_chunks, 1, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) j->fn(j->ctx, r, worker);
 }
 
-/* Runs fn on rows [0, n); `work` (elements touched) decides inline or not. */
-static void run_rows(cpu_backend *be, int64_t n, int64_t work, bool dynamic, row_fn fn, const void *ctx) {
-    rows_job j = {.fn = fn, .ctx = ctx, .n = n, .dynamic = dynamic};
-    atomic_init(&j.next, 0);
-    int nth = work >= CPU_PAR_MIN_WORK && n > 1 ? be->pool.n_threads : 1;
-    duet__cpu_pool_run(&be->pool, nth, rows_task, &j);
+/* Runs fn on rows [0, n) in contiguous chunks; `work` (elements touched)
+ * decides inline or threaded, `chunks_per_thread` how finely rows of
+ * unequal cost are cut so the pool can balance them. */
+static void run_rows(cpu_backend *be, int64_t n, int64_t work, int chunks_per_thread, row_fn fn,
+                     const void *ctx) {
+    rows_job j = {.fn = fn, .ctx = ctx, .n = n};
+    int64_t max_chunks = (int64_t)be->pool.n_threads * chunks_per_thread;
+    int chunks = (int)(n < max_chunks ? n : max_chunks);
+    duet__cpu_pool_run(&be->pool, work >= CPU_PAR_MIN_WORK ? chunks : 1, rows_task, &j);
 }
 
 /* Per-thread slices of the work scratch, 64-byte aligned. */
@@ -358,7 +355,7 @@ typedef struct embed_ctx {
     float *out;
 } embed_ctx;
 
-static void embed_row(const void *p, int64_t t, int ith) {
+static void embed_row(const void *p, int64_t t, int worker) {
     const embed_ctx *c = p;
     duet_dequantize_row(c->dtype, c->table + (size_t)c->tokens[t] * c->row_bytes, c->out + t * c->dim, c->dim);
 }
@@ -367,7 +364,7 @@ duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *t
                             const void *table, float *out) {
     embed_ctx c = {tokens, table, duet_dtype_row_bytes(op->embed.dtype, op->embed.dim), op->embed.dtype,
                    op->embed.dim, out};
-    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->embed.dim, false, embed_row, &c);
+    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->embed.dim, 4, embed_row, &c);
     return DUET_OK;
 }
 
@@ -379,7 +376,7 @@ typedef struct rms_ctx {
     float eps;
 } rms_ctx;
 
-static void rms_row(const void *p, int64_t t, int ith) {
+static void rms_row(const void *p, int64_t t, int worker) {
     const rms_ctx *c = p;
     const float *x = c->x + t * c->dim;
     float ms = c->vk->sumsq(x, c->dim) / (float)c->dim;
@@ -389,7 +386,7 @@ static void rms_row(const void *p, int64_t t, int ith) {
 duet_status duet__cpu_rmsnorm(cpu_backend *be, const duet_op *op, const float *x, const float *w,
                               float *out) {
     rms_ctx c = {vec_for(be->isa), x, w, out, op->rmsnorm.dim, op->rmsnorm.eps};
-    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->rmsnorm.dim, false, rms_row, &c);
+    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->rmsnorm.dim, 4, rms_row, &c);
     return DUET_OK;
 }
 
@@ -418,10 +415,10 @@ static void rope_rotate(float *x, const float *cs, const float *sn, int half, bo
     }
 }
 
-static void rope_row(const void *p, int64_t t, int ith) {
+static void rope_row(const void *p, int64_t t, int worker) {
     const rope_ctx *c = p;
     int half = c->n_rot / 2;
-    float *cs = (float *)(c->scratch + (size_t)ith * c->scratch_stride), *sn = cs + half;
+    float *cs = (float *)(c->scratch + (size_t)worker * c->scratch_stride), *sn = cs + half;
     int32_t pos = c->pos[t];
     for (int i = 0; i < half; i++) { /* double: angles reach pos * 1 rad */
         double th = (double)pos * c->freq[i];
@@ -466,7 +463,7 @@ duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, floa
         .scratch = be->work.p, .scratch_stride = stride,
     };
     int64_t work = (int64_t)op->n_tokens * (op->rope_kv.n_head + 2 * op->rope_kv.n_head_kv) * op->rope_kv.head_dim;
-    run_rows(be, op->n_tokens, work, false, rope_row, &c);
+    run_rows(be, op->n_tokens, work, 4, rope_row, &c);
     return DUET_OK;
 }
 
@@ -483,13 +480,13 @@ typedef struct attn_ctx {
     size_t scratch_stride;
 } attn_ctx;
 
-static void attn_row(const void *p, int64_t unit, int ith) {
+static void attn_row(const void *p, int64_t unit, int worker) {
     const attn_ctx *c = p;
     int64_t t = unit / c->n_head;
     int h = (int)(unit % c->n_head), kvh = h / c->group;
     int64_t qw = (int64_t)c->n_head * c->hd, kvs = (int64_t)(c->n_head / c->group) * c->hd;
     size_t esize = c->kvt == DUET_DTYPE_F16 ? 2 : 4;
-    float *qc = (float *)(c->scratch + (size_t)ith * c->scratch_stride);
+    float *qc = (float *)(c->scratch + (size_t)worker * c->scratch_stride);
     float *scores = qc + ((c->hd + 15) & ~15);
     /* Copy q first: out may alias q, and unit (t, h) is the only reader of
      * q[t][h] and the only writer of out[t][h]. */
@@ -514,8 +511,9 @@ duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float 
     };
     int64_t work = 0;
     for (int t = 0; t < op->n_tokens; t++) work += ((int64_t)pos[t] + 1) * hd * 2 * op->attention.n_head;
-    /* Causal rows differ in length: hand (token, head) units out dynamically. */
-    run_rows(be, (int64_t)op->n_tokens * op->attention.n_head, work, true, attn_row, &c);
+    /* Causal rows differ in length: cut (token, head) units finely so the
+     * pool balances them. */
+    run_rows(be, (int64_t)op->n_tokens * op->attention.n_head, work, 16, attn_row, &c);
     return DUET_OK;
 }
 
@@ -526,12 +524,12 @@ typedef struct ew_ctx {
     int dim;
 } ew_ctx;
 
-static void swiglu_row(const void *p, int64_t t, int ith) {
+static void swiglu_row(const void *p, int64_t t, int worker) {
     const ew_ctx *c = p;
     c->vk->swiglu(c->out + t * c->dim, c->a + t * c->dim, c->b + t * c->dim, c->dim);
 }
 
-static void add_row(const void *p, int64_t t, int ith) {
+static void add_row(const void *p, int64_t t, int worker) {
     const ew_ctx *c = p;
     c->vk->add(c->out + t * c->dim, c->a + t * c->dim, c->b + t * c->dim, c->dim);
 }
@@ -540,14 +538,14 @@ duet_status duet__cpu_swiglu(cpu_backend *be, const duet_op *op, const float *ga
                              float *out) {
     ew_ctx c = {vec_for(be->isa), gate, up, out, op->swiglu.dim};
     /* exp costs ~10 elements' worth of streaming: weigh it so. */
-    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->swiglu.dim * 4, false, swiglu_row, &c);
+    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->swiglu.dim * 4, 4, swiglu_row, &c);
     return DUET_OK;
 }
 
 duet_status duet__cpu_add(cpu_backend *be, const duet_op *op, const float *a, const float *b,
                           float *out) {
     ew_ctx c = {vec_for(be->isa), a, b, out, op->add.dim};
-    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->add.dim, false, add_row, &c);
+    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->add.dim, 4, add_row, &c);
     return DUET_OK;
 }
 
@@ -558,7 +556,7 @@ typedef struct gather_ctx {
     int dim;
 } gather_ctx;
 
-static void gather_row(const void *p, int64_t i, int ith) {
+static void gather_row(const void *p, int64_t i, int worker) {
     const gather_ctx *c = p;
     memcpy(c->out + i * c->dim, c->x + (int64_t)c->rows[i] * c->dim, (size_t)c->dim * sizeof(float));
 }
@@ -566,7 +564,7 @@ static void gather_row(const void *p, int64_t i, int ith) {
 duet_status duet__cpu_gather(cpu_backend *be, const duet_op *op, const float *x,
                              const int32_t *rows, float *out) {
     gather_ctx c = {x, rows, out, op->gather.dim};
-    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->gather.dim, false, gather_row, &c);
+    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->gather.dim, 4, gather_row, &c);
     return DUET_OK;
 }
 
@@ -578,7 +576,7 @@ typedef struct argmax_ctx {
 
 /* Strict '>' keeps the lowest index among equal maxima; NaNs never win
  * (an all-NaN row gives 0). */
-static void argmax_row(const void *p, int64_t t, int ith) {
+static void argmax_row(const void *p, int64_t t, int worker) {
     const argmax_ctx *c = p;
     const float *x = c->x + t * c->dim;
     int32_t best = 0;
@@ -596,6 +594,6 @@ static void argmax_row(const void *p, int64_t t, int ith) {
 
 duet_status duet__cpu_argmax(cpu_backend *be, const duet_op *op, const float *x, int32_t *out) {
     argmax_ctx c = {x, out, op->argmax.dim};
-    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->argmax.dim, false, argmax_row, &c);
+    run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->argmax.dim, 4, argmax_row, &c);
     return DUET_OK;
 }

@@ -1,11 +1,16 @@
 /* cpu_threadpool.c — a persistent pool with a cheap fork/join.
  *
  * Decode runs ~150 small ops per token, so a dispatch must cost about a
- * microsecond: workers spin on a generation counter for a while after each
+ * microsecond: workers spin on a sequence number for a while after each
  * task (the next op usually follows within microseconds), then sleep on a
- * futex so an idle engine burns no CPU. The caller is worker 0 and every
- * dispatch includes every worker, so no worker can miss a generation: the
- * caller starts task g+1 only after all workers have finished task g. */
+ * futex so an idle engine burns no CPU.
+ *
+ * A task is cut into chunks that every thread, the caller included, claims
+ * with a CAS on one word holding (task sequence, next chunk). The caller
+ * never waits for a worker to show up: on a busy machine where a worker is
+ * descheduled, the caller runs the remaining chunks itself, and the join
+ * waits only for chunks already started. A late worker that read the fields
+ * of an old task fails its CAS (the sequence moved) and runs nothing. */
 #include <errno.h>
 #include <limits.h>
 #include <sched.h>
@@ -77,8 +82,32 @@ static uint32_t spin_while_equal(_Atomic uint32_t *addr, uint32_t value, int64_t
 
 typedef struct worker_arg {
     cpu_pool *pool;
-    int ith;
+    int id;
 } worker_arg;
+
+/* Claims and runs chunks of task `seq` until none is left. */
+static void run_chunks(cpu_pool *pool, uint32_t seq, int worker) {
+    for (;;) {
+        uint64_t c = atomic_load_explicit(&pool->claim, memory_order_acquire);
+        if ((uint32_t)(c >> 32) != seq) return; /* a newer task: caller is done with ours */
+        int n = atomic_load_explicit(&pool->n_chunks, memory_order_relaxed);
+        cpu_task_fn fn = atomic_load_explicit(&pool->fn, memory_order_relaxed);
+        void *ctx = atomic_load_explicit(&pool->ctx, memory_order_relaxed);
+        int chunk = (int)(uint32_t)c;
+        if (chunk >= n) return;
+        /* Success proves claim was (seq, chunk) here, so task seq was still
+         * running and the fields read above were its own. */
+        if (!atomic_compare_exchange_weak_explicit(&pool->claim, &c, c + 1, memory_order_acq_rel,
+                                                   memory_order_relaxed))
+            continue;
+        fn(ctx, chunk, n, worker);
+        /* seq_cst, like the caller's caller_waiting store then done load:
+         * either it sees our increment or we see it waiting. */
+        uint32_t done = atomic_fetch_add(&pool->done, 1) + 1;
+        if (done == (uint32_t)n && worker != 0 && atomic_load(&pool->caller_waiting))
+            futex_wake(&pool->done);
+    }
+}
 
 static void *worker_main(void *p) {
     worker_arg arg = *(worker_arg *)p;
@@ -100,10 +129,7 @@ static void *worker_main(void *p) {
         }
         seen = g;
         if (atomic_load_explicit(&pool->stop, memory_order_acquire)) break;
-        pool->fn(pool->ctx, arg.ith, pool->n_threads);
-        if (atomic_fetch_sub_explicit(&pool->pending, 1, memory_order_acq_rel) == 1 &&
-            atomic_load(&pool->caller_waiting))
-            futex_wake(&pool->pending);
+        run_chunks(pool, g, arg.id);
     }
     return NULL;
 }
@@ -138,27 +164,32 @@ void duet__cpu_pool_free(cpu_pool *pool) {
     *pool = (cpu_pool){0};
 }
 
-void duet__cpu_pool_run(cpu_pool *pool, int n, cpu_task_fn fn, void *ctx) {
-    if (n <= 1 || pool->n_threads == 1) {
-        fn(ctx, 0, 1);
+void duet__cpu_pool_run(cpu_pool *pool, int n_chunks, cpu_task_fn fn, void *ctx) {
+    if (n_chunks <= 1 || pool->n_threads == 1) {
+        for (int c = 0; c < n_chunks; c++) fn(ctx, c, n_chunks, 0);
         return;
     }
-    pool->fn = fn;
-    pool->ctx = ctx;
-    atomic_store_explicit(&pool->pending, (uint32_t)(pool->n_threads - 1), memory_order_relaxed);
-    atomic_fetch_add(&pool->gen, 1); /* seq_cst: publishes fn, ctx, pending */
+    /* Publish the task: fields first, then the claim word (release), then
+     * gen (seq_cst) for the workers that spin or sleep on it. */
+    uint32_t seq = atomic_load_explicit(&pool->gen, memory_order_relaxed) + 1;
+    atomic_store_explicit(&pool->fn, fn, memory_order_relaxed);
+    atomic_store_explicit(&pool->ctx, ctx, memory_order_relaxed);
+    atomic_store_explicit(&pool->n_chunks, n_chunks, memory_order_relaxed);
+    atomic_store_explicit(&pool->done, 0, memory_order_relaxed);
+    atomic_store_explicit(&pool->claim, (uint64_t)seq << 32, memory_order_release);
+    atomic_store(&pool->gen, seq);
     if (atomic_load(&pool->sleepers) > 0) futex_wake(&pool->gen);
 
-    fn(ctx, 0, pool->n_threads);
+    run_chunks(pool, seq, 0);
 
-    /* Wait for pending to reach zero: spin through each change, sleep when
-     * the spin budget runs out (a worker was descheduled). */
-    uint32_t p;
-    while ((p = atomic_load_explicit(&pool->pending, memory_order_acquire)) != 0) {
-        uint32_t q = spin_while_equal(&pool->pending, p, CPU_CALLER_SPIN_NS);
-        if (q != p) continue;
+    /* Join: wait for chunks that workers claimed and are still running.
+     * Spin through progress; sleep when a worker seems descheduled. */
+    uint32_t d;
+    while ((d = atomic_load_explicit(&pool->done, memory_order_acquire)) != (uint32_t)n_chunks) {
+        uint32_t e = spin_while_equal(&pool->done, d, CPU_CALLER_SPIN_NS);
+        if (e != d) continue;
         atomic_store(&pool->caller_waiting, 1);
-        if (atomic_load(&pool->pending) == p) futex_wait(&pool->pending, p);
+        if (atomic_load(&pool->done) == d) futex_wait(&pool->done, d);
         atomic_store(&pool->caller_waiting, 0);
     }
 }
