@@ -232,7 +232,8 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
                               duet_backend **out);
 void duet_backend_close(duet_backend *be);
 
-/* Checked wrappers: validate views and sizes, then call the backend. */
+/* Checked wrappers: check the op kind, token count and support, then call
+ * the backend; each backend checks views against its buffer sizes. */
 duet_status duet_buffer_alloc(duet_backend *be, size_t size, duet_buffer **out);
 void duet_buffer_free(duet_backend *be, duet_buffer *buf);
 duet_status duet_buffer_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,

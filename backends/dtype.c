@@ -12,8 +12,10 @@ int duet_dtype_block(duet_dtype t) {
     case DUET_DTYPE_F32:
     case DUET_DTYPE_F16:
     case DUET_DTYPE_BF16:
-    case DUET_DTYPE_I32: return 1;
-    case DUET_DTYPE_Q8_0: return DUET_QK8_0;
+    case DUET_DTYPE_I32:
+        return 1;
+    case DUET_DTYPE_Q8_0:
+        return DUET_QK8_0;
     }
     return 0;
 }
@@ -21,10 +23,13 @@ int duet_dtype_block(duet_dtype t) {
 size_t duet_dtype_block_bytes(duet_dtype t) {
     switch (t) {
     case DUET_DTYPE_F32:
-    case DUET_DTYPE_I32: return 4;
+    case DUET_DTYPE_I32:
+        return 4;
     case DUET_DTYPE_F16:
-    case DUET_DTYPE_BF16: return 2;
-    case DUET_DTYPE_Q8_0: return sizeof(duet_block_q8_0);
+    case DUET_DTYPE_BF16:
+        return 2;
+    case DUET_DTYPE_Q8_0:
+        return sizeof(duet_block_q8_0);
     }
     return 0;
 }
@@ -40,11 +45,16 @@ size_t duet_dtype_row_bytes(duet_dtype t, int64_t n) {
 
 const char *duet_dtype_name(duet_dtype t) {
     switch (t) {
-    case DUET_DTYPE_F32: return "f32";
-    case DUET_DTYPE_F16: return "f16";
-    case DUET_DTYPE_Q8_0: return "q8_0";
-    case DUET_DTYPE_I32: return "i32";
-    case DUET_DTYPE_BF16: return "bf16";
+    case DUET_DTYPE_F32:
+        return "f32";
+    case DUET_DTYPE_F16:
+        return "f16";
+    case DUET_DTYPE_Q8_0:
+        return "q8_0";
+    case DUET_DTYPE_I32:
+        return "i32";
+    case DUET_DTYPE_BF16:
+        return "bf16";
     }
     return NULL;
 }
@@ -99,7 +109,7 @@ uint16_t duet_fp32_to_fp16(float f) {
         if (a < 0x33000000u) return sign; /* < 2^-25: rounds to zero (ties too) */
         uint32_t e = a >> 23;
         uint32_t m = (a & 0x7fffff) | 0x800000; /* value = m * 2^(e-150) */
-        int shift = (int)(126 - e);            /* to units of 2^-24: 150-24-e */
+        int shift = (int)(126 - e);             /* to units of 2^-24: 150-24-e */
         uint32_t q = m >> shift;
         uint32_t rem = m & ((1u << shift) - 1);
         uint32_t half = 1u << (shift - 1);
@@ -112,7 +122,9 @@ uint16_t duet_fp32_to_fp16(float f) {
     return (uint16_t)(sign | ((r - 0x38000000u) >> 13));
 }
 
-float duet_bf16_to_fp32(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+float duet_bf16_to_fp32(uint16_t h) {
+    return f32_from_bits((uint32_t)h << 16);
+}
 
 uint16_t duet_fp32_to_bf16(float f) {
     uint32_t u = f32_bits(f);
@@ -148,42 +160,57 @@ void duet_quantize_row_q8_0(const float *x, duet_block_q8_0 *y, int64_t n) {
 
 void duet_dequantize_row(duet_dtype t, const void *x, float *y, int64_t n) {
     switch (t) {
-    case DUET_DTYPE_F32: memmove(y, x, (size_t)n * sizeof(float)); break;
+    case DUET_DTYPE_F32:
+        memmove(y, x, (size_t)n * sizeof(float));
+        break;
     case DUET_DTYPE_F16:
-        for (int64_t i = 0; i < n; i++) y[i] = duet_fp16_to_fp32(((const uint16_t *)x)[i]);
+        for (int64_t i = 0; i < n; i++)
+            y[i] = duet_fp16_to_fp32(((const uint16_t *)x)[i]);
         break;
     case DUET_DTYPE_BF16:
-        for (int64_t i = 0; i < n; i++) y[i] = duet_bf16_to_fp32(((const uint16_t *)x)[i]);
+        for (int64_t i = 0; i < n; i++)
+            y[i] = duet_bf16_to_fp32(((const uint16_t *)x)[i]);
         break;
     case DUET_DTYPE_Q8_0:
         for (int64_t b = 0; b < n / DUET_QK8_0; b++) {
             const duet_block_q8_0 *blk = (const duet_block_q8_0 *)x + b;
             float d = duet_fp16_to_fp32(blk->d);
-            for (int j = 0; j < DUET_QK8_0; j++) y[b * DUET_QK8_0 + j] = d * (float)blk->qs[j];
+            for (int j = 0; j < DUET_QK8_0; j++)
+                y[b * DUET_QK8_0 + j] = d * (float)blk->qs[j];
         }
         break;
     case DUET_DTYPE_I32:
-        for (int64_t i = 0; i < n; i++) y[i] = (float)((const int32_t *)x)[i];
+        for (int64_t i = 0; i < n; i++)
+            y[i] = (float)((const int32_t *)x)[i];
         break;
     }
 }
 
 void duet_convert_row(duet_dtype t, const float *x, void *y, int64_t n) {
     switch (t) {
-    case DUET_DTYPE_F32: memmove(y, x, (size_t)n * sizeof(float)); break;
+    case DUET_DTYPE_F32:
+        memmove(y, x, (size_t)n * sizeof(float));
+        break;
     case DUET_DTYPE_F16:
-        for (int64_t i = 0; i < n; i++) ((uint16_t *)y)[i] = duet_fp32_to_fp16(x[i]);
+        for (int64_t i = 0; i < n; i++)
+            ((uint16_t *)y)[i] = duet_fp32_to_fp16(x[i]);
         break;
     case DUET_DTYPE_BF16:
-        for (int64_t i = 0; i < n; i++) ((uint16_t *)y)[i] = duet_fp32_to_bf16(x[i]);
+        for (int64_t i = 0; i < n; i++)
+            ((uint16_t *)y)[i] = duet_fp32_to_bf16(x[i]);
         break;
-    case DUET_DTYPE_Q8_0: duet_quantize_row_q8_0(x, y, n); break;
+    case DUET_DTYPE_Q8_0:
+        duet_quantize_row_q8_0(x, y, n);
+        break;
     case DUET_DTYPE_I32:
         /* Not a conversion target (the header lists f32, f16, bf16, q8_0);
          * kept defined: truncation toward zero, saturated. */
         for (int64_t i = 0; i < n; i++) {
             float v = x[i];
-            int32_t r = v != v ? 0 : v >= 2147483520.0f ? INT32_MAX : v <= -2147483648.0f ? INT32_MIN : (int32_t)v;
+            int32_t r = v != v                ? 0
+                        : v >= 2147483520.0f  ? INT32_MAX
+                        : v <= -2147483648.0f ? INT32_MIN
+                                              : (int32_t)v;
             ((int32_t *)y)[i] = r;
         }
         break;

@@ -22,9 +22,12 @@
 
 const char *duet__cpu_isa_name(cpu_isa isa) {
     switch (isa) {
-    case CPU_ISA_AVX512: return "avx512";
-    case CPU_ISA_AVX2: return "avx2";
-    case CPU_ISA_SCALAR: return "scalar";
+    case CPU_ISA_AVX512:
+        return "avx512";
+    case CPU_ISA_AVX2:
+        return "avx2";
+    case CPU_ISA_SCALAR:
+        return "scalar";
     }
     return "scalar";
 }
@@ -67,9 +70,12 @@ cpu_isa duet__cpu_isa_detect(void) {
 
 static const char *cpu_isa_features(cpu_isa isa) {
     switch (isa) {
-    case CPU_ISA_AVX512: return "avx512f avx512bw avx512vl avx512dq avx512_vnni avx2 fma f16c";
-    case CPU_ISA_AVX2: return "avx2 fma f16c";
-    case CPU_ISA_SCALAR: return "scalar";
+    case CPU_ISA_AVX512:
+        return "avx512f avx512bw avx512vl avx512dq avx512_vnni avx2 fma f16c";
+    case CPU_ISA_AVX2:
+        return "avx2 fma f16c";
+    case CPU_ISA_SCALAR:
+        return "scalar";
     }
     return "scalar";
 }
@@ -93,7 +99,8 @@ static bool cpuinfo_field(const char *key, char *out, size_t size) {
         char *colon = strchr(line + klen, ':');
         if (!colon) continue;
         char *v = colon + 1;
-        while (*v == ' ' || *v == '\t') v++;
+        while (*v == ' ' || *v == '\t')
+            v++;
         v[strcspn(v, "\n")] = 0;
         snprintf(out, size, "%s", v);
         found = *v != 0;
@@ -104,20 +111,22 @@ static bool cpuinfo_field(const char *key, char *out, size_t size) {
 
 static void cpu_fill_info(duet_device_info *info, cpu_isa isa, int threads) {
     memset(info, 0, sizeof *info);
-    if (!cpuinfo_field("model name", info->name, sizeof info->name)) snprintf(info->name, sizeof info->name, "cpu");
+    if (!cpuinfo_field("model name", info->name, sizeof info->name))
+        snprintf(info->name, sizeof info->name, "cpu");
     char vendor[64] = "";
     if (cpuinfo_field("vendor_id", vendor, sizeof vendor))
         snprintf(info->vendor, sizeof info->vendor, "%s",
-                 strcmp(vendor, "GenuineIntel") == 0  ? "Intel"
+                 strcmp(vendor, "GenuineIntel") == 0   ? "Intel"
                  : strcmp(vendor, "AuthenticAMD") == 0 ? "AMD"
                                                        : vendor);
-    else snprintf(info->vendor, sizeof info->vendor, "unknown");
+    else
+        snprintf(info->vendor, sizeof info->vendor, "unknown");
     snprintf(info->driver, sizeof info->driver, "duet-cpu/%s", duet__cpu_isa_name(isa));
     info->type = DUET_DEVICE_HOST;
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     info->memory_bytes = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
     info->compute_units = threads;
-    info->fp16 = isa >= CPU_ISA_AVX2;      /* f16 weights/KV converted in hardware (f16c) */
+    info->fp16 = isa >= CPU_ISA_AVX2;       /* f16 weights/KV converted in hardware (f16c) */
     info->int8_dot = isa == CPU_ISA_AVX512; /* vpdpbusd */
     info->coopmat = false;
     info->subgroup_size = 0;
@@ -130,7 +139,9 @@ static bool cpu_available(char *why, size_t why_size) {
     return true;
 }
 
-static int cpu_device_count(void) { return 1; }
+static int cpu_device_count(void) {
+    return 1;
+}
 
 static duet_status cpu_device_info(int index, duet_device_info *out) {
     if (index != 0) return duet__error(DUET_NO_DEVICE, "cpu: no device %d (it has 1)", index);
@@ -216,12 +227,14 @@ static void cpu_buffer_free(duet_backend *be, duet_buffer *buf) {
 
 static duet_status cpu_check_range(const char *what, duet_buffer *buf, size_t offset, size_t size) {
     if (offset > buf->size || size > buf->size - offset)
-        return duet__error(DUET_INVALID_ARGUMENT, "cpu %s: %zu bytes at offset %zu run past a %zu-byte buffer",
-                           what, size, offset, buf->size);
+        return duet__error(DUET_INVALID_ARGUMENT,
+                           "cpu %s: %zu bytes at offset %zu run past a %zu-byte buffer", what, size, offset,
+                           buf->size);
     return DUET_OK;
 }
 
-static duet_status cpu_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src, size_t size) {
+static duet_status cpu_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
+                              size_t size) {
     duet_status st = cpu_check_range("upload", buf, offset, size);
     if (st == DUET_OK && size) memcpy((char *)buf->data + offset, src, size);
     return st;
@@ -233,7 +246,9 @@ static duet_status cpu_download(duet_backend *be, duet_buffer *buf, size_t offse
     return st;
 }
 
-static void *cpu_buffer_host_ptr(duet_backend *be, duet_buffer *buf) { return buf ? buf->data : NULL; }
+static void *cpu_buffer_host_ptr(duet_backend *be, duet_buffer *buf) {
+    return buf ? buf->data : NULL;
+}
 
 /* ---- steps ------------------------------------------------------------------- */
 
@@ -252,14 +267,16 @@ static duet_status cpu_submit(duet_backend *base) {
 }
 
 /* Ops already ran when they were recorded. */
-static duet_status cpu_wait(duet_backend *base) { return DUET_OK; }
+static duet_status cpu_wait(duet_backend *base) {
+    return DUET_OK;
+}
 
 /* ---- op validation ------------------------------------------------------------- */
 
 static const char *const cpu_op_names[DUET_OP_COUNT] = {
-    [DUET_OP_EMBED] = "embed", [DUET_OP_RMSNORM] = "rmsnorm", [DUET_OP_MATMUL] = "matmul",
-    [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention", [DUET_OP_SWIGLU] = "swiglu",
-    [DUET_OP_ADD] = "add", [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
+    [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",         [DUET_OP_MATMUL] = "matmul",
+    [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention",     [DUET_OP_SWIGLU] = "swiglu",
+    [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
 };
 
 /* Products of dimensions in 64 bits; UINT64_MAX on overflow, which then
@@ -268,7 +285,9 @@ static uint64_t mul2(uint64_t a, uint64_t b) {
     uint64_t r;
     return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
 }
-static uint64_t mul3(uint64_t a, uint64_t b, uint64_t c) { return mul2(mul2(a, b), c); }
+static uint64_t mul3(uint64_t a, uint64_t b, uint64_t c) {
+    return mul2(mul2(a, b), c);
+}
 
 /* Resolves a view that must hold `bytes` bytes, aligned for its element. */
 static duet_status view_ptr(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align,
@@ -298,20 +317,21 @@ static bool views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) {
 
 /* Elementwise ops may write in place (out == input) but not over a shifted
  * copy of an input, which would read values already overwritten. */
-static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out, uint64_t bytes) {
+static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out,
+                                 uint64_t bytes) {
     if (views_overlap(in, bytes, out, bytes) && in.offset != out.offset)
         return duet__error(DUET_INVALID_ARGUMENT, "%s: out partly overlaps %s", op, name);
     return DUET_OK;
 }
 
-#define CHECK(expr)                          \
-    do {                                     \
-        duet_status st_ = (expr);            \
-        if (st_ != DUET_OK) return st_;      \
+#define CHECK(expr)                                                                                          \
+    do {                                                                                                     \
+        duet_status st_ = (expr);                                                                            \
+        if (st_ != DUET_OK) return st_;                                                                      \
     } while (0)
-#define REQUIRE(cond, ...)                                                   \
-    do {                                                                     \
-        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__); \
+#define REQUIRE(cond, ...)                                                                                   \
+    do {                                                                                                     \
+        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__);                                 \
     } while (0)
 
 /* Positions and sequence slots of rope_kv/attention: every slot a token
@@ -320,11 +340,12 @@ static duet_status check_kv(const char *op, const int32_t *pos, const int32_t *s
                             uint64_t kv_row_bytes, duet_view kc, duet_view vc) {
     uint64_t avail = view_avail(kc) < view_avail(vc) ? view_avail(kc) : view_avail(vc);
     for (int t = 0; t < n_tokens; t++) {
-        REQUIRE(pos[t] >= 0 && pos[t] < n_ctx, "%s: token %d has position %d outside [0, %d)", op, t, pos[t], n_ctx);
+        REQUIRE(pos[t] >= 0 && pos[t] < n_ctx, "%s: token %d has position %d outside [0, %d)", op, t, pos[t],
+                n_ctx);
         REQUIRE(seq[t] >= 0, "%s: token %d has sequence %d", op, t, seq[t]);
         uint64_t end = mul2((uint64_t)seq[t] * (uint64_t)n_ctx + (uint64_t)pos[t] + 1, kv_row_bytes);
-        REQUIRE(end <= avail, "%s: token %d (sequence %d, position %d) is past the end of the KV cache", op, t,
-                seq[t], pos[t]);
+        REQUIRE(end <= avail, "%s: token %d (sequence %d, position %d) is past the end of the KV cache", op,
+                t, seq[t], pos[t]);
     }
     return DUET_OK;
 }
@@ -337,8 +358,8 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
     case DUET_OP_EMBED: {
         const duet_dtype dt = op->embed.dtype;
         const int dim = op->embed.dim;
-        REQUIRE(dim > 0 && dim % duet_dtype_block(dt) == 0, "embed: dim %d is not a positive multiple of %s's block",
-                dim, duet_dtype_name(dt));
+        REQUIRE(dim > 0 && dim % duet_dtype_block(dt) == 0,
+                "embed: dim %d is not a positive multiple of %s's block", dim, duet_dtype_name(dt));
         uint64_t row = duet_dtype_row_bytes(dt, dim);
         CHECK(view_ptr(name, "tokens", op->embed.tokens, nt * 4, 4, &a));
         CHECK(view_ptr(name, "table", op->embed.table, row, dt == DUET_DTYPE_F32 ? 4 : 2, &b));
@@ -346,8 +367,9 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         uint64_t n_rows = view_avail(op->embed.table) / row;
         const int32_t *tok = a;
         for (int t = 0; t < op->n_tokens; t++)
-            REQUIRE(tok[t] >= 0 && (uint64_t)tok[t] < n_rows, "embed: token %d is %d, outside the %llu-row table", t,
-                    tok[t], (unsigned long long)n_rows);
+            REQUIRE(tok[t] >= 0 && (uint64_t)tok[t] < n_rows,
+                    "embed: token %d is %d, outside the %llu-row table", t, tok[t],
+                    (unsigned long long)n_rows);
         return duet__cpu_embed(be, op, a, b, c);
     }
     case DUET_OP_RMSNORM: {
@@ -358,15 +380,16 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         CHECK(view_ptr(name, "w", op->rmsnorm.w, (uint64_t)dim * 4, 4, &b));
         CHECK(view_ptr(name, "out", op->rmsnorm.out, bytes, 4, &c));
         CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
-        REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes), "rmsnorm: out overlaps w");
+        REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes),
+                "rmsnorm: out overlaps w");
         return duet__cpu_rmsnorm(be, op, a, b, c);
     }
     case DUET_OP_MATMUL: {
         const duet_dtype dt = op->matmul.dtype;
         const int n_in = op->matmul.n_in, n_out = op->matmul.n_out;
         REQUIRE(n_in > 0 && n_out > 0, "matmul: n_in %d, n_out %d", n_in, n_out);
-        REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d", n_in,
-                duet_dtype_name(dt), duet_dtype_block(dt));
+        REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d",
+                n_in, duet_dtype_name(dt), duet_dtype_block(dt));
         uint64_t wbytes = mul2((uint64_t)n_out, duet_dtype_row_bytes(dt, n_in));
         uint64_t xbytes = mul3(nt, (uint64_t)n_in, 4), obytes = mul3(nt, (uint64_t)n_out, 4);
         CHECK(view_ptr(name, "w", op->matmul.w, wbytes, dt == DUET_DTYPE_F32 ? 4 : 2, &a));
@@ -376,20 +399,23 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         /* Threads write out while others still read x and W. */
         REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.x, xbytes), "matmul: out overlaps x");
         REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.w, wbytes), "matmul: out overlaps w");
-        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.bias, (uint64_t)n_out * 4), "matmul: out overlaps bias");
+        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.bias, (uint64_t)n_out * 4),
+                "matmul: out overlaps bias");
         return duet__cpu_matmul(be, op, a, b, c, d);
     }
     case DUET_OP_ROPE_KV: {
         const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim;
         const int n_rot = op->rope_kv.n_rot, n_ctx = op->rope_kv.n_ctx;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0, "rope_kv: n_head %d, n_head_kv %d, head_dim %d, n_ctx %d", nh,
-                nkv, hd, n_ctx);
-        REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0, "rope_kv: n_rot %d must be even and at most head_dim %d",
-                n_rot, hd);
-        REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g", (double)op->rope_kv.freq_base);
+        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0,
+                "rope_kv: n_head %d, n_head_kv %d, head_dim %d, n_ctx %d", nh, nkv, hd, n_ctx);
+        REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0,
+                "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot, hd);
+        REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
+                (double)op->rope_kv.freq_base);
         const duet_dtype kvt = op->rope_kv.kv_dtype;
         REQUIRE(kvt == DUET_DTYPE_F32 || kvt == DUET_DTYPE_F16, "rope_kv: kv dtype %d", (int)kvt);
-        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), kbytes = mul2(mul3(nt, (uint64_t)nkv, (uint64_t)hd), 4);
+        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4),
+                 kbytes = mul2(mul3(nt, (uint64_t)nkv, (uint64_t)hd), 4);
         uint64_t kv_row = mul2((uint64_t)nkv * (uint64_t)hd, duet_dtype_block_bytes(kvt));
         size_t kva = duet_dtype_block_bytes(kvt);
         CHECK(view_ptr(name, "q", op->rope_kv.q, qbytes, 4, &a));
@@ -407,8 +433,8 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
         const int n_ctx = op->attention.n_ctx;
         REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh % nkv == 0,
-                "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d, n_ctx %d", nh, nkv, hd,
-                n_ctx);
+                "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d, n_ctx %d", nh,
+                nkv, hd, n_ctx);
         const duet_dtype kvt = op->attention.kv_dtype;
         REQUIRE(kvt == DUET_DTYPE_F32 || kvt == DUET_DTYPE_F16, "attention: kv dtype %d", (int)kvt);
         uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4);
@@ -420,7 +446,8 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         CHECK(view_ptr(name, "k_cache", op->attention.k_cache, kv_row, kva, &d));
         CHECK(view_ptr(name, "v_cache", op->attention.v_cache, kv_row, kva, &e));
         CHECK(view_ptr(name, "out", op->attention.out, qbytes, 4, &f));
-        CHECK(check_kv(name, b, c, op->n_tokens, n_ctx, kv_row, op->attention.k_cache, op->attention.v_cache));
+        CHECK(
+            check_kv(name, b, c, op->n_tokens, n_ctx, kv_row, op->attention.k_cache, op->attention.v_cache));
         CHECK(check_inplace(name, "q", op->attention.q, op->attention.out, qbytes));
         uint64_t kc_bytes = view_avail(op->attention.k_cache), vc_bytes = view_avail(op->attention.v_cache);
         REQUIRE(!views_overlap(op->attention.out, qbytes, op->attention.k_cache, kc_bytes) &&
@@ -458,9 +485,11 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         uint64_t n_rows = view_avail(op->gather.x) / row;
         const int32_t *rows = b;
         for (int t = 0; t < op->n_tokens; t++)
-            REQUIRE(rows[t] >= 0 && (uint64_t)rows[t] < n_rows, "gather_rows: row %d is %d, outside the %llu rows of x",
-                    t, rows[t], (unsigned long long)n_rows);
-        REQUIRE(!views_overlap(op->gather.out, obytes, op->gather.x, n_rows * row), "gather_rows: out overlaps x");
+            REQUIRE(rows[t] >= 0 && (uint64_t)rows[t] < n_rows,
+                    "gather_rows: row %d is %d, outside the %llu rows of x", t, rows[t],
+                    (unsigned long long)n_rows);
+        REQUIRE(!views_overlap(op->gather.out, obytes, op->gather.x, n_rows * row),
+                "gather_rows: out overlaps x");
         return duet__cpu_gather(be, op, a, b, c);
     }
     case DUET_OP_ARGMAX: {
@@ -469,24 +498,30 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         CHECK(view_ptr(name, "out", op->argmax.out, nt * 4, 4, &b));
         return duet__cpu_argmax(be, op, a, b);
     }
-    case DUET_OP_COUNT: break;
+    case DUET_OP_COUNT:
+        break;
     }
     return duet__error(DUET_INVALID_ARGUMENT, "cpu: unknown op kind %d", (int)op->kind);
 }
 
 static bool cpu_supports_op(duet_backend *be, const duet_op *op) {
     switch (op->kind) {
-    case DUET_OP_EMBED: return duet_dtype_is_weight(op->embed.dtype);
-    case DUET_OP_MATMUL: return duet_dtype_is_weight(op->matmul.dtype);
-    case DUET_OP_ROPE_KV: return op->rope_kv.kv_dtype == DUET_DTYPE_F32 || op->rope_kv.kv_dtype == DUET_DTYPE_F16;
+    case DUET_OP_EMBED:
+        return duet_dtype_is_weight(op->embed.dtype);
+    case DUET_OP_MATMUL:
+        return duet_dtype_is_weight(op->matmul.dtype);
+    case DUET_OP_ROPE_KV:
+        return op->rope_kv.kv_dtype == DUET_DTYPE_F32 || op->rope_kv.kv_dtype == DUET_DTYPE_F16;
     case DUET_OP_ATTENTION:
         return op->attention.kv_dtype == DUET_DTYPE_F32 || op->attention.kv_dtype == DUET_DTYPE_F16;
     case DUET_OP_RMSNORM:
     case DUET_OP_SWIGLU:
     case DUET_OP_ADD:
     case DUET_OP_GATHER_ROWS:
-    case DUET_OP_ARGMAX: return true;
-    case DUET_OP_COUNT: break;
+    case DUET_OP_ARGMAX:
+        return true;
+    case DUET_OP_COUNT:
+        break;
     }
     return false;
 }
@@ -499,7 +534,8 @@ static duet_status cpu_op(duet_backend *base, const duet_op *op) {
     if (op->n_tokens <= 0)
         return duet__error(DUET_INVALID_ARGUMENT, "%s: n_tokens %d", cpu_op_names[op->kind], op->n_tokens);
     if (!cpu_supports_op(base, op))
-        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype on the cpu backend", cpu_op_names[op->kind]);
+        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype on the cpu backend",
+                           cpu_op_names[op->kind]);
     return cpu_run_op(be, op);
 }
 

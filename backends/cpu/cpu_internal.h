@@ -95,9 +95,9 @@ typedef struct cpu_backend {
     bool in_step;
     /* Scratch grown on demand and kept: the token loop never allocates in
      * steady state. */
-    cpu_scratch act;     /* matmul: quantized activations */
-    cpu_scratch work;    /* per-thread rows: attention scores, rope tables */
-    double *rope_freq;   /* inverse frequencies for (rope_base, rope_n_rot) */
+    cpu_scratch act;   /* matmul: quantized activations */
+    cpu_scratch work;  /* per-thread rows: attention scores, rope tables */
+    double *rope_freq; /* inverse frequencies for (rope_base, rope_n_rot) */
     float rope_base;
     int rope_n_rot;
 } cpu_backend;
@@ -108,21 +108,18 @@ duet_status duet__cpu_scratch_reserve(cpu_scratch *s, size_t size);
 /* Ops, run after validation (cpu_backend.c); operand pointers resolved. */
 duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, const float *x,
                              const float *bias, float *out);
-duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *tokens,
-                            const void *table, float *out);
-duet_status duet__cpu_rmsnorm(cpu_backend *be, const duet_op *op, const float *x, const float *w,
-                              float *out);
+duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *tokens, const void *table,
+                            float *out);
+duet_status duet__cpu_rmsnorm(cpu_backend *be, const duet_op *op, const float *x, const float *w, float *out);
 duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, float *k, const float *v,
                               const int32_t *pos, const int32_t *seq, void *k_cache, void *v_cache);
-duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float *q,
-                                const int32_t *pos, const int32_t *seq, const void *k_cache,
-                                const void *v_cache, float *out);
+duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float *q, const int32_t *pos,
+                                const int32_t *seq, const void *k_cache, const void *v_cache, float *out);
 duet_status duet__cpu_swiglu(cpu_backend *be, const duet_op *op, const float *gate, const float *up,
                              float *out);
-duet_status duet__cpu_add(cpu_backend *be, const duet_op *op, const float *a, const float *b,
-                          float *out);
-duet_status duet__cpu_gather(cpu_backend *be, const duet_op *op, const float *x,
-                             const int32_t *rows, float *out);
+duet_status duet__cpu_add(cpu_backend *be, const duet_op *op, const float *a, const float *b, float *out);
+duet_status duet__cpu_gather(cpu_backend *be, const duet_op *op, const float *x, const int32_t *rows,
+                             float *out);
 duet_status duet__cpu_argmax(cpu_backend *be, const duet_op *op, const float *x, int32_t *out);
 
 #endif /* DUET_CPU_INTERNAL_H */

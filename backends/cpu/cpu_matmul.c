@@ -29,17 +29,17 @@ typedef float cpu_tile_res[CPU_MR][CPU_MT];
 /* q8 tile: res[i][j] = dot(W row i, x token j) over nb blocks. xq: token
  * rows of int8 quants (stride xqs bytes; the avx512 path stores them +128 as
  * unsigned); xd: token rows of scales (stride xds floats). */
-typedef void (*q8_tile_fn)(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq,
-                           int64_t xqs, const float *xd, int64_t xds, int64_t nb, cpu_tile_res res);
+typedef void (*q8_tile_fn)(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq, int64_t xqs,
+                           const float *xd, int64_t xds, int64_t nb, cpu_tile_res res);
 /* f tile: the same with f32 activations (stride xs floats) over n columns. */
-typedef void (*f_tile_fn)(int nr, int nt, const uint8_t *w, size_t ws, const float *x, int64_t xs,
-                          int64_t n, cpu_tile_res res);
+typedef void (*f_tile_fn)(int nr, int nt, const uint8_t *w, size_t ws, const float *x, int64_t xs, int64_t n,
+                          cpu_tile_res res);
 /* Quantizes one token row of n floats (n % 32 == 0) into qs and scales d. */
 typedef void (*quant_fn)(const float *x, int64_t n, int8_t *qs, float *d);
 
 typedef struct mm_kernels {
-    int mr, mt;         /* tile shape this path is tuned for */
-    int d_pair_floats;  /* scales per block pair: 2, or 16 (avx512: pre-broadcast) */
+    int mr, mt;        /* tile shape this path is tuned for */
+    int d_pair_floats; /* scales per block pair: 2, or 16 (avx512: pre-broadcast) */
     quant_fn quantize;
     q8_tile_fn q8;
     f_tile_fn f32, f16, bf16;
@@ -68,8 +68,8 @@ static void scalar_quantize(const float *x, int64_t n, int8_t *qs, float *d) {
     }
 }
 
-static void scalar_q8_tile(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq,
-                           int64_t xqs, const float *xd, int64_t xds, int64_t nb, cpu_tile_res res) {
+static void scalar_q8_tile(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq, int64_t xqs,
+                           const float *xd, int64_t xds, int64_t nb, cpu_tile_res res) {
     for (int i = 0; i < nr; i++) {
         const duet_block_q8_0 *row = (const duet_block_q8_0 *)(w + (size_t)i * ws);
         float acc[CPU_MT] = {0};
@@ -78,18 +78,20 @@ static void scalar_q8_tile(int nr, int nt, const uint8_t *w, size_t ws, const in
             for (int j = 0; j < nt; j++) {
                 const int8_t *q = xq + j * xqs + b * 32;
                 int32_t s = 0;
-                for (int k = 0; k < 32; k++) s += (int32_t)row[b].qs[k] * q[k];
+                for (int k = 0; k < 32; k++)
+                    s += (int32_t)row[b].qs[k] * q[k];
                 acc[j] += dw * xd[j * xds + b] * (float)s;
             }
         }
-        for (int j = 0; j < nt; j++) res[i][j] = acc[j];
+        for (int j = 0; j < nt; j++)
+            res[i][j] = acc[j];
     }
 }
 
 /* Converts 64-column slices of the rows to f32 once, then reuses each slice
  * for every token of the tile. */
-static void scalar_f_tile(duet_dtype dt, int nr, int nt, const uint8_t *w, size_t ws,
-                          const float *x, int64_t xs, int64_t n, cpu_tile_res res) {
+static void scalar_f_tile(duet_dtype dt, int nr, int nt, const uint8_t *w, size_t ws, const float *x,
+                          int64_t xs, int64_t n, cpu_tile_res res) {
     float acc[CPU_MR][CPU_MT] = {{0}};
     float buf[CPU_MR][64];
     size_t esize = duet_dtype_block_bytes(dt);
@@ -101,13 +103,15 @@ static void scalar_f_tile(duet_dtype dt, int nr, int nt, const uint8_t *w, size_
             const float *xj = x + j * xs + k0;
             for (int i = 0; i < nr; i++) {
                 float s = 0.0f;
-                for (int64_t k = 0; k < len; k++) s += buf[i][k] * xj[k];
+                for (int64_t k = 0; k < len; k++)
+                    s += buf[i][k] * xj[k];
                 acc[i][j] += s;
             }
         }
     }
     for (int i = 0; i < nr; i++)
-        for (int j = 0; j < nt; j++) res[i][j] = acc[i][j];
+        for (int j = 0; j < nt; j++)
+            res[i][j] = acc[i][j];
 }
 
 static void scalar_f32_tile(int nr, int nt, const uint8_t *w, size_t ws, const float *x, int64_t xs,
@@ -118,14 +122,20 @@ static void scalar_f16_tile(int nr, int nt, const uint8_t *w, size_t ws, const f
                             int64_t n, cpu_tile_res res) {
     scalar_f_tile(DUET_DTYPE_F16, nr, nt, w, ws, x, xs, n, res);
 }
-static void scalar_bf16_tile(int nr, int nt, const uint8_t *w, size_t ws, const float *x,
-                             int64_t xs, int64_t n, cpu_tile_res res) {
+static void scalar_bf16_tile(int nr, int nt, const uint8_t *w, size_t ws, const float *x, int64_t xs,
+                             int64_t n, cpu_tile_res res) {
     scalar_f_tile(DUET_DTYPE_BF16, nr, nt, w, ws, x, xs, n, res);
 }
 
 static const mm_kernels mm_scalar = {
-    .mr = 4, .mt = 4, .d_pair_floats = 2, .quantize = scalar_quantize, .q8 = scalar_q8_tile,
-    .f32 = scalar_f32_tile, .f16 = scalar_f16_tile, .bf16 = scalar_bf16_tile,
+    .mr = 4,
+    .mt = 4,
+    .d_pair_floats = 2,
+    .quantize = scalar_quantize,
+    .q8 = scalar_q8_tile,
+    .f32 = scalar_f32_tile,
+    .f16 = scalar_f16_tile,
+    .bf16 = scalar_bf16_tile,
 };
 
 #if CPU_X86
@@ -137,7 +147,8 @@ CPU_AVX2 static void avx2_quantize(const float *x, int64_t n, int8_t *qs, float 
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < n / 32; b++) {
         __m256 v[4];
-        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(x + b * 32 + k * 8);
+        for (int k = 0; k < 4; k++)
+            v[k] = _mm256_loadu_ps(x + b * 32 + k * 8);
         __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                                  _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
         float amax = avx2_hmax(m);
@@ -145,7 +156,8 @@ CPU_AVX2 static void avx2_quantize(const float *x, int64_t n, int8_t *qs, float 
         d[b] = amax / 127.0f;
         __m256 s = _mm256_set1_ps(id);
         __m256i i[4];
-        for (int k = 0; k < 4; k++) i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], s)); /* nearest even */
+        for (int k = 0; k < 4; k++)
+            i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], s)); /* nearest even */
         /* The packs work per 128-bit lane; the permute puts the 4-byte groups
          * back in element order. */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
@@ -157,18 +169,20 @@ CPU_AVX2 static void avx2_quantize(const float *x, int64_t n, int8_t *qs, float 
 /* int8 x int8 dot of 32 pairs: maddubs wants unsigned x signed, so move
  * w's sign onto x (|w| * sign(w)x). Pair sums stay below 2*128*127 < 2^15. */
 CPU_AVX2 CPU_INLINE void avx2_q8_body(const int NR, const int NT, const uint8_t *w, size_t ws,
-                                      const int8_t *xq, int64_t xqs, const float *xd, int64_t xds,
-                                      int64_t nb, cpu_tile_res res) {
+                                      const int8_t *xq, int64_t xqs, const float *xd, int64_t xds, int64_t nb,
+                                      cpu_tile_res res) {
     __m256 acc[CPU_MR][CPU_MT];
     const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NT; j++)
+            acc[i][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         __m256i xv[CPU_MT];
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) xv[j] = _mm256_loadu_si256((const __m256i *)(xq + j * xqs + b * 32));
+        for (int j = 0; j < NT; j++)
+            xv[j] = _mm256_loadu_si256((const __m256i *)(xq + j * xqs + b * 32));
 #pragma GCC unroll 4
         for (int i = 0; i < NR; i++) {
             const duet_block_q8_0 *blk = (const duet_block_q8_0 *)(w + (size_t)i * ws) + b;
@@ -179,26 +193,34 @@ CPU_AVX2 CPU_INLINE void avx2_q8_body(const int NR, const int NT, const uint8_t 
 #pragma GCC unroll 4
             for (int j = 0; j < NT; j++) {
                 __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[j], wv)), ones);
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[j * xds + b]),
-                                            acc[i][j]);
+                acc[i][j] =
+                    _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * xd[j * xds + b]), acc[i][j]);
             }
         }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) res[i][j] = avx2_hsum(acc[i][j]);
+        for (int j = 0; j < NT; j++)
+            res[i][j] = avx2_hsum(acc[i][j]);
 }
 
-CPU_AVX2 static void avx2_q8_tile(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq,
-                                  int64_t xqs, const float *xd, int64_t xds, int64_t nb,
-                                  cpu_tile_res res) {
-    if (nr == 4 && nt == 2) { avx2_q8_body(4, 2, w, ws, xq, xqs, xd, xds, nb, res); return; }
-    if (nr == 4 && nt == 1) { avx2_q8_body(4, 1, w, ws, xq, xqs, xd, xds, nb, res); return; }
+CPU_AVX2 static void avx2_q8_tile(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq, int64_t xqs,
+                                  const float *xd, int64_t xds, int64_t nb, cpu_tile_res res) {
+    if (nr == 4 && nt == 2) {
+        avx2_q8_body(4, 2, w, ws, xq, xqs, xd, xds, nb, res);
+        return;
+    }
+    if (nr == 4 && nt == 1) {
+        avx2_q8_body(4, 1, w, ws, xq, xqs, xd, xds, nb, res);
+        return;
+    }
     for (int i = 0; i < nr; i++) { /* row tail: one row at a time */
-        float (*r)[CPU_MT] = (float (*)[CPU_MT])res[i];
-        if (nt == 2) avx2_q8_body(1, 2, w + (size_t)i * ws, ws, xq, xqs, xd, xds, nb, r);
-        else avx2_q8_body(1, 1, w + (size_t)i * ws, ws, xq, xqs, xd, xds, nb, r);
+        float(*r)[CPU_MT] = (float(*)[CPU_MT])res[i];
+        if (nt == 2)
+            avx2_q8_body(1, 2, w + (size_t)i * ws, ws, xq, xqs, xd, xds, nb, r);
+        else
+            avx2_q8_body(1, 1, w + (size_t)i * ws, ws, xq, xqs, xd, xds, nb, r);
     }
 }
 
@@ -216,25 +238,27 @@ CPU_AVX2 CPU_INLINE float avx2_w_scalar(duet_dtype DT, const uint8_t *row, int64
     return ((const float *)row)[k];
 }
 
-CPU_AVX2 CPU_INLINE void avx2_f_body(duet_dtype DT, const int NR, const int NT, const uint8_t *w,
-                                     size_t ws, const float *x, int64_t xs, int64_t n,
-                                     cpu_tile_res res) {
+CPU_AVX2 CPU_INLINE void avx2_f_body(duet_dtype DT, const int NR, const int NT, const uint8_t *w, size_t ws,
+                                     const float *x, int64_t xs, int64_t n, cpu_tile_res res) {
     __m256 acc[CPU_MR][CPU_MT];
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int j = 0; j < NT; j++)
+            acc[i][j] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 8 <= n; k += 8) {
         __m256 xv[CPU_MT];
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) xv[j] = _mm256_loadu_ps(x + j * xs + k);
+        for (int j = 0; j < NT; j++)
+            xv[j] = _mm256_loadu_ps(x + j * xs + k);
 #pragma GCC unroll 4
         for (int i = 0; i < NR; i++) {
             CPU_PREFETCH(w + (size_t)(i + CPU_MR) * ws + (size_t)k * (DT == DUET_DTYPE_F32 ? 4 : 2));
             __m256 wv = avx2_load_w(DT, w + (size_t)i * ws, k);
 #pragma GCC unroll 4
-            for (int j = 0; j < NT; j++) acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
+            for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm256_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
 #pragma GCC unroll 4
@@ -242,21 +266,30 @@ CPU_AVX2 CPU_INLINE void avx2_f_body(duet_dtype DT, const int NR, const int NT, 
 #pragma GCC unroll 4
         for (int j = 0; j < NT; j++) {
             float s = avx2_hsum(acc[i][j]);
-            for (int64_t kk = k; kk < n; kk++) s += avx2_w_scalar(DT, w + (size_t)i * ws, kk) * x[j * xs + kk];
+            for (int64_t kk = k; kk < n; kk++)
+                s += avx2_w_scalar(DT, w + (size_t)i * ws, kk) * x[j * xs + kk];
             res[i][j] = s;
         }
 }
 
-#define AVX2_F_TILE(name, DT)                                                                      \
-    CPU_AVX2 static void name(int nr, int nt, const uint8_t *w, size_t ws, const float *x,        \
-                              int64_t xs, int64_t n, cpu_tile_res res) {                           \
-        if (nr == 4 && nt == 2) { avx2_f_body(DT, 4, 2, w, ws, x, xs, n, res); return; }              \
-        if (nr == 4 && nt == 1) { avx2_f_body(DT, 4, 1, w, ws, x, xs, n, res); return; }              \
-        for (int i = 0; i < nr; i++) {                                                             \
-            float (*r)[CPU_MT] = (float (*)[CPU_MT])res[i];                                        \
-            if (nt == 2) avx2_f_body(DT, 1, 2, w + (size_t)i * ws, ws, x, xs, n, r);              \
-            else avx2_f_body(DT, 1, 1, w + (size_t)i * ws, ws, x, xs, n, r);                      \
-        }                                                                                          \
+#define AVX2_F_TILE(name, DT)                                                                                \
+    CPU_AVX2 static void name(int nr, int nt, const uint8_t *w, size_t ws, const float *x, int64_t xs,       \
+                              int64_t n, cpu_tile_res res) {                                                 \
+        if (nr == 4 && nt == 2) {                                                                            \
+            avx2_f_body(DT, 4, 2, w, ws, x, xs, n, res);                                                     \
+            return;                                                                                          \
+        }                                                                                                    \
+        if (nr == 4 && nt == 1) {                                                                            \
+            avx2_f_body(DT, 4, 1, w, ws, x, xs, n, res);                                                     \
+            return;                                                                                          \
+        }                                                                                                    \
+        for (int i = 0; i < nr; i++) {                                                                       \
+            float(*r)[CPU_MT] = (float(*)[CPU_MT])res[i];                                                    \
+            if (nt == 2)                                                                                     \
+                avx2_f_body(DT, 1, 2, w + (size_t)i * ws, ws, x, xs, n, r);                                  \
+            else                                                                                             \
+                avx2_f_body(DT, 1, 1, w + (size_t)i * ws, ws, x, xs, n, r);                                  \
+        }                                                                                                    \
     }
 AVX2_F_TILE(avx2_f32_tile, DUET_DTYPE_F32)
 AVX2_F_TILE(avx2_f16_tile, DUET_DTYPE_F16)
@@ -265,8 +298,14 @@ AVX2_F_TILE(avx2_bf16_tile, DUET_DTYPE_BF16)
 /* 16 ymm registers: 4 rows x 2 tokens of accumulators leaves room for the
  * loads and temporaries. */
 static const mm_kernels mm_avx2 = {
-    .mr = 4, .mt = 2, .d_pair_floats = 2, .quantize = avx2_quantize, .q8 = avx2_q8_tile,
-    .f32 = avx2_f32_tile, .f16 = avx2_f16_tile, .bf16 = avx2_bf16_tile,
+    .mr = 4,
+    .mt = 2,
+    .d_pair_floats = 2,
+    .quantize = avx2_quantize,
+    .q8 = avx2_q8_tile,
+    .f32 = avx2_f32_tile,
+    .f16 = avx2_f16_tile,
+    .bf16 = avx2_bf16_tile,
 };
 
 /* ======================================================================== */
@@ -287,8 +326,10 @@ CPU_AVX512 static void avx512_quantize(const float *x, int64_t n, int8_t *qs, fl
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         __m512 s = _mm512_set1_ps(id);
-        __m512i i0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512i i1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i i0 =
+            _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m512i i1 =
+            _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512i off = _mm512_set1_epi32(128);
         _mm_storeu_si128((__m128i *)(qs + b * 32), _mm512_cvtusepi32_epi8(_mm512_add_epi32(i0, off)));
         _mm_storeu_si128((__m128i *)(qs + b * 32 + 16), _mm512_cvtusepi32_epi8(_mm512_add_epi32(i1, off)));
@@ -307,14 +348,15 @@ CPU_AVX512 static void avx512_quantize(const float *x, int64_t n, int8_t *qs, fl
  * negated as each token's accumulator start value. A zero upper half (odd
  * last block) contributes zero to both. */
 CPU_AVX512 CPU_INLINE void avx512_q8_body(const int NR, const int NT, const uint8_t *w, size_t ws,
-                                          const int8_t *xq, int64_t xqs, const float *xd,
-                                          int64_t xds, int64_t nb, cpu_tile_res res) {
+                                          const int8_t *xq, int64_t xqs, const float *xd, int64_t xds,
+                                          int64_t nb, cpu_tile_res res) {
     __m512 acc[CPU_MR][CPU_MT];
     const __m512i zero = _mm512_setzero_si512(), c128 = _mm512_set1_epi8((char)0x80);
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NT; j++)
+            acc[i][j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b += 2) {
         const bool pair = b + 1 < nb;
         __m512i xv[CPU_MT];
@@ -333,8 +375,9 @@ CPU_AVX512 CPU_INLINE void avx512_q8_body(const int NR, const int NT, const uint
             __m512i wv;
             __m256i dh;
             if (pair) { /* blocks are 34 bytes apart: two 32-byte loads */
-                wv = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)blk[0].qs)),
-                                        _mm256_loadu_si256((const __m256i *)blk[1].qs), 1);
+                wv =
+                    _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)blk[0].qs)),
+                                       _mm256_loadu_si256((const __m256i *)blk[1].qs), 1);
                 dh = _mm256_set_m128i(_mm_set1_epi16((short)blk[1].d), _mm_set1_epi16((short)blk[0].d));
             } else { /* odd last block: zero upper weights add nothing */
                 wv = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)blk[0].qs));
@@ -352,7 +395,8 @@ CPU_AVX512 CPU_INLINE void avx512_q8_body(const int NR, const int NT, const uint
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) res[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+        for (int j = 0; j < NT; j++)
+            res[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
 CPU_AVX512 static void avx512_q8_tile(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq,
@@ -360,20 +404,40 @@ CPU_AVX512 static void avx512_q8_tile(int nr, int nt, const uint8_t *w, size_t w
                                       cpu_tile_res res) {
     if (nr == 4) {
         switch (nt) {
-        case 4: { avx512_q8_body(4, 4, w, ws, xq, xqs, xd, xds, nb, res); return; }
-        case 3: { avx512_q8_body(4, 3, w, ws, xq, xqs, xd, xds, nb, res); return; }
-        case 2: { avx512_q8_body(4, 2, w, ws, xq, xqs, xd, xds, nb, res); return; }
-        default: { avx512_q8_body(4, 1, w, ws, xq, xqs, xd, xds, nb, res); return; }
+        case 4: {
+            avx512_q8_body(4, 4, w, ws, xq, xqs, xd, xds, nb, res);
+            return;
+        }
+        case 3: {
+            avx512_q8_body(4, 3, w, ws, xq, xqs, xd, xds, nb, res);
+            return;
+        }
+        case 2: {
+            avx512_q8_body(4, 2, w, ws, xq, xqs, xd, xds, nb, res);
+            return;
+        }
+        default: {
+            avx512_q8_body(4, 1, w, ws, xq, xqs, xd, xds, nb, res);
+            return;
+        }
         }
     }
     for (int i = 0; i < nr; i++) {
-        float (*r)[CPU_MT] = (float (*)[CPU_MT])res[i];
+        float(*r)[CPU_MT] = (float(*)[CPU_MT])res[i];
         const uint8_t *wi = w + (size_t)i * ws;
         switch (nt) {
-        case 4: avx512_q8_body(1, 4, wi, ws, xq, xqs, xd, xds, nb, r); break;
-        case 3: avx512_q8_body(1, 3, wi, ws, xq, xqs, xd, xds, nb, r); break;
-        case 2: avx512_q8_body(1, 2, wi, ws, xq, xqs, xd, xds, nb, r); break;
-        default: avx512_q8_body(1, 1, wi, ws, xq, xqs, xd, xds, nb, r); break;
+        case 4:
+            avx512_q8_body(1, 4, wi, ws, xq, xqs, xd, xds, nb, r);
+            break;
+        case 3:
+            avx512_q8_body(1, 3, wi, ws, xq, xqs, xd, xds, nb, r);
+            break;
+        case 2:
+            avx512_q8_body(1, 2, wi, ws, xq, xqs, xd, xds, nb, r);
+            break;
+        default:
+            avx512_q8_body(1, 1, wi, ws, xq, xqs, xd, xds, nb, r);
+            break;
         }
     }
 }
@@ -391,65 +455,90 @@ CPU_AVX512 CPU_INLINE __m512 avx512_maskload_w(duet_dtype DT, const uint8_t *row
 }
 
 CPU_AVX512 CPU_INLINE void avx512_f_body(duet_dtype DT, const int NR, const int NT, const uint8_t *w,
-                                         size_t ws, const float *x, int64_t xs, int64_t n,
-                                         cpu_tile_res res) {
+                                         size_t ws, const float *x, int64_t xs, int64_t n, cpu_tile_res res) {
     __m512 acc[CPU_MR][CPU_MT];
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) acc[i][j] = _mm512_setzero_ps();
+        for (int j = 0; j < NT; j++)
+            acc[i][j] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
         __m512 xv[CPU_MT];
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) xv[j] = _mm512_loadu_ps(x + j * xs + k);
+        for (int j = 0; j < NT; j++)
+            xv[j] = _mm512_loadu_ps(x + j * xs + k);
 #pragma GCC unroll 4
         for (int i = 0; i < NR; i++) {
             CPU_PREFETCH(w + (size_t)(i + CPU_MR) * ws + (size_t)k * (DT == DUET_DTYPE_F32 ? 4 : 2));
             __m512 wv = avx512_load_w(DT, w + (size_t)i * ws, k);
 #pragma GCC unroll 4
-            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+            for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
     if (k < n) { /* masked tail: reads only the row's remaining columns */
         __mmask16 m = avx512_tail_mask(n - k);
         __m512 xv[CPU_MT];
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) xv[j] = _mm512_maskz_loadu_ps(m, x + j * xs + k);
+        for (int j = 0; j < NT; j++)
+            xv[j] = _mm512_maskz_loadu_ps(m, x + j * xs + k);
 #pragma GCC unroll 4
         for (int i = 0; i < NR; i++) {
             __m512 wv = avx512_maskload_w(DT, w + (size_t)i * ws, k, m);
 #pragma GCC unroll 4
-            for (int j = 0; j < NT; j++) acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
+            for (int j = 0; j < NT; j++)
+                acc[i][j] = _mm512_fmadd_ps(wv, xv[j], acc[i][j]);
         }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
-        for (int j = 0; j < NT; j++) res[i][j] = _mm512_reduce_add_ps(acc[i][j]);
+        for (int j = 0; j < NT; j++)
+            res[i][j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-#define AVX512_F_TILE(name, DT)                                                                   \
-    CPU_AVX512 static void name(int nr, int nt, const uint8_t *w, size_t ws, const float *x,     \
-                                int64_t xs, int64_t n, cpu_tile_res res) {                        \
-        if (nr == 4) {                                                                            \
-            switch (nt) {                                                                         \
-            case 4: { avx512_f_body(DT, 4, 4, w, ws, x, xs, n, res); return; }                        \
-            case 3: { avx512_f_body(DT, 4, 3, w, ws, x, xs, n, res); return; }                        \
-            case 2: { avx512_f_body(DT, 4, 2, w, ws, x, xs, n, res); return; }                        \
-            default: { avx512_f_body(DT, 4, 1, w, ws, x, xs, n, res); return; }                       \
-            }                                                                                     \
-        }                                                                                         \
-        for (int i = 0; i < nr; i++) {                                                            \
-            float (*r)[CPU_MT] = (float (*)[CPU_MT])res[i];                                       \
-            const uint8_t *wi = w + (size_t)i * ws;                                               \
-            switch (nt) {                                                                         \
-            case 4: avx512_f_body(DT, 1, 4, wi, ws, x, xs, n, r); break;                         \
-            case 3: avx512_f_body(DT, 1, 3, wi, ws, x, xs, n, r); break;                         \
-            case 2: avx512_f_body(DT, 1, 2, wi, ws, x, xs, n, r); break;                         \
-            default: avx512_f_body(DT, 1, 1, wi, ws, x, xs, n, r); break;                        \
-            }                                                                                     \
-        }                                                                                         \
+#define AVX512_F_TILE(name, DT)                                                                              \
+    CPU_AVX512 static void name(int nr, int nt, const uint8_t *w, size_t ws, const float *x, int64_t xs,     \
+                                int64_t n, cpu_tile_res res) {                                               \
+        if (nr == 4) {                                                                                       \
+            switch (nt) {                                                                                    \
+            case 4: {                                                                                        \
+                avx512_f_body(DT, 4, 4, w, ws, x, xs, n, res);                                               \
+                return;                                                                                      \
+            }                                                                                                \
+            case 3: {                                                                                        \
+                avx512_f_body(DT, 4, 3, w, ws, x, xs, n, res);                                               \
+                return;                                                                                      \
+            }                                                                                                \
+            case 2: {                                                                                        \
+                avx512_f_body(DT, 4, 2, w, ws, x, xs, n, res);                                               \
+                return;                                                                                      \
+            }                                                                                                \
+            default: {                                                                                       \
+                avx512_f_body(DT, 4, 1, w, ws, x, xs, n, res);                                               \
+                return;                                                                                      \
+            }                                                                                                \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int i = 0; i < nr; i++) {                                                                       \
+            float(*r)[CPU_MT] = (float(*)[CPU_MT])res[i];                                                    \
+            const uint8_t *wi = w + (size_t)i * ws;                                                          \
+            switch (nt) {                                                                                    \
+            case 4:                                                                                          \
+                avx512_f_body(DT, 1, 4, wi, ws, x, xs, n, r);                                                \
+                break;                                                                                       \
+            case 3:                                                                                          \
+                avx512_f_body(DT, 1, 3, wi, ws, x, xs, n, r);                                                \
+                break;                                                                                       \
+            case 2:                                                                                          \
+                avx512_f_body(DT, 1, 2, wi, ws, x, xs, n, r);                                                \
+                break;                                                                                       \
+            default:                                                                                         \
+                avx512_f_body(DT, 1, 1, wi, ws, x, xs, n, r);                                                \
+                break;                                                                                       \
+            }                                                                                                \
+        }                                                                                                    \
     }
 AVX512_F_TILE(avx512_f32_tile, DUET_DTYPE_F32)
 AVX512_F_TILE(avx512_f16_tile, DUET_DTYPE_F16)
@@ -457,8 +546,14 @@ AVX512_F_TILE(avx512_bf16_tile, DUET_DTYPE_BF16)
 
 /* 32 zmm registers: 4 x 4 accumulators plus 4 activation vectors. */
 static const mm_kernels mm_avx512 = {
-    .mr = 4, .mt = 4, .d_pair_floats = 16, .quantize = avx512_quantize, .q8 = avx512_q8_tile,
-    .f32 = avx512_f32_tile, .f16 = avx512_f16_tile, .bf16 = avx512_bf16_tile,
+    .mr = 4,
+    .mt = 4,
+    .d_pair_floats = 16,
+    .quantize = avx512_quantize,
+    .q8 = avx512_q8_tile,
+    .f32 = avx512_f32_tile,
+    .f16 = avx512_f16_tile,
+    .bf16 = avx512_bf16_tile,
 };
 #endif /* CPU_X86 */
 
@@ -539,10 +634,17 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
                              const float *bias, float *out) {
     const mm_kernels *k = mm_kernels_for(be->isa);
     mm_task t = {
-        .k = k, .dtype = op->matmul.dtype, .n_tokens = op->n_tokens,
-        .n_in = op->matmul.n_in, .n_out = op->matmul.n_out, .w = w,
+        .k = k,
+        .dtype = op->matmul.dtype,
+        .n_tokens = op->n_tokens,
+        .n_in = op->matmul.n_in,
+        .n_out = op->matmul.n_out,
+        .w = w,
         .ws = duet_dtype_row_bytes(op->matmul.dtype, op->matmul.n_in),
-        .x = x, .bias = bias, .out = out, .accumulate = op->matmul.accumulate,
+        .x = x,
+        .bias = bias,
+        .out = out,
+        .accumulate = op->matmul.accumulate,
     };
     int64_t x_row_bytes = t.n_in * (int64_t)sizeof(float);
     if (t.dtype == DUET_DTYPE_Q8_0) {
@@ -552,12 +654,14 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
         t.xqs = npairs * 64;
         t.xds = npairs * k->d_pair_floats;
         size_t qbytes = (size_t)(t.n_tokens * t.xqs);
-        duet_status st = duet__cpu_scratch_reserve(&be->act, qbytes + (size_t)(t.n_tokens * t.xds) * sizeof(float));
+        duet_status st =
+            duet__cpu_scratch_reserve(&be->act, qbytes + (size_t)(t.n_tokens * t.xds) * sizeof(float));
         if (st != DUET_OK) return st;
         t.xd = be->act.p;
         t.xq = (int8_t *)be->act.p + (size_t)(t.n_tokens * t.xds) * sizeof(float);
         /* A few tokens quantize faster inline than a dispatch costs. */
-        duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1, mm_quantize_task, &t);
+        duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1,
+                           mm_quantize_task, &t);
         x_row_bytes = t.xqs;
     }
     /* Keep a chunk of activations (~256 KiB) in L2 while the W rows of a

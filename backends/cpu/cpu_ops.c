@@ -21,8 +21,8 @@ typedef struct vec_kernels {
     void (*to_f16)(uint16_t *y, const float *x, int64_t n);
     /* One query head against n cached positions (rows kvs elements apart,
      * f32 or f16): out = softmax(scale * q.K) V. scores: n floats. */
-    void (*attend)(const float *q, const void *k, const void *v, int64_t kvs, duet_dtype kvt,
-                   int64_t n, int hd, float scale, float *scores, float *out);
+    void (*attend)(const float *q, const void *k, const void *v, int64_t kvs, duet_dtype kvt, int64_t n,
+                   int hd, float scale, float *scores, float *out);
 } vec_kernels;
 
 /* ======================================================================== */
@@ -31,24 +31,29 @@ typedef struct vec_kernels {
 
 static float scalar_sumsq(const float *x, int64_t n) {
     double s = 0.0;
-    for (int64_t i = 0; i < n; i++) s += (double)x[i] * x[i];
+    for (int64_t i = 0; i < n; i++)
+        s += (double)x[i] * x[i];
     return (float)s;
 }
 
 static void scalar_scale_mul(float *out, const float *x, const float *w, float s, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = x[i] * s * w[i];
+    for (int64_t i = 0; i < n; i++)
+        out[i] = x[i] * s * w[i];
 }
 
 static void scalar_swiglu(float *out, const float *g, const float *u, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; i++)
+        out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 static void scalar_add(float *out, const float *a, const float *b, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+    for (int64_t i = 0; i < n; i++)
+        out[i] = a[i] + b[i];
 }
 
 static void scalar_to_f16(uint16_t *y, const float *x, int64_t n) {
-    for (int64_t i = 0; i < n; i++) y[i] = duet_fp32_to_fp16(x[i]);
+    for (int64_t i = 0; i < n; i++)
+        y[i] = duet_fp32_to_fp16(x[i]);
 }
 
 static inline float kv_at(const void *base, duet_dtype t, int64_t i) {
@@ -62,17 +67,22 @@ static void scalar_attend(const float *q, const void *k, const void *v, int64_t 
     float mx = -INFINITY;
     for (int64_t p = 0; p < n; p++) {
         float s = 0.0f;
-        for (int d = 0; d < hd; d++) s += q[d] * kv_at(k, kvt, p * kvs + d);
+        for (int d = 0; d < hd; d++)
+            s += q[d] * kv_at(k, kvt, p * kvs + d);
         scores[p] = s * scale;
         if (scores[p] > mx) mx = scores[p];
     }
     float sum = 0.0f;
-    for (int64_t p = 0; p < n; p++) sum += scores[p] = expf(scores[p] - mx);
-    for (int d = 0; d < hd; d++) out[d] = 0.0f;
     for (int64_t p = 0; p < n; p++)
-        for (int d = 0; d < hd; d++) out[d] += scores[p] * kv_at(v, kvt, p * kvs + d);
+        sum += scores[p] = expf(scores[p] - mx);
+    for (int d = 0; d < hd; d++)
+        out[d] = 0.0f;
+    for (int64_t p = 0; p < n; p++)
+        for (int d = 0; d < hd; d++)
+            out[d] += scores[p] * kv_at(v, kvt, p * kvs + d);
     float inv = 1.0f / sum;
-    for (int d = 0; d < hd; d++) out[d] *= inv;
+    for (int d = 0; d < hd; d++)
+        out[d] *= inv;
 }
 
 static const vec_kernels vec_scalar = {
@@ -93,7 +103,8 @@ CPU_AVX2 static float avx2_sumsq(const float *x, int64_t n) {
         b = _mm256_fmadd_ps(w, w, b);
     }
     float s = avx2_hsum(_mm256_add_ps(a, b));
-    for (; i < n; i++) s += x[i] * x[i];
+    for (; i < n; i++)
+        s += x[i] * x[i];
     return s;
 }
 
@@ -101,8 +112,10 @@ CPU_AVX2 static void avx2_scale_mul(float *out, const float *x, const float *w, 
     __m256 sv = _mm256_set1_ps(s);
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), sv), _mm256_loadu_ps(w + i)));
-    for (; i < n; i++) out[i] = x[i] * s * w[i];
+        _mm256_storeu_ps(out + i,
+                         _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), sv), _mm256_loadu_ps(w + i)));
+    for (; i < n; i++)
+        out[i] = x[i] * s * w[i];
 }
 
 CPU_AVX2 static void avx2_swiglu(float *out, const float *g, const float *u, int64_t n) {
@@ -114,21 +127,25 @@ CPU_AVX2 static void avx2_swiglu(float *out, const float *g, const float *u, int
         __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
     }
-    for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    for (; i < n; i++)
+        out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 CPU_AVX2 static void avx2_add(float *out, const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-    for (; i < n; i++) out[i] = a[i] + b[i];
+    for (; i < n; i++)
+        out[i] = a[i] + b[i];
 }
 
 CPU_AVX2 static void avx2_to_f16(uint16_t *y, const float *x, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+        _mm_storeu_si128((__m128i *)(y + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
 CPU_AVX2 CPU_INLINE __m256 avx2_load_kv(duet_dtype kvt, const void *base, int64_t i) {
@@ -151,7 +168,8 @@ CPU_AVX2 CPU_INLINE void avx2_attend_t(duet_dtype KVT, const float *q, const voi
         for (int d = 0; d < hd8; d += 8)
             acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), avx2_load_kv(KVT, k, p * kvs + d), acc);
         float s = avx2_hsum(acc);
-        for (int d = hd8; d < hd; d++) s += q[d] * avx2_kv_at(KVT, k, p * kvs + d);
+        for (int d = hd8; d < hd; d++)
+            s += q[d] * avx2_kv_at(KVT, k, p * kvs + d);
         scores[p] = s * scale;
         mx = scores[p] > mx ? scores[p] : mx;
     }
@@ -163,23 +181,29 @@ CPU_AVX2 CPU_INLINE void avx2_attend_t(duet_dtype KVT, const float *q, const voi
         sumv = _mm256_add_ps(sumv, e);
     }
     float sum = avx2_hsum(sumv);
-    for (; p < n; p++) sum += scores[p] = expf(scores[p] - mx);
-    for (int d = 0; d < hd; d++) out[d] = 0.0f;
+    for (; p < n; p++)
+        sum += scores[p] = expf(scores[p] - mx);
+    for (int d = 0; d < hd; d++)
+        out[d] = 0.0f;
     for (p = 0; p < n; p++) {
         __m256 w = _mm256_set1_ps(scores[p]);
         for (int d = 0; d < hd8; d += 8)
-            _mm256_storeu_ps(out + d, _mm256_fmadd_ps(w, avx2_load_kv(KVT, v, p * kvs + d), _mm256_loadu_ps(out + d)));
-        for (int d = hd8; d < hd; d++) out[d] += scores[p] * avx2_kv_at(KVT, v, p * kvs + d);
+            _mm256_storeu_ps(out + d,
+                             _mm256_fmadd_ps(w, avx2_load_kv(KVT, v, p * kvs + d), _mm256_loadu_ps(out + d)));
+        for (int d = hd8; d < hd; d++)
+            out[d] += scores[p] * avx2_kv_at(KVT, v, p * kvs + d);
     }
     float inv = 1.0f / sum;
-    for (int d = 0; d < hd; d++) out[d] *= inv;
+    for (int d = 0; d < hd; d++)
+        out[d] *= inv;
 }
 
-CPU_AVX2 static void avx2_attend(const float *q, const void *k, const void *v, int64_t kvs,
-                                 duet_dtype kvt, int64_t n, int hd, float scale, float *scores,
-                                 float *out) {
-    if (kvt == DUET_DTYPE_F16) avx2_attend_t(DUET_DTYPE_F16, q, k, v, kvs, n, hd, scale, scores, out);
-    else avx2_attend_t(DUET_DTYPE_F32, q, k, v, kvs, n, hd, scale, scores, out);
+CPU_AVX2 static void avx2_attend(const float *q, const void *k, const void *v, int64_t kvs, duet_dtype kvt,
+                                 int64_t n, int hd, float scale, float *scores, float *out) {
+    if (kvt == DUET_DTYPE_F16)
+        avx2_attend_t(DUET_DTYPE_F16, q, k, v, kvs, n, hd, scale, scores, out);
+    else
+        avx2_attend_t(DUET_DTYPE_F32, q, k, v, kvs, n, hd, scale, scores, out);
 }
 
 static const vec_kernels vec_avx2 = {
@@ -208,7 +232,8 @@ CPU_AVX512 static void avx512_scale_mul(float *out, const float *x, const float 
     __m512 sv = _mm512_set1_ps(s);
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : avx512_tail_mask(n - i);
-        __m512 r = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), sv), _mm512_maskz_loadu_ps(m, w + i));
+        __m512 r = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), sv),
+                                 _mm512_maskz_loadu_ps(m, w + i));
         _mm512_mask_storeu_ps(out + i, m, r);
     }
 }
@@ -227,7 +252,8 @@ CPU_AVX512 static void avx512_swiglu(float *out, const float *g, const float *u,
 CPU_AVX512 static void avx512_add(float *out, const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) {
         __mmask16 m = n - i >= 16 ? (__mmask16)0xffff : avx512_tail_mask(n - i);
-        _mm512_mask_storeu_ps(out + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
+        _mm512_mask_storeu_ps(
+            out + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i)));
     }
 }
 
@@ -244,15 +270,16 @@ CPU_AVX512 CPU_INLINE __m512 avx512_load_kv(duet_dtype kvt, const void *base, in
     return _mm512_maskz_loadu_ps(m, (const float *)base + i);
 }
 
-CPU_AVX512 CPU_INLINE void avx512_attend_t(duet_dtype KVT, const float *q, const void *k,
-                                           const void *v, int64_t kvs, int64_t n, int hd, float scale,
-                                           float *scores, float *out) {
+CPU_AVX512 CPU_INLINE void avx512_attend_t(duet_dtype KVT, const float *q, const void *k, const void *v,
+                                           int64_t kvs, int64_t n, int hd, float scale, float *scores,
+                                           float *out) {
     float mx = -INFINITY;
     for (int64_t p = 0; p < n; p++) {
         __m512 acc = _mm512_setzero_ps();
         for (int d = 0; d < hd; d += 16) {
             __mmask16 m = hd - d >= 16 ? (__mmask16)0xffff : avx512_tail_mask(hd - d);
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), avx512_load_kv(KVT, k, p * kvs + d, m), acc);
+            acc =
+                _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + d), avx512_load_kv(KVT, k, p * kvs + d, m), acc);
         }
         float s = _mm512_reduce_add_ps(acc) * scale;
         scores[p] = s;
@@ -273,9 +300,12 @@ CPU_AVX512 CPU_INLINE void avx512_attend_t(duet_dtype KVT, const float *q, const
         int64_t p = 0;
         for (; p + 4 <= n; p += 4) {
             a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[p]), avx512_load_kv(KVT, v, p * kvs + d, m), a0);
-            a1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[p + 1]), avx512_load_kv(KVT, v, (p + 1) * kvs + d, m), a1);
-            a2 = _mm512_fmadd_ps(_mm512_set1_ps(scores[p + 2]), avx512_load_kv(KVT, v, (p + 2) * kvs + d, m), a2);
-            a3 = _mm512_fmadd_ps(_mm512_set1_ps(scores[p + 3]), avx512_load_kv(KVT, v, (p + 3) * kvs + d, m), a3);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(scores[p + 1]), avx512_load_kv(KVT, v, (p + 1) * kvs + d, m),
+                                 a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(scores[p + 2]), avx512_load_kv(KVT, v, (p + 2) * kvs + d, m),
+                                 a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(scores[p + 3]), avx512_load_kv(KVT, v, (p + 3) * kvs + d, m),
+                                 a3);
         }
         for (; p < n; p++)
             a0 = _mm512_fmadd_ps(_mm512_set1_ps(scores[p]), avx512_load_kv(KVT, v, p * kvs + d, m), a0);
@@ -287,8 +317,10 @@ CPU_AVX512 CPU_INLINE void avx512_attend_t(duet_dtype KVT, const float *q, const
 CPU_AVX512 static void avx512_attend(const float *q, const void *k, const void *v, int64_t kvs,
                                      duet_dtype kvt, int64_t n, int hd, float scale, float *scores,
                                      float *out) {
-    if (kvt == DUET_DTYPE_F16) avx512_attend_t(DUET_DTYPE_F16, q, k, v, kvs, n, hd, scale, scores, out);
-    else avx512_attend_t(DUET_DTYPE_F32, q, k, v, kvs, n, hd, scale, scores, out);
+    if (kvt == DUET_DTYPE_F16)
+        avx512_attend_t(DUET_DTYPE_F16, q, k, v, kvs, n, hd, scale, scores, out);
+    else
+        avx512_attend_t(DUET_DTYPE_F32, q, k, v, kvs, n, hd, scale, scores, out);
 }
 
 static const vec_kernels vec_avx512 = {
@@ -322,7 +354,8 @@ static void rows_task(void *p, int chunk, int n_chunks, int worker) {
     rows_job *j = p;
     int64_t lo, hi;
     cpu_split(j->n, chunk, n_chunks, 1, &lo, &hi);
-    for (int64_t r = lo; r < hi; r++) j->fn(j->ctx, r, worker);
+    for (int64_t r = lo; r < hi; r++)
+        j->fn(j->ctx, r, worker);
 }
 
 /* Runs fn on rows [0, n) in contiguous chunks; `work` (elements touched)
@@ -357,13 +390,14 @@ typedef struct embed_ctx {
 
 static void embed_row(const void *p, int64_t t, int worker) {
     const embed_ctx *c = p;
-    duet_dequantize_row(c->dtype, c->table + (size_t)c->tokens[t] * c->row_bytes, c->out + t * c->dim, c->dim);
+    duet_dequantize_row(c->dtype, c->table + (size_t)c->tokens[t] * c->row_bytes, c->out + t * c->dim,
+                        c->dim);
 }
 
-duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *tokens,
-                            const void *table, float *out) {
-    embed_ctx c = {tokens, table, duet_dtype_row_bytes(op->embed.dtype, op->embed.dim), op->embed.dtype,
-                   op->embed.dim, out};
+duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *tokens, const void *table,
+                            float *out) {
+    embed_ctx c = {tokens,          table,         duet_dtype_row_bytes(op->embed.dtype, op->embed.dim),
+                   op->embed.dtype, op->embed.dim, out};
     run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->embed.dim, 4, embed_row, &c);
     return DUET_OK;
 }
@@ -426,9 +460,11 @@ static void rope_row(const void *p, int64_t t, int worker) {
         sn[i] = (float)sin(th);
     }
     int64_t qw = (int64_t)c->n_head * c->hd, kw = (int64_t)c->n_head_kv * c->hd;
-    for (int h = 0; h < c->n_head; h++) rope_rotate(c->q + t * qw + h * c->hd, cs, sn, half, c->neox);
+    for (int h = 0; h < c->n_head; h++)
+        rope_rotate(c->q + t * qw + h * c->hd, cs, sn, half, c->neox);
     float *k = c->k + t * kw;
-    for (int h = 0; h < c->n_head_kv; h++) rope_rotate(k + h * c->hd, cs, sn, half, c->neox);
+    for (int h = 0; h < c->n_head_kv; h++)
+        rope_rotate(k + h * c->hd, cs, sn, half, c->neox);
     int64_t slot = ((int64_t)c->seq[t] * c->n_ctx + pos) * kw;
     if (c->kvt == DUET_DTYPE_F16) {
         c->vk->to_f16((uint16_t *)c->kc + slot, k, kw);
@@ -444,10 +480,12 @@ duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, floa
     int half = op->rope_kv.n_rot / 2;
     /* Inverse frequencies base^(-2i/n_rot), in double, cached across ops
      * (every layer uses the same ones). */
-    if (half > 0 && (!be->rope_freq || be->rope_base != op->rope_kv.freq_base || be->rope_n_rot != op->rope_kv.n_rot)) {
+    if (half > 0 &&
+        (!be->rope_freq || be->rope_base != op->rope_kv.freq_base || be->rope_n_rot != op->rope_kv.n_rot)) {
         double *f = realloc(be->rope_freq, (size_t)half * sizeof(double));
         if (!f) return duet__error(DUET_OUT_OF_MEMORY, "rope_kv: frequency table");
-        for (int i = 0; i < half; i++) f[i] = pow((double)op->rope_kv.freq_base, -2.0 * i / op->rope_kv.n_rot);
+        for (int i = 0; i < half; i++)
+            f[i] = pow((double)op->rope_kv.freq_base, -2.0 * i / op->rope_kv.n_rot);
         be->rope_freq = f;
         be->rope_base = op->rope_kv.freq_base;
         be->rope_n_rot = op->rope_kv.n_rot;
@@ -456,13 +494,27 @@ duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, floa
     duet_status st = work_reserve(be, (size_t)(half > 0 ? half : 1) * 2 * sizeof(float), &stride);
     if (st != DUET_OK) return st;
     rope_ctx c = {
-        .vk = vec_for(be->isa), .q = q, .k = k, .v = v, .pos = pos, .seq = seq, .kc = k_cache,
-        .vc = v_cache, .kvt = op->rope_kv.kv_dtype, .n_head = op->rope_kv.n_head,
-        .n_head_kv = op->rope_kv.n_head_kv, .hd = op->rope_kv.head_dim, .n_rot = op->rope_kv.n_rot,
-        .n_ctx = op->rope_kv.n_ctx, .neox = op->rope_kv.neox, .freq = be->rope_freq,
-        .scratch = be->work.p, .scratch_stride = stride,
+        .vk = vec_for(be->isa),
+        .q = q,
+        .k = k,
+        .v = v,
+        .pos = pos,
+        .seq = seq,
+        .kc = k_cache,
+        .vc = v_cache,
+        .kvt = op->rope_kv.kv_dtype,
+        .n_head = op->rope_kv.n_head,
+        .n_head_kv = op->rope_kv.n_head_kv,
+        .hd = op->rope_kv.head_dim,
+        .n_rot = op->rope_kv.n_rot,
+        .n_ctx = op->rope_kv.n_ctx,
+        .neox = op->rope_kv.neox,
+        .freq = be->rope_freq,
+        .scratch = be->work.p,
+        .scratch_stride = stride,
     };
-    int64_t work = (int64_t)op->n_tokens * (op->rope_kv.n_head + 2 * op->rope_kv.n_head_kv) * op->rope_kv.head_dim;
+    int64_t work =
+        (int64_t)op->n_tokens * (op->rope_kv.n_head + 2 * op->rope_kv.n_head_kv) * op->rope_kv.head_dim;
     run_rows(be, op->n_tokens, work, 4, rope_row, &c);
     return DUET_OK;
 }
@@ -496,21 +548,33 @@ static void attn_row(const void *p, int64_t unit, int worker) {
                   scores, c->out + t * qw + (int64_t)h * c->hd);
 }
 
-duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float *q,
-                                const int32_t *pos, const int32_t *seq, const void *k_cache,
-                                const void *v_cache, float *out) {
+duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float *q, const int32_t *pos,
+                                const int32_t *seq, const void *k_cache, const void *v_cache, float *out) {
     int hd = op->attention.head_dim;
     size_t stride;
-    duet_status st = work_reserve(be, ((size_t)((hd + 15) & ~15) + (size_t)op->attention.n_ctx + 16) * sizeof(float), &stride);
+    duet_status st = work_reserve(
+        be, ((size_t)((hd + 15) & ~15) + (size_t)op->attention.n_ctx + 16) * sizeof(float), &stride);
     if (st != DUET_OK) return st;
     attn_ctx c = {
-        .vk = vec_for(be->isa), .q = q, .pos = pos, .seq = seq, .kc = k_cache, .vc = v_cache,
-        .kvt = op->attention.kv_dtype, .n_head = op->attention.n_head,
-        .group = op->attention.n_head / op->attention.n_head_kv, .hd = hd, .n_ctx = op->attention.n_ctx,
-        .scale = op->attention.scale, .out = out, .scratch = be->work.p, .scratch_stride = stride,
+        .vk = vec_for(be->isa),
+        .q = q,
+        .pos = pos,
+        .seq = seq,
+        .kc = k_cache,
+        .vc = v_cache,
+        .kvt = op->attention.kv_dtype,
+        .n_head = op->attention.n_head,
+        .group = op->attention.n_head / op->attention.n_head_kv,
+        .hd = hd,
+        .n_ctx = op->attention.n_ctx,
+        .scale = op->attention.scale,
+        .out = out,
+        .scratch = be->work.p,
+        .scratch_stride = stride,
     };
     int64_t work = 0;
-    for (int t = 0; t < op->n_tokens; t++) work += ((int64_t)pos[t] + 1) * hd * 2 * op->attention.n_head;
+    for (int t = 0; t < op->n_tokens; t++)
+        work += ((int64_t)pos[t] + 1) * hd * 2 * op->attention.n_head;
     /* Causal rows differ in length: cut (token, head) units finely so the
      * pool balances them. */
     run_rows(be, (int64_t)op->n_tokens * op->attention.n_head, work, 16, attn_row, &c);
@@ -542,8 +606,7 @@ duet_status duet__cpu_swiglu(cpu_backend *be, const duet_op *op, const float *ga
     return DUET_OK;
 }
 
-duet_status duet__cpu_add(cpu_backend *be, const duet_op *op, const float *a, const float *b,
-                          float *out) {
+duet_status duet__cpu_add(cpu_backend *be, const duet_op *op, const float *a, const float *b, float *out) {
     ew_ctx c = {vec_for(be->isa), a, b, out, op->add.dim};
     run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->add.dim, 4, add_row, &c);
     return DUET_OK;
@@ -561,8 +624,8 @@ static void gather_row(const void *p, int64_t i, int worker) {
     memcpy(c->out + i * c->dim, c->x + (int64_t)c->rows[i] * c->dim, (size_t)c->dim * sizeof(float));
 }
 
-duet_status duet__cpu_gather(cpu_backend *be, const duet_op *op, const float *x,
-                             const int32_t *rows, float *out) {
+duet_status duet__cpu_gather(cpu_backend *be, const duet_op *op, const float *x, const int32_t *rows,
+                             float *out) {
     gather_ctx c = {x, rows, out, op->gather.dim};
     run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->gather.dim, 4, gather_row, &c);
     return DUET_OK;

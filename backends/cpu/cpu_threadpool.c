@@ -69,13 +69,18 @@ static uint32_t spin_while_equal(_Atomic uint32_t *addr, uint32_t value, int64_t
     for (unsigned i = 1;; i++) {
         uint32_t v = atomic_load_explicit(addr, memory_order_acquire);
         if (v != value) return v;
-        if (yielding) sched_yield();
-        else cpu_relax();
+        if (yielding)
+            sched_yield();
+        else
+            cpu_relax();
         if ((i & 63) == 0) {
             int64_t t = now_ns();
-            if (start == 0) start = t;
-            else if (t - start > budget_ns) return v;
-            else yielding = t - start > CPU_PURE_SPIN_NS;
+            if (start == 0)
+                start = t;
+            else if (t - start > budget_ns)
+                return v;
+            else
+                yielding = t - start > CPU_PURE_SPIN_NS;
         }
     }
 }
@@ -104,8 +109,7 @@ static void run_chunks(cpu_pool *pool, uint32_t seq, int worker) {
         /* seq_cst, like the caller's caller_waiting store then done load:
          * either it sees our increment or we see it waiting. */
         uint32_t done = atomic_fetch_add(&pool->done, 1) + 1;
-        if (done == (uint32_t)n && worker != 0 && atomic_load(&pool->caller_waiting))
-            futex_wake(&pool->done);
+        if (done == (uint32_t)n && worker != 0 && atomic_load(&pool->caller_waiting)) futex_wake(&pool->done);
     }
 }
 
@@ -158,7 +162,8 @@ void duet__cpu_pool_free(cpu_pool *pool) {
         atomic_store(&pool->stop, 1);
         atomic_fetch_add(&pool->gen, 1);
         futex_wake(&pool->gen);
-        for (int i = 1; i < pool->n_threads; i++) pthread_join(pool->threads[i], NULL);
+        for (int i = 1; i < pool->n_threads; i++)
+            pthread_join(pool->threads[i], NULL);
         free(pool->threads);
     }
     *pool = (cpu_pool){0};
@@ -166,7 +171,8 @@ void duet__cpu_pool_free(cpu_pool *pool) {
 
 void duet__cpu_pool_run(cpu_pool *pool, int n_chunks, cpu_task_fn fn, void *ctx) {
     if (n_chunks <= 1 || pool->n_threads == 1) {
-        for (int c = 0; c < n_chunks; c++) fn(ctx, c, n_chunks, 0);
+        for (int c = 0; c < n_chunks; c++)
+            fn(ctx, c, n_chunks, 0);
         return;
     }
     /* Publish the task: fields first, then the claim word (release), then

@@ -36,7 +36,8 @@ static duet_status ocl_device_get(int index, const ocl_device **out) {
     char why[256] = "";
     if (!duet__ocl_devices(&list, &n, why, sizeof why))
         return duet__error(DUET_NO_DEVICE, "opencl: unavailable (%s)", why);
-    if (index < 0 || index >= n) return duet__error(DUET_NO_DEVICE, "opencl: no device %d (it has %d)", index, n);
+    if (index < 0 || index >= n)
+        return duet__error(DUET_NO_DEVICE, "opencl: no device %d (it has %d)", index, n);
     *out = &list[index];
     return DUET_OK;
 }
@@ -51,9 +52,15 @@ static duet_status ocl_device_info(int index, duet_device_info *out) {
 /* ---- profiling ------------------------------------------------------------------- */
 
 static const char *const ocl_prof_names[OCL_PROF_KINDS] = {
-    [DUET_OP_EMBED] = "embed",       [DUET_OP_RMSNORM] = "rmsnorm",         [DUET_OP_MATMUL] = "matmul",
-    [DUET_OP_ROPE_KV] = "rope_kv",   [DUET_OP_ATTENTION] = "attention",     [DUET_OP_SWIGLU] = "swiglu",
-    [DUET_OP_ADD] = "add",           [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
+    [DUET_OP_EMBED] = "embed",
+    [DUET_OP_RMSNORM] = "rmsnorm",
+    [DUET_OP_MATMUL] = "matmul",
+    [DUET_OP_ROPE_KV] = "rope_kv",
+    [DUET_OP_ATTENTION] = "attention",
+    [DUET_OP_SWIGLU] = "swiglu",
+    [DUET_OP_ADD] = "add",
+    [DUET_OP_GATHER_ROWS] = "gather_rows",
+    [DUET_OP_ARGMAX] = "argmax",
     [OCL_PROF_CLBLAST] = "matmul (clblast)",
 };
 
@@ -84,7 +91,8 @@ static void collect_events(ocl_backend *be) {
         if (!e) continue;
         cl_ulong t0 = 0, t1 = 0;
         if (clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_START, sizeof t0, &t0, NULL) == CL_SUCCESS &&
-            clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_END, sizeof t1, &t1, NULL) == CL_SUCCESS && t1 >= t0) {
+            clGetEventProfilingInfo(e, CL_PROFILING_COMMAND_END, sizeof t1, &t1, NULL) == CL_SUCCESS &&
+            t1 >= t0) {
             be->prof_ms[be->event_kinds[i]] += (double)(t1 - t0) * 1e-6;
             be->prof_count[be->event_kinds[i]]++;
         }
@@ -102,13 +110,15 @@ void duet__ocl_profile(const ocl_backend *be, double *ms, long *count) {
 
 static void print_profile(const ocl_backend *be) {
     double total = 0;
-    for (int k = 0; k < OCL_PROF_KINDS; k++) total += be->prof_ms[k];
+    for (int k = 0; k < OCL_PROF_KINDS; k++)
+        total += be->prof_ms[k];
     fprintf(stderr, "opencl profile (%s): device time per op kind\n", be->dev->info.name);
     fprintf(stderr, "  %-18s %8s %12s %10s %7s\n", "op", "count", "total ms", "avg us", "share");
     for (int k = 0; k < OCL_PROF_KINDS; k++) {
         if (!be->prof_count[k]) continue;
-        fprintf(stderr, "  %-18s %8ld %12.3f %10.1f %6.1f%%\n", ocl_prof_names[k], be->prof_count[k], be->prof_ms[k],
-                1e3 * be->prof_ms[k] / (double)be->prof_count[k], total > 0 ? 100 * be->prof_ms[k] / total : 0.0);
+        fprintf(stderr, "  %-18s %8ld %12.3f %10.1f %6.1f%%\n", ocl_prof_names[k], be->prof_count[k],
+                be->prof_ms[k], 1e3 * be->prof_ms[k] / (double)be->prof_count[k],
+                total > 0 ? 100 * be->prof_ms[k] / total : 0.0);
     }
 }
 
@@ -183,8 +193,9 @@ static duet_status ocl_buffer_alloc(duet_backend *base, size_t size, duet_buffer
     ocl_backend *be = (ocl_backend *)base;
     *out = NULL;
     if (size > be->dev->max_alloc)
-        return duet__error(DUET_OUT_OF_MEMORY, "opencl: a buffer of %zu bytes exceeds %s's largest allocation (%llu)",
-                           size, be->dev->info.name, (unsigned long long)be->dev->max_alloc);
+        return duet__error(DUET_OUT_OF_MEMORY,
+                           "opencl: a buffer of %zu bytes exceeds %s's largest allocation (%llu)", size,
+                           be->dev->info.name, (unsigned long long)be->dev->max_alloc);
     duet_buffer *b = malloc(sizeof *b);
     if (!b) return duet__error(DUET_OUT_OF_MEMORY, "opencl: buffer handle");
     cl_int err;
@@ -206,14 +217,16 @@ static void ocl_buffer_free(duet_backend *be, duet_buffer *buf) {
 
 static duet_status check_range(const char *what, duet_buffer *buf, size_t offset, size_t size) {
     if (offset > buf->size || size > buf->size - offset)
-        return duet__error(DUET_INVALID_ARGUMENT, "opencl %s: %zu bytes at offset %zu run past a %zu-byte buffer", what,
-                           size, offset, buf->size);
+        return duet__error(DUET_INVALID_ARGUMENT,
+                           "opencl %s: %zu bytes at offset %zu run past a %zu-byte buffer", what, size,
+                           offset, buf->size);
     return DUET_OK;
 }
 
 /* Blocking: the caller may reuse `src` at once, and in-order execution puts
  * the write after the ops already enqueued. */
-static duet_status ocl_upload(duet_backend *base, duet_buffer *buf, size_t offset, const void *src, size_t size) {
+static duet_status ocl_upload(duet_backend *base, duet_buffer *buf, size_t offset, const void *src,
+                              size_t size) {
     ocl_backend *be = (ocl_backend *)base;
     duet_status st = check_range("upload", buf, offset, size);
     if (st != DUET_OK || size == 0) return st;
@@ -256,8 +269,8 @@ static duet_status ocl_wait(duet_backend *base) {
 /* ---- op validation ----------------------------------------------------------------------- */
 
 static const char *const ocl_op_names[DUET_OP_COUNT] = {
-    [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",     [DUET_OP_MATMUL] = "matmul",
-    [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention", [DUET_OP_SWIGLU] = "swiglu",
+    [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",         [DUET_OP_MATMUL] = "matmul",
+    [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention",     [DUET_OP_SWIGLU] = "swiglu",
     [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
 };
 
@@ -267,21 +280,26 @@ static uint64_t mul2(uint64_t a, uint64_t b) {
     uint64_t r;
     return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
 }
-static uint64_t mul3(uint64_t a, uint64_t b, uint64_t c) { return mul2(mul2(a, b), c); }
+static uint64_t mul3(uint64_t a, uint64_t b, uint64_t c) {
+    return mul2(mul2(a, b), c);
+}
 
 /* A view that must hold `bytes` bytes at an offset aligned for its element. */
 static duet_status view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align) {
     if (!v.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: %s has no buffer", op, name);
     if (v.offset % align)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s offset %zu is not a multiple of %zu", op, name, v.offset,
-                           align);
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s offset %zu is not a multiple of %zu", op, name,
+                           v.offset, align);
     if (v.offset > v.buf->size || bytes > (uint64_t)(v.buf->size - v.offset))
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s needs %llu bytes at offset %zu but its buffer holds %zu", op,
-                           name, (unsigned long long)bytes, v.offset, v.buf->size);
+        return duet__error(DUET_INVALID_ARGUMENT,
+                           "%s: %s needs %llu bytes at offset %zu but its buffer holds %zu", op, name,
+                           (unsigned long long)bytes, v.offset, v.buf->size);
     return DUET_OK;
 }
 
-static uint64_t view_avail(duet_view v) { return v.buf && v.offset <= v.buf->size ? v.buf->size - v.offset : 0; }
+static uint64_t view_avail(duet_view v) {
+    return v.buf && v.offset <= v.buf->size ? v.buf->size - v.offset : 0;
+}
 
 static bool views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) {
     return a.buf && a.buf == b.buf && a.offset < b.offset + bn && b.offset < a.offset + an;
@@ -289,22 +307,25 @@ static bool views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) {
 
 /* Elementwise ops may write in place (out == input) but not over a shifted
  * copy of an input. */
-static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out, uint64_t bytes) {
+static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out,
+                                 uint64_t bytes) {
     if (views_overlap(in, bytes, out, bytes) && in.offset != out.offset)
         return duet__error(DUET_INVALID_ARGUMENT, "%s: out partly overlaps %s", op, name);
     return DUET_OK;
 }
 
-static size_t weight_align(duet_dtype t) { return t == DUET_DTYPE_F32 ? 4 : 2; }
+static size_t weight_align(duet_dtype t) {
+    return t == DUET_DTYPE_F32 ? 4 : 2;
+}
 
-#define CHECK(expr)                     \
-    do {                                \
-        duet_status st_ = (expr);       \
-        if (st_ != DUET_OK) return st_; \
+#define CHECK(expr)                                                                                          \
+    do {                                                                                                     \
+        duet_status st_ = (expr);                                                                            \
+        if (st_ != DUET_OK) return st_;                                                                      \
     } while (0)
-#define REQUIRE(cond, ...)                                                   \
-    do {                                                                     \
-        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__); \
+#define REQUIRE(cond, ...)                                                                                   \
+    do {                                                                                                     \
+        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__);                                 \
     } while (0)
 
 /* Kernels index elements with 32-bit ints. */
@@ -332,16 +353,17 @@ static duet_status validate(const duet_op *op) {
         CHECK(view_check(name, "w", op->rmsnorm.w, (uint64_t)dim * 4, 4));
         CHECK(view_check(name, "out", op->rmsnorm.out, bytes, 4));
         CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
-        REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes), "rmsnorm: out overlaps w");
+        REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes),
+                "rmsnorm: out overlaps w");
         return DUET_OK;
     }
     case DUET_OP_MATMUL: {
         const duet_dtype dt = op->matmul.dtype;
         const int n_in = op->matmul.n_in, n_out = op->matmul.n_out;
-        REQUIRE(n_in > 0 && n_out > 0 && n_in < OCL_MAX_DIM && n_out < OCL_MAX_DIM, "matmul: n_in %d, n_out %d", n_in,
-                n_out);
-        REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d", n_in,
-                duet_dtype_name(dt), duet_dtype_block(dt));
+        REQUIRE(n_in > 0 && n_out > 0 && n_in < OCL_MAX_DIM && n_out < OCL_MAX_DIM,
+                "matmul: n_in %d, n_out %d", n_in, n_out);
+        REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d",
+                n_in, duet_dtype_name(dt), duet_dtype_block(dt));
         uint64_t wbytes = mul2((uint64_t)n_out, duet_dtype_row_bytes(dt, n_in));
         uint64_t xbytes = mul3(nt, (uint64_t)n_in, 4), obytes = mul3(nt, (uint64_t)n_out, 4);
         CHECK(view_check(name, "w", op->matmul.w, wbytes, weight_align(dt)));
@@ -351,7 +373,8 @@ static duet_status validate(const duet_op *op) {
         /* Work-items write out while others still read x and W. */
         REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.x, xbytes), "matmul: out overlaps x");
         REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.w, wbytes), "matmul: out overlaps w");
-        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.bias, (uint64_t)n_out * 4), "matmul: out overlaps bias");
+        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.bias, (uint64_t)n_out * 4),
+                "matmul: out overlaps bias");
         return DUET_OK;
     }
     case DUET_OP_ROPE_KV: {
@@ -360,9 +383,10 @@ static duet_status validate(const duet_op *op) {
         REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh < OCL_MAX_DIM && nkv < OCL_MAX_DIM &&
                     hd < OCL_MAX_DIM && n_ctx < OCL_MAX_DIM,
                 "rope_kv: n_head %d, n_head_kv %d, head_dim %d, n_ctx %d", nh, nkv, hd, n_ctx);
-        REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0, "rope_kv: n_rot %d must be even and at most head_dim %d",
-                n_rot, hd);
-        REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g", (double)op->rope_kv.freq_base);
+        REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0,
+                "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot, hd);
+        REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
+                (double)op->rope_kv.freq_base);
         const duet_dtype kvt = op->rope_kv.kv_dtype;
         uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4);
         uint64_t kbytes = mul2(mul3(nt, (uint64_t)nkv, (uint64_t)hd), 4);
@@ -380,9 +404,10 @@ static duet_status validate(const duet_op *op) {
     case DUET_OP_ATTENTION: {
         const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
         const int n_ctx = op->attention.n_ctx;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh % nkv == 0 && nh < OCL_MAX_DIM && n_ctx < OCL_MAX_DIM,
-                "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d, n_ctx %d", nh, nkv, hd,
-                n_ctx);
+        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh % nkv == 0 && nh < OCL_MAX_DIM &&
+                    n_ctx < OCL_MAX_DIM,
+                "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d, n_ctx %d", nh,
+                nkv, hd, n_ctx);
         const duet_dtype kvt = op->attention.kv_dtype;
         uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4);
         uint64_t kv_row = mul2((uint64_t)nkv * (uint64_t)hd, duet_dtype_block_bytes(kvt));
@@ -393,8 +418,10 @@ static duet_status validate(const duet_op *op) {
         CHECK(view_check(name, "v_cache", op->attention.v_cache, kv_row, duet_dtype_block_bytes(kvt)));
         CHECK(view_check(name, "out", op->attention.out, qbytes, 4));
         CHECK(check_inplace(name, "q", op->attention.q, op->attention.out, qbytes));
-        REQUIRE(!views_overlap(op->attention.out, qbytes, op->attention.k_cache, view_avail(op->attention.k_cache)) &&
-                    !views_overlap(op->attention.out, qbytes, op->attention.v_cache, view_avail(op->attention.v_cache)),
+        REQUIRE(!views_overlap(op->attention.out, qbytes, op->attention.k_cache,
+                               view_avail(op->attention.k_cache)) &&
+                    !views_overlap(op->attention.out, qbytes, op->attention.v_cache,
+                                   view_avail(op->attention.v_cache)),
                 "attention: out overlaps the KV cache");
         return DUET_OK;
     }
@@ -435,16 +462,20 @@ static duet_status validate(const duet_op *op) {
         CHECK(view_check(name, "out", op->argmax.out, nt * 4, 4));
         return DUET_OK;
     }
-    case DUET_OP_COUNT: break;
+    case DUET_OP_COUNT:
+        break;
     }
     return duet__error(DUET_INVALID_ARGUMENT, "opencl: unknown op kind %d", (int)op->kind);
 }
 
 static bool ocl_supports_op(duet_backend *be, const duet_op *op) {
     switch (op->kind) {
-    case DUET_OP_EMBED: return duet_dtype_is_weight(op->embed.dtype);
-    case DUET_OP_MATMUL: return duet_dtype_is_weight(op->matmul.dtype);
-    case DUET_OP_ROPE_KV: return op->rope_kv.kv_dtype == DUET_DTYPE_F32 || op->rope_kv.kv_dtype == DUET_DTYPE_F16;
+    case DUET_OP_EMBED:
+        return duet_dtype_is_weight(op->embed.dtype);
+    case DUET_OP_MATMUL:
+        return duet_dtype_is_weight(op->matmul.dtype);
+    case DUET_OP_ROPE_KV:
+        return op->rope_kv.kv_dtype == DUET_DTYPE_F32 || op->rope_kv.kv_dtype == DUET_DTYPE_F16;
     case DUET_OP_ATTENTION:
         return (op->attention.kv_dtype == DUET_DTYPE_F32 || op->attention.kv_dtype == DUET_DTYPE_F16) &&
                op->attention.head_dim <= OCL_ATT_DMAX;
@@ -452,21 +483,25 @@ static bool ocl_supports_op(duet_backend *be, const duet_op *op) {
     case DUET_OP_SWIGLU:
     case DUET_OP_ADD:
     case DUET_OP_GATHER_ROWS:
-    case DUET_OP_ARGMAX: return true;
-    case DUET_OP_COUNT: break;
+    case DUET_OP_ARGMAX:
+        return true;
+    case DUET_OP_COUNT:
+        break;
     }
     return false;
 }
 
 static duet_status ocl_op(duet_backend *base, const duet_op *op) {
     ocl_backend *be = (ocl_backend *)base;
-    if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "opencl: op outside a step (call begin first)");
+    if (!be->in_step)
+        return duet__error(DUET_INVALID_ARGUMENT, "opencl: op outside a step (call begin first)");
     if ((unsigned)op->kind >= DUET_OP_COUNT)
         return duet__error(DUET_INVALID_ARGUMENT, "opencl: unknown op kind %d", (int)op->kind);
     if (op->n_tokens <= 0)
         return duet__error(DUET_INVALID_ARGUMENT, "%s: n_tokens %d", ocl_op_names[op->kind], op->n_tokens);
     if (!ocl_supports_op(base, op))
-        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype or shape on opencl", ocl_op_names[op->kind]);
+        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype or shape on opencl",
+                           ocl_op_names[op->kind]);
     CHECK(validate(op));
     return duet__ocl_enqueue(be, op);
 }

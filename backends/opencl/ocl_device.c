@@ -14,8 +14,9 @@
 
 const char *duet__ocl_error_name(cl_int err) {
     switch (err) {
-#define E(x) \
-    case x: return #x;
+#define E(x)                                                                                                 \
+    case x:                                                                                                  \
+        return #x;
         E(CL_SUCCESS)
         E(CL_DEVICE_NOT_FOUND)
         E(CL_DEVICE_NOT_AVAILABLE)
@@ -76,7 +77,8 @@ const char *duet__ocl_error_name(cl_int err) {
         E(CL_INVALID_LINKER_OPTIONS)
         E(CL_INVALID_DEVICE_PARTITION_COUNT)
 #undef E
-    case -1001: return "CL_PLATFORM_NOT_FOUND_KHR";
+    case -1001:
+        return "CL_PLATFORM_NOT_FOUND_KHR";
     }
     return "unknown CL error";
 }
@@ -147,9 +149,12 @@ static void fill_device(ocl_device *d, cl_platform_id p, cl_device_id id) {
     clGetDeviceInfo(id, CL_DEVICE_TYPE, sizeof type, &type, NULL);
     clGetDeviceInfo(id, CL_DEVICE_HOST_UNIFIED_MEMORY, sizeof unified, &unified, NULL);
     d->unified = unified;
-    if (type & CL_DEVICE_TYPE_CPU) info->type = DUET_DEVICE_CPU;
-    else if (type & CL_DEVICE_TYPE_GPU) info->type = unified ? DUET_DEVICE_INTEGRATED_GPU : DUET_DEVICE_DISCRETE_GPU;
-    else info->type = DUET_DEVICE_OTHER;
+    if (type & CL_DEVICE_TYPE_CPU)
+        info->type = DUET_DEVICE_CPU;
+    else if (type & CL_DEVICE_TYPE_GPU)
+        info->type = unified ? DUET_DEVICE_INTEGRATED_GPU : DUET_DEVICE_DISCRETE_GPU;
+    else
+        info->type = DUET_DEVICE_OTHER;
 
     cl_ulong mem = 0;
     cl_uint cu = 0;
@@ -168,7 +173,8 @@ static void fill_device(ocl_device *d, cl_platform_id p, cl_device_id id) {
     char *exts = NULL;
     if (clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, 0, NULL, &ext_size) == CL_SUCCESS && ext_size) {
         exts = calloc(1, ext_size + 1);
-        if (exts && clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, ext_size, exts, NULL) != CL_SUCCESS) exts[0] = 0;
+        if (exts && clGetDeviceInfo(id, CL_DEVICE_EXTENSIONS, ext_size, exts, NULL) != CL_SUCCESS)
+            exts[0] = 0;
     }
     const char *e = exts ? exts : "";
     d->fp16 = has_ext(e, "cl_khr_fp16");
@@ -180,10 +186,12 @@ static void fill_device(ocl_device *d, cl_platform_id p, cl_device_id id) {
     info->int8_dot = d->int_dot;
     info->coopmat = false;
     info->subgroup_size = 0; /* OpenCL 1.2 has no query; cl_khr_subgroups sizes are per kernel */
-    snprintf(info->features, sizeof info->features,
-             "%s; local memory %llu KiB%s; max alloc %llu MiB; max work-group %zu; fp64 %s; cl_khr_subgroups %s",
-             d->version, (unsigned long long)(d->local_mem >> 10), d->local_is_global ? " (global)" : "",
-             (unsigned long long)(d->max_alloc >> 20), d->max_wg, d->fp64 ? "yes" : "no", d->subgroups ? "yes" : "no");
+    snprintf(
+        info->features, sizeof info->features,
+        "%s; local memory %llu KiB%s; max alloc %llu MiB; max work-group %zu; fp64 %s; cl_khr_subgroups %s",
+        d->version, (unsigned long long)(d->local_mem >> 10), d->local_is_global ? " (global)" : "",
+        (unsigned long long)(d->max_alloc >> 20), d->max_wg, d->fp64 ? "yes" : "no",
+        d->subgroups ? "yes" : "no");
 }
 
 static void enumerate(void) {
