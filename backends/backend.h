@@ -110,8 +110,35 @@ typedef enum duet_op_kind {
     DUET_OP_COUNT
 } duet_op_kind;
 
+/* Paged KV cache (rope_kv, attention). Per layer one K pool and one V pool,
+ * each n_blocks blocks x block_size tokens x kv width (n_head_kv*head_dim),
+ * allocated once. Element type f32, f16 or q8_0; a q8_0 token row is
+ * kv_width/32 duet_block_q8_0 blocks (head_dim % 32 == 0), the same block
+ * format as Q8_0 weights. Position p of sequence slot s lives in row
+ * p % block_size of block block_table[s * max_blocks + p / block_size].
+ * The caller guarantees table entries covering 0..pos are in [0, n_blocks);
+ * device kernels still clamp them so a bad table cannot write out of bounds. */
+typedef struct duet_kv_pages {
+    duet_view k_pool, v_pool; /* dtype [n_blocks][block_size][kv width] */
+    duet_view block_table;    /* i32 [n_seqs][max_blocks] */
+    duet_dtype dtype;         /* f32, f16 or q8_0 */
+    int block_size;           /* tokens per block (16 or 32 in practice) */
+    int n_blocks;             /* blocks in each pool */
+    int n_seqs, max_blocks;   /* table shape: a sequence holds up to max_blocks * block_size tokens */
+} duet_kv_pages;
+
+/* Bytes of one pool: n_blocks * block_size rows of n_head_kv*head_dim. */
+size_t duet_kv_pool_bytes(const duet_kv_pages *kv, int kv_width);
+
 /* All activations are f32, row-major [n_tokens][width]. Index arrays are
- * i32. Weights are row-major [rows][cols] in their dtype (GGUF's ne0 = cols). */
+ * i32. Weights are row-major [rows][cols] in their dtype (GGUF's ne0 = cols).
+ *
+ * INT8 activations: rmsnorm, swiglu and attention can also (or only) write
+ * their output quantised, `out_q8`: duet_block_q8_0 [n_tokens][width/32]
+ * (width % 32 == 0), one fp16 scale per 32 values, fused into the op so no
+ * separate pass reads the f32 rows back. A Q8_0 matmul given `x_q8` reads
+ * those blocks instead of `x` and runs int8 x int8 dot products. Either of
+ * out/out_q8 may be absent (buf NULL), not both. */
 typedef struct duet_op {
     duet_op_kind kind;
     int n_tokens; /* rows of the activation operands */
@@ -125,6 +152,7 @@ typedef struct duet_op {
         } embed;
         struct {
             duet_view x, w, out; /* x, out: [n_tokens][dim]; w: f32 [dim] */
+            duet_view out_q8;    /* optional q8_0 [n_tokens][dim/32] */
             int dim;
             float eps;
         } rmsnorm;
@@ -132,31 +160,32 @@ typedef struct duet_op {
             duet_view w;      /* dtype [n_out][n_in] */
             duet_dtype dtype;
             duet_view x;      /* f32 [n_tokens][n_in] */
+            duet_view x_q8;   /* optional (q8_0 weights only): q8_0 [n_tokens][n_in/32], used instead of x */
             duet_view bias;   /* f32 [n_out], buf NULL when none */
             bool accumulate;  /* out += W x (fused residual add) */
             int n_in, n_out;
             duet_view out;    /* f32 [n_tokens][n_out] */
         } matmul;
         struct {
-            duet_view q, k, v;      /* f32 [n_tokens][n_head*head_dim], k/v [n_tokens][n_head_kv*head_dim] */
-            duet_view pos, seq;     /* i32 [n_tokens]: position and sequence slot of each token */
-            duet_view k_cache, v_cache; /* kv_dtype [n_seqs][n_ctx][n_head_kv*head_dim] */
-            duet_dtype kv_dtype;    /* f32 or f16 */
-            int n_head, n_head_kv, head_dim, n_rot, n_ctx;
-            float freq_base;        /* theta_i = pos * base^(-2i/n_rot) on pairs (2i, 2i+1) */
-            bool neox;              /* pairs (i, i + n_rot/2) instead of adjacent */
+            duet_view q, k, v;  /* f32 [n_tokens][n_head*head_dim], k/v [n_tokens][n_head_kv*head_dim] */
+            duet_view pos, seq; /* i32 [n_tokens]: position and sequence slot of each token */
+            duet_kv_pages kv;   /* k, v are stored at (seq, pos) */
+            int n_head, n_head_kv, head_dim, n_rot;
+            float freq_base;    /* theta_i = pos * base^(-2i/n_rot) on pairs (2i, 2i+1) */
+            bool neox;          /* pairs (i, i + n_rot/2) instead of adjacent */
         } rope_kv;
         struct {
-            duet_view q;            /* f32 [n_tokens][n_head*head_dim], already rotated */
-            duet_view pos, seq;     /* i32 [n_tokens]: token t sees cache positions 0..pos[t] of seq[t] */
-            duet_view k_cache, v_cache;
-            duet_dtype kv_dtype;
-            int n_head, n_head_kv, head_dim, n_ctx;
-            float scale;            /* usually 1/sqrt(head_dim) */
-            duet_view out;          /* f32 [n_tokens][n_head*head_dim] */
+            duet_view q;        /* f32 [n_tokens][n_head*head_dim], already rotated */
+            duet_view pos, seq; /* i32 [n_tokens]: token t sees positions 0..pos[t] of seq[t] */
+            duet_kv_pages kv;
+            int n_head, n_head_kv, head_dim; /* n_head % n_head_kv == 0 (GQA/MQA) */
+            float scale;        /* usually 1/sqrt(head_dim) */
+            duet_view out;      /* f32 [n_tokens][n_head*head_dim] */
+            duet_view out_q8;   /* optional q8_0 [n_tokens][n_head*head_dim/32] */
         } attention;
         struct {
             duet_view gate, up, out; /* f32 [n_tokens][dim] */
+            duet_view out_q8;        /* optional q8_0 [n_tokens][dim/32] */
             int dim;
         } swiglu;
         struct {
@@ -212,6 +241,12 @@ typedef struct duet_backend_iface {
 
     /* Optional: a host pointer to the buffer's memory (cpu backend), or NULL. */
     void *(*buffer_host_ptr)(duet_backend *be, duet_buffer *buf);
+
+    /* Bytes of device memory the backend holds besides the caller's
+     * buffers (scratch of attention splits, quantised activations, staging),
+     * as a high-water mark since open. Tests use it to show attention's
+     * memory stays linear in the context. */
+    size_t (*scratch_bytes)(duet_backend *be);
 } duet_backend_iface;
 
 /* Every backend instance starts with this header. */
@@ -244,6 +279,8 @@ duet_status duet_step_begin(duet_backend *be);
 duet_status duet_step_op(duet_backend *be, const duet_op *op);
 duet_status duet_step_submit(duet_backend *be);
 duet_status duet_step_wait(duet_backend *be);
+/* The backend's scratch_bytes high-water mark. */
+size_t duet_backend_scratch_bytes(duet_backend *be);
 
 /* The backends compiled in. */
 extern const duet_backend_iface duet_cpu_backend_iface;

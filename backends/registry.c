@@ -135,14 +135,75 @@ duet_status duet_buffer_download(duet_backend *be, duet_buffer *buf, size_t offs
 
 duet_status duet_step_begin(duet_backend *be) { return be->iface->begin(be); }
 
+static duet_status check_shared(const duet_op *op);
+
 duet_status duet_step_op(duet_backend *be, const duet_op *op) {
     if (op->kind < 0 || op->kind >= DUET_OP_COUNT)
         return duet__error(DUET_INVALID_ARGUMENT, "op: unknown kind %d", (int)op->kind);
     if (op->n_tokens <= 0) return duet__error(DUET_INVALID_ARGUMENT, "op: n_tokens %d", op->n_tokens);
+    duet_status st = check_shared(op);
+    if (st) return st;
     if (be->iface->supports_op && !be->iface->supports_op(be, op))
         return duet__error(DUET_UNSUPPORTED, "%s: op %d is not supported on %s", be->iface->name,
                            (int)op->kind, be->info.name);
     return be->iface->op(be, op);
+}
+
+size_t duet_backend_scratch_bytes(duet_backend *be) {
+    return be->iface->scratch_bytes ? be->iface->scratch_bytes(be) : 0;
+}
+
+size_t duet_kv_pool_bytes(const duet_kv_pages *kv, int kv_width) {
+    return duet_dtype_row_bytes(kv->dtype, kv_width) * (size_t)kv->block_size * (size_t)kv->n_blocks;
+}
+
+/* Shape rules every backend shares: paged-KV geometry and q8 widths. */
+static duet_status check_kv_pages(const char *op, const duet_kv_pages *kv, int head_dim, int n_head,
+                                  int n_head_kv) {
+    if (kv->dtype != DUET_DTYPE_F32 && kv->dtype != DUET_DTYPE_F16 && kv->dtype != DUET_DTYPE_Q8_0)
+        return duet__error(DUET_UNSUPPORTED, "%s: kv dtype %d (f32, f16 or q8_0)", op, (int)kv->dtype);
+    if (kv->block_size < 1 || kv->n_blocks < 1 || kv->n_seqs < 1 || kv->max_blocks < 1)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: kv pages %d blocks x %d tokens, table %d x %d", op,
+                           kv->n_blocks, kv->block_size, kv->n_seqs, kv->max_blocks);
+    if (!kv->k_pool.buf || !kv->v_pool.buf || !kv->block_table.buf)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: kv pools and block table are required", op);
+    if (head_dim < 1 || n_head < 1 || n_head_kv < 1 || n_head % n_head_kv)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: %d heads over %d kv heads of %d", op, n_head, n_head_kv,
+                           head_dim);
+    if (kv->dtype == DUET_DTYPE_Q8_0 && head_dim % DUET_QK8_0)
+        return duet__error(DUET_UNSUPPORTED, "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op, head_dim);
+    return DUET_OK;
+}
+
+static duet_status check_q8_out(const char *op, duet_view out, duet_view out_q8, int width) {
+    if (!out.buf && !out_q8.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: no output", op);
+    if (out_q8.buf && width % DUET_QK8_0)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: q8 output needs width %% 32 == 0 (got %d)", op, width);
+    return DUET_OK;
+}
+
+static duet_status check_shared(const duet_op *op) {
+    switch (op->kind) {
+    case DUET_OP_ROPE_KV:
+        return check_kv_pages("rope_kv", &op->rope_kv.kv, op->rope_kv.head_dim, op->rope_kv.n_head,
+                              op->rope_kv.n_head_kv);
+    case DUET_OP_ATTENTION: {
+        duet_status st = check_kv_pages("attention", &op->attention.kv, op->attention.head_dim,
+                                        op->attention.n_head, op->attention.n_head_kv);
+        return st ? st
+                  : check_q8_out("attention", op->attention.out, op->attention.out_q8,
+                                 op->attention.n_head * op->attention.head_dim);
+    }
+    case DUET_OP_RMSNORM: return check_q8_out("rmsnorm", op->rmsnorm.out, op->rmsnorm.out_q8, op->rmsnorm.dim);
+    case DUET_OP_SWIGLU: return check_q8_out("swiglu", op->swiglu.out, op->swiglu.out_q8, op->swiglu.dim);
+    case DUET_OP_MATMUL:
+        if (op->matmul.x_q8.buf && op->matmul.dtype != DUET_DTYPE_Q8_0)
+            return duet__error(DUET_INVALID_ARGUMENT, "matmul: q8 activations need q8_0 weights");
+        if (!op->matmul.x_q8.buf && !op->matmul.x.buf)
+            return duet__error(DUET_INVALID_ARGUMENT, "matmul: no input");
+        return DUET_OK;
+    default: return DUET_OK;
+    }
 }
 
 duet_status duet_step_submit(duet_backend *be) { return be->iface->submit(be); }

@@ -3,8 +3,11 @@
  * tokens/s and latency percentiles.
  *
  * usage: bench_batching [-m MODEL] [--backend B] [--threads N] [--concurrency 1,4,16]
- *                       [--requests N] [--tokens N] [--json]
+ *                       [--requests N] [--tokens N] [--repeat N] [--json]
  * Without -m it benchmarks the synthetic 125m q8_0 model (made once in /tmp).
+ * --repeat runs the whole concurrency list N times, interleaved (so a noisy
+ * neighbour hits every level alike), and reports the median of each level
+ * and the median of the rounds' speedups over the first level.
  */
 #include <cjson/cJSON.h>
 #include <pthread.h>
@@ -54,6 +57,12 @@ static double percentile(double *v, int n, double p) {
     qsort(v, (size_t)n, sizeof *v, cmp_double);
     int i = (int)(p / 100.0 * (n - 1) + 0.5);
     return v[i < n ? i : n - 1];
+}
+
+/* Median of n values (sorts v). */
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 typedef struct result {
@@ -118,7 +127,7 @@ static result run(const char *model, const char *backend, int threads, int conc,
 
 int main(int argc, char **argv) {
     const char *model = NULL, *backend = "cpu", *conc_list = "1,4,16";
-    int threads = 2, n_req = 0, n_tokens = 32;
+    int threads = 2, n_req = 0, n_tokens = 32, repeat = 1;
     bool json = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "-m") && i + 1 < argc) model = argv[++i];
@@ -127,10 +136,11 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--concurrency") && i + 1 < argc) conc_list = argv[++i];
         else if (!strcmp(argv[i], "--requests") && i + 1 < argc) n_req = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) n_tokens = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--json")) json = true;
         else {
             fprintf(stderr, "usage: bench_batching [-m MODEL] [--backend B] [--threads N] [--concurrency 1,4,16] "
-                            "[--requests N] [--tokens N] [--json]\n");
+                            "[--requests N] [--tokens N] [--repeat N] [--json]\n");
             return 2;
         }
     }
@@ -146,33 +156,68 @@ int main(int argc, char **argv) {
         }
         model = path;
     }
-    result res[16];
-    int n = 0;
+    enum { MAX_LEVELS = 16, MAX_ROUNDS = 64 };
+    int levels[MAX_LEVELS], n = 0;
     char list[128];
     snprintf(list, sizeof list, "%s", conc_list);
-    for (char *t = strtok(list, ","); t && n < 16; t = strtok(NULL, ",")) {
-        int c = atoi(t);
-        res[n++] = run(model, backend, threads, c, n_req ? n_req : 2 * c, n_tokens);
-        if (!json)
-            fprintf(stderr, "concurrency %3d: %8.1f tokens/s (%.2fx), latency p50 %.3f s p99 %.3f s, ttft p99 %.3f s\n",
-                    c, res[n - 1].tokens_per_s, res[n - 1].tokens_per_s / res[0].tokens_per_s, res[n - 1].p50,
-                    res[n - 1].p99, res[n - 1].ttft_p99);
+    for (char *t = strtok(list, ","); t && n < MAX_LEVELS; t = strtok(NULL, ","))
+        levels[n++] = atoi(t);
+    if (n == 0 || repeat < 1 || repeat > MAX_ROUNDS) {
+        fprintf(stderr, "bench_batching: need a concurrency list and 1 <= --repeat <= %d\n", MAX_ROUNDS);
+        return 2;
     }
+    static result res[MAX_ROUNDS][MAX_LEVELS];
+    for (int r = 0; r < repeat; r++)
+        for (int i = 0; i < n; i++) {
+            int c = levels[i];
+            res[r][i] = run(model, backend, threads, c, n_req ? n_req : 2 * c, n_tokens);
+            if (!json)
+                fprintf(stderr,
+                        "%sconcurrency %3d: %8.1f tokens/s (%.2fx), latency p50 %.3f s p99 %.3f s, ttft p99 %.3f s\n",
+                        repeat > 1 ? "  " : "", c, res[r][i].tokens_per_s,
+                        res[r][i].tokens_per_s / res[r][0].tokens_per_s, res[r][i].p50, res[r][i].p99,
+                        res[r][i].ttft_p99);
+        }
+    /* Per level: median tokens/s, and the median of the rounds' ratios. */
+    double med_tps[MAX_LEVELS], med_ratio[MAX_LEVELS], v[MAX_ROUNDS];
+    for (int i = 0; i < n; i++) {
+        for (int r = 0; r < repeat; r++)
+            v[r] = res[r][i].tokens_per_s;
+        med_tps[i] = median(v, repeat);
+        for (int r = 0; r < repeat; r++)
+            v[r] = res[r][i].tokens_per_s / res[r][0].tokens_per_s;
+        med_ratio[i] = median(v, repeat);
+    }
+    if (!json && repeat > 1)
+        for (int i = 0; i < n; i++)
+            fprintf(stderr, "concurrency %3d: median %8.1f tokens/s, median speedup %.2fx (%d rounds)\n", levels[i],
+                    med_tps[i], med_ratio[i], repeat);
     if (json) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "model", model);
         cJSON_AddStringToObject(o, "backend", backend);
         cJSON_AddNumberToObject(o, "threads", threads);
         cJSON_AddNumberToObject(o, "tokens_per_request", n_tokens);
+        cJSON_AddNumberToObject(o, "rounds", repeat);
         cJSON *a = cJSON_AddArrayToObject(o, "runs");
         for (int i = 0; i < n; i++) {
             cJSON *e = cJSON_CreateObject();
-            cJSON_AddNumberToObject(e, "concurrency", res[i].concurrency);
-            cJSON_AddNumberToObject(e, "generation_tokens_per_s", res[i].tokens_per_s);
-            cJSON_AddNumberToObject(e, "speedup_vs_first", res[i].tokens_per_s / res[0].tokens_per_s);
-            cJSON_AddNumberToObject(e, "latency_p50_s", res[i].p50);
-            cJSON_AddNumberToObject(e, "latency_p99_s", res[i].p99);
-            cJSON_AddNumberToObject(e, "ttft_p99_s", res[i].ttft_p99);
+            cJSON_AddNumberToObject(e, "concurrency", levels[i]);
+            /* Medians over the rounds (the values themselves with one round). */
+            cJSON_AddNumberToObject(e, "generation_tokens_per_s", med_tps[i]);
+            cJSON_AddNumberToObject(e, "speedup_vs_first", med_ratio[i]);
+            for (int r = 0; r < repeat; r++)
+                v[r] = res[r][i].p50;
+            cJSON_AddNumberToObject(e, "latency_p50_s", median(v, repeat));
+            for (int r = 0; r < repeat; r++)
+                v[r] = res[r][i].p99;
+            cJSON_AddNumberToObject(e, "latency_p99_s", median(v, repeat));
+            for (int r = 0; r < repeat; r++)
+                v[r] = res[r][i].ttft_p99;
+            cJSON_AddNumberToObject(e, "ttft_p99_s", median(v, repeat));
+            cJSON *rounds = cJSON_AddArrayToObject(e, "round_tokens_per_s");
+            for (int r = 0; r < repeat; r++)
+                cJSON_AddItemToArray(rounds, cJSON_CreateNumber(res[r][i].tokens_per_s));
             cJSON_AddItemToArray(a, e);
         }
         char *s = cJSON_Print(o);

@@ -43,11 +43,11 @@ static size_t detok_size(const duet_tokenizer *t) {
 }
 
 duet_status duet_model_open(const char *path, const duet_open_params *params, duet_model **out) {
-    return duet__model_open(path, params, DUET_PREFILL_CHUNK, DUET_MAX_OUT, out);
+    return duet__model_open(path, params, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, out);
 }
 
 duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
-                             duet_model **out) {
+                             int kv_block_size, int kv_blocks, duet_model **out) {
     if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: out is NULL");
     *out = NULL;
     if (!path) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: path is NULL");
@@ -92,8 +92,10 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
     if (p.kv_type) {
         if (strcmp(p.kv_type, "f32") == 0) kv = DUET_DTYPE_F32;
         else if (strcmp(p.kv_type, "f16") == 0) kv = DUET_DTYPE_F16;
+        else if (strcmp(p.kv_type, "q8_0") == 0) kv = DUET_DTYPE_Q8_0;
         else {
-            st = duet__error(DUET_INVALID_ARGUMENT, "kv type '%s' is not supported (use f32 or f16)", p.kv_type);
+            st = duet__error(DUET_INVALID_ARGUMENT, "kv type '%s' is not supported (use f32, f16 or q8_0)",
+                             p.kv_type);
             goto fail;
         }
     }
@@ -102,8 +104,14 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
     if (max_out > max_step_tokens) max_out = max_step_tokens;
     m->max_step_tokens = max_step_tokens;
     m->max_out = max_out;
-    if ((st = duet__state_new(m->be, &m->hp, max_step_tokens, max_out, m->n_ctx, m->n_seqs, kv, &m->state)))
-        goto fail;
+    duet_state_params sp = {.max_tokens = max_step_tokens,
+                            .max_out = max_out,
+                            .n_ctx = m->n_ctx,
+                            .n_seqs = m->n_seqs,
+                            .kv_type = kv,
+                            .block_size = kv_block_size,
+                            .n_blocks = kv_blocks};
+    if ((st = duet__state_new(m->be, &m->hp, &m->w, &sp, &m->state))) goto fail;
     m->logits = malloc((size_t)max_out * m->hp.n_vocab * sizeof(float));
     if (!m->logits) {
         st = duet__error(DUET_OUT_OF_MEMORY, "out of memory for logits");

@@ -72,7 +72,7 @@ typedef struct duet_open_params {
     int n_threads;       /* cpu backend threads; 0 = all cores */
     int n_ctx;           /* context length per sequence; 0 = model's, capped at 4096 */
     int n_seqs;          /* concurrent sequences the KV cache holds; 0 = 1 */
-    const char *kv_type; /* "f32", "f16"; NULL = f32 for f32 models, else f16 */
+    const char *kv_type; /* "f32", "f16", "q8_0"; NULL = f32 for f32 models, else f16 */
     bool vocab_only;     /* load metadata and tokenizer only (no backend, no weights) */
 } duet_open_params;
 
@@ -112,7 +112,7 @@ duet_status duet_file_info(const char *path, bool json, char **out);
 duet_status duet_quantize_file(const char *in, const char *out, const char *type, char **report);
 
 typedef struct duet_mkmodel_params {
-    const char *shape; /* "tiny", "125m", "1b" (TinyLlama-1.1B), "7b" (Llama-2-7B) */
+    const char *shape; /* "tiny", "small", "125m", "1b" (TinyLlama-1.1B), "7b" (Llama-2-7B) */
     const char *type;  /* "f32", "f16", "q8_0" */
     uint64_t seed;
     int n_ctx;         /* 0 = the shape's default */

@@ -22,8 +22,10 @@ struct duet_model {
 };
 
 /* duet_model_open with the step sizes the caller needs (the engine batches
- * up to max_step_tokens tokens and max_out logit rows per step). */
+ * up to max_step_tokens tokens and max_out logit rows per step) and the
+ * paged KV cache's geometry (kv_block_size 0 = 16; kv_blocks 0 = enough
+ * for every slot at full context, with identity block tables). */
 duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
-                             duet_model **out);
+                             int kv_block_size, int kv_blocks, duet_model **out);
 
 #endif

@@ -60,6 +60,8 @@ struct duet_engine {
     /* Step scratch, sized once (max_tokens / max_seqs). */
     duet_sched_seq *plan_seqs;
     int32_t *tok, *pos, *seq, *out;
+    int32_t *tables; /* [max_seqs][max_blocks] this step's KV block tables */
+    int max_blocks;
     duet_sched_result *results;
     duet_finish *step_finish; /* [max_seqs] what the step decided; published under the lock */
     int max_tokens, max_seqs;
@@ -281,7 +283,13 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
         }
         if (s->logits) e->out[n_out++] = n - 1;
     }
-    duet_batch b = {.n_tokens = n, .tokens = e->tok, .pos = e->pos, .seq = e->seq, .n_out = n_out, .out = e->out};
+    duet_batch b = {.n_tokens = n,
+                    .tokens = e->tok,
+                    .pos = e->pos,
+                    .seq = e->seq,
+                    .n_out = n_out,
+                    .out = e->out,
+                    .block_tables = e->tables};
     int64_t t0 = now_ns();
     duet_status st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
     duet__metrics_step(e->metrics, n_seqs, n, secs(now_ns() - t0));
@@ -344,6 +352,14 @@ static void *engine_main(void *arg) {
          * memory), note first schedules and preemptions, then run unlocked. */
         int n_seqs = plan.n_seqs;
         memcpy(e->plan_seqs, plan.seqs, (size_t)n_seqs * sizeof *plan.seqs);
+        /* The step's KV block tables, snapshotted with the plan: a slot the
+         * scheduler frees meanwhile must not change this step's view. */
+        for (int i = 0; i < n_seqs; i++) {
+            const duet_sched_seq *s = &e->plan_seqs[i];
+            int32_t *row = e->tables + (size_t)s->slot * e->max_blocks;
+            memcpy(row, s->blocks, (size_t)s->n_blocks * sizeof *row);
+            for (int j = s->n_blocks; j < e->max_blocks; j++) row[j] = -1;
+        }
         for (int i = 0; i < plan.n_preempted; i++) {
             engine_req *r = find_req(e, plan.preempted[i]);
             if (r) duet__metrics_preempted(e->metrics, r->prio);
@@ -418,7 +434,7 @@ static void engine_free(duet_engine *e) {
     free(e->reqs);
     free(e->cancel_list);
     free(e->plan_seqs);
-    free(e->tok), free(e->pos), free(e->seq), free(e->out);
+    free(e->tok), free(e->pos), free(e->seq), free(e->out), free(e->tables);
     free(e->results);
     free(e->step_finish);
     free(e->text);
@@ -468,7 +484,10 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
 
     duet_open_params op = p.open;
     op.n_seqs = p.max_batch_seqs;
-    duet_status st = duet__model_open(path, &op, p.max_batch_tokens, p.max_batch_seqs, &e->model);
+    /* The device pools hold exactly the blocks the scheduler hands out. */
+    duet_status st = p.kv_blocks < 0 ? duet__error(DUET_INVALID_ARGUMENT, "kv_blocks %d is negative", p.kv_blocks)
+                                     : duet__model_open(path, &op, p.max_batch_tokens, p.max_batch_seqs, p.kv_block_size,
+                                      p.kv_blocks, &e->model);
     if (st) goto fail;
     duet_model *m = e->model;
     const int n_ctx = m->n_ctx;
@@ -476,7 +495,8 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     /* The cache holds every slot at full context: more blocks than that
      * could never be used, fewer make admission preempt. */
     const int max_blocks = blocks_per_seq * p.max_batch_seqs;
-    int kv_blocks = p.kv_blocks ? p.kv_blocks : max_blocks;
+    int kv_blocks = m->state->p.n_blocks;
+    e->max_blocks = blocks_per_seq;
     if (kv_blocks < 1 || kv_blocks > max_blocks) {
         st = duet__error(DUET_INVALID_ARGUMENT,
                          "kv_blocks %d out of range [1, %d] (%d sequences x %d positions in blocks of %d)",
@@ -510,11 +530,13 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     e->pos = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
     e->seq = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
     e->out = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
+    e->tables = malloc((size_t)p.max_batch_seqs * blocks_per_seq * sizeof(int32_t));
+    if (e->tables) memset(e->tables, 0xff, (size_t)p.max_batch_seqs * blocks_per_seq * sizeof(int32_t)); /* -1 */
     e->step_finish = calloc((size_t)p.max_batch_seqs, sizeof *e->step_finish);
     e->text = malloc(m->detok_size);
     e->err = calloc(1, ENGINE_ERR_SIZE);
     if (!e->metrics || !e->reqs || !e->cancel_list || !e->plan_seqs || !e->results || !e->tok || !e->pos ||
-        !e->seq || !e->out || !e->step_finish || !e->text || !e->err) {
+        !e->seq || !e->out || !e->tables || !e->step_finish || !e->text || !e->err) {
         st = duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory");
         goto fail;
     }

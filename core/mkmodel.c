@@ -16,6 +16,7 @@ typedef struct shape {
 
 static const shape shapes[] = {
     {"tiny", 64, 2, 4, 2, 192, 512, 512, false},
+    {"small", 128, 2, 4, 2, 384, 512, 4096, false}, /* head_dim 32: q8_0 KV, long-context tests */
     {"125m", 768, 12, 12, 12, 2048, 32000, 2048, true},
     {"1b", 2048, 22, 32, 4, 5632, 32000, 2048, false},   /* TinyLlama-1.1B */
     {"7b", 4096, 32, 32, 32, 11008, 32000, 4096, false}, /* Llama-2-7B */
@@ -152,7 +153,7 @@ duet_status duet_mkmodel(const duet_mkmodel_params *p, const char *path) {
     const shape *sh = NULL;
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         if (p->shape && strcmp(p->shape, shapes[i].name) == 0) sh = &shapes[i];
-    if (!sh) return duet__error(DUET_INVALID_ARGUMENT, "mkmodel: unknown shape '%s' (have: tiny, 125m, 1b, 7b)",
+    if (!sh) return duet__error(DUET_INVALID_ARGUMENT, "mkmodel: unknown shape '%s' (have: tiny, small, 125m, 1b, 7b)",
                                 p->shape ? p->shape : "(null)");
     duet_dtype type;
     if (!p->type || strcmp(p->type, "f32") == 0) type = DUET_DTYPE_F32;

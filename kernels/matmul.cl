@@ -93,7 +93,7 @@ inline float8 q8_scales8(gbytes row, int c0) {
 
 inline float chunk_scale(gbytes row, int c) {
 #if WTYPE == DT_Q8_0
-    return vload_half(0, (global const half *)(row + (ulong)c * Q8_0_BYTES));
+    return load_half(row + (ulong)c * Q8_0_BYTES);
 #else
     return 1.0f;
 #endif
@@ -109,6 +109,44 @@ inline float hsum(FV v) {
 #pragma unroll
     for (int i = 0; i < MV_VW; i++) s += lanes[i];
     return s;
+}
+
+/* Sums the MV_R partial dot products of each row group (a segment of the
+ * work-group; lane 0 of the segment holds the total), then writes
+ * out[t0 + t][r0 + r] (+ bias) (+ out). Every work-item calls it. */
+inline void mv_store(float (*res)[MV_MT], local float *red, int lane, int r0, int t0, int n_out, int n_tokens,
+                     gbytes bias, ulong bias_off, global uchar *out, ulong out_off, int flags) {
+#if MV_R > 1
+    const int lid = get_local_id(0);
+#pragma unroll
+    for (int r = 0; r < MV_NR; r++)
+#pragma unroll
+        for (int t = 0; t < MV_MT; t++) {
+            red[lid] = res[r][t];
+            barrier(CLK_LOCAL_MEM_FENCE);
+            for (int o = MV_R / 2; o > 0; o >>= 1) {
+                if (lane < o) red[lid] += red[lid + o];
+                barrier(CLK_LOCAL_MEM_FENCE);
+            }
+            res[r][t] = red[lid - lane];
+            barrier(CLK_LOCAL_MEM_FENCE);
+        }
+    if (lane != 0) return;
+#endif
+#pragma unroll
+    for (int r = 0; r < MV_NR; r++) {
+        const int o = r0 + r;
+        if (o >= n_out) break;
+        const float b = (flags & 1) ? AT_CONST(float, bias, bias_off)[o] : 0.0f;
+#pragma unroll
+        for (int t = 0; t < MV_MT; t++) {
+            if (t0 + t >= n_tokens) break;
+            global float *dst = AT(float, out, out_off) + (ulong)(t0 + t) * n_out + o;
+            float v = res[r][t] + b;
+            if (flags & 2) v += *dst;
+            *dst = v;
+        }
+    }
 }
 
 kernel void matmul(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off, global uchar *out,
@@ -192,40 +230,11 @@ kernel void matmul(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ul
 #endif
 
 #if MV_R > 1
-    /* Sum the MV_R partial dot products of each row group (a segment of the
-     * work-group); lane 0 of the segment writes. */
     local float red[MV_WG];
-    const int lid = get_local_id(0);
-#pragma unroll
-    for (int r = 0; r < MV_NR; r++)
-#pragma unroll
-        for (int t = 0; t < MV_MT; t++) {
-            red[lid] = res[r][t];
-            barrier(CLK_LOCAL_MEM_FENCE);
-            for (int o = MV_R / 2; o > 0; o >>= 1) {
-                if (lane < o) red[lid] += red[lid + o];
-                barrier(CLK_LOCAL_MEM_FENCE);
-            }
-            res[r][t] = red[lid - lane];
-            barrier(CLK_LOCAL_MEM_FENCE);
-        }
-    if (lane != 0) return;
+#else
+    local float *red = 0;
 #endif
-
-#pragma unroll
-    for (int r = 0; r < MV_NR; r++) {
-        const int o = r0 + r;
-        if (o >= n_out) break;
-        const float b = (flags & 1) ? AT_CONST(float, bias, bias_off)[o] : 0.0f;
-#pragma unroll
-        for (int t = 0; t < MV_MT; t++) {
-            if (t0 + t >= n_tokens) break;
-            global float *dst = AT(float, out, out_off) + (ulong)(t0 + t) * n_out + o;
-            float v = res[r][t] + b;
-            if (flags & 2) v += *dst;
-            *dst = v;
-        }
-    }
+    mv_store(res, red, lane, r0, t0, n_out, n_tokens, bias, bias_off, out, out_off, flags);
 }
 
 /* f32 copy of weight rows [r0, r0 + n_rows) for CLBlast's SGEMM (F16
@@ -236,3 +245,291 @@ kernel void dequantize_rows(gbytes w, ulong w_off, int n_in, int r0, int n_rows,
     gbytes row = w + w_off + (ulong)(r0 + r) * row_bytes(WTYPE, n_in);
     out[(ulong)r * n_in + i] = load_elem(WTYPE, row, i);
 }
+
+/* ---- Q8_0 weights x q8_0 activations: int8 dot products ----------------------
+ *
+ * out[t][o] = sum over blocks b of d_w[o][b] * d_x[t][b] * sum_i qw[o][32b+i] * qx[t][32b+i]
+ *
+ * Built when the host passes -DMQ_KERNELS (with WTYPE = q8_0). INT_DOT picks
+ * the 32-value dot product:
+ *   1  cl_khr_integer_dot_product, packed: dot_acc_sat_4x8packed_ss_int
+ *      on the block's eight 32-bit words (one DP4A-class instruction each);
+ *   2  the same extension with char4 operands (devices that only report
+ *      the unpacked 4x8-bit capability): dot_acc_sat(char4, char4, int);
+ *   0  portable: the bytes widened to int and multiplied (char16 -> int16:
+ *      SIMD multiply-adds on CPUs, scalar mad on GPUs).
+ * The 32 products of one block never overflow an int (32 * 128 * 128), so
+ * saturation never triggers and every path gives the same integers.
+ * OCL_DOT_EMULATE (tests only) defines the extension's built-ins in plain
+ * OpenCL C so the INT_DOT code runs on a device without it.
+ *
+ * Block bytes sit at 2 mod 4 (34-byte blocks), so the words are read as
+ * ushort pairs (2-byte aligned loads). */
+#if defined(MQ_KERNELS) && WTYPE == DT_Q8_0
+#ifndef INT_DOT
+#define INT_DOT 0
+#endif
+#ifndef MT_BN
+#define MT_BN 64 /* tiled GEMM: weight rows and tokens per work-group tile */
+#endif
+#ifndef MT_TR
+#define MT_TR 4 /* tiled GEMM: rows and tokens per work-item (MT_TR x MT_TR outputs) */
+#endif
+#define MT_KB 2 /* tiled GEMM: q8_0 blocks per K step */
+#ifndef MQ_SHORT
+#define MQ_SHORT 1
+#endif
+#if MQ_SHORT
+/* |w x| <= 128 * 127 (activations are clamped to +-127), so the sum of
+ * two products fits a short: 16-bit multiplies, half the register width. */
+#define MQ_XT short16
+#define MQ_CONV convert_short16
+#else
+#define MQ_XT int16
+#define MQ_CONV convert_int16
+#endif
+
+#if INT_DOT != 0
+#ifdef OCL_DOT_EMULATE
+inline int dot_acc_sat(char4 a, char4 b, int acc) {
+    long s = (long)acc + (int)a.x * b.x + (int)a.y * b.y + (int)a.z * b.z + (int)a.w * b.w;
+    return (int)clamp(s, (long)INT_MIN, (long)INT_MAX);
+}
+inline int dot_acc_sat_4x8packed_ss_int(uint a, uint b, int acc) { return dot_acc_sat(as_char4(a), as_char4(b), acc); }
+#else
+#pragma OPENCL EXTENSION cl_khr_integer_dot_product : enable
+#endif
+inline int dot4(uint a, uint b, int acc) {
+#if INT_DOT == 1
+    return dot_acc_sat_4x8packed_ss_int(a, b, acc);
+#else
+    return dot_acc_sat(as_char4(a), as_char4(b), acc);
+#endif
+}
+#else
+/* Portable 4 x int8 dot product of two packed words (GPUs without the
+ * extension): sign-extend each byte with shifts, multiply-add. */
+inline int dot4(uint a, uint b, int acc) {
+    const int ia = (int)a, ib = (int)b;
+    acc = mad24((ia << 24) >> 24, (ib << 24) >> 24, acc);
+    acc = mad24((ia << 16) >> 24, (ib << 16) >> 24, acc);
+    acc = mad24((ia << 8) >> 24, (ib << 8) >> 24, acc);
+    return mad24(ia >> 24, ib >> 24, acc);
+}
+#endif
+
+/* Word i (0..7) of a q8_0 block's 32 quants. */
+inline uint q8_word(gbytes blk, int i) {
+    global const ushort *h = (global const ushort *)(blk + 2);
+    return (uint)h[2 * i] | ((uint)h[2 * i + 1] << 16);
+}
+
+inline float q8_d(gbytes blk) { return load_half(blk); }
+
+/* Decode GEMV and small-batch GEMM: the work split of `matmul` above (MV_R
+ * lanes per row group, MV_NR rows x MV_MT tokens per work-item), one
+ * q8_0 block per step. Every weight byte is read once per MV_MT tokens.
+ * NDRange as for `matmul`. */
+kernel void matmul_q8_0_q8_0(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off,
+                             global uchar *out, ulong out_off, int n_in, int n_out, int n_tokens, int flags) {
+    const int lane = get_local_id(0) % MV_R;
+    const int r0 = (int)(get_global_id(0) / MV_R) * MV_NR;
+    const int t0 = (int)get_global_id(1) * MV_MT;
+    const int nb = n_in / QK8_0;
+    const ulong rb = (ulong)nb * Q8_0_BYTES;
+    gbytes wrow[MV_NR], xrow[MV_MT];
+#pragma unroll
+    for (int r = 0; r < MV_NR; r++) wrow[r] = w + w_off + (ulong)min(r0 + r, n_out - 1) * rb;
+#pragma unroll
+    for (int t = 0; t < MV_MT; t++) xrow[t] = x + x_off + (ulong)min(t0 + t, n_tokens - 1) * rb;
+
+#if INT_DOT == 0 && MV_R == 1
+    /* CPUs: vector products of a block's 32 int8 pairs, scaled into
+     * float16 accumulators that are summed across lanes once at the end.
+     * The fp16 scales of 8 consecutive blocks convert together with
+     * integer ops (q8_scales8): a scalar vload_half per block costs more
+     * than the block's products on CPUs without half instructions. */
+    float16 acc[MV_NR][MV_MT];
+#pragma unroll
+    for (int r = 0; r < MV_NR; r++)
+#pragma unroll
+        for (int t = 0; t < MV_MT; t++) acc[r][t] = (float16)(0.0f);
+    for (int b0 = 0; b0 < nb; b0 += 8) {
+        float dw[MV_NR][8], dx[MV_MT][8];
+        const int nblk = min(8, nb - b0);
+        if (nblk == 8) {
+#pragma unroll
+            for (int r = 0; r < MV_NR; r++) vstore8(q8_scales8(wrow[r], b0), 0, dw[r]);
+#pragma unroll
+            for (int t = 0; t < MV_MT; t++) vstore8(q8_scales8(xrow[t], b0), 0, dx[t]);
+        } else {
+            for (int i = 0; i < nblk; i++) {
+#pragma unroll
+                for (int r = 0; r < MV_NR; r++) dw[r][i] = q8_d(wrow[r] + (ulong)(b0 + i) * Q8_0_BYTES);
+#pragma unroll
+                for (int t = 0; t < MV_MT; t++) dx[t][i] = q8_d(xrow[t] + (ulong)(b0 + i) * Q8_0_BYTES);
+            }
+        }
+        for (int i = 0; i < nblk; i++) {
+            const ulong bo = (ulong)(b0 + i) * Q8_0_BYTES + 2;
+            MQ_XT xa[MV_MT], xb[MV_MT];
+#pragma unroll
+            for (int t = 0; t < MV_MT; t++) {
+                xa[t] = MQ_CONV(vload16(0, (global const char *)(xrow[t] + bo)));
+                xb[t] = MQ_CONV(vload16(1, (global const char *)(xrow[t] + bo)));
+            }
+#pragma unroll
+            for (int r = 0; r < MV_NR; r++) {
+                const MQ_XT wa = MQ_CONV(vload16(0, (global const char *)(wrow[r] + bo)));
+                const MQ_XT wb = MQ_CONV(vload16(1, (global const char *)(wrow[r] + bo)));
+#pragma unroll
+                for (int t = 0; t < MV_MT; t++)
+                    acc[r][t] = fma(convert_float16(wa * xa[t] + wb * xb[t]), (float16)(dw[r][i] * dx[t][i]), acc[r][t]);
+            }
+        }
+    }
+    float res[MV_NR][MV_MT];
+#pragma unroll
+    for (int r = 0; r < MV_NR; r++)
+#pragma unroll
+        for (int t = 0; t < MV_MT; t++) {
+            float l[16];
+            vstore16(acc[r][t], 0, l);
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 16; i++) s += l[i];
+            res[r][t] = s;
+        }
+#else
+    /* GPUs: lanes stride over blocks; eight word dot products per block. */
+    float res[MV_NR][MV_MT];
+#pragma unroll
+    for (int r = 0; r < MV_NR; r++)
+#pragma unroll
+        for (int t = 0; t < MV_MT; t++) res[r][t] = 0.0f;
+    for (int b = lane; b < nb; b += MV_R) {
+        uint xw[MV_MT][8];
+        float dx[MV_MT];
+#pragma unroll
+        for (int t = 0; t < MV_MT; t++) {
+            gbytes blk = xrow[t] + (ulong)b * Q8_0_BYTES;
+#pragma unroll
+            for (int i = 0; i < 8; i++) xw[t][i] = q8_word(blk, i);
+            dx[t] = q8_d(blk);
+        }
+#pragma unroll
+        for (int r = 0; r < MV_NR; r++) {
+            gbytes blk = wrow[r] + (ulong)b * Q8_0_BYTES;
+            uint ww[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++) ww[i] = q8_word(blk, i);
+            const float dw = q8_d(blk);
+#pragma unroll
+            for (int t = 0; t < MV_MT; t++) {
+                int s = 0;
+#pragma unroll
+                for (int i = 0; i < 8; i++) s = dot4(ww[i], xw[t][i], s);
+                res[r][t] = fma((float)s, dw * dx[t], res[r][t]);
+            }
+        }
+    }
+#endif
+#if MV_R > 1
+    local float red[MV_WG];
+#else
+    local float *red = 0;
+#endif
+    mv_store(res, red, lane, r0, t0, n_out, n_tokens, bias, bias_off, out, out_off, flags);
+}
+
+/* Prefill GEMM: a work-group computes an MT_BN (weight rows) x MT_BN
+ * (tokens) tile of out, MT_KB blocks of K at a time through local memory
+ * (quants as 32-bit words, scales as floats; rows padded by one word so
+ * work-items reading different rows hit different banks). Work-item
+ * (tx, ty) owns rows tx + i * MT_TH and tokens ty + j * MT_TH: neighbours
+ * read neighbouring rows and write neighbouring outputs.
+ * NDRange (MT_TH * MT_TH * ceil(n_out / MT_BN), ceil(n_tokens / MT_BN)),
+ * work-group (MT_TH * MT_TH, 1). */
+#define MT_TH (MT_BN / MT_TR)
+#define MT_WS (MT_KB * 8 + 1) /* words per local row */
+kernel void matmul_q8_0_q8_0_tiled(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off,
+                                   global uchar *out, ulong out_off, int n_in, int n_out, int n_tokens, int flags) {
+    local uint wq[MT_BN * MT_WS], xq[MT_BN * MT_WS];
+    local float wd[MT_BN * MT_KB], xd[MT_BN * MT_KB];
+    const int lid = get_local_id(0);
+    int tx, ty;
+    DIVMOD(lid, MT_TH, ty, tx);
+    const int row0 = (get_global_id(0) / (MT_TH * MT_TH)) * MT_BN, tok0 = get_global_id(1) * MT_BN;
+    const int nb = n_in / QK8_0;
+    const ulong rb = (ulong)nb * Q8_0_BYTES;
+
+    float acc[MT_TR][MT_TR];
+#pragma unroll
+    for (int i = 0; i < MT_TR; i++)
+#pragma unroll
+        for (int j = 0; j < MT_TR; j++) acc[i][j] = 0.0f;
+
+    for (int b0 = 0; b0 < nb; b0 += MT_KB) {
+        /* Load: units of (row, block, word 0..7 or 8 = the scale). */
+        for (int e = lid; e < MT_BN * MT_KB * 9; e += MT_TH * MT_TH) {
+            int rr, rest, kb, u;
+            DIVMOD(e, MT_KB * 9, rr, rest);
+            DIVMOD(rest, 9, kb, u);
+            const int b = b0 + kb;
+            const bool in_k = b < nb;
+            gbytes wb = w + w_off + (ulong)min(row0 + rr, n_out - 1) * rb + (ulong)min(b, nb - 1) * Q8_0_BYTES;
+            gbytes xb = x + x_off + (ulong)min(tok0 + rr, n_tokens - 1) * rb + (ulong)min(b, nb - 1) * Q8_0_BYTES;
+            if (u < 8) {
+                wq[rr * MT_WS + kb * 8 + u] = in_k ? q8_word(wb, u) : 0u;
+                xq[rr * MT_WS + kb * 8 + u] = in_k ? q8_word(xb, u) : 0u;
+            } else {
+                wd[rr * MT_KB + kb] = in_k ? q8_d(wb) : 0.0f;
+                xd[rr * MT_KB + kb] = in_k ? q8_d(xb) : 0.0f;
+            }
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+#pragma unroll
+        for (int kb = 0; kb < MT_KB; kb++) {
+            int s[MT_TR][MT_TR];
+#pragma unroll
+            for (int i = 0; i < MT_TR; i++)
+#pragma unroll
+                for (int j = 0; j < MT_TR; j++) s[i][j] = 0;
+#pragma unroll
+            for (int u = 0; u < 8; u++) {
+                uint a[MT_TR], c[MT_TR];
+#pragma unroll
+                for (int i = 0; i < MT_TR; i++) a[i] = wq[(tx + i * MT_TH) * MT_WS + kb * 8 + u];
+#pragma unroll
+                for (int j = 0; j < MT_TR; j++) c[j] = xq[(ty + j * MT_TH) * MT_WS + kb * 8 + u];
+#pragma unroll
+                for (int i = 0; i < MT_TR; i++)
+#pragma unroll
+                    for (int j = 0; j < MT_TR; j++) s[i][j] = dot4(a[i], c[j], s[i][j]);
+            }
+#pragma unroll
+            for (int i = 0; i < MT_TR; i++)
+#pragma unroll
+                for (int j = 0; j < MT_TR; j++)
+                    acc[i][j] = fma((float)s[i][j], wd[(tx + i * MT_TH) * MT_KB + kb] * xd[(ty + j * MT_TH) * MT_KB + kb],
+                                    acc[i][j]);
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+#pragma unroll
+    for (int i = 0; i < MT_TR; i++) {
+        const int o = row0 + tx + i * MT_TH;
+        if (o >= n_out) continue;
+        const float bv = (flags & 1) ? AT_CONST(float, bias, bias_off)[o] : 0.0f;
+#pragma unroll
+        for (int j = 0; j < MT_TR; j++) {
+            const int t = tok0 + ty + j * MT_TH;
+            if (t >= n_tokens) continue;
+            global float *dst = AT(float, out, out_off) + (ulong)t * n_out + o;
+            float v = acc[i][j] + bv;
+            if (flags & 2) v += *dst;
+            *dst = v;
+        }
+    }
+}
+#endif /* MQ_KERNELS */

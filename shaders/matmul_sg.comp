@@ -18,7 +18,9 @@
 // It takes any alignment the HAL allows (2 bytes for 16-bit and Q8_0 rows),
 // so it is also the fallback of the tile path for ragged shapes.
 //
-// Q8_0 uses activations from quantize_q8.comp, like the cpu backend.
+// Q8_0 reads q8_0 activation blocks (an op's out_q8, or quantize_q8.comp's
+// from f32 x, like the cpu backend), a token's row laid out like a weight
+// row.
 // Grid: x = ceil(rows / ROWS), y = tokens.
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 64;
@@ -37,10 +39,8 @@ layout(std430, binding = 3) buffer Out { float out_[]; };
 layout(push_constant) uniform P {
     uint w_off;      // bytes, of row 0
     uint row_bytes;
-    uint x_off;      // bytes, of token 0 (f32), or of token 0's quants (Q8_0)
-    uint d_off;      // Q8_0: bytes of token 0's scales
-    uint n_in;       // columns (Q8_0: blocks per row in nb)
-    uint nb_pad;     // Q8_0: scale stride per token
+    uint x_off;      // bytes, of token 0 (f32), or of token 0's blocks (Q8_0)
+    uint n_in;       // columns (Q8_0: blocks per row)
     uint bias_off;   // bytes
     uint out_off;    // words
     uint out_stride; // words
@@ -77,13 +77,24 @@ float row_dot(uint row, uint t) {
         // Lanes take whole groups of 8 blocks (272 bytes = 17 texels), as
         // the tile path does: 16 bytes a fetch. Each half-group (4 blocks,
         // 8.5 texels) is 9 fetches; the odd half starts 2 words in.
-        int xq0 = int(p.x_off / 16u + t * nb * 2u), xd0 = int(p.d_off / 16u + t * (p.nb_pad / 4u));
+        int xq0 = int(p.x_off / 16u + t * (p.row_bytes / 16u));
         for (uint g = l; g < nb / 8u; g += WG) {
             [[unroll]] for (int h = 0; h < 2; h++) {
-                uvec4 t9[9], xq[8];
+                uvec4 t9[9], x9[9], xq[8];
+                vec4 xd;
                 [[unroll]] for (int k = 0; k < 9; k++) t9[k] = texelFetch(W, int(row / 16u + g * 17u) + h * 8 + k);
-                [[unroll]] for (int k = 0; k < 8; k++) xq[k] = texelFetch(X, xq0 + int(g) * 16 + h * 8 + k);
-                vec4 xd = uintBitsToFloat(texelFetch(X, xd0 + int(g) * 2 + h));
+                [[unroll]] for (int k = 0; k < 9; k++) x9[k] = texelFetch(X, xq0 + int(g) * 17 + h * 8 + k);
+#define XD(n) x9[((n) + 2 * h) >> 2][((n) + 2 * h) & 3]
+                [[unroll]] for (int pr = 0; pr < 2; pr++) {
+                    int o = pr * 17;
+                    xd[2 * pr] = unpackHalf2x16(XD(o)).x;
+                    xd[2 * pr + 1] = unpackHalf2x16(XD(o + 8)).y;
+                    [[unroll]] for (int k = 0; k < 8; k++) {
+                        xq[(pr * 16 + k) >> 2][k & 3] = (XD(o + k) >> 16) | (XD(o + k + 1) << 16);
+                        xq[(pr * 16 + 8 + k) >> 2][k & 3] = XD(o + 9 + k);
+                    }
+                }
+#undef XD
 #define WD(n) t9[((n) + 2 * h) >> 2][((n) + 2 * h) & 3]
                 [[unroll]] for (int pr = 0; pr < 2; pr++) {
                     int o = pr * 17, s0 = 0, s1 = 0;
@@ -98,13 +109,13 @@ float row_dot(uint row, uint t) {
         }
         return s;
     }
-    uint qrow = p.x_off / 4u + t * nb * 8u, drow = p.d_off / 4u + t * p.nb_pad;
+    uint xrow = p.x_off + t * p.row_bytes;
     for (uint b = l; b < nb; b += WG) {
-        uint blk = row + b * 34u;
-        float dw = f16_bits(u16_at(W, blk));
+        uint blk = row + b * 34u, xb = xrow + b * 34u;
         int acc = 0;
-        [[unroll]] for (uint k = 0u; k < 8u; k++) acc = DOT4(word_at_byte(W, blk + 2u + 4u * k), word_at(X, qrow + b * 8u + k), acc);
-        s += dw * uintBitsToFloat(word_at(X, drow + b)) * float(acc);
+        [[unroll]] for (uint k = 0u; k < 8u; k++)
+            acc = DOT4(word_at_byte(W, blk + 2u + 4u * k), word_at_byte(X, xb + 2u + 4u * k), acc);
+        s += f16_bits(u16_at(W, blk)) * f16_bits(u16_at(X, xb)) * float(acc);
     }
 #else
     uint xrow = p.x_off + t * p.n_in * 4u;

@@ -10,13 +10,16 @@
 #include "common.glsl"
 
 // matmul_tile_q8 (Q8_0 weights): the tile path of matmul_tile.comp for
-// Q8_0, against activations quantized by quantize_q8.comp (as the cpu
-// backend does): out[t][r] = sum_b d_w d_x sum_k q_w q_x.
+// Q8_0 against int8 activations: out[t][r] = sum_b d_w d_x sum_k q_w q_x.
+// The activations are q8_0 blocks, a token's row laid out exactly like a
+// weight row: written by an earlier op (rmsnorm/swiglu/attention out_q8),
+// or by quantize_q8.comp from f32 x (as the cpu backend quantizes them).
 //
 // A row is a run of 34-byte blocks; 8 blocks are 272 bytes = 17 texels, so
 // with texel-aligned rows (blocks per row a multiple of 8) an invocation
 // walks each row in half-groups of 4 blocks = 8.5 texels: 9 fetches, two
-// words of phase for the odd half. USE_INT_DOT takes the int8 dot products
+// words of phase for the odd half. Activation rows are read the same way,
+// once per R weight rows. USE_INT_DOT takes the int8 dot products
 // with OpSDotAccSat (where the device accelerates it); without it the int8
 // values are unpacked to floats once (activations once per R rows, weights
 // once per T tokens) and multiplied with FMAs.
@@ -34,9 +37,8 @@ layout(std430, binding = 3) buffer Out { float out_[]; };
 layout(push_constant) uniform P {
     uint w_off;      // bytes, of row 0 of this dispatch (16-aligned)
     uint row_bytes;  // nb * 34, a multiple of 16
-    uint q_off;      // bytes into XQ of token 0's quants (16-aligned)
-    uint d_off;      // bytes into XQ of token 0's scales (16-aligned)
-    uint nb, nb_pad; // blocks per row; scale stride per token
+    uint q_off;      // bytes into XQ of token 0's blocks (16-aligned)
+    uint nb;         // blocks per row
     uint bias_off;   // bytes
     uint out_off;    // words
     uint out_stride; // words
@@ -59,12 +61,8 @@ void main() {
     if (r0 >= int(p.n_rows)) return;
     int wrow[R];
     [[unroll]] for (int i = 0; i < R; i++) wrow[i] = int(p.w_off / 16u) + min(r0 + i, int(p.n_rows) - 1) * int(p.row_bytes / 16u);
-    int qrow[T], drow[T];
-    [[unroll]] for (int j = 0; j < T; j++) {
-        int t = min(t0 + j, int(p.n_tok) - 1);
-        qrow[j] = int(p.q_off / 16u) + t * int(p.nb * 2u); // 32 bytes per block
-        drow[j] = int(p.d_off / 16u) + t * int(p.nb_pad / 4u);
-    }
+    int qrow[T];
+    [[unroll]] for (int j = 0; j < T; j++) qrow[j] = int(p.q_off / 16u) + min(t0 + j, int(p.n_tok) - 1) * int(p.row_bytes / 16u);
 
     float acc[R][T];
     [[unroll]] for (int i = 0; i < R; i++) [[unroll]] for (int j = 0; j < T; j++) acc[i][j] = 0.0;
@@ -73,22 +71,28 @@ void main() {
     for (int g = 0; g < ng; g++) {
         [[unroll]] for (int h = 0; h < 2; h++) { // half-group: 4 blocks, 128 columns
             vec4 xd[T];
-#ifdef USE_INT_DOT
-            uvec4 xq[T][8];
-#else
-            vec4 xf[T][32]; // the int8 activations as floats: unpacked once, used by R rows
-#endif
+            uvec4 xq[T][8]; // quants of the 4 blocks: word 8b + k of block b is xq[.][(8b + k) / 4][k % 4]
             [[unroll]] for (int j = 0; j < T; j++) {
-                [[unroll]] for (int i = 0; i < 8; i++) {
-                    uvec4 q = texelFetch(XQ, qrow[j] + g * 16 + h * 8 + i);
-#ifdef USE_INT_DOT
-                    xq[j][i] = q;
-#else
-                    [[unroll]] for (int c = 0; c < 4; c++) xf[j][4 * i + c] = i8x4(q[c]);
-#endif
+                uvec4 x9[9];
+                [[unroll]] for (int k = 0; k < 9; k++) x9[k] = texelFetch(XQ, qrow[j] + g * 17 + h * 8 + k);
+#define XD(n) x9[((n) + 2 * h) >> 2][((n) + 2 * h) & 3]
+                [[unroll]] for (int pr = 0; pr < 2; pr++) {
+                    int o = pr * 17;
+                    xd[j][2 * pr] = unpackHalf2x16(XD(o)).x;
+                    xd[j][2 * pr + 1] = unpackHalf2x16(XD(o + 8)).y;
+                    [[unroll]] for (int k = 0; k < 8; k++) {
+                        xq[j][(pr * 16 + k) >> 2][k & 3] = (XD(o + k) >> 16) | (XD(o + k + 1) << 16);
+                        xq[j][(pr * 16 + 8 + k) >> 2][k & 3] = XD(o + 9 + k);
+                    }
                 }
-                xd[j] = uintBitsToFloat(texelFetch(XQ, drow[j] + g * 2 + h));
+#undef XD
             }
+#ifndef USE_INT_DOT
+            vec4 xf[T][32]; // the int8 activations as floats: unpacked once, used by R rows
+            [[unroll]] for (int j = 0; j < T; j++)
+                [[unroll]] for (int i = 0; i < 8; i++)
+                    [[unroll]] for (int c = 0; c < 4; c++) xf[j][4 * i + c] = i8x4(xq[j][i][c]);
+#endif
             [[unroll]] for (int i = 0; i < R; i++) {
                 uvec4 t9[9];
                 [[unroll]] for (int k = 0; k < 9; k++) t9[k] = texelFetch(W, wrow[i] + g * 17 + h * 8 + k);

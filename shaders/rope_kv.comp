@@ -1,41 +1,46 @@
 #version 450
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
+#include "kv.glsl"
 
-// rope_kv: rotate q and k in place, then store k and v into the KV cache at
-// (seq, pos). One workgroup per token: first every rotation pair is turned
-// by its own invocation, then (after a barrier, so the rotated k is seen)
-// the cache row is written word by word. cos/sin come from a table the
-// host computed in double precision, as the cpu backend does.
+// rope_kv: rotate q and k in place, then store k and v into the paged KV
+// pools at (seq, pos). One workgroup per token: first every rotation pair
+// is turned by its own invocation, then (after a barrier, so the rotated k
+// is seen) the pool rows are written. cos/sin come from a table the host
+// computed in double precision, as the cpu backend does.
 //
-// An f16 cache row may start in the middle of a word (odd row lengths):
-// the two words it shares with its neighbours are written with atomics.
-// A cache larger than one storage binding is written by one dispatch per
-// window of sequences [seq_lo, seq_hi); only the first also rotates.
+// f16 rows may start mid-word (odd widths) and q8_0 blocks are 34 bytes:
+// words shared with a neighbour are written with atomics on their own half.
+// A pool larger than one storage binding is written by one dispatch per
+// window of blocks [blk_lo, blk_hi); only the first also rotates.
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 64;
-layout(constant_id = 1) const bool KV_F16 = false;
+layout(constant_id = 1) const uint KVT = 0;      // KV_F32, KV_F16, KV_Q8_0
 layout(constant_id = 2) const bool NEOX = false; // pairs (i, i + n_rot/2) instead of (2i, 2i+1)
 
 layout(binding = 0) uniform usamplerBuffer POS;
 layout(binding = 1) uniform usamplerBuffer SEQ;
 layout(binding = 2) uniform usamplerBuffer V;
-layout(binding = 3) uniform usamplerBuffer TAB; // [n_ctx][n_rot/2] (cos, sin)
-layout(std430, binding = 4) buffer Q { float q[]; };
-layout(std430, binding = 5) coherent buffer K { float k[]; };
-layout(std430, binding = 6) buffer KC { uint kc[]; };
-layout(std430, binding = 7) buffer VC { uint vc[]; };
-layout(std430, binding = 8) buffer Status { uint status; };
+layout(binding = 3) uniform usamplerBuffer TAB; // [n_pos][n_rot/2] (cos, sin)
+layout(binding = 4) uniform usamplerBuffer BT;  // i32 [n_seqs][max_blocks]
+layout(std430, binding = 5) buffer Q { float q[]; };
+layout(std430, binding = 6) coherent buffer K { float k[]; };
+layout(std430, binding = 7) buffer KP { uint kp[]; };
+layout(std430, binding = 8) buffer VP { uint vp[]; };
+layout(std430, binding = 9) buffer Status { uint status; };
 
 layout(push_constant) uniform P {
-    uint q_off, k_off;        // words
-    uint v_off, pos_off, seq_off, tab_off; // bytes
-    uint kc_off, vc_off;      // elements (f32 words or f16 halves) of the binding's seq_lo row
-    uint n_head, n_head_kv, hd, n_rot, n_ctx;
-    uint seq_lo, seq_hi;      // the sequences this dispatch's cache bindings hold
-    uint rotate;              // this dispatch rotates q and k (the first window)
-    uint avail_rows;          // cache rows (seq * n_ctx + pos) both caches hold
+    uint q_off, k_off;                           // words
+    uint v_off, pos_off, seq_off, tab_off, bt_off; // bytes
+    uint kp_off, vp_off; // of the binding's first row: f32 words, f16 halves, q8_0 bytes
+    uint n_head, n_head_kv, hd, n_rot, n_pos;
+    uint block_size, n_blocks, max_blocks, n_seqs;
+    uint blk_lo, blk_hi; // the blocks this dispatch's pool bindings hold
+    uint rotate;         // this dispatch rotates q and k (the first window)
 } p;
+
+DEFINE_Q8_STORE(store_k_q8, kp)
+DEFINE_Q8_STORE(store_v_q8, vp)
 
 void store_half(uint which, uint h, uint bits, bool whole, uint lo_bits) {
     // Writes f16 `bits` at half index h; `whole`: also writes lo_bits at h-1
@@ -43,30 +48,33 @@ void store_half(uint which, uint h, uint bits, bool whole, uint lo_bits) {
     uint w = h >> 1;
     if (whole) {
         uint v = lo_bits | (bits << 16);
-        if (which == 0u) kc[w] = v;
-        else vc[w] = v;
+        if (which == 0u) kp[w] = v;
+        else vp[w] = v;
         return;
     }
     uint sh = (h & 1u) * 16u;
     uint keep = ~(0xffffu << sh), set = bits << sh;
     if (which == 0u) {
-        atomicAnd(kc[w], keep);
-        atomicOr(kc[w], set);
+        atomicAnd(kp[w], keep);
+        atomicOr(kp[w], set);
     } else {
-        atomicAnd(vc[w], keep);
-        atomicOr(vc[w], set);
+        atomicAnd(vp[w], keep);
+        atomicOr(vp[w], set);
     }
 }
 
 void main() {
     uint t = gl_WorkGroupID.y, l = gl_LocalInvocationID.x;
     int pos = i32_at(POS, p.pos_off + t * 4u), seq = i32_at(SEQ, p.seq_off + t * 4u);
-    bool bad_pos = pos < 0 || uint(pos) >= p.n_ctx;
-    bool bad_seq = seq < 0 || (!bad_pos && uint(seq) * p.n_ctx + uint(pos) >= p.avail_rows);
+    bool bad_pos = pos < 0 || uint(pos) / p.block_size >= p.max_blocks || uint(pos) >= p.n_pos;
+    bool bad_seq = seq < 0 || uint(seq) >= p.n_seqs;
     if (bad_pos || bad_seq) {
         if (p.rotate != 0u && l == 0u) atomicOr(status, (bad_pos ? ST_BAD_POS : 0u) | (bad_seq ? ST_BAD_SEQ : 0u));
         return;
     }
+    bool bad_blk = false;
+    uint prow = kv_row(BT, p.bt_off, uint(seq), uint(pos), p.block_size, p.max_blocks, p.n_blocks, bad_blk);
+    if (bad_blk && p.rotate != 0u && l == 0u) atomicOr(status, ST_BAD_BLOCK);
     uint half_rot = p.n_rot / 2u;
     uint kvw = p.n_head_kv * p.hd;
     if (p.rotate != 0u && half_rot > 0u) {
@@ -93,19 +101,43 @@ void main() {
     }
     memoryBarrierBuffer();
     barrier();
-    if (uint(seq) < p.seq_lo || uint(seq) >= p.seq_hi) return;
-    uint row = (uint(seq) - p.seq_lo) * p.n_ctx + uint(pos);
+    uint blk = prow / p.block_size;
+    if (blk < p.blk_lo || blk >= p.blk_hi) return;
+    uint row = prow - p.blk_lo * p.block_size; // within this dispatch's bindings
     uint kbase = p.k_off + t * kvw, vbase = p.v_off + t * kvw * 4u;
-    if (!KV_F16) {
+    if (KVT == KV_F32) {
         for (uint e = l; e < kvw; e += WG) {
-            kc[p.kc_off + row * kvw + e] = floatBitsToUint(k[kbase + e]);
-            vc[p.vc_off + row * kvw + e] = word_at(V, (vbase + e * 4u) >> 2);
+            kp[p.kp_off + row * kvw + e] = floatBitsToUint(k[kbase + e]);
+            vp[p.vp_off + row * kvw + e] = word_at(V, (vbase + e * 4u) >> 2);
         }
         return;
     }
-    // f16: walk the words that hold halves [h0, h0 + kvw) of each cache.
+    if (KVT == KV_Q8_0) {
+        // One invocation per 32-block of the k row, then of the v row.
+        uint nb = kvw / 32u;
+        for (uint j = l; j < 2u * nb; j += WG) {
+            bool is_v = j >= nb;
+            uint b = is_v ? j - nb : j;
+            vec4 x[8];
+            [[unroll]] for (uint i = 0u; i < 8u; i++) {
+                uint e = b * 32u + i * 4u;
+                if (is_v)
+                    x[i] = vec4(f32_at(V, vbase + e * 4u), f32_at(V, vbase + e * 4u + 4u), f32_at(V, vbase + e * 4u + 8u),
+                                f32_at(V, vbase + e * 4u + 12u));
+                else
+                    x[i] = vec4(k[kbase + e], k[kbase + e + 1u], k[kbase + e + 2u], k[kbase + e + 3u]);
+            }
+            uint dh, qw[8];
+            quantize_block(x, dh, qw);
+            uint byte = (is_v ? p.vp_off : p.kp_off) + row * nb * 34u + b * 34u;
+            if (is_v) store_v_q8(byte, dh, qw);
+            else store_k_q8(byte, dh, qw);
+        }
+        return;
+    }
+    // f16: walk the words that hold halves [h0, h0 + kvw) of each pool row.
     [[unroll]] for (uint which = 0u; which < 2u; which++) {
-        uint h0 = (which == 0u ? p.kc_off : p.vc_off) + row * kvw;
+        uint h0 = (which == 0u ? p.kp_off : p.vp_off) + row * kvw;
         uint w_first = h0 >> 1, w_last = (h0 + kvw - 1u) >> 1;
         for (uint w = w_first + l; w <= w_last; w += WG) {
             uint lo = 2u * w, hi = lo + 1u;

@@ -41,6 +41,11 @@ typedef struct bo_case {
     int n_head, n_head_kv, n_seqs, pos0, n_rot; /* rope/attention */
     bool bias, accumulate, neox, inplace;
     unsigned modes;
+    /* rmsnorm/swiglu/attention: 1 = out and out_q8, 2 = out_q8 only;
+     * matmul (q8_0): 1 = x as pre-quantised x_q8. */
+    int q8act;
+    int block;   /* rope/attention: KV block size (0 = 16) */
+    int lens[6]; /* rope/attention: context length of each sequence (0 = from pos0) */
 } bo_case;
 
 #define F32 DUET_DTYPE_F32
@@ -51,6 +56,9 @@ typedef struct bo_case {
 #define P BO_PERF
 #define S BO_SMALL
 
+/* Trailing fields (q8act, block, lens) default to 0 where a row stops. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 /* clang-format off */
 static const bo_case bo_cases[] = {
     /* shape        kind                 dtype tok  dim   rows   nh nkv seqs pos0 rot  bias  acc    neox   inplace modes */
@@ -102,9 +110,13 @@ static const bo_case bo_cases[] = {
     {"gqa-seqs",    DUET_OP_ROPE_KV,     F32,   9, 32,     200,  8, 2, 3, 120, 32, false, false, false, false, T|S},
     {"partial",     DUET_OP_ROPE_KV,     F16,   6, 48,      64,  4, 2, 2, 10, 32, false, false, true,  false, T|S},
     {"odd-dims",    DUET_OP_ROPE_KV,     F32,   5, 15,      40,  3, 1, 1, 3,  10, false, false, false, false, T|S},
+    {"q8-pool",     DUET_OP_ROPE_KV,     Q8,    9, 64,     100,  4, 2, 3, 40, 64, false, false, true,  false, T|S},
+    {"q8-block32",  DUET_OP_ROPE_KV,     Q8,   40, 32,      64,  4, 4, 1, 0,  32, false, false, false, false, T|S, 0, 32},
+    {"f16-block32", DUET_OP_ROPE_KV,     F16,   5, 64,    1000,  4, 2, 5, 0,  64, false, false, false, false, T|S, 0, 32, {7, 64, 1000, 33, 1}},
     {"125m",        DUET_OP_ROPE_KV,     F16,   1, 64,     512, 12, 12, 1, 256, 64, false, false, false, false, P},
 
-    /* attention: online softmax over the cache, causal, GQA, sequences */
+    /* attention: online softmax over paged pools, causal, GQA/MQA, sequences;
+     * contexts 1, 7, 64, 1000, 4096 and ragged mixes of them, f16 and q8_0 KV */
     {"decode",      DUET_OP_ATTENTION,   F32,   1, 64,     300,  4, 4, 1, 250, 0, false, false, false, false, T|S},
     {"decode",      DUET_OP_ATTENTION,   F16,   1, 64,     300,  4, 2, 1, 299, 0, false, false, false, false, T|S},
     {"gqa-seqs",    DUET_OP_ATTENTION,   F32,  11, 32,     160,  8, 2, 3, 100, 0, false, false, false, false, T|S},
@@ -112,8 +124,47 @@ static const bo_case bo_cases[] = {
     {"prefill",     DUET_OP_ATTENTION,   F16,  40, 128,     64,  4, 1, 1, 0,   0, false, false, false, false, T},
     {"inplace",     DUET_OP_ATTENTION,   F32,   4, 8,       20,  8, 4, 2, 0,   0, false, false, false, true,  T|S},
     {"hd256",       DUET_OP_ATTENTION,   F32,   2, 256,     30,  2, 1, 1, 17,  0, false, false, false, false, T},
+    {"ctx1",        DUET_OP_ATTENTION,   F16,   1, 64,       1,  4, 2, 1, 0,   0, false, false, false, false, T|S, 0, 16, {1}},
+    {"ctx1",        DUET_OP_ATTENTION,   Q8,    1, 64,       1,  4, 2, 1, 0,   0, false, false, false, false, T|S, 0, 16, {1}},
+    {"ctx7",        DUET_OP_ATTENTION,   F16,   7, 64,       7,  4, 1, 1, 0,   0, false, false, false, false, T|S, 0, 16, {7}},
+    {"ctx7",        DUET_OP_ATTENTION,   Q8,    7, 32,       7,  4, 4, 1, 0,   0, false, false, false, false, T|S, 0, 32, {7}},
+    {"ctx64",       DUET_OP_ATTENTION,   F16,  64, 64,      64,  8, 2, 1, 0,   0, false, false, false, false, T, 0, 16, {64}},
+    {"ctx64",       DUET_OP_ATTENTION,   Q8,   64, 64,      64,  8, 2, 1, 0,   0, false, false, false, false, T, 0, 32, {64}},
+    {"ctx1000",     DUET_OP_ATTENTION,   F16,   1, 64,    1000, 12, 12, 1, 0,  0, false, false, false, false, T, 0, 16, {1000}},
+    {"ctx1000",     DUET_OP_ATTENTION,   Q8,    1, 64,    1000, 12, 12, 1, 0,  0, false, false, false, false, T, 0, 16, {1000}},
+    {"ctx1000-pf",  DUET_OP_ATTENTION,   F16,  37, 128,   1000,  4, 1, 1, 0,   0, false, false, false, false, T, 0, 32, {1000}},
+    {"ctx4096",     DUET_OP_ATTENTION,   F16,   1, 64,    4096, 12, 12, 1, 0,  0, false, false, false, false, T, 0, 16, {4096}},
+    {"ctx4096",     DUET_OP_ATTENTION,   Q8,    1, 64,    4096, 12, 12, 1, 0,  0, false, false, false, false, T, 0, 16, {4096}},
+    {"ctx4096-pf",  DUET_OP_ATTENTION,   Q8,   16, 64,    4096,  8, 2, 1, 0,   0, false, false, false, false, T, 0, 32, {4096}},
+    {"ctx4096-mqa", DUET_OP_ATTENTION,   F32,   2, 64,    4096,  8, 1, 1, 0,   0, false, false, false, false, T, 0, 16, {4096}},
+    {"mix-decode",  DUET_OP_ATTENTION,   F16,   5, 64,    4096,  4, 2, 5, 0,   0, false, false, false, false, T, 0, 16, {7, 64, 1000, 4096, 1}},
+    {"mix-decode",  DUET_OP_ATTENTION,   Q8,    5, 64,    4096,  4, 2, 5, 0,   0, false, false, false, false, T, 0, 16, {7, 64, 1000, 4096, 1}},
+    {"mix-chunks",  DUET_OP_ATTENTION,   F16,  20, 64,    4096,  4, 4, 4, 0,   0, false, false, false, false, T, 0, 32, {7, 64, 1000, 4096}},
+    {"mix-chunks",  DUET_OP_ATTENTION,   Q8,   20, 32,    4096,  4, 1, 4, 0,   0, false, false, false, false, T, 0, 16, {7, 64, 1000, 4096}},
+    {"out-q8",      DUET_OP_ATTENTION,   F16,   9, 64,     200,  4, 2, 3, 50,  0, false, false, false, false, T|S, 1},
+    {"out-q8-only", DUET_OP_ATTENTION,   Q8,    3, 64,     100,  2, 1, 3, 20,  0, false, false, false, false, T|S, 2},
     {"125m",        DUET_OP_ATTENTION,   F16,   1, 64,     512, 12, 12, 1, 255, 0, false, false, false, false, P},
     {"125m-pf",     DUET_OP_ATTENTION,   F16, 128, 64,     512, 12, 12, 1, 0,  0, false, false, false, false, P},
+    {"125m-c128",   DUET_OP_ATTENTION,   F16,   1, 64,     128, 12, 12, 1, 0,  0, false, false, false, false, P, 0, 16, {128}},
+    {"125m-c1024",  DUET_OP_ATTENTION,   F16,   1, 64,    1024, 12, 12, 1, 0,  0, false, false, false, false, P, 0, 16, {1024}},
+    {"125m-c4096",  DUET_OP_ATTENTION,   F16,   1, 64,    4096, 12, 12, 1, 0,  0, false, false, false, false, P, 0, 16, {4096}},
+    {"125m-c4096",  DUET_OP_ATTENTION,   Q8,    1, 64,    4096, 12, 12, 1, 0,  0, false, false, false, false, P, 0, 16, {4096}},
+    {"125m-16seq",  DUET_OP_ATTENTION,   F16,  16, 64,    1024, 12, 12, 16, 900, 0, false, false, false, false, P},
+    {"125m-pf4096", DUET_OP_ATTENTION,   F16, 128, 64,    4096, 12, 12, 1, 0,  0, false, false, false, false, P, 0, 16, {4096}},
+
+    /* fused int8 activations: rmsnorm/swiglu q8 outputs, q8 x q8 matmuls */
+    {"out-q8",      DUET_OP_RMSNORM,     F32,   7, 96,       0,  0, 0, 0, 0, 0, false, false, false, false, T|S, 1},
+    {"out-q8-only", DUET_OP_RMSNORM,     F32,  37, 768,      0,  0, 0, 0, 0, 0, false, false, false, false, T|S, 2},
+    {"out-q8",      DUET_OP_SWIGLU,      F32,   5, 160,      0,  0, 0, 0, 0, 0, false, false, false, false, T|S, 1},
+    {"out-q8-only", DUET_OP_SWIGLU,      F32,  13, 2048,     0,  0, 0, 0, 0, 0, false, false, false, false, T|S, 2},
+    {"x-q8",        DUET_OP_MATMUL,      Q8,    1, 256,    100,  0, 0, 0, 0, 0, false, false, false, false, T|S, 1},
+    {"x-q8",        DUET_OP_MATMUL,      Q8,    5, 96,      37,  0, 0, 0, 0, 0, true,  true,  false, false, T|S, 1},
+    {"x-q8",        DUET_OP_MATMUL,      Q8,   16, 768,    200,  0, 0, 0, 0, 0, false, true,  false, false, T, 1},
+    {"x-q8",        DUET_OP_MATMUL,      Q8,   77, 288,    131,  0, 0, 0, 0, 0, true,  true,  false, false, T, 1},
+    {"125m-up-q8",  DUET_OP_MATMUL,      Q8,    1, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
+    {"1b-up-q8",    DUET_OP_MATMUL,      Q8,    1, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
+    {"125m-up-q8",  DUET_OP_MATMUL,      Q8,   16, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
+    {"125m-up-pf-q8", DUET_OP_MATMUL,    Q8,  128, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
 
     {"ragged",      DUET_OP_SWIGLU,      F32,   3, 129,      0,  0, 0, 0, 0, 0, false, false, false, false, T|S},
     {"inplace",     DUET_OP_SWIGLU,      F32,  37, 100,      0,  0, 0, 0, 0, 0, false, false, false, true,  T|S},
@@ -127,6 +178,7 @@ static const bo_case bo_cases[] = {
     {"vocab",       DUET_OP_ARGMAX,      F32,   2, 32000,    0,  0, 0, 0, 0, 0, false, false, false, false, T|P},
 };
 /* clang-format on */
+#pragma GCC diagnostic pop
 #undef F32
 #undef F16
 #undef BF16
@@ -138,7 +190,7 @@ static const bo_case bo_cases[] = {
 #define BO_N_CASES ((int)(sizeof bo_cases / sizeof bo_cases[0]))
 #define BO_GUARD 256 /* guard bytes before and after every operand */
 #define BO_GUARD_BYTE 0xA5
-#define BO_MAX_OPERANDS 8
+#define BO_MAX_OPERANDS 10
 
 static inline const char *bo_op_name(duet_op_kind k) {
     static const char *const names[DUET_OP_COUNT] = {
@@ -171,7 +223,9 @@ static inline void bo_case_label(const bo_case *c, char *buf, size_t size) {
 
 /* ---- operands ------------------------------------------------------------------ */
 
-typedef enum bo_elem { BO_ELEM_F32, BO_ELEM_I32, BO_ELEM_RAW } bo_elem;
+/* How outputs are compared: f32 values, exact i32, raw data of the case's
+ * dtype (weights, KV pools), or q8_0 blocks (quantised activations). */
+typedef enum bo_elem { BO_ELEM_F32, BO_ELEM_I32, BO_ELEM_RAW, BO_ELEM_Q8 } bo_elem;
 
 typedef struct bo_operand {
     const char *name;
@@ -188,6 +242,8 @@ typedef struct bo_host {
     int n;
     bo_operand ops[BO_MAX_OPERANDS];
     int32_t *pos, *seq; /* rope/attention: per-token position and sequence (in ops too) */
+    int32_t *table;     /* rope/attention: block tables [n_seqs][max_blocks] (in ops too) */
+    int block_size, max_blocks, n_blocks;
 } bo_host;
 
 /* Deterministic data: a 64-bit LCG per (case, operand). */
@@ -228,23 +284,66 @@ static inline int bo_add(bo_host *h, const char *name, size_t bytes, void *data,
 
 static inline int32_t *bo_ints(size_t n) { return malloc(n * sizeof(int32_t) + 1); }
 
-/* Positions and sequences of rope/attention: token t belongs to sequence
- * t % n_seqs at position pos0 + 3s + t / n_seqs (distinct slots, several
- * tokens of one sequence in one batch, causal order inside it). */
+/* Positions and sequences of rope/attention. Token t belongs to sequence
+ * t % n_seqs. With lens[], sequence s's tokens are the last ones of its
+ * context of lens[s] (a decode or the final prompt chunk); otherwise token t
+ * sits at pos0 + 3s + t / n_seqs (distinct slots, several tokens of one
+ * sequence in one batch, causal order inside it). */
 static inline void bo_positions(const bo_case *c, int32_t *pos, int32_t *seq) {
     for (int t = 0; t < c->n_tokens; t++) {
-        seq[t] = t % c->n_seqs;
-        pos[t] = c->pos0 + 3 * seq[t] + t / c->n_seqs;
-        if (pos[t] >= c->rows) pos[t] = c->rows - 1 - (t / c->n_seqs); /* stay inside n_ctx */
+        const int s = t % c->n_seqs, j = t / c->n_seqs;
+        seq[t] = s;
+        if (c->lens[0]) {
+            const int count = (c->n_tokens - s + c->n_seqs - 1) / c->n_seqs;
+            pos[t] = c->lens[s] - count + j;
+            if (pos[t] < 0) pos[t] = j; /* a context shorter than its tokens: a prefill from 0 */
+            continue;
+        }
+        pos[t] = c->pos0 + 3 * s + j;
+        if (pos[t] >= c->rows) pos[t] = c->rows - 1 - j; /* stay inside n_ctx */
     }
 }
 
+static inline int bo_block_size(const bo_case *c) { return c->block ? c->block : 16; }
+
+/* Scattered block tables: every (sequence, entry) gets a distinct block of
+ * a shuffled pool with a few spare blocks nobody references, so a kernel
+ * that ignores the table or mixes sequences up reads the wrong rows. */
+static inline int32_t *bo_block_tables(const bo_case *c, int *max_blocks, int *n_blocks) {
+    const int bs = bo_block_size(c);
+    *max_blocks = (c->rows + bs - 1) / bs;
+    *n_blocks = c->n_seqs * *max_blocks + 5;
+    int32_t *perm = malloc(sizeof(int32_t) * (size_t)*n_blocks);
+    for (int i = 0; i < *n_blocks; i++) perm[i] = i;
+    uint64_t st = 0x2545F4914F6CDD1Dull + (uint64_t)c->rows;
+    for (int i = *n_blocks - 1; i > 0; i--) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        int j = (int)((st >> 33) % (uint64_t)(i + 1));
+        int32_t tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    int32_t *table = malloc(sizeof(int32_t) * (size_t)c->n_seqs * (size_t)*max_blocks + 1);
+    memcpy(table, perm, sizeof(int32_t) * (size_t)c->n_seqs * (size_t)*max_blocks);
+    free(perm);
+    return table;
+}
+
+/* n rows of width floats quantised to q8_0 blocks (malloc'd). */
+static inline void *bo_quantize_rows(const float *x, size_t rows, int width) {
+    size_t rb = duet_dtype_row_bytes(DUET_DTYPE_Q8_0, width);
+    uint8_t *p = malloc(rows * rb + 1);
+    for (size_t r = 0; r < rows; r++) duet_quantize_row_q8_0(x + r * (size_t)width, (duet_block_q8_0 *)(p + r * rb), width);
+    return p;
+}
+
 /* Builds the host operands of case `ci`. Operand order per op:
- *   embed: tokens table out | rmsnorm: x w out | matmul: w x bias? out
- *   rope_kv: q k v pos seq k_cache v_cache | attention: q pos seq k_cache v_cache out
- *   swiglu: gate up out | add: a b out | gather: x rows out | argmax: x out */
-static inline void bo_host_build(int ci, bo_host *h) {
-    const bo_case *c = &bo_cases[ci];
+ *   embed: tokens table out | rmsnorm: x w out? out_q8? | matmul: w x|x_q8 bias? out
+ *   rope_kv: q k v pos seq block_table k_pool v_pool
+ *   attention: q pos seq block_table k_pool v_pool out? out_q8?
+ *   swiglu: gate up out? out_q8? | add: a b out | gather: x rows out | argmax: x out
+ * The op refers to operands by name (bo_dev_setup). */
+static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
     memset(h, 0, sizeof *h);
     h->c = c;
     const size_t T = (size_t)c->n_tokens, D = (size_t)c->dim;
@@ -262,14 +361,24 @@ static inline void bo_host_build(int ci, bo_host *h) {
     case DUET_OP_RMSNORM:
         bo_add(h, "x", T * D * 4, bo_fill_f32(T * D, seed + 1, 2.0f), BO_ELEM_F32, c->inplace);
         bo_add(h, "w", D * 4, bo_fill_f32(D, seed + 2, 1.0f), BO_ELEM_F32, false);
-        bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 3, 1.0f), BO_ELEM_F32, true);
+        if (c->q8act != 2) bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 3, 1.0f), BO_ELEM_F32, true);
         if (c->inplace) h->ops[2].alias = 0;
+        if (c->q8act)
+            bo_add(h, "out_q8", T * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, c->dim),
+                   bo_fill_typed(DUET_DTYPE_Q8_0, c->n_tokens, c->dim, seed + 4, 1.0f), BO_ELEM_Q8, true);
         break;
     case DUET_OP_MATMUL: {
         const size_t O = (size_t)c->rows;
         bo_add(h, "w", O * duet_dtype_row_bytes(c->dtype, c->dim), bo_fill_typed(c->dtype, c->rows, c->dim, seed + 1, 1.0f),
                BO_ELEM_RAW, false);
-        bo_add(h, "x", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f), BO_ELEM_F32, false);
+        float *x = bo_fill_f32(T * D, seed + 2, 1.0f);
+        if (c->q8act) {
+            bo_add(h, "x_q8", T * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, c->dim), bo_quantize_rows(x, T, c->dim),
+                   BO_ELEM_Q8, false);
+            free(x);
+        } else {
+            bo_add(h, "x", T * D * 4, x, BO_ELEM_F32, false);
+        }
         if (c->bias) bo_add(h, "bias", O * 4, bo_fill_f32(O, seed + 3, 1.0f), BO_ELEM_F32, false);
         bo_add(h, "out", T * O * 4, bo_fill_f32(T * O, seed + 4, 4.0f), BO_ELEM_F32, true);
         break;
@@ -277,10 +386,12 @@ static inline void bo_host_build(int ci, bo_host *h) {
     case DUET_OP_ROPE_KV:
     case DUET_OP_ATTENTION: {
         const size_t qw = (size_t)c->n_head * D, kvw = (size_t)c->n_head_kv * D;
-        const size_t cache_rows = (size_t)c->n_seqs * (size_t)c->rows;
         h->pos = bo_ints(T);
         h->seq = bo_ints(T);
         bo_positions(c, h->pos, h->seq);
+        h->block_size = bo_block_size(c);
+        h->table = bo_block_tables(c, &h->max_blocks, &h->n_blocks);
+        const size_t pool_rows = (size_t)h->n_blocks * (size_t)h->block_size;
         const bool rope = c->kind == DUET_OP_ROPE_KV;
         bo_add(h, "q", T * qw * 4, bo_fill_f32(T * qw, seed + 1, 1.0f), BO_ELEM_F32, rope || c->inplace);
         if (rope) {
@@ -292,16 +403,25 @@ static inline void bo_host_build(int ci, bo_host *h) {
         memcpy(seq, h->seq, T * 4);
         bo_add(h, "pos", T * 4, pos, BO_ELEM_I32, false);
         bo_add(h, "seq", T * 4, seq, BO_ELEM_I32, false);
-        /* Caches start full of random rows: attention reads them, rope_kv
-         * must change exactly the slots it stores (compared whole). */
-        size_t cache_bytes = cache_rows * duet_dtype_row_bytes(c->dtype, (int64_t)kvw);
-        bo_add(h, "k_cache", cache_bytes, bo_fill_typed(c->dtype, (int64_t)cache_rows, (int64_t)kvw, seed + 4, 1.0f),
+        const size_t table_bytes = (size_t)c->n_seqs * (size_t)h->max_blocks * 4;
+        int32_t *table = bo_ints((size_t)c->n_seqs * (size_t)h->max_blocks);
+        memcpy(table, h->table, table_bytes);
+        bo_add(h, "block_table", table_bytes, table, BO_ELEM_I32, false);
+        /* Pools start full of random rows: attention reads them, rope_kv
+         * must change exactly the rows it stores (compared whole). */
+        size_t pool_bytes = pool_rows * duet_dtype_row_bytes(c->dtype, (int64_t)kvw);
+        bo_add(h, "k_pool", pool_bytes, bo_fill_typed(c->dtype, (int64_t)pool_rows, (int64_t)kvw, seed + 4, 1.0f),
                BO_ELEM_RAW, rope);
-        bo_add(h, "v_cache", cache_bytes, bo_fill_typed(c->dtype, (int64_t)cache_rows, (int64_t)kvw, seed + 5, 1.0f),
+        bo_add(h, "v_pool", pool_bytes, bo_fill_typed(c->dtype, (int64_t)pool_rows, (int64_t)kvw, seed + 5, 1.0f),
                BO_ELEM_RAW, rope);
         if (!rope) {
-            bo_add(h, "out", T * qw * 4, bo_fill_f32(T * qw, seed + 6, 1.0f), BO_ELEM_F32, true);
-            if (c->inplace) h->ops[h->n - 1].alias = 0;
+            if (c->q8act != 2) {
+                bo_add(h, "out", T * qw * 4, bo_fill_f32(T * qw, seed + 6, 1.0f), BO_ELEM_F32, true);
+                if (c->inplace) h->ops[h->n - 1].alias = 0;
+            }
+            if (c->q8act)
+                bo_add(h, "out_q8", T * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, (int64_t)qw),
+                       bo_fill_typed(DUET_DTYPE_Q8_0, c->n_tokens, (int64_t)qw, seed + 7, 1.0f), BO_ELEM_Q8, true);
         }
         break;
     }
@@ -310,8 +430,11 @@ static inline void bo_host_build(int ci, bo_host *h) {
         bo_add(h, c->kind == DUET_OP_ADD ? "a" : "gate", T * D * 4, bo_fill_f32(T * D, seed + 1, 3.0f), BO_ELEM_F32,
                c->inplace);
         bo_add(h, c->kind == DUET_OP_ADD ? "b" : "up", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f), BO_ELEM_F32, false);
-        bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 3, 1.0f), BO_ELEM_F32, true);
+        if (c->q8act != 2) bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 3, 1.0f), BO_ELEM_F32, true);
         if (c->inplace) h->ops[2].alias = 0;
+        if (c->q8act)
+            bo_add(h, "out_q8", T * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, c->dim),
+                   bo_fill_typed(DUET_DTYPE_Q8_0, c->n_tokens, c->dim, seed + 4, 1.0f), BO_ELEM_Q8, true);
         break;
     case DUET_OP_GATHER_ROWS: {
         bo_add(h, "x", (size_t)c->rows * D * 4, bo_fill_f32((size_t)c->rows * D, seed + 1, 1.0f), BO_ELEM_F32, false);
@@ -339,10 +462,13 @@ static inline void bo_host_build(int ci, bo_host *h) {
     }
 }
 
+static inline void bo_host_build(int ci, bo_host *h) { bo_host_build_case(&bo_cases[ci], ci, h); }
+
 static inline void bo_host_free(bo_host *h) {
     for (int i = 0; i < h->n; i++) free(h->ops[i].host);
     free(h->pos);
     free(h->seq);
+    free(h->table);
     memset(h, 0, sizeof *h);
 }
 
@@ -357,6 +483,19 @@ typedef struct bo_dev {
 static inline duet_view bo_view(const bo_dev *d, const bo_host *h, int i) {
     int j = h->ops[i].alias >= 0 ? h->ops[i].alias : i;
     return (duet_view){d->buf[j], BO_GUARD};
+}
+
+/* The operand called `name`, or -1. */
+static inline int bo_find(const bo_host *h, const char *name) {
+    for (int i = 0; i < h->n; i++)
+        if (strcmp(h->ops[i].name, name) == 0) return i;
+    return -1;
+}
+
+/* The view of operand `name`; an empty view when the case has none. */
+static inline duet_view bo_view_named(const bo_dev *d, const bo_host *h, const char *name) {
+    int i = bo_find(h, name);
+    return i < 0 ? (duet_view){NULL, 0} : bo_view(d, h, i);
 }
 
 /* Allocates every operand as [guard][data][guard], uploads it and builds
@@ -381,87 +520,97 @@ static inline duet_status bo_dev_setup(duet_backend *be, const bo_host *h, bo_de
     memset(op, 0, sizeof *op);
     op->kind = c->kind;
     op->n_tokens = c->n_tokens;
+#define VW(name) bo_view_named(d, h, name)
+    duet_kv_pages kv = {0};
+    if (c->kind == DUET_OP_ROPE_KV || c->kind == DUET_OP_ATTENTION)
+        kv = (duet_kv_pages){.k_pool = VW("k_pool"),
+                             .v_pool = VW("v_pool"),
+                             .block_table = VW("block_table"),
+                             .dtype = c->dtype,
+                             .block_size = h->block_size,
+                             .n_blocks = h->n_blocks,
+                             .n_seqs = c->n_seqs,
+                             .max_blocks = h->max_blocks};
     switch (c->kind) {
     case DUET_OP_EMBED:
-        op->embed.tokens = bo_view(d, h, 0);
-        op->embed.table = bo_view(d, h, 1);
-        op->embed.out = bo_view(d, h, 2);
+        op->embed.tokens = VW("tokens");
+        op->embed.table = VW("table");
+        op->embed.out = VW("out");
         op->embed.dtype = c->dtype;
         op->embed.dim = c->dim;
         break;
     case DUET_OP_RMSNORM:
-        op->rmsnorm.x = bo_view(d, h, 0);
-        op->rmsnorm.w = bo_view(d, h, 1);
-        op->rmsnorm.out = bo_view(d, h, 2);
+        op->rmsnorm.x = VW("x");
+        op->rmsnorm.w = VW("w");
+        op->rmsnorm.out = VW("out");
+        op->rmsnorm.out_q8 = VW("out_q8");
         op->rmsnorm.dim = c->dim;
         op->rmsnorm.eps = 1e-5f;
         break;
     case DUET_OP_MATMUL:
-        op->matmul.w = bo_view(d, h, 0);
+        op->matmul.w = VW("w");
         op->matmul.dtype = c->dtype;
-        op->matmul.x = bo_view(d, h, 1);
-        if (c->bias) op->matmul.bias = bo_view(d, h, 2);
-        op->matmul.out = bo_view(d, h, c->bias ? 3 : 2);
+        op->matmul.x = VW("x");
+        op->matmul.x_q8 = VW("x_q8");
+        op->matmul.bias = VW("bias");
+        op->matmul.out = VW("out");
         op->matmul.accumulate = c->accumulate;
         op->matmul.n_in = c->dim;
         op->matmul.n_out = c->rows;
         break;
     case DUET_OP_ROPE_KV:
-        op->rope_kv.q = bo_view(d, h, 0);
-        op->rope_kv.k = bo_view(d, h, 1);
-        op->rope_kv.v = bo_view(d, h, 2);
-        op->rope_kv.pos = bo_view(d, h, 3);
-        op->rope_kv.seq = bo_view(d, h, 4);
-        op->rope_kv.k_cache = bo_view(d, h, 5);
-        op->rope_kv.v_cache = bo_view(d, h, 6);
-        op->rope_kv.kv_dtype = c->dtype;
+        op->rope_kv.q = VW("q");
+        op->rope_kv.k = VW("k");
+        op->rope_kv.v = VW("v");
+        op->rope_kv.pos = VW("pos");
+        op->rope_kv.seq = VW("seq");
+        op->rope_kv.kv = kv;
         op->rope_kv.n_head = c->n_head;
         op->rope_kv.n_head_kv = c->n_head_kv;
         op->rope_kv.head_dim = c->dim;
         op->rope_kv.n_rot = c->n_rot;
-        op->rope_kv.n_ctx = c->rows;
         op->rope_kv.freq_base = 10000.0f;
         op->rope_kv.neox = c->neox;
         break;
     case DUET_OP_ATTENTION:
-        op->attention.q = bo_view(d, h, 0);
-        op->attention.pos = bo_view(d, h, 1);
-        op->attention.seq = bo_view(d, h, 2);
-        op->attention.k_cache = bo_view(d, h, 3);
-        op->attention.v_cache = bo_view(d, h, 4);
-        op->attention.out = bo_view(d, h, 5);
-        op->attention.kv_dtype = c->dtype;
+        op->attention.q = VW("q");
+        op->attention.pos = VW("pos");
+        op->attention.seq = VW("seq");
+        op->attention.kv = kv;
+        op->attention.out = VW("out");
+        op->attention.out_q8 = VW("out_q8");
         op->attention.n_head = c->n_head;
         op->attention.n_head_kv = c->n_head_kv;
         op->attention.head_dim = c->dim;
-        op->attention.n_ctx = c->rows;
         op->attention.scale = 1.0f / sqrtf((float)c->dim);
         break;
     case DUET_OP_SWIGLU:
-        op->swiglu.gate = bo_view(d, h, 0);
-        op->swiglu.up = bo_view(d, h, 1);
-        op->swiglu.out = bo_view(d, h, 2);
+        op->swiglu.gate = VW("gate");
+        op->swiglu.up = VW("up");
+        op->swiglu.out = VW("out");
+        op->swiglu.out_q8 = VW("out_q8");
         op->swiglu.dim = c->dim;
         break;
     case DUET_OP_ADD:
-        op->add.a = bo_view(d, h, 0);
-        op->add.b = bo_view(d, h, 1);
-        op->add.out = bo_view(d, h, 2);
+        op->add.a = VW("a");
+        op->add.b = VW("b");
+        op->add.out = VW("out");
         op->add.dim = c->dim;
         break;
     case DUET_OP_GATHER_ROWS:
-        op->gather.x = bo_view(d, h, 0);
-        op->gather.rows = bo_view(d, h, 1);
-        op->gather.out = bo_view(d, h, 2);
+        op->gather.x = VW("x");
+        op->gather.rows = VW("rows");
+        op->gather.out = VW("out");
         op->gather.dim = c->dim;
         break;
     case DUET_OP_ARGMAX:
-        op->argmax.x = bo_view(d, h, 0);
-        op->argmax.out = bo_view(d, h, 1);
+        op->argmax.x = VW("x");
+        op->argmax.out = VW("out");
         op->argmax.dim = c->dim;
         break;
     case DUET_OP_COUNT: break;
     }
+#undef VW
     return DUET_OK;
 }
 
@@ -505,12 +654,13 @@ static inline void bo_case_cost(const bo_case *c, double *bytes, double *flops) 
         *flops = T * D * 4;
         break;
     case DUET_OP_MATMUL:
-        *bytes = (double)c->rows * (double)duet_dtype_row_bytes(c->dtype, c->dim) + T * D * 4 +
+        *bytes = (double)c->rows * (double)duet_dtype_row_bytes(c->dtype, c->dim) + T * D * (c->q8act ? 34.0 / 32 : 4) +
                  T * c->rows * 4 * (c->accumulate ? 2 : 1);
         *flops = 2 * T * D * c->rows;
         break;
     case DUET_OP_ROPE_KV: {
-        double kvw = (double)c->n_head_kv * D, es = (double)duet_dtype_block_bytes(c->dtype);
+        double kvw = (double)c->n_head_kv * D,
+               es = (double)duet_dtype_row_bytes(c->dtype, 32 * (int64_t)kvw) / (32.0 * kvw);
         *bytes = T * ((c->n_head * D + kvw) * 8 + kvw * 4 + 2 * kvw * es);
         *flops = T * (c->n_head + c->n_head_kv) * c->n_rot * 3;
         break;
@@ -522,7 +672,9 @@ static inline void bo_case_cost(const bo_case *c, double *bytes, double *flops) 
         for (int t = 0; t < c->n_tokens; t++) ctx += pos[t] + 1;
         free(pos);
         free(seq);
-        double es = (double)duet_dtype_block_bytes(c->dtype);
+        /* bytes per K/V element (q8_0: 34 bytes per 32) */
+        double es = (double)duet_dtype_row_bytes(c->dtype, 32 * (int64_t)c->n_head_kv * c->dim) /
+                    (32.0 * c->n_head_kv * c->dim);
         /* K and V rows of each (token, kv head) read once; q and out. */
         *bytes = ctx * c->n_head_kv * D * 2 * es + T * c->n_head * D * 8;
         *flops = ctx * c->n_head * D * 4;

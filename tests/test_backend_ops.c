@@ -51,11 +51,22 @@ static unsigned case_mask(void) {
  * step may differ. Everything else: f32 summation order only. */
 static double tolerance(const bo_case *c, const bo_operand *o) {
     if (c->kind == DUET_OP_MATMUL && c->dtype == DUET_DTYPE_Q8_0) return 5e-4;
+    /* q8 outputs (activations, pools rope_kv stored): a value on a rounding
+     * boundary may land one step apart. q8 KV attention: a kernel may also
+     * quantise q for int8 dot products. */
+    if (o->elem == BO_ELEM_Q8 || (o->elem == BO_ELEM_RAW && c->dtype == DUET_DTYPE_Q8_0)) return 1e-4;
+    if (c->kind == DUET_OP_ATTENTION && c->dtype == DUET_DTYPE_Q8_0) return 5e-4;
     if (o->elem == BO_ELEM_RAW && c->dtype == DUET_DTYPE_F16) return 1e-6;
     return 1e-7;
 }
 
 static float raw_at(duet_dtype t, const uint8_t *p, size_t i) {
+    if (t == DUET_DTYPE_Q8_0) {
+        const duet_block_q8_0 *b = (const duet_block_q8_0 *)p + i / DUET_QK8_0;
+        uint16_t d;
+        memcpy(&d, &b->d, 2);
+        return duet_fp16_to_fp32(d) * b->qs[i % DUET_QK8_0];
+    }
     if (t == DUET_DTYPE_F16) return duet_fp16_to_fp32(((const uint16_t *)p)[i]);
     if (t == DUET_DTYPE_BF16) return duet_bf16_to_fp32(((const uint16_t *)p)[i]);
     float f;
@@ -98,9 +109,9 @@ static bool compare(const bo_case *c, const bo_operand *o, const uint8_t *ref_im
         *nmse_out = 0;
         return true;
     }
-    /* F32, or raw data of the case's dtype (KV caches). */
-    const duet_dtype t = o->elem == BO_ELEM_F32 ? DUET_DTYPE_F32 : c->dtype;
-    const size_t n = o->bytes / duet_dtype_block_bytes(t);
+    /* F32, q8_0 activations, or raw data of the case's dtype (KV pools). */
+    const duet_dtype t = o->elem == BO_ELEM_F32 ? DUET_DTYPE_F32 : o->elem == BO_ELEM_Q8 ? DUET_DTYPE_Q8_0 : c->dtype;
+    const size_t n = o->bytes / duet_dtype_block_bytes(t) * (size_t)duet_dtype_block(t);
     double err = 0, norm = 0;
     for (size_t i = 0; i < n; i++) {
         const float a = raw_at(t, ref, i), b = raw_at(t, got, i);
@@ -234,6 +245,186 @@ START_TEST(test_backend_parity) {
 }
 END_TEST
 
+/* Naive attention from the host operands, in double precision: for token
+ * t, a softmax over the dequantised K rows of positions 0..pos[t] of its
+ * sequence, found through the block table, then the weighted V rows. */
+static void ref_attention(const bo_host *h, float *out) {
+    const bo_case *c = h->c;
+    const int hd = c->dim, nh = c->n_head, nkv = c->n_head_kv, kvw = nkv * hd, group = nh / nkv;
+    const size_t rb = duet_dtype_row_bytes(c->dtype, kvw);
+    const uint8_t *kp = h->ops[bo_find(h, "k_pool")].host, *vp = h->ops[bo_find(h, "v_pool")].host;
+    const float *q = h->ops[bo_find(h, "q")].host;
+    const double scale = 1.0 / sqrt((double)hd);
+    float *row = malloc(sizeof(float) * (size_t)kvw);
+    double *sc = malloc(sizeof(double) * (size_t)nh * (size_t)c->rows), *acc = malloc(sizeof(double) * (size_t)hd);
+    for (int t = 0; t < c->n_tokens; t++) {
+        const int s = h->seq[t], p = h->pos[t];
+        const int32_t *table = h->table + (size_t)s * h->max_blocks;
+        const float *qt = q + (size_t)t * nh * hd;
+        for (int j = 0; j <= p; j++) {
+            size_t r = (size_t)table[j / h->block_size] * h->block_size + j % h->block_size;
+            duet_dequantize_row(c->dtype, kp + r * rb, row, kvw);
+            for (int hh = 0; hh < nh; hh++) {
+                double dot = 0;
+                for (int i = 0; i < hd; i++) dot += (double)qt[hh * hd + i] * row[(hh / group) * hd + i];
+                sc[(size_t)hh * c->rows + j] = dot * scale;
+            }
+        }
+        for (int hh = 0; hh < nh; hh++) {
+            double *sh = sc + (size_t)hh * c->rows, mx = -INFINITY, sum = 0;
+            for (int j = 0; j <= p; j++) mx = sh[j] > mx ? sh[j] : mx;
+            for (int j = 0; j <= p; j++) sum += (sh[j] = exp(sh[j] - mx));
+            for (int j = 0; j <= p; j++) sh[j] /= sum;
+        }
+        for (int hh = 0; hh < nh; hh++)
+            for (int i = 0; i < hd; i++) out[((size_t)t * nh + hh) * hd + i] = 0;
+        for (int hh = 0; hh < nh; hh++) {
+            for (int i = 0; i < hd; i++) acc[i] = 0;
+            for (int j = 0; j <= p; j++) {
+                size_t r = (size_t)table[j / h->block_size] * h->block_size + j % h->block_size;
+                duet_dequantize_row(c->dtype, vp + r * rb, row, kvw);
+                const double w = sc[(size_t)hh * c->rows + j];
+                for (int i = 0; i < hd; i++) acc[i] += w * row[(hh / group) * hd + i];
+            }
+            for (int i = 0; i < hd; i++) out[((size_t)t * nh + hh) * hd + i] = (float)acc[i];
+        }
+    }
+    free(row);
+    free(sc);
+    free(acc);
+}
+
+/* Every backend, the cpu one included, against the naive reference on
+ * every attention case (contexts 1 to 4096, ragged mixes, f16/q8_0 KV). */
+START_TEST(test_attention_reference) {
+    const duet_backend_iface *iface = duet_backend_get(_i);
+    char why[256];
+    if (!iface->available(why, sizeof why)) {
+        printf("SKIP attention reference on %s: %s\n", iface->name, why);
+        return;
+    }
+    const char *only = getenv("DUET_OPS_BACKENDS");
+    if (only && *only && !list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
+    const unsigned mask = case_mask();
+    int checked = 0, failures = 0;
+    char first[600] = "";
+    for (int d = 0; d < iface->device_count(); d++) {
+        duet_backend *be;
+        ck_assert_msg(iface->open(d, &(duet_backend_params){0}, &be) == DUET_OK, "%s: %s", iface->name,
+                      duet_last_error());
+        for (int ci = 0; ci < BO_N_CASES; ci++) {
+            const bo_case *c = &bo_cases[ci];
+            if (c->kind != DUET_OP_ATTENTION || !(c->modes & mask)) continue;
+            char label[160];
+            bo_case_label(c, label, sizeof label);
+            const char *filter = getenv("DUET_OPS_FILTER");
+            if (filter && *filter && !strstr(label, filter)) continue;
+            bo_host h;
+            bo_host_build(ci, &h);
+            const size_t n = (size_t)c->n_tokens * c->n_head * c->dim;
+            float *want = malloc(n * sizeof(float)), *got = malloc(n * sizeof(float));
+            ref_attention(&h, want);
+            bo_dev dev;
+            duet_status st = bo_dev_setup(be, &h, &dev);
+            if (st == DUET_OK) st = bo_dev_run(&dev, 1);
+            int oi = bo_find(&h, c->q8act == 2 ? "out_q8" : "out");
+            if (h.ops[oi].alias >= 0) oi = h.ops[oi].alias; /* in place: out is q's buffer */
+            uint8_t *img = st == DUET_OK ? bo_dev_image(&dev, &h, oi) : NULL;
+            char msg[400] = "";
+            if (!img) {
+                snprintf(msg, sizeof msg, "%s", duet_last_error());
+            } else {
+                const duet_dtype t = c->q8act == 2 ? DUET_DTYPE_Q8_0 : DUET_DTYPE_F32;
+                for (size_t i = 0; i < n; i++) got[i] = raw_at(t, img + BO_GUARD, i);
+                double err = 0, norm = 0;
+                size_t worst = 0;
+                for (size_t i = 0; i < n; i++) {
+                    double e = (double)got[i] - want[i];
+                    if (!(fabs(e) <= fabs((double)got[worst] - want[worst]))) worst = i;
+                    err += e * e;
+                    norm += (double)want[i] * want[i];
+                }
+                const double nmse = err / (norm > 0 ? norm : 1);
+                const double tol = t == DUET_DTYPE_Q8_0 ? 1e-4 : c->dtype == DUET_DTYPE_Q8_0 ? 5e-4 : 1e-7;
+                if (!(nmse <= tol))
+                    snprintf(msg, sizeof msg, "NMSE %.3g > %.1g (worst [%zu]: %g vs %g)", nmse, tol, worst,
+                             (double)got[worst], (double)want[worst]);
+                else if (verbose())
+                    printf("  ok   %s/%d %-60s nmse vs naive %.2g\n", iface->name, d, label, nmse);
+            }
+            checked++;
+            if (msg[0]) {
+                failures++;
+                printf("  FAIL %s/%d %s vs naive: %s\n", iface->name, d, label, msg);
+                if (!first[0]) snprintf(first, sizeof first, "%s/%d %s: %s", iface->name, d, label, msg);
+            }
+            free(img);
+            free(want);
+            free(got);
+            bo_dev_free(&dev);
+            bo_host_free(&h);
+        }
+        iface->close(be);
+    }
+    printf("%s: %d attention cases against the naive reference, %d failed\n", iface->name, checked, failures);
+    ck_assert_msg(failures == 0, "%d attention case(s) differ from the naive reference; first: %s", failures, first);
+}
+END_TEST
+
+/* Backend scratch (device memory besides the caller's buffers) after one
+ * attention step over a context of n_ctx, on a freshly opened backend:
+ * 64 queries at the end of the context plus 4 decoding sequences. */
+static size_t attention_scratch(const duet_backend_iface *iface, int n_ctx, int n_tokens, int n_seqs) {
+    duet_backend *be;
+    ck_assert_msg(iface->open(0, &(duet_backend_params){0}, &be) == DUET_OK, "%s: %s", iface->name,
+                  duet_last_error());
+    const bo_case c = {"mem", DUET_OP_ATTENTION, DUET_DTYPE_F16, n_tokens, 64, n_ctx, 8, 2, n_seqs, 0, 0,
+                       false, false, false, false, BO_TEST, 0, 32, {n_ctx, n_ctx, n_ctx, n_ctx}};
+    bo_host h;
+    bo_host_build_case(&c, 7, &h);
+    bo_dev dev;
+    duet_status st = bo_dev_setup(be, &h, &dev);
+    if (st == DUET_OK) st = bo_dev_run(&dev, 1);
+    ck_assert_msg(st == DUET_OK, "%s: attention at context %d: %s", iface->name, n_ctx, duet_last_error());
+    size_t bytes = duet_backend_scratch_bytes(be);
+    bo_dev_free(&dev);
+    bo_host_free(&h);
+    iface->close(be);
+    return bytes;
+}
+
+/* The n x n score matrix never exists: the scratch attention needs grows
+ * at most linearly with the context (8192 vs 2048 tokens), and stays far
+ * below one 8192 x 8192 f32 score matrix per head (256 MiB). */
+START_TEST(test_attention_memory_linear) {
+    const duet_backend_iface *iface = duet_backend_get(_i);
+    char why[256];
+    if (!iface->available(why, sizeof why)) {
+        printf("SKIP attention memory on %s: %s\n", iface->name, why);
+        return;
+    }
+    const char *only = getenv("DUET_OPS_BACKENDS");
+    if (only && *only && !list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
+    ck_assert_msg(iface->scratch_bytes != NULL, "%s does not report its scratch memory", iface->name);
+    if (case_mask() == BO_SMALL) {
+        /* Simulators and forced serial tunings: 8192-token contexts take minutes there. */
+        printf("SKIP attention memory on %s: DUET_OPS_CASES=small\n", iface->name);
+        return;
+    }
+    const int shapes[2][2] = {{64, 1}, {4, 4}}; /* a prefill chunk; decoding sequences */
+    for (int k = 0; k < 2; k++) {
+        size_t small = attention_scratch(iface, 2048, shapes[k][0], shapes[k][1]);
+        size_t big = attention_scratch(iface, 8192, shapes[k][0], shapes[k][1]);
+        printf("%s: attention scratch %zu bytes at context 2048, %zu at 8192 (%d tokens, %d sequences)\n",
+               iface->name, small, big, shapes[k][0], shapes[k][1]);
+        ck_assert_msg(big <= 4.5 * (double)small + (1 << 20),
+                      "%s: scratch grows faster than the context: %zu bytes at 2048, %zu at 8192", iface->name, small,
+                      big);
+        ck_assert_msg(big < ((size_t)64 << 20), "%s: %zu bytes of scratch at context 8192", iface->name, big);
+    }
+}
+END_TEST
+
 /* Every backend named in DUET_REQUIRE_BACKENDS is compiled in and has a device. */
 START_TEST(test_required_backends) {
     const char *req = getenv("DUET_REQUIRE_BACKENDS");
@@ -300,6 +491,8 @@ int main(void) {
     tcase_add_test(tc, test_required_backends);
     tcase_add_loop_test(tc, test_bounds_refused, 0, duet_backend_count());
     tcase_add_loop_test(tc, test_backend_parity, 0, duet_backend_count());
+    tcase_add_loop_test(tc, test_attention_reference, 0, duet_backend_count());
+    tcase_add_loop_test(tc, test_attention_memory_linear, 0, duet_backend_count());
     suite_add_tcase(s, tc);
     return test_run_suite(s);
 }

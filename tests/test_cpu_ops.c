@@ -128,8 +128,10 @@ static duet_status run_op(duet_backend *be, const duet_op *op) {
 static void check_nmse(const float *got, const double *ref, size_t n, double tol, const char *what) {
     double num = 0, den = 0;
     for (size_t i = 0; i < n; i++) {
-        ck_assert_msg(isfinite(got[i]) || !isfinite(ref[i]), "%s: element %zu is %g, reference %g", what, i,
-                      (double)got[i], ref[i]);
+        /* Plain ifs in per-element loops: every ck_assert reports to the
+         * parent process, which is slow over millions of elements. */
+        if (!isfinite(got[i]) && isfinite(ref[i]))
+            ck_abort_msg("%s: element %zu is %g, reference %g", what, i, (double)got[i], ref[i]);
         double e = (double)got[i] - ref[i];
         num += e * e;
         den += ref[i] * ref[i];
@@ -137,6 +139,31 @@ static void check_nmse(const float *got, const double *ref, size_t n, double tol
     double nmse = num / (den > 1e-300 ? den : 1e-300);
     ck_assert_msg(nmse <= tol, "%s: NMSE %.3g exceeds %.1g", what, nmse, tol);
 }
+
+/* A fused q8_0 output against duet_quantize_row_q8_0 of the f32 values it
+ * was made from: scales and quants may differ by one step (a kernel may
+ * round its own f32 row a hair differently), no more. */
+static void check_q8(const duet_block_q8_0 *got, const float *f32, int64_t n, const char *what) {
+    int64_t nb = n / 32;
+    duet_block_q8_0 *want = malloc(sizeof *want * (size_t)nb);
+    duet_quantize_row_q8_0(f32, want, n);
+    for (int64_t b = 0; b < nb; b++) {
+        if (abs((int)got[b].d - (int)want[b].d) > 1)
+            ck_abort_msg("%s: block %lld scale %04x, want %04x", what, (long long)b, got[b].d, want[b].d);
+        for (int j = 0; j < 32; j++)
+            if (abs(got[b].qs[j] - want[b].qs[j]) > 1)
+                ck_abort_msg("%s: block %lld quant %d is %d, want %d", what, (long long)b, j, got[b].qs[j],
+                             want[b].qs[j]);
+    }
+    free(want);
+}
+
+/* ck_assert for loops of millions of checks: each ck_assert reports to the
+ * parent process, this one only on failure. */
+#define FAST_ASSERT(cond, ...)                                                                                         \
+    do {                                                                                                               \
+        if (!(cond)) ck_abort_msg(__VA_ARGS__);                                                                        \
+    } while (0)
 
 /* Values of a dtype row as the kernels see them (exact dequantization). */
 static void to_dtype_and_back(duet_dtype t, const float *x, void *packed, float *back, int64_t n) {
@@ -175,16 +202,16 @@ START_TEST(test_fp16_exhaustive) {
         float f = duet_fp16_to_fp32((uint16_t)h);
         bool special = ((h >> 10) & 31) == 31;
         if (special && (h & 1023)) {
-            ck_assert_msg(isnan(f), "fp16 %04x should decode to NaN, got %g", h, (double)f);
+            FAST_ASSERT(isnan(f), "fp16 %04x should decode to NaN, got %g", h, (double)f);
             uint16_t back = duet_fp32_to_fp16(f);
-            ck_assert_msg((back & 0x7c00) == 0x7c00 && (back & 0x3ff) && (back & 0x8000) == (h & 0x8000),
+            FAST_ASSERT((back & 0x7c00) == 0x7c00 && (back & 0x3ff) && (back & 0x8000) == (h & 0x8000),
                           "fp16 NaN %04x re-encoded as %04x", h, back);
             continue;
         }
-        if (special) ck_assert_msg(isinf(f) && (f < 0) == ((h & 0x8000) != 0), "fp16 %04x should be inf", h);
-        else ck_assert_msg((double)f == fp16_value((uint16_t)h), "fp16 %04x decoded to %.9g, expected %.9g", h,
+        if (special) FAST_ASSERT(isinf(f) && (f < 0) == ((h & 0x8000) != 0), "fp16 %04x should be inf", h);
+        else FAST_ASSERT((double)f == fp16_value((uint16_t)h), "fp16 %04x decoded to %.9g, expected %.9g", h,
                            (double)f, fp16_value((uint16_t)h));
-        ck_assert_msg(duet_fp32_to_fp16(f) == h, "fp16 %04x -> %.9g -> %04x does not round-trip", h, (double)f,
+        FAST_ASSERT(duet_fp32_to_fp16(f) == h, "fp16 %04x -> %.9g -> %04x does not round-trip", h, (double)f,
                       duet_fp32_to_fp16(f));
     }
 }
@@ -199,12 +226,12 @@ START_TEST(test_fp16_rounding) {
             /* fp16_value(0x7c00) is 65536: the overflow threshold is a midpoint too. */
             float mid = (float)((fp16_value(lo) + fp16_value(hi)) / 2);
             uint16_t even = (lo & 1) ? hi : lo;
-            ck_assert_msg(duet_fp32_to_fp16(mid) == even, "midpoint %.9g of %04x/%04x gave %04x, want %04x",
+            FAST_ASSERT(duet_fp32_to_fp16(mid) == even, "midpoint %.9g of %04x/%04x gave %04x, want %04x",
                           (double)mid, lo, hi, duet_fp32_to_fp16(mid), even);
             float toward_hi = nextafterf(mid, s ? -INFINITY : INFINITY);
             float toward_lo = nextafterf(mid, 0.0f);
-            ck_assert_msg(duet_fp32_to_fp16(toward_hi) == hi, "%.9g should round to %04x", (double)toward_hi, hi);
-            ck_assert_msg(duet_fp32_to_fp16(toward_lo) == lo, "%.9g should round to %04x", (double)toward_lo, lo);
+            FAST_ASSERT(duet_fp32_to_fp16(toward_hi) == hi, "%.9g should round to %04x", (double)toward_hi, hi);
+            FAST_ASSERT(duet_fp32_to_fp16(toward_lo) == lo, "%.9g should round to %04x", (double)toward_lo, lo);
         }
     }
     ck_assert_uint_eq(duet_fp32_to_fp16(65519.0f), 0x7bff);
@@ -216,7 +243,7 @@ START_TEST(test_fp16_rounding) {
     ck_assert_uint_eq(duet_fp32_to_fp16(-0.0f), 0x8000);
     ck_assert_uint_eq(duet_fp32_to_fp16(FLT_MIN), 0);
     uint16_t n = duet_fp32_to_fp16(f32_of(0x7f800001)); /* NaN with only a low payload bit */
-    ck_assert_msg((n & 0x7c00) == 0x7c00 && (n & 0x3ff), "NaN became %04x", n);
+    FAST_ASSERT((n & 0x7c00) == 0x7c00 && (n & 0x3ff), "NaN became %04x", n);
 }
 END_TEST
 
@@ -231,7 +258,7 @@ START_TEST(test_fp16_vs_f16c) {
     for (uint64_t u = 0; u < (1ull << 32); u += 251) {
         float f = f32_of((uint32_t)u);
         uint16_t a = duet_fp32_to_fp16(f), b = hw_fp16(f);
-        ck_assert_msg(a == b, "f32 %08x: duet %04x, f16c %04x", (uint32_t)u, a, b);
+        FAST_ASSERT(a == b, "f32 %08x: duet %04x, f16c %04x", (uint32_t)u, a, b);
     }
 }
 END_TEST
@@ -240,25 +267,25 @@ END_TEST
 START_TEST(test_bf16) {
     for (uint32_t h = 0; h < 65536; h++) {
         float f = duet_bf16_to_fp32((uint16_t)h);
-        ck_assert_uint_eq(bits_of(f), h << 16);
+        FAST_ASSERT(bits_of(f) == h << 16, "bf16 %04x decoded to %08x", h, bits_of(f));
         uint16_t back = duet_fp32_to_bf16(f);
         if (isnan(f)) {
-            ck_assert_msg((back & 0x7f80) == 0x7f80 && (back & 0x7f), "bf16 NaN %04x became %04x", h, back);
+            FAST_ASSERT((back & 0x7f80) == 0x7f80 && (back & 0x7f), "bf16 NaN %04x became %04x", h, back);
             continue;
         }
-        ck_assert_msg(back == h, "bf16 %04x does not round-trip (%04x)", h, back);
+        FAST_ASSERT(back == h, "bf16 %04x does not round-trip (%04x)", h, back);
         if ((h & 0x7fff) >= 0x7f80) continue; /* no finite neighbour above inf */
         /* The midpoint to the next magnitude is exact in f32: ties to even. */
         uint32_t mid = (h << 16) | 0x8000;
         uint16_t up = (uint16_t)(h + 1), even = (h & 1) ? up : (uint16_t)h;
-        ck_assert_msg(duet_fp32_to_bf16(f32_of(mid)) == even, "bf16 midpoint %08x gave %04x, want %04x", mid,
+        FAST_ASSERT(duet_fp32_to_bf16(f32_of(mid)) == even, "bf16 midpoint %08x gave %04x, want %04x", mid,
                       duet_fp32_to_bf16(f32_of(mid)), even);
-        ck_assert_uint_eq(duet_fp32_to_bf16(f32_of(mid + 1)), up);
-        ck_assert_uint_eq(duet_fp32_to_bf16(f32_of(mid - 1)), h);
+        FAST_ASSERT(duet_fp32_to_bf16(f32_of(mid + 1)) == up, "bf16 above midpoint %08x", mid);
+        FAST_ASSERT(duet_fp32_to_bf16(f32_of(mid - 1)) == h, "bf16 below midpoint %08x", mid);
     }
     ck_assert_uint_eq(duet_fp32_to_bf16(FLT_MAX), 0x7f80); /* rounds up to inf */
     uint16_t n = duet_fp32_to_bf16(f32_of(0x7f800001));     /* payload only in the low half */
-    ck_assert_msg((n & 0x7f80) == 0x7f80 && (n & 0x7f), "NaN became %04x (must stay NaN)", n);
+    FAST_ASSERT((n & 0x7f80) == 0x7f80 && (n & 0x7f), "NaN became %04x (must stay NaN)", n);
 }
 END_TEST
 
@@ -277,21 +304,21 @@ START_TEST(test_q8_0_rows) {
             float amax = 0;
             for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[b * 32 + j]));
             float d = amax / 127.0f, d16 = duet_fp16_to_fp32(q[b].d);
-            ck_assert_msg(q[b].d == duet_fp32_to_fp16(d), "block %d: d %04x, want fp16(amax/127)", b, q[b].d);
+            FAST_ASSERT(q[b].d == duet_fp32_to_fp16(d), "block %d: d %04x, want fp16(amax/127)", b, q[b].d);
             /* Rounding leaves at most d/2; storing d in fp16 adds 127|d - d16|. */
             float bound = 0.5f * d + 127.0f * fabsf(d - d16) + 1e-30f;
             for (int j = 0; j < 32; j++) {
                 int i = b * 32 + j;
-                ck_assert_msg(q[b].qs[j] >= -127 && q[b].qs[j] <= 127, "q out of range");
-                ck_assert_msg(fabsf(y[i] - x[i]) <= bound * 1.0001f, "rep %d elem %d: %g -> %g (bound %g)", rep, i,
+                FAST_ASSERT(q[b].qs[j] >= -127 && q[b].qs[j] <= 127, "q out of range");
+                FAST_ASSERT(fabsf(y[i] - x[i]) <= bound * 1.0001f, "rep %d elem %d: %g -> %g (bound %g)", rep, i,
                               (double)x[i], (double)y[i], (double)bound);
-                ck_assert_msg(y[i] == d16 * (float)q[b].qs[j], "dequantize must be d * q");
+                FAST_ASSERT(y[i] == d16 * (float)q[b].qs[j], "dequantize must be d * q");
             }
             if (amax > 0) {
                 int jmax = 0;
                 for (int j = 1; j < 32; j++)
                     if (fabsf(x[b * 32 + j]) > fabsf(x[b * 32 + jmax])) jmax = j;
-                ck_assert_msg(abs(q[b].qs[jmax]) == 127, "the largest element must map to +-127");
+                FAST_ASSERT(abs(q[b].qs[jmax]) == 127, "the largest element must map to +-127");
             }
         }
     }
@@ -351,7 +378,10 @@ typedef struct mm_case {
     int n_in, n_out, n_tokens;
 } mm_case;
 
-static void run_matmul_case(duet_backend *be, cfg c, duet_dtype dt, mm_case mc, bool bias, bool accumulate) {
+/* xq8: the activations go in as q8_0 blocks (x_q8) instead of f32 x, and the
+ * reference uses exactly their dequantised values. */
+static void run_matmul_case_x(duet_backend *be, cfg c, duet_dtype dt, mm_case mc, bool bias, bool accumulate,
+                              bool xq8) {
     const int n_in = mc.n_in, n_out = mc.n_out, nt = mc.n_tokens;
     float *w = malloc(sizeof(float) * n_in * n_out), *wref = malloc(sizeof(float) * n_in * n_out);
     size_t row = duet_dtype_row_bytes(dt, n_in);
@@ -364,6 +394,12 @@ static void run_matmul_case(duet_backend *be, cfg c, duet_dtype dt, mm_case mc, 
     fill_uniform(x, (size_t)n_in * nt, -2, 2);
     fill_uniform(b, n_out, -1, 1);
     fill_uniform(init, (size_t)n_out * nt, -3, 3);
+    duet_block_q8_0 *xq = NULL;
+    if (xq8) {
+        xq = malloc(sizeof *xq * (n_in / 32) * nt);
+        for (int t = 0; t < nt; t++)
+            to_dtype_and_back(DUET_DTYPE_Q8_0, x + (size_t)t * n_in, xq + (size_t)t * (n_in / 32), x + (size_t)t * n_in, n_in);
+    }
     for (int t = 0; t < nt; t++)
         for (int o = 0; o < n_out; o++) {
             double s = 0, q8err = 0, mag = 0;
@@ -381,41 +417,47 @@ static void run_matmul_case(duet_backend *be, cfg c, duet_dtype dt, mm_case mc, 
             if (accumulate) s += init[(size_t)t * n_out + o];
             ref[(size_t)t * n_out + o] = s;
             /* Hard per-output bound: activation rounding (q8_0) plus f32 sums. */
-            bound[(size_t)t * n_out + o] = (dt == DUET_DTYPE_Q8_0 ? q8err * 1.001 : 0) + 1e-5 * (mag + fabs(s)) + 1e-6;
+            bound[(size_t)t * n_out + o] = (dt == DUET_DTYPE_Q8_0 && !xq8 ? q8err * 1.001 : 0) + 1e-5 * (mag + fabs(s)) + 1e-6;
         }
     /* Inputs at non-zero offsets inside larger buffers. */
-    duet_buffer *wb = mkbuf(be, NULL, row * n_out + 128), *xb = mkbuf(be, NULL, sizeof(float) * n_in * nt + 64);
+    const size_t xbytes = xq8 ? sizeof *xq * (n_in / 32) * nt : sizeof(float) * n_in * nt;
+    duet_buffer *wb = mkbuf(be, NULL, row * n_out + 128), *xb = mkbuf(be, NULL, xbytes + 64);
     ck_assert(duet_buffer_upload(be, wb, 64, wp, row * n_out) == DUET_OK);
-    ck_assert(duet_buffer_upload(be, xb, 32, x, sizeof(float) * n_in * nt) == DUET_OK);
+    ck_assert(duet_buffer_upload(be, xb, xq8 ? 34 : 32, xq8 ? (const void *)xq : x, xbytes) == DUET_OK);
     duet_buffer *bb = bias ? mkbuf(be, b, sizeof(float) * n_out) : NULL;
     gbuf out = gbuf_new(be, sizeof(float) * n_out * nt, accumulate ? init : NULL);
     duet_op op = {.kind = DUET_OP_MATMUL, .n_tokens = nt};
     op.matmul.w = (duet_view){wb, 64};
     op.matmul.dtype = dt;
-    op.matmul.x = (duet_view){xb, 32};
+    if (xq8) op.matmul.x_q8 = (duet_view){xb, 34}; /* 2-byte aligned, not 4 */
+    else op.matmul.x = (duet_view){xb, 32};
     op.matmul.bias = (duet_view){bb, 0};
     op.matmul.accumulate = accumulate;
     op.matmul.n_in = n_in;
     op.matmul.n_out = n_out;
     op.matmul.out = gview(out);
     char what[160];
-    snprintf(what, sizeof what, "matmul %s %dx%d tokens %d bias %d acc %d [%s, %d threads]", duet_dtype_name(dt),
-             n_out, n_in, nt, bias, accumulate, c.isa, c.threads);
+    snprintf(what, sizeof what, "matmul %s%s %dx%d tokens %d bias %d acc %d [%s, %d threads]", duet_dtype_name(dt),
+             xq8 ? " x_q8" : "", n_out, n_in, nt, bias, accumulate, c.isa, c.threads);
     RUN_OK(be, &op, "%s", what);
     gbuf_read(be, out, got, what);
     for (int i = 0; i < n_out * nt; i++)
-        ck_assert_msg(fabs(got[i] - ref[i]) <= bound[i], "%s: output %d is %.7g, reference %.7g, bound %.3g", what, i,
-                      (double)got[i], ref[i], bound[i]);
+        if (!(fabs(got[i] - ref[i]) <= bound[i]))
+            ck_abort_msg("%s: output %d is %.7g, reference %.7g, bound %.3g", what, i, (double)got[i], ref[i], bound[i]);
     /* Q8_0 quantizes the activations to 8 bits (relative error ~1/254 per
      * element): NMSE ~1e-5 over enough outputs. The float paths only differ
      * in summation order. */
     if (dt != DUET_DTYPE_Q8_0 || n_out * nt >= 64)
-        check_nmse(got, ref, (size_t)n_out * nt, dt == DUET_DTYPE_Q8_0 ? 1e-4 : 1e-10, what);
+        check_nmse(got, ref, (size_t)n_out * nt, dt == DUET_DTYPE_Q8_0 && !xq8 ? 1e-4 : 1e-10, what);
     duet_buffer_free(be, wb);
     duet_buffer_free(be, xb);
     duet_buffer_free(be, bb);
     duet_buffer_free(be, out.buf);
-    free(w), free(wref), free(wp), free(x), free(b), free(init), free(got), free(ref), free(bound);
+    free(w), free(wref), free(wp), free(x), free(b), free(init), free(got), free(ref), free(bound), free(xq);
+}
+
+static void run_matmul_case(duet_backend *be, cfg c, duet_dtype dt, mm_case mc, bool bias, bool accumulate) {
+    run_matmul_case_x(be, c, dt, mc, bias, accumulate, false);
 }
 
 START_TEST(test_matmul_float) {
@@ -449,6 +491,23 @@ START_TEST(test_matmul_q8_0) {
         if (!open_cfg(CONFIGS[ci], &be)) continue;
         for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
             run_matmul_case(be, CONFIGS[ci], DUET_DTYPE_Q8_0, cases[k], k % 2 == 0, k % 3 == 1);
+        duet_backend_close(be);
+    }
+}
+END_TEST
+
+/* INT8 activations: x_q8 blocks (as rmsnorm/swiglu/attention write them)
+ * into q8_0 weights, int8 x int8 products against the exact dequantised
+ * values; one token and batches, bias and accumulate. */
+START_TEST(test_matmul_x_q8) {
+    static const mm_case cases[] = {
+        {32, 1, 1}, {64, 3, 1}, {96, 4, 2}, {160, 7, 3}, {768, 64, 1}, {224, 17, 9}, {768, 70, 3}, {2048, 40, 1}, {768, 8, 350},
+    };
+    for (int ci = 0; ci < N_CONFIGS; ci++) {
+        duet_backend *be;
+        if (!open_cfg(CONFIGS[ci], &be)) continue;
+        for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++)
+            run_matmul_case_x(be, CONFIGS[ci], DUET_DTYPE_Q8_0, cases[k], k % 2 == 0, k % 3 == 1, true);
         duet_backend_close(be);
     }
 }
@@ -581,6 +640,76 @@ START_TEST(test_rmsnorm) {
 }
 END_TEST
 
+/* rmsnorm and swiglu with the fused q8_0 output, with and without the f32
+ * out: the blocks must be the q8_0 of the f32 row (one step of slack), and
+ * the f32 row must be unchanged by asking for blocks too. */
+static void run_q8_out_case(duet_backend *be, cfg c, duet_op_kind kind, int dim, int nt, bool with_out) {
+    size_t n = (size_t)dim * nt, nb = n / 32;
+    float *a = malloc(sizeof(float) * n), *b = malloc(sizeof(float) * n), *w = malloc(sizeof(float) * dim);
+    float *got = malloc(sizeof(float) * n), *reff = malloc(sizeof(float) * n);
+    double *ref = malloc(sizeof(double) * n);
+    duet_block_q8_0 *gq = malloc(sizeof *gq * nb);
+    fill_uniform(a, n, -3, 3);
+    fill_uniform(b, n, -2, 2);
+    fill_uniform(w, dim, 0.5f, 1.5f);
+    if (nt > 1) memset(a + dim, 0, sizeof(float) * 32); /* an all-zero block: d = 0 */
+    for (int t = 0; t < nt; t++) {
+        double ss = 0;
+        for (int i = 0; i < dim; i++) ss += (double)a[t * dim + i] * a[t * dim + i];
+        double sc = 1.0 / sqrt(ss / dim + 1e-5);
+        for (int i = 0; i < dim; i++) {
+            size_t k = (size_t)t * dim + i;
+            ref[k] = kind == DUET_OP_RMSNORM ? a[k] * sc * w[i] : (double)a[k] / (1.0 + exp(-(double)a[k])) * b[k];
+            reff[k] = (float)ref[k];
+        }
+    }
+    duet_buffer *ab = mkbuf(be, a, sizeof(float) * n), *bb = mkbuf(be, b, sizeof(float) * n);
+    duet_buffer *wb = mkbuf(be, w, sizeof(float) * dim);
+    gbuf out = gbuf_new(be, sizeof(float) * n, NULL), q8 = gbuf_new(be, sizeof *gq * nb, NULL);
+    duet_op op = {.kind = kind, .n_tokens = nt};
+    duet_view ov = with_out ? gview(out) : (duet_view){NULL, 0};
+    if (kind == DUET_OP_RMSNORM) {
+        op.rmsnorm.x = (duet_view){ab, 0}, op.rmsnorm.w = (duet_view){wb, 0}, op.rmsnorm.out = ov;
+        op.rmsnorm.out_q8 = gview(q8), op.rmsnorm.dim = dim, op.rmsnorm.eps = 1e-5f;
+    } else {
+        op.swiglu.gate = (duet_view){ab, 0}, op.swiglu.up = (duet_view){bb, 0}, op.swiglu.out = ov;
+        op.swiglu.out_q8 = gview(q8), op.swiglu.dim = dim;
+    }
+    char what[128];
+    snprintf(what, sizeof what, "%s out_q8 dim %d tokens %d with out %d [%s, %d threads]",
+             kind == DUET_OP_RMSNORM ? "rmsnorm" : "swiglu", dim, nt, with_out, c.isa, c.threads);
+    RUN_OK(be, &op, "%s", what);
+    gbuf_read(be, q8, gq, what);
+    gbuf_read(be, out, got, what); /* untouched (guard pattern) when absent */
+    if (with_out) {
+        check_nmse(got, ref, n, 1e-11, what);
+        check_q8(gq, got, (int64_t)n, what);
+    } else {
+        for (size_t i = 0; i < n * 4; i++)
+            if (((uint8_t *)got)[i] != 0xa5) ck_abort_msg("%s: the absent out was written (byte %zu)", what, i);
+        check_q8(gq, reff, (int64_t)n, what);
+    }
+    duet_buffer_free(be, ab), duet_buffer_free(be, bb), duet_buffer_free(be, wb);
+    duet_buffer_free(be, out.buf), duet_buffer_free(be, q8.buf);
+    free(a), free(b), free(w), free(got), free(reff), free(ref), free(gq);
+}
+
+START_TEST(test_q8_outputs) {
+    static const int dims[] = {32, 96, 768, 4096};
+    for (int ci = 0; ci < N_CONFIGS; ci++) {
+        duet_backend *be;
+        if (!open_cfg(CONFIGS[ci], &be)) continue;
+        for (int k = 0; k < 4; k++)
+            for (int with_out = 0; with_out < 2; with_out++) {
+                int nt = k == 3 ? 9 : 1 + k;
+                run_q8_out_case(be, CONFIGS[ci], DUET_OP_RMSNORM, dims[k], nt, with_out);
+                run_q8_out_case(be, CONFIGS[ci], DUET_OP_SWIGLU, dims[k], nt, with_out);
+            }
+        duet_backend_close(be);
+    }
+}
+END_TEST
+
 /* SWIGLU and ADD share shapes: ragged dims, one and many tokens, in place. */
 static void run_elementwise(duet_backend *be, cfg c, duet_op_kind kind, int dim, int nt, int inplace) {
     size_t n = (size_t)dim * nt;
@@ -676,36 +805,386 @@ START_TEST(test_gather_argmax) {
 }
 END_TEST
 
-/* ---- rope_kv and attention ---------------------------------------------- */
+/* ---- paged KV: rope_kv and attention -------------------------------------- */
 
-typedef struct attn_case {
+/* Host model of a paged KV cache: blocks handed to sequences in a shuffled
+ * order with unused blocks mixed in, so a kernel that ignores the table (or
+ * reads a neighbour block) gets different values. Table entries past a
+ * sequence's blocks are -1: only entries covering 0..pos may be read. */
+typedef struct paged_kv {
+    duet_dtype dt;
+    int bs, n_blocks, n_seqs, max_blocks, kw;
+    size_t row_bytes, pool_bytes;
+    uint8_t *k, *v; /* the pools as stored */
+    float *kf, *vf; /* the same values in f32: [n_blocks * bs][kw] */
+    int32_t *table; /* [n_seqs][max_blocks] */
+} paged_kv;
+
+static paged_kv paged_new(duet_dtype dt, int bs, int kw, int n_seqs, const int *lens, int spare) {
+    paged_kv p = {.dt = dt, .bs = bs, .n_seqs = n_seqs, .kw = kw};
+    int max_len = 1, need = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        max_len = lens[s] > max_len ? lens[s] : max_len;
+        need += (lens[s] + bs - 1) / bs;
+    }
+    p.max_blocks = (max_len + bs - 1) / bs + 1;
+    p.n_blocks = need + spare;
+    int32_t *perm = malloc(sizeof(int32_t) * p.n_blocks);
+    for (int i = 0; i < p.n_blocks; i++) perm[i] = i;
+    for (int i = p.n_blocks - 1; i > 0; i--) {
+        int j = rng_int(i + 1);
+        int32_t t = perm[i];
+        perm[i] = perm[j], perm[j] = t;
+    }
+    p.table = malloc(sizeof(int32_t) * n_seqs * p.max_blocks);
+    for (int i = 0; i < n_seqs * p.max_blocks; i++) p.table[i] = -1;
+    for (int s = 0, k = 0; s < n_seqs; s++)
+        for (int b = 0; b < (lens[s] + bs - 1) / bs; b++) p.table[s * p.max_blocks + b] = perm[k++];
+    free(perm);
+    p.row_bytes = duet_dtype_row_bytes(dt, kw);
+    size_t rows = (size_t)p.n_blocks * bs;
+    p.pool_bytes = p.row_bytes * rows;
+    p.k = malloc(p.pool_bytes), p.v = malloc(p.pool_bytes);
+    p.kf = malloc(sizeof(float) * rows * kw), p.vf = malloc(sizeof(float) * rows * kw);
+    fill_uniform(p.kf, rows * kw, -1, 1);
+    fill_uniform(p.vf, rows * kw, -1, 1);
+    for (size_t r = 0; r < rows; r++) {
+        to_dtype_and_back(dt, p.kf + r * kw, p.k + r * p.row_bytes, p.kf + r * kw, kw);
+        to_dtype_and_back(dt, p.vf + r * kw, p.v + r * p.row_bytes, p.vf + r * kw, kw);
+    }
+    return p;
+}
+
+static void paged_free(paged_kv *p) {
+    free(p->k), free(p->v), free(p->kf), free(p->vf), free(p->table);
+}
+
+/* The pool row of (sequence, position). */
+static size_t paged_row(const paged_kv *p, int seq, int pos) {
+    return (size_t)p->table[seq * p->max_blocks + pos / p->bs] * p->bs + pos % p->bs;
+}
+
+/* Device copies; the k pool and the table sit at non-zero offsets. */
+typedef struct paged_dev {
+    duet_buffer *k, *v, *table;
+} paged_dev;
+#define KPOOL_OFF 128
+#define TABLE_OFF 12
+
+static paged_dev paged_upload(duet_backend *be, const paged_kv *p) {
+    paged_dev d;
+    size_t tb = sizeof(int32_t) * p->n_seqs * p->max_blocks;
+    d.k = mkbuf(be, NULL, p->pool_bytes + KPOOL_OFF);
+    ck_assert(duet_buffer_upload(be, d.k, KPOOL_OFF, p->k, p->pool_bytes) == DUET_OK);
+    d.v = mkbuf(be, p->v, p->pool_bytes);
+    d.table = mkbuf(be, NULL, tb + TABLE_OFF);
+    ck_assert(duet_buffer_upload(be, d.table, TABLE_OFF, p->table, tb) == DUET_OK);
+    return d;
+}
+
+static void paged_dev_free(duet_backend *be, paged_dev d) {
+    duet_buffer_free(be, d.k), duet_buffer_free(be, d.v), duet_buffer_free(be, d.table);
+}
+
+static duet_kv_pages paged_view(const paged_kv *p, paged_dev d) {
+    return (duet_kv_pages){.k_pool = {d.k, KPOOL_OFF}, .v_pool = {d.v, 0}, .block_table = {d.table, TABLE_OFF},
+                           .dtype = p->dt, .block_size = p->bs, .n_blocks = p->n_blocks, .n_seqs = p->n_seqs,
+                           .max_blocks = p->max_blocks};
+}
+
+/* Attention in double over the dequantised pools, read through the table. */
+static void ref_attention(const paged_kv *p, const float *q, const int32_t *pos, const int32_t *seq, int nt, int nh,
+                          int nkv, int hd, float scale, double *out) {
+    int max_pos = 0;
+    for (int t = 0; t < nt; t++) max_pos = pos[t] > max_pos ? pos[t] : max_pos;
+    double *sc = malloc(sizeof(double) * (max_pos + 1));
+    size_t *rows = malloc(sizeof(size_t) * (max_pos + 1));
+    const int group = nh / nkv, qw = nh * hd;
+    for (int t = 0; t < nt; t++) {
+        int n = pos[t] + 1;
+        for (int i = 0; i < n; i++) rows[i] = paged_row(p, seq[t], i);
+        for (int h = 0; h < nh; h++) {
+            const float *qh = q + (size_t)t * qw + h * hd;
+            const size_t col = (size_t)(h / group) * hd;
+            double mx = -INFINITY, sum = 0;
+            for (int i = 0; i < n; i++) {
+                const float *kr = p->kf + rows[i] * p->kw + col;
+                double s = 0;
+                for (int d = 0; d < hd; d++) s += (double)qh[d] * kr[d];
+                sc[i] = s * scale;
+                mx = fmax(mx, sc[i]);
+            }
+            for (int i = 0; i < n; i++) sum += sc[i] = exp(sc[i] - mx);
+            double *o = out + (size_t)t * qw + h * hd;
+            for (int d = 0; d < hd; d++) o[d] = 0;
+            for (int i = 0; i < n; i++) {
+                const float *vr = p->vf + rows[i] * p->kw + col;
+                for (int d = 0; d < hd; d++) o[d] += sc[i] * vr[d];
+            }
+            for (int d = 0; d < hd; d++) o[d] /= sum;
+        }
+    }
+    free(sc), free(rows);
+}
+
+typedef struct att_shape {
+    int n_head, n_head_kv, hd;
+} att_shape;
+
+/* Output modes: f32 out, out + out_q8, out_q8 alone, out written over q. */
+enum { OUT_F32, OUT_BOTH, OUT_Q8, OUT_INPLACE, OUT_MODES };
+static const char *const OUT_NAMES[OUT_MODES] = {"out", "out+out_q8", "out_q8", "in-place"};
+
+/* One attention op on a prepared cache, checked against ref (the double
+ * reference for these q, pos, seq). */
+static void check_attention(duet_backend *be, cfg c, const paged_kv *p, paged_dev dev, att_shape sh,
+                            const float *q, const int32_t *pos, const int32_t *seq, int nt, float scale,
+                            const double *ref, int mode, double tol, const char *name) {
+    const int qw = sh.n_head * sh.hd;
+    const size_t n = (size_t)qw * nt, qbytes = sizeof(float) * n;
+    if (mode == OUT_Q8 && qw % 32) mode = OUT_F32; /* no q8 output for this width */
+    const bool q8 = (mode == OUT_BOTH || mode == OUT_Q8) && qw % 32 == 0;
+    const size_t q8bytes = q8 ? sizeof(duet_block_q8_0) * n / 32 : 0;
+    gbuf out = gbuf_new(be, qbytes, mode == OUT_INPLACE ? q : NULL);
+    gbuf oq = gbuf_new(be, q8 ? q8bytes : 1, NULL);
+    duet_buffer *qb = mode == OUT_INPLACE ? NULL : mkbuf(be, q, qbytes);
+    duet_buffer *pb = mkbuf(be, pos, sizeof(int32_t) * nt), *sb = mkbuf(be, seq, sizeof(int32_t) * nt);
+    duet_op op = {.kind = DUET_OP_ATTENTION, .n_tokens = nt};
+    op.attention.q = mode == OUT_INPLACE ? gview(out) : (duet_view){qb, 0};
+    op.attention.pos = (duet_view){pb, 0}, op.attention.seq = (duet_view){sb, 0};
+    op.attention.kv = paged_view(p, dev);
+    op.attention.n_head = sh.n_head, op.attention.n_head_kv = sh.n_head_kv, op.attention.head_dim = sh.hd;
+    op.attention.scale = scale;
+    if (mode != OUT_Q8) op.attention.out = gview(out);
+    if (q8) op.attention.out_q8 = gview(oq);
+    char what[256];
+    snprintf(what, sizeof what, "attention %s heads %d/%d hd %d %s bs %d tokens %d %s [%s, %d threads]", name,
+             sh.n_head, sh.n_head_kv, sh.hd, duet_dtype_name(p->dt), p->bs, nt, OUT_NAMES[mode], c.isa, c.threads);
+    RUN_OK(be, &op, "%s", what);
+    float *got = malloc(qbytes);
+    gbuf_read(be, out, got, what);
+    if (mode != OUT_Q8) check_nmse(got, ref, n, tol, what);
+    if (q8) {
+        duet_block_q8_0 *gq = malloc(q8bytes);
+        gbuf_read(be, oq, gq, what);
+        float *f = got;
+        if (mode == OUT_Q8) {
+            for (size_t i = 0; i < qbytes; i++)
+                if (((uint8_t *)got)[i] != 0xa5) ck_abort_msg("%s: the absent out was written (byte %zu)", what, i);
+            f = malloc(qbytes);
+            for (size_t i = 0; i < n; i++) f[i] = (float)ref[i];
+        }
+        check_q8(gq, f, (int64_t)n, what);
+        if (f != got) free(f);
+        free(gq);
+    }
+    free(got);
+    duet_buffer_free(be, qb), duet_buffer_free(be, pb), duet_buffer_free(be, sb);
+    duet_buffer_free(be, out.buf), duet_buffer_free(be, oq.buf);
+}
+
+/* Sequences of a test cache: contexts 1, 7, 64, 1000, 4096, and a 40-token
+ * one for prefill from position 0. */
+static const int ATT_LENS[] = {1, 7, 64, 1000, 4096, 40};
+#define ATT_NSEQ 6
+
+typedef struct att_batch {
+    const char *name;
+    int n;
+    int32_t seq[64], pos[64];
+    float scale_mul;
+} att_batch;
+
+/* Decode at each context, prefill runs (one crossing tiles mid-sequence, one
+ * from position 0), a ragged mix where one sequence's tokens come in two
+ * runs, and a prefill chunk at the end of the 4096 context. */
+static int make_batches(att_batch *b, bool long_prefill) {
+    int nb = 0;
+    for (int s = 0; s < 5; s++) {
+        att_batch *x = &b[nb++];
+        *x = (att_batch){.name = "decode", .n = 1, .scale_mul = s == 1 ? 200.0f : 1.0f};
+        x->seq[0] = s, x->pos[0] = ATT_LENS[s] - 1;
+    }
+    att_batch *x = &b[nb++];
+    *x = (att_batch){.name = "prefill 976..999", .n = 24, .scale_mul = 60.0f};
+    for (int i = 0; i < 24; i++) x->seq[i] = 3, x->pos[i] = 976 + i;
+    x = &b[nb++];
+    *x = (att_batch){.name = "prefill 0..39", .n = 40, .scale_mul = 1.0f};
+    for (int i = 0; i < 40; i++) x->seq[i] = 5, x->pos[i] = i;
+    x = &b[nb++];
+    *x = (att_batch){.name = "ragged", .n = 0, .scale_mul = 1.0f};
+    static const int rs[] = {4, 5, 5, 5, 5, 5, 5, 0, 3, 5, 5, 5, 5, 1, 2};
+    static const int rp[] = {4095, 30, 31, 32, 33, 34, 35, 0, 999, 36, 37, 38, 39, 6, 63};
+    for (int i = 0; i < 15; i++) x->seq[i] = rs[i], x->pos[i] = rp[i];
+    x->n = 15;
+    if (long_prefill) {
+        x = &b[nb++];
+        *x = (att_batch){.name = "prefill 4064..4095", .n = 32, .scale_mul = 1.0f};
+        for (int i = 0; i < 32; i++) x->seq[i] = 4, x->pos[i] = 4064 + i;
+    }
+    return nb;
+}
+
+/* Every shape x KV dtype x block size runs every batch on every SIMD path
+ * and thread count; the reference is computed once per case. */
+static void run_attention_shape(att_shape sh, duet_dtype dt, int bs, bool long_prefill) {
+    const int kw = sh.n_head_kv * sh.hd, qw = sh.n_head * sh.hd;
+    paged_kv p = paged_new(dt, bs, kw, ATT_NSEQ, ATT_LENS, 5);
+    att_batch batches[16];
+    int nb = make_batches(batches, long_prefill);
+    float *q[16];
+    double *ref[16];
+    for (int i = 0; i < nb; i++) {
+        q[i] = malloc(sizeof(float) * qw * batches[i].n);
+        ref[i] = malloc(sizeof(double) * qw * batches[i].n);
+        fill_uniform(q[i], (size_t)qw * batches[i].n, -1, 1);
+        float scale = batches[i].scale_mul / sqrtf((float)sh.hd);
+        ref_attention(&p, q[i], batches[i].pos, batches[i].seq, batches[i].n, sh.n_head, sh.n_head_kv, sh.hd, scale,
+                      ref[i]);
+    }
+    for (int ci = 0; ci < N_CONFIGS; ci++) {
+        duet_backend *be;
+        if (!open_cfg(CONFIGS[ci], &be)) continue;
+        paged_dev dev = paged_upload(be, &p);
+        for (int i = 0; i < nb; i++) {
+            float scale = batches[i].scale_mul / sqrtf((float)sh.hd);
+            /* Large scales amplify the f32 rounding of each score (~1e-7 |s|). */
+            double tol = batches[i].scale_mul > 1 ? 1e-8 : 1e-10;
+            check_attention(be, CONFIGS[ci], &p, dev, sh, q[i], batches[i].pos, batches[i].seq, batches[i].n, scale,
+                            ref[i], (i + ci) % OUT_MODES, tol, batches[i].name);
+        }
+        /* The cache is an input: not one byte of it may change. */
+        uint8_t *back = malloc(p.pool_bytes);
+        ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, back, p.pool_bytes) == DUET_OK);
+        ck_assert_msg(memcmp(back, p.k, p.pool_bytes) == 0, "attention wrote to the k pool");
+        ck_assert(duet_buffer_download(be, dev.v, 0, back, p.pool_bytes) == DUET_OK);
+        ck_assert_msg(memcmp(back, p.v, p.pool_bytes) == 0, "attention wrote to the v pool");
+        free(back);
+        paged_dev_free(be, dev);
+        duet_backend_close(be);
+    }
+    for (int i = 0; i < nb; i++) free(q[i]), free(ref[i]);
+    paged_free(&p);
+}
+
+/* MHA (the 125m shape), GQA, MQA; head_dim 64 and 128 take the SIMD
+ * kernels, 80 does too but its q8 output blocks straddle heads, 24 runs
+ * scalar on every path. q8_0 KV needs head_dim % 32 == 0. */
+START_TEST(test_attention_mha) {
+    att_shape sh = {12, 12, 64};
+    run_attention_shape(sh, DUET_DTYPE_F16, 16, true);
+    run_attention_shape(sh, DUET_DTYPE_Q8_0, 32, false);
+    run_attention_shape(sh, DUET_DTYPE_F32, 32, false);
+}
+END_TEST
+
+START_TEST(test_attention_gqa) {
+    att_shape sh = {8, 2, 64};
+    run_attention_shape(sh, DUET_DTYPE_F32, 16, false);
+    run_attention_shape(sh, DUET_DTYPE_F16, 32, false);
+    run_attention_shape(sh, DUET_DTYPE_Q8_0, 16, true);
+}
+END_TEST
+
+START_TEST(test_attention_mqa) {
+    att_shape sh = {8, 1, 128};
+    run_attention_shape(sh, DUET_DTYPE_Q8_0, 32, false);
+    run_attention_shape(sh, DUET_DTYPE_F16, 16, false);
+}
+END_TEST
+
+START_TEST(test_attention_odd_heads) {
+    run_attention_shape((att_shape){6, 6, 80}, DUET_DTYPE_F16, 16, false);
+    run_attention_shape((att_shape){4, 2, 24}, DUET_DTYPE_F32, 32, false);
+    run_attention_shape((att_shape){6, 3, 32}, DUET_DTYPE_Q8_0, 16, false);
+}
+END_TEST
+
+/* Batching must not change a token's attention, bit for bit: the engine
+ * batches whatever is running and greedy decoding must not depend on it.
+ * Each token alone (decode: context splits on 2-3 threads) against the
+ * whole ragged batch (prefill tiles, no splits), on 1, 2 and 3 threads. */
+static void run_invariance(att_shape sh, duet_dtype dt) {
+    const int qw = sh.n_head * sh.hd;
+    paged_kv p = paged_new(dt, 16, sh.n_head_kv * sh.hd, ATT_NSEQ, ATT_LENS, 3);
+    att_batch b[16];
+    make_batches(b, false);
+    att_batch *mix = &b[7]; /* ragged */
+    float *q = malloc(sizeof(float) * qw * mix->n);
+    fill_uniform(q, (size_t)qw * mix->n, -1, 1);
+    float *first = malloc(sizeof(float) * qw * mix->n), *got = malloc(sizeof(float) * qw * mix->n);
+    static const char *const isas[] = {"scalar", "avx2", "avx512"};
+    for (int ii = 0; ii < 3; ii++)
+        for (int threads = 1; threads <= 3; threads++) {
+            duet_backend *be;
+            if (!open_cfg((cfg){isas[ii], threads}, &be)) continue;
+            paged_dev dev = paged_upload(be, &p);
+            duet_buffer *qb = mkbuf(be, q, sizeof(float) * qw * mix->n), *ob = mkbuf(be, NULL, sizeof(float) * qw * mix->n);
+            duet_buffer *pb = mkbuf(be, mix->pos, sizeof(int32_t) * mix->n), *sb = mkbuf(be, mix->seq, sizeof(int32_t) * mix->n);
+            for (int alone = 0; alone < 2; alone++) {
+                for (int t0 = 0; t0 < mix->n; t0 += alone ? 1 : mix->n) {
+                    duet_op op = {.kind = DUET_OP_ATTENTION, .n_tokens = alone ? 1 : mix->n};
+                    op.attention.q = (duet_view){qb, (size_t)t0 * qw * 4};
+                    op.attention.pos = (duet_view){pb, (size_t)t0 * 4}, op.attention.seq = (duet_view){sb, (size_t)t0 * 4};
+                    op.attention.kv = paged_view(&p, dev), op.attention.n_head = sh.n_head;
+                    op.attention.n_head_kv = sh.n_head_kv, op.attention.head_dim = sh.hd, op.attention.scale = 0.125f;
+                    op.attention.out = (duet_view){ob, (size_t)t0 * qw * 4};
+                    RUN_OK(be, &op, "attention token %d", t0);
+                }
+                ck_assert(duet_buffer_download(be, ob, 0, got, sizeof(float) * qw * mix->n) == DUET_OK);
+                if (threads == 1 && alone == 0) memcpy(first, got, sizeof(float) * qw * mix->n);
+                for (int t = 0; t < mix->n; t++)
+                    ck_assert_msg(memcmp(got + (size_t)t * qw, first + (size_t)t * qw, sizeof(float) * qw) == 0,
+                                  "heads %d/%d %s [%s]: token %d (seq %d pos %d) %s on %d threads differs from the "
+                                  "batch on 1 thread",
+                                  sh.n_head, sh.n_head_kv, duet_dtype_name(dt), isas[ii], t, mix->seq[t], mix->pos[t],
+                                  alone ? "alone" : "in the batch", threads);
+            }
+            duet_buffer_free(be, qb), duet_buffer_free(be, ob), duet_buffer_free(be, pb), duet_buffer_free(be, sb);
+            paged_dev_free(be, dev);
+            duet_backend_close(be);
+        }
+    free(q), free(first), free(got);
+    paged_free(&p);
+}
+
+START_TEST(test_attention_batch_invariance) {
+    run_invariance((att_shape){12, 12, 64}, DUET_DTYPE_Q8_0);
+    run_invariance((att_shape){8, 2, 64}, DUET_DTYPE_F16);
+    run_invariance((att_shape){8, 1, 128}, DUET_DTYPE_F32);
+    run_invariance((att_shape){6, 6, 80}, DUET_DTYPE_F16);
+}
+END_TEST
+
+/* ---- rope_kv -------------------------------------------------------------- */
+
+typedef struct rope_case {
     int n_head, n_head_kv, head_dim, n_rot;
     bool neox;
     duet_dtype kvt;
     int n_tokens;
-} attn_case;
+} rope_case;
 
-static const attn_case ATTN_CASES[] = {
-    {4, 4, 8, 8, false, DUET_DTYPE_F32, 5},    {4, 2, 16, 16, true, DUET_DTYPE_F16, 3},
-    {8, 2, 64, 64, false, DUET_DTYPE_F16, 7},  {8, 2, 64, 32, true, DUET_DTYPE_F32, 2},
-    {6, 3, 6, 6, false, DUET_DTYPE_F32, 4},    {4, 1, 24, 16, false, DUET_DTYPE_F16, 1},
-    {12, 12, 64, 64, false, DUET_DTYPE_F32, 1}, {8, 4, 80, 80, true, DUET_DTYPE_F16, 40},
+static const rope_case ROPE_CASES[] = {
+    {4, 4, 8, 8, false, DUET_DTYPE_F32, 5},      {4, 2, 16, 16, true, DUET_DTYPE_F16, 3},
+    {8, 2, 64, 64, false, DUET_DTYPE_F16, 7},    {8, 2, 64, 32, true, DUET_DTYPE_F32, 2},
+    {6, 3, 6, 6, false, DUET_DTYPE_F32, 4},      {4, 1, 32, 16, false, DUET_DTYPE_Q8_0, 1},
+    {12, 12, 64, 64, false, DUET_DTYPE_Q8_0, 9}, {8, 4, 128, 128, true, DUET_DTYPE_Q8_0, 40},
+    {8, 4, 80, 80, true, DUET_DTYPE_F16, 40},
 };
-#define N_SEQS 3
-#define N_CTX 300
+static const int ROPE_LENS[3] = {64, 300, 200};
 
-/* Positions/sequences mixing a prefill run in one sequence with decode
- * tokens of others, positions up to N_CTX - 1, sorted so a token only sees
- * slots that exist. */
-static void make_positions(int nt, int32_t *pos, int32_t *seq) {
+/* A prefill run in sequence 0, one deep token of sequence 1, a few of
+ * sequence 2 (positions within ROPE_LENS). */
+static void rope_positions(int nt, int32_t *pos, int32_t *seq) {
     int run = nt > 2 ? nt - 2 : nt;
-    if (nt == 1) { /* decode deep into a sequence */
-        seq[0] = 1, pos[0] = N_CTX - 1;
+    if (nt == 1) {
+        seq[0] = 1, pos[0] = ROPE_LENS[1] - 1;
         return;
     }
     for (int t = 0; t < nt; t++) {
         if (t < run) seq[t] = 0, pos[t] = t;
-        else if (t == run) seq[t] = 1, pos[t] = N_CTX - 1;
+        else if (t == run) seq[t] = 1, pos[t] = ROPE_LENS[1] - 1;
         else seq[t] = 2, pos[t] = 150 + t;
     }
 }
@@ -723,19 +1202,31 @@ static void ref_rope(float *x, int n_heads, int hd, int n_rot, bool neox, int po
     }
 }
 
+/* A pool row as written from f32 values x: exact for f32, the correctly
+ * rounded fp16 for f16, the q8_0 rule (one step of slack) for q8_0. */
+static void check_pool_row(duet_dtype dt, const uint8_t *row, const float *x, int kw, const char *what) {
+    if (dt == DUET_DTYPE_Q8_0) {
+        check_q8((const duet_block_q8_0 *)row, x, kw, what);
+        return;
+    }
+    uint8_t want[4096];
+    duet_convert_row(dt, x, want, kw);
+    ck_assert_msg(memcmp(row, want, duet_dtype_row_bytes(dt, kw)) == 0, "%s: pool row differs", what);
+}
+
 START_TEST(test_rope_kv) {
     for (int ci = 0; ci < N_CONFIGS; ci++) {
         duet_backend *be;
         if (!open_cfg(CONFIGS[ci], &be)) continue;
-        for (size_t k = 0; k < sizeof ATTN_CASES / sizeof ATTN_CASES[0]; k++) {
-            attn_case ac = ATTN_CASES[k];
-            int nt = ac.n_tokens, qw = ac.n_head * ac.head_dim, kw = ac.n_head_kv * ac.head_dim;
-            size_t es = duet_dtype_block_bytes(ac.kvt), cache_bytes = (size_t)N_SEQS * N_CTX * kw * es;
+        for (size_t k = 0; k < sizeof ROPE_CASES / sizeof ROPE_CASES[0]; k++) {
+            rope_case rc = ROPE_CASES[k];
+            int nt = rc.n_tokens, qw = rc.n_head * rc.head_dim, kw = rc.n_head_kv * rc.head_dim;
+            paged_kv p = paged_new(rc.kvt, k % 2 ? 32 : 16, kw, 3, ROPE_LENS, 3);
             float *q = malloc(sizeof(float) * qw * nt), *kk = malloc(sizeof(float) * kw * nt), *v = malloc(sizeof(float) * kw * nt);
             float *qg = malloc(sizeof(float) * qw * nt), *kg = malloc(sizeof(float) * kw * nt);
             double *qr = malloc(sizeof(double) * qw * nt), *kr = malloc(sizeof(double) * kw * nt);
             int32_t pos[64], seq[64];
-            make_positions(nt, pos, seq);
+            rope_positions(nt, pos, seq);
             fill_uniform(q, (size_t)qw * nt, -1, 1);
             fill_uniform(kk, (size_t)kw * nt, -1, 1);
             fill_uniform(v, (size_t)kw * nt, -1, 1);
@@ -744,131 +1235,183 @@ START_TEST(test_rope_kv) {
             memcpy(qt, q, sizeof(float) * qw * nt);
             memcpy(kt, kk, sizeof(float) * kw * nt);
             for (int t = 0; t < nt; t++) {
-                ref_rope(qt + t * qw, ac.n_head, ac.head_dim, ac.n_rot, ac.neox, pos[t], base);
-                ref_rope(kt + t * kw, ac.n_head_kv, ac.head_dim, ac.n_rot, ac.neox, pos[t], base);
+                ref_rope(qt + t * qw, rc.n_head, rc.head_dim, rc.n_rot, rc.neox, pos[t], base);
+                ref_rope(kt + t * kw, rc.n_head_kv, rc.head_dim, rc.n_rot, rc.neox, pos[t], base);
             }
             for (int i = 0; i < qw * nt; i++) qr[i] = qt[i];
             for (int i = 0; i < kw * nt; i++) kr[i] = kt[i];
-            uint8_t *cache0 = malloc(cache_bytes), *kc = malloc(cache_bytes), *vc = malloc(cache_bytes);
-            memset(cache0, 0x5a, cache_bytes); /* untouched slots must keep this */
             gbuf qb = gbuf_new(be, sizeof(float) * qw * nt, q), kb = gbuf_new(be, sizeof(float) * kw * nt, kk);
             duet_buffer *vb = mkbuf(be, v, sizeof(float) * kw * nt), *pb = mkbuf(be, pos, sizeof(int32_t) * nt),
                         *sb = mkbuf(be, seq, sizeof(int32_t) * nt);
-            gbuf kcb = gbuf_new(be, cache_bytes, cache0), vcb = gbuf_new(be, cache_bytes, cache0);
+            paged_dev dev = paged_upload(be, &p);
             duet_op op = {.kind = DUET_OP_ROPE_KV, .n_tokens = nt};
             op.rope_kv.q = gview(qb), op.rope_kv.k = gview(kb), op.rope_kv.v = (duet_view){vb, 0};
             op.rope_kv.pos = (duet_view){pb, 0}, op.rope_kv.seq = (duet_view){sb, 0};
-            op.rope_kv.k_cache = gview(kcb), op.rope_kv.v_cache = gview(vcb);
-            op.rope_kv.kv_dtype = ac.kvt;
-            op.rope_kv.n_head = ac.n_head, op.rope_kv.n_head_kv = ac.n_head_kv, op.rope_kv.head_dim = ac.head_dim;
-            op.rope_kv.n_rot = ac.n_rot, op.rope_kv.n_ctx = N_CTX, op.rope_kv.freq_base = base, op.rope_kv.neox = ac.neox;
+            op.rope_kv.kv = paged_view(&p, dev);
+            op.rope_kv.n_head = rc.n_head, op.rope_kv.n_head_kv = rc.n_head_kv, op.rope_kv.head_dim = rc.head_dim;
+            op.rope_kv.n_rot = rc.n_rot, op.rope_kv.freq_base = base, op.rope_kv.neox = rc.neox;
             char what[128];
-            snprintf(what, sizeof what, "rope_kv case %zu [%s, %d threads]", k, CONFIGS[ci].isa, CONFIGS[ci].threads);
+            snprintf(what, sizeof what, "rope_kv case %zu %s bs %d [%s, %d threads]", k, duet_dtype_name(rc.kvt), p.bs,
+                     CONFIGS[ci].isa, CONFIGS[ci].threads);
             RUN_OK(be, &op, "%s", what);
             gbuf_read(be, qb, qg, what);
             gbuf_read(be, kb, kg, what);
-            gbuf_read(be, kcb, kc, what);
-            gbuf_read(be, vcb, vc, what);
             check_nmse(qg, qr, (size_t)qw * nt, 1e-12, what);
             check_nmse(kg, kr, (size_t)kw * nt, 1e-12, what);
-            /* The cache holds rotated k and plain v at [seq][pos], nothing else changed. */
-            uint8_t *mark = calloc((size_t)N_SEQS * N_CTX, 1);
+            /* The pools hold rotated k and plain v at the table's rows for
+             * (seq, pos); every other row keeps its bytes. */
+            uint8_t *kc = malloc(p.pool_bytes), *vc = malloc(p.pool_bytes);
+            ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, kc, p.pool_bytes) == DUET_OK);
+            ck_assert(duet_buffer_download(be, dev.v, 0, vc, p.pool_bytes) == DUET_OK);
+            size_t n_rows = (size_t)p.n_blocks * p.bs;
+            uint8_t *mark = calloc(n_rows, 1);
             for (int t = 0; t < nt; t++) {
-                size_t slot = (size_t)seq[t] * N_CTX + pos[t];
-                mark[slot] = 1;
-                float krow[1024], vrow[1024];
-                duet_dequantize_row(ac.kvt, kc + slot * kw * es, krow, kw);
-                duet_dequantize_row(ac.kvt, vc + slot * kw * es, vrow, kw);
-                double vref[1024];
-                for (int i = 0; i < kw; i++) vref[i] = v[t * kw + i];
-                double tol = ac.kvt == DUET_DTYPE_F16 ? 1e-6 : 1e-12;
-                check_nmse(krow, kr + t * kw, kw, tol, "k cache row");
-                check_nmse(vrow, vref, kw, ac.kvt == DUET_DTYPE_F16 ? 1e-6 : 0.0, "v cache row");
+                size_t r = paged_row(&p, seq[t], pos[t]);
+                mark[r] = 1;
+                check_pool_row(rc.kvt, kc + r * p.row_bytes, kg + (size_t)t * kw, kw, what);
+                check_pool_row(rc.kvt, vc + r * p.row_bytes, v + (size_t)t * kw, kw, what);
             }
-            for (size_t s = 0; s < (size_t)N_SEQS * N_CTX; s++)
-                if (!mark[s])
-                    ck_assert_msg(memcmp(kc + s * kw * es, cache0, kw * es) == 0 && memcmp(vc + s * kw * es, cache0, kw * es) == 0,
-                                  "%s: cache slot %zu changed", what, s);
-            free(mark);
+            for (size_t r = 0; r < n_rows; r++)
+                if (!mark[r] && (memcmp(kc + r * p.row_bytes, p.k + r * p.row_bytes, p.row_bytes) != 0 ||
+                                 memcmp(vc + r * p.row_bytes, p.v + r * p.row_bytes, p.row_bytes) != 0))
+                    ck_abort_msg("%s: pool row %zu changed", what, r);
+            free(mark), free(kc), free(vc);
+            paged_dev_free(be, dev);
             duet_buffer_free(be, qb.buf), duet_buffer_free(be, kb.buf), duet_buffer_free(be, vb);
-            duet_buffer_free(be, pb), duet_buffer_free(be, sb), duet_buffer_free(be, kcb.buf), duet_buffer_free(be, vcb.buf);
+            duet_buffer_free(be, pb), duet_buffer_free(be, sb);
             free(q), free(kk), free(v), free(qg), free(kg), free(qr), free(kr), free(qt), free(kt);
-            free(cache0), free(kc), free(vc);
+            paged_free(&p);
         }
         duet_backend_close(be);
     }
 }
 END_TEST
 
-static void run_attention_case(duet_backend *be, cfg c, attn_case ac, float scale_mul, bool inplace) {
-    int nt = ac.n_tokens, hd = ac.head_dim, qw = ac.n_head * hd, kw = ac.n_head_kv * hd;
-    size_t es = duet_dtype_block_bytes(ac.kvt), n_slots = (size_t)N_SEQS * N_CTX;
-    float *kc = malloc(sizeof(float) * n_slots * kw), *vc = malloc(sizeof(float) * n_slots * kw);
-    uint8_t *kp = malloc(n_slots * kw * es), *vp = malloc(n_slots * kw * es);
-    fill_uniform(kc, n_slots * kw, -1, 1);
-    fill_uniform(vc, n_slots * kw, -1, 1);
-    /* The reference sees the cache values exactly as stored. */
-    to_dtype_and_back(ac.kvt, kc, kp, kc, (int64_t)n_slots * kw);
-    to_dtype_and_back(ac.kvt, vc, vp, vc, (int64_t)n_slots * kw);
-    float *q = malloc(sizeof(float) * qw * nt), *got = malloc(sizeof(float) * qw * nt);
-    double *ref = malloc(sizeof(double) * qw * nt), *sc = malloc(sizeof(double) * N_CTX);
-    fill_uniform(q, (size_t)qw * nt, -1, 1);
-    int32_t pos[64], seq[64];
-    make_positions(nt, pos, seq);
-    float scale = scale_mul / sqrtf((float)hd);
-    int group = ac.n_head / ac.n_head_kv;
-    for (int t = 0; t < nt; t++)
-        for (int h = 0; h < ac.n_head; h++) {
-            const float *qh = q + t * qw + h * hd;
-            int n = pos[t] + 1;
-            double mx = -INFINITY, sum = 0;
-            for (int p = 0; p < n; p++) {
-                const float *kr = kc + ((size_t)seq[t] * N_CTX + p) * kw + (h / group) * hd;
-                double s = 0;
-                for (int d = 0; d < hd; d++) s += (double)qh[d] * kr[d];
-                sc[p] = s * scale;
-                mx = fmax(mx, sc[p]);
-            }
-            for (int p = 0; p < n; p++) sum += sc[p] = exp(sc[p] - mx);
-            for (int d = 0; d < hd; d++) {
-                double o = 0;
-                for (int p = 0; p < n; p++) o += sc[p] * vc[((size_t)seq[t] * N_CTX + p) * kw + (h / group) * hd + d];
-                ref[t * qw + h * hd + d] = o / sum;
-            }
-        }
-    duet_buffer *kb = mkbuf(be, kp, n_slots * kw * es), *vb = mkbuf(be, vp, n_slots * kw * es);
-    duet_buffer *qb = inplace ? NULL : mkbuf(be, q, sizeof(float) * qw * nt);
-    duet_buffer *pb = mkbuf(be, pos, sizeof(int32_t) * nt), *sb = mkbuf(be, seq, sizeof(int32_t) * nt);
-    gbuf out = gbuf_new(be, sizeof(float) * qw * nt, inplace ? q : NULL);
-    duet_op op = {.kind = DUET_OP_ATTENTION, .n_tokens = nt};
-    op.attention.q = inplace ? gview(out) : (duet_view){qb, 0};
-    op.attention.pos = (duet_view){pb, 0}, op.attention.seq = (duet_view){sb, 0};
-    op.attention.k_cache = (duet_view){kb, 0}, op.attention.v_cache = (duet_view){vb, 0};
-    op.attention.kv_dtype = ac.kvt;
-    op.attention.n_head = ac.n_head, op.attention.n_head_kv = ac.n_head_kv, op.attention.head_dim = hd;
-    op.attention.n_ctx = N_CTX, op.attention.scale = scale, op.attention.out = gview(out);
-    char what[160];
-    snprintf(what, sizeof what, "attention heads %d/%d hd %d %s tokens %d scale x%g inplace %d [%s, %d threads]",
-             ac.n_head, ac.n_head_kv, hd, duet_dtype_name(ac.kvt), nt, (double)scale_mul, inplace, c.isa, c.threads);
-    RUN_OK(be, &op, "%s", what);
-    gbuf_read(be, out, got, what);
-    /* Large scales amplify the f32 rounding of each score (~1e-7 |s|). */
-    check_nmse(got, ref, (size_t)qw * nt, scale_mul > 1 ? 1e-8 : 1e-10, what);
-    duet_buffer_free(be, kb), duet_buffer_free(be, vb), duet_buffer_free(be, qb), duet_buffer_free(be, pb);
-    duet_buffer_free(be, sb), duet_buffer_free(be, out.buf);
-    free(kc), free(vc), free(kp), free(vp), free(q), free(got), free(ref), free(sc);
-}
-
-START_TEST(test_attention) {
+/* rope_kv then attention through one cache, as a forward pass runs them:
+ * what rope_kv stores (q8_0 here) is what attention reads. */
+START_TEST(test_rope_then_attention) {
+    enum { NH = 8, NKV = 2, HD = 64, NT = 20 };
+    const int lens[2] = {NT, 1};
     for (int ci = 0; ci < N_CONFIGS; ci++) {
         duet_backend *be;
         if (!open_cfg(CONFIGS[ci], &be)) continue;
-        for (size_t k = 0; k < sizeof ATTN_CASES / sizeof ATTN_CASES[0]; k++)
-            run_attention_case(be, CONFIGS[ci], ATTN_CASES[k], 1.0f, k % 3 == 2);
-        /* Large logits: the softmax must subtract the max, not overflow. */
-        run_attention_case(be, CONFIGS[ci], ATTN_CASES[2], 60.0f, false);
-        run_attention_case(be, CONFIGS[ci], ATTN_CASES[0], 200.0f, false);
+        paged_kv p = paged_new(DUET_DTYPE_Q8_0, 16, NKV * HD, 2, lens, 2);
+        float q[NT * NH * HD], k[NT * NKV * HD], v[NT * NKV * HD], got[NT * NH * HD];
+        int32_t pos[NT], seq[NT];
+        for (int t = 0; t < NT; t++) pos[t] = t, seq[t] = 0;
+        fill_uniform(q, sizeof q / 4, -1, 1);
+        fill_uniform(k, sizeof k / 4, -1, 1);
+        fill_uniform(v, sizeof v / 4, -1, 1);
+        paged_dev dev = paged_upload(be, &p);
+        duet_buffer *qb = mkbuf(be, q, sizeof q), *kb = mkbuf(be, k, sizeof k), *vb = mkbuf(be, v, sizeof v);
+        duet_buffer *pb = mkbuf(be, pos, sizeof pos), *sb = mkbuf(be, seq, sizeof seq), *ob = mkbuf(be, NULL, sizeof got);
+        duet_op rp = {.kind = DUET_OP_ROPE_KV, .n_tokens = NT};
+        rp.rope_kv.q = (duet_view){qb, 0}, rp.rope_kv.k = (duet_view){kb, 0}, rp.rope_kv.v = (duet_view){vb, 0};
+        rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0}, rp.rope_kv.kv = paged_view(&p, dev);
+        rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NKV, rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD;
+        rp.rope_kv.freq_base = 10000.0f;
+        duet_op at = {.kind = DUET_OP_ATTENTION, .n_tokens = NT};
+        at.attention.q = (duet_view){qb, 0}, at.attention.pos = (duet_view){pb, 0}, at.attention.seq = (duet_view){sb, 0};
+        at.attention.kv = paged_view(&p, dev), at.attention.n_head = NH, at.attention.n_head_kv = NKV;
+        at.attention.head_dim = HD, at.attention.scale = 0.125f, at.attention.out = (duet_view){ob, 0};
+        ck_assert(duet_step_begin(be) == DUET_OK);
+        ck_assert_msg(duet_step_op(be, &rp) == DUET_OK, "rope_kv: %s", duet_last_error());
+        ck_assert_msg(duet_step_op(be, &at) == DUET_OK, "attention: %s", duet_last_error());
+        ck_assert(duet_step_submit(be) == DUET_OK && duet_step_wait(be) == DUET_OK);
+        /* Reference: the rotated q from the device, the pools as stored. */
+        ck_assert(duet_buffer_download(be, qb, 0, q, sizeof q) == DUET_OK);
+        ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, p.k, p.pool_bytes) == DUET_OK);
+        ck_assert(duet_buffer_download(be, dev.v, 0, p.v, p.pool_bytes) == DUET_OK);
+        for (size_t r = 0; r < (size_t)p.n_blocks * p.bs; r++) {
+            duet_dequantize_row(DUET_DTYPE_Q8_0, p.k + r * p.row_bytes, p.kf + r * p.kw, p.kw);
+            duet_dequantize_row(DUET_DTYPE_Q8_0, p.v + r * p.row_bytes, p.vf + r * p.kw, p.kw);
+        }
+        double ref[NT * NH * HD];
+        ref_attention(&p, q, pos, seq, NT, NH, NKV, HD, 0.125f, ref);
+        ck_assert(duet_buffer_download(be, ob, 0, got, sizeof got) == DUET_OK);
+        check_nmse(got, ref, NT * NH * HD, 1e-10, CONFIGS[ci].isa);
+        /* The values in the cache are within q8_0 error of the rotated k/v. */
+        double vref[NKV * HD];
+        for (int i = 0; i < NKV * HD; i++) vref[i] = v[(NT - 1) * NKV * HD + i];
+        check_nmse(p.vf + paged_row(&p, 0, NT - 1) * p.kw, vref, NKV * HD, 1e-4, "v row in q8_0");
+        paged_dev_free(be, dev);
+        duet_buffer *all[] = {qb, kb, vb, pb, sb, ob};
+        for (int i = 0; i < 6; i++) duet_buffer_free(be, all[i]);
+        paged_free(&p);
         duet_backend_close(be);
+    }
+}
+END_TEST
+
+/* ---- attention memory ---------------------------------------------------------- */
+
+/* Scratch after a 64-query prefill chunk ending at position ctx-1 and a
+ * decode at ctx-1, on a fresh backend; also checks the outputs. */
+static size_t attention_scratch_at(att_shape sh, int ctx) {
+    const int kw = sh.n_head_kv * sh.hd, qw = sh.n_head * sh.hd;
+    int len = ctx;
+    paged_kv p = paged_new(DUET_DTYPE_F16, 16, kw, 1, &len, 0);
+    duet_backend *be;
+    duet_backend_params prm = {.n_threads = 2};
+    ck_assert(duet_backend_open("cpu", 0, &prm, &be) == DUET_OK);
+    paged_dev dev = paged_upload(be, &p);
+    enum { CHUNK = 64 };
+    float *q = malloc(sizeof(float) * qw * CHUNK);
+    fill_uniform(q, (size_t)qw * CHUNK, -1, 1);
+    int32_t pos[CHUNK], seq[CHUNK] = {0};
+    for (int i = 0; i < CHUNK; i++) pos[i] = ctx - CHUNK + i;
+    /* Reference for the chunk's last token (which the decode repeats) and
+     * a few other rows. */
+    const int rows[] = {0, 21, CHUNK - 1};
+    double *ref = malloc(sizeof(double) * qw);
+    float scale = 1.0f / sqrtf((float)sh.hd);
+    char name[64];
+    for (int pass = 0; pass < 2; pass++) {
+        int nt = pass ? 1 : CHUNK;
+        const float *qp = pass ? q + (size_t)(CHUNK - 1) * qw : q;
+        const int32_t *pp = pass ? pos + CHUNK - 1 : pos;
+        duet_buffer *qb = mkbuf(be, qp, sizeof(float) * qw * nt), *pb = mkbuf(be, pp, sizeof(int32_t) * nt);
+        duet_buffer *sb = mkbuf(be, seq, sizeof(int32_t) * nt), *ob = mkbuf(be, NULL, sizeof(float) * qw * nt);
+        duet_buffer *o8 = mkbuf(be, NULL, sizeof(duet_block_q8_0) * qw / 32 * nt);
+        duet_op op = {.kind = DUET_OP_ATTENTION, .n_tokens = nt};
+        op.attention.q = (duet_view){qb, 0}, op.attention.pos = (duet_view){pb, 0}, op.attention.seq = (duet_view){sb, 0};
+        op.attention.kv = paged_view(&p, dev), op.attention.n_head = sh.n_head, op.attention.n_head_kv = sh.n_head_kv;
+        op.attention.head_dim = sh.hd, op.attention.scale = scale;
+        op.attention.out = (duet_view){ob, 0}, op.attention.out_q8 = (duet_view){o8, 0};
+        RUN_OK(be, &op, "attention at context %d (%d tokens)", ctx, nt);
+        float *got = malloc(sizeof(float) * qw * nt);
+        ck_assert(duet_buffer_download(be, ob, 0, got, sizeof(float) * qw * nt) == DUET_OK);
+        for (int k = pass ? 2 : 0; k < 3; k++) {
+            int t = rows[k];
+            ref_attention(&p, q + (size_t)t * qw, pos + t, seq, 1, sh.n_head, sh.n_head_kv, sh.hd, scale, ref);
+            snprintf(name, sizeof name, "context %d, %s, row %d", ctx, pass ? "decode" : "prefill", t);
+            check_nmse(got + (size_t)(pass ? 0 : t) * qw, ref, qw, 1e-10, name);
+        }
+        free(got);
+        duet_buffer_free(be, qb), duet_buffer_free(be, pb), duet_buffer_free(be, sb);
+        duet_buffer_free(be, ob), duet_buffer_free(be, o8);
+    }
+    size_t scratch = duet_backend_scratch_bytes(be);
+    paged_dev_free(be, dev);
+    duet_backend_close(be);
+    free(q), free(ref);
+    paged_free(&p);
+    return scratch;
+}
+
+/* The n x n score matrix never exists: scratch grows at most linearly with
+ * the context (here not at all), and stays far below the 8192^2 * 4 bytes
+ * = 256 MiB one head's score matrix would take. */
+START_TEST(test_attention_memory) {
+    static const att_shape shapes[] = {{12, 12, 64}, {8, 1, 128}};
+    for (int i = 0; i < 2; i++) {
+        size_t s2k = attention_scratch_at(shapes[i], 2048), s8k = attention_scratch_at(shapes[i], 8192);
+        ck_assert_msg(s2k > 0, "scratch_bytes reports nothing after attention");
+        ck_assert_msg((double)s8k <= 4.5 * (double)s2k,
+                      "heads %d/%d: scratch grew from %zu bytes at context 2048 to %zu at 8192 (more than linear)",
+                      shapes[i].n_head, shapes[i].n_head_kv, s2k, s8k);
+        ck_assert_msg(s8k < ((size_t)64 << 20), "heads %d/%d: %zu bytes of scratch at context 8192", shapes[i].n_head,
+                      shapes[i].n_head_kv, s8k);
     }
 }
 END_TEST
@@ -936,45 +1479,75 @@ START_TEST(test_bounds) {
     em.n_tokens = 1, em.embed.dim = 33;
     expect_invalid(be, &em, "embed", "out too small for dim 33");
 
-    /* rope_kv / attention: positions and sequences outside the cache */
-    enum { HD = 8, NH = 2, CTX = 16 };
-    int32_t pos[2] = {3, CTX}, seq[2] = {0, 0};
+    /* rope_kv / attention: positions, sequences and pools outside the cache */
+    enum { HD = 32, NH = 2, BS = 4, NB = 6, MB = 3 };
+    int32_t pos[2] = {3, MB * BS}, seq[2] = {0, 0}, table[2 * MB] = {5, 0, 1, 2, 3, -1};
     duet_buffer *q = mkbuf(be, NULL, 2 * NH * HD * 4), *k = mkbuf(be, NULL, 2 * NH * HD * 4);
-    duet_buffer *pb = mkbuf(be, pos, sizeof pos), *sb = mkbuf(be, seq, sizeof seq);
-    duet_buffer *kc = mkbuf(be, NULL, 2 * CTX * NH * HD * 4), *vc = mkbuf(be, NULL, 2 * CTX * NH * HD * 4);
+    duet_buffer *pb = mkbuf(be, pos, sizeof pos), *sb = mkbuf(be, seq, sizeof seq), *tb = mkbuf(be, table, sizeof table);
+    /* kc has room past the k pool for a v pool placed over it */
+    duet_buffer *kc = mkbuf(be, NULL, 2 * NB * BS * NH * HD * 4), *vc = mkbuf(be, NULL, NB * BS * NH * HD * 4);
+    duet_kv_pages kv = {.k_pool = {kc, 0}, .v_pool = {vc, 0}, .block_table = {tb, 0}, .dtype = DUET_DTYPE_F32,
+                        .block_size = BS, .n_blocks = NB, .n_seqs = 2, .max_blocks = MB};
     duet_op rp = {.kind = DUET_OP_ROPE_KV, .n_tokens = 1};
     rp.rope_kv.q = (duet_view){q, 0}, rp.rope_kv.k = (duet_view){k, 0}, rp.rope_kv.v = (duet_view){k, 0};
-    rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0};
-    rp.rope_kv.k_cache = (duet_view){kc, 0}, rp.rope_kv.v_cache = (duet_view){vc, 0};
-    rp.rope_kv.kv_dtype = DUET_DTYPE_F32, rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NH;
-    rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD, rp.rope_kv.n_ctx = CTX, rp.rope_kv.freq_base = 10000;
+    rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0}, rp.rope_kv.kv = kv;
+    rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NH;
+    rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD, rp.rope_kv.freq_base = 10000;
     RUN_OK(be, &rp, "the valid rope_kv");
     rp.n_tokens = 2;
-    expect_invalid(be, &rp, "rope_kv", "position n_ctx");
-    pos[1] = 2, seq[1] = 2; /* the caches hold 2 sequences */
+    expect_invalid(be, &rp, "rope_kv", "position max_blocks * block_size");
+    pos[1] = 2, seq[1] = 2; /* the table has 2 sequences */
     duet_buffer_upload(be, pb, 0, pos, sizeof pos);
     duet_buffer_upload(be, sb, 0, seq, sizeof seq);
-    expect_invalid(be, &rp, "rope_kv", "sequence 2 of a 2-sequence cache");
+    expect_invalid(be, &rp, "rope_kv", "sequence 2 of a 2-sequence table");
+    seq[1] = 1, pos[1] = 2 * BS; /* entry 2 of sequence 1 is -1 */
+    duet_buffer_upload(be, pb, 0, pos, sizeof pos);
+    duet_buffer_upload(be, sb, 0, seq, sizeof seq);
+    expect_invalid(be, &rp, "rope_kv", "table entry -1");
+    ck_assert_msg(strstr(duet_last_error(), "block table entry"), "message '%s' should name the table entry",
+                  duet_last_error());
     rp.n_tokens = 1, rp.rope_kv.n_rot = 3;
     expect_invalid(be, &rp, "rope_kv", "odd n_rot");
-    rp.rope_kv.n_rot = HD, rp.rope_kv.k_cache.offset = 64;
-    rp.rope_kv.n_ctx = 2 * CTX; /* one sequence of 32 would need the whole buffer past offset 64 */
-    pos[0] = 2 * CTX - 1;
-    duet_buffer_upload(be, pb, 0, pos, sizeof pos);
-    expect_invalid(be, &rp, "rope_kv", "slot past the end of an offset cache");
+    rp.rope_kv.n_rot = HD, rp.rope_kv.kv.v_pool.offset = 64;
+    expect_invalid(be, &rp, "rope_kv", "v pool runs past its buffer at offset 64");
+    rp.rope_kv.kv.v_pool.offset = 0, rp.rope_kv.kv.n_blocks = NB + 1;
+    expect_invalid(be, &rp, "rope_kv", "pools one block short");
+    rp.rope_kv.kv.n_blocks = NB, rp.rope_kv.kv.v_pool = (duet_view){kc, 4 * HD};
+    expect_invalid(be, &rp, "rope_kv", "v pool overlapping the k pool");
+    rp.rope_kv.kv.v_pool = (duet_view){vc, 0}, rp.rope_kv.kv.block_table.offset = 2;
+    expect_invalid(be, &rp, "rope_kv", "misaligned block table");
+    rp.rope_kv.kv.block_table.offset = 0, rp.rope_kv.kv.n_seqs = 3;
+    expect_invalid(be, &rp, "rope_kv", "table of 3 sequences in a buffer of 2");
+    rp.rope_kv.kv.n_seqs = 2, rp.rope_kv.v = (duet_view){kc, 0};
+    expect_invalid(be, &rp, "rope_kv", "k pool overlapping the v input");
 
     duet_op at = {.kind = DUET_OP_ATTENTION, .n_tokens = 2};
     at.attention.q = (duet_view){q, 0}, at.attention.pos = (duet_view){pb, 0}, at.attention.seq = (duet_view){sb, 0};
-    at.attention.k_cache = (duet_view){kc, 0}, at.attention.v_cache = (duet_view){vc, 0};
-    at.attention.kv_dtype = DUET_DTYPE_F32, at.attention.n_head = NH, at.attention.n_head_kv = NH;
-    at.attention.head_dim = HD, at.attention.n_ctx = CTX, at.attention.scale = 0.3f, at.attention.out = (duet_view){k, 0};
-    expect_invalid(be, &at, "attention", "sequence 2 and position 31");
+    at.attention.kv = kv, at.attention.n_head = NH, at.attention.n_head_kv = NH;
+    at.attention.head_dim = HD, at.attention.scale = 0.3f, at.attention.out = (duet_view){k, 0};
+    expect_invalid(be, &at, "attention", "sequence 1 reaching table entry -1");
     at.n_tokens = 1, at.attention.n_head_kv = 3;
     expect_invalid(be, &at, "attention", "n_head not a multiple of n_head_kv");
-    pos[0] = 3;
-    duet_buffer_upload(be, pb, 0, pos, sizeof pos);
     at.attention.n_head_kv = NH, at.attention.out = (duet_view){kc, 0};
     expect_invalid(be, &at, "attention", "out overlapping the cache");
+    at.attention.out = (duet_view){k, 0}, at.attention.out_q8 = (duet_view){q, 0};
+    expect_invalid(be, &at, "attention", "out_q8 overlapping q");
+    at.attention.out_q8 = (duet_view){small, 0};
+    expect_invalid(be, &at, "attention", "out_q8 of 16 bytes for 2 blocks");
+    at.attention.out_q8 = (duet_view){NULL, 0}, at.attention.kv.dtype = DUET_DTYPE_Q8_0, at.attention.head_dim = 16;
+    ck_assert_int_ne(run_op(be, &at), DUET_OK); /* q8_0 kv with head_dim 16 */
+
+    /* matmul with x_q8: only with q8_0 weights, sized in blocks */
+    duet_op mq = mm;
+    mq.matmul.x = (duet_view){NULL, 0}, mq.matmul.x_q8 = (duet_view){x, 0};
+    mq.matmul.x_q8.offset = 4 * N_IN * 2 - 2 * 2 * 34 + 2; /* 2 bytes short of 2 tokens x 2 blocks */
+    expect_invalid(be, &mq, "matmul", "x_q8 past its buffer");
+    mq.matmul.x_q8.offset = 1;
+    expect_invalid(be, &mq, "matmul", "x_q8 misaligned");
+    mq.matmul.x_q8.offset = 0, mq.matmul.dtype = DUET_DTYPE_F16;
+    ck_assert_int_ne(run_op(be, &mq), DUET_OK); /* f16 weights with q8 activations */
+    mq.matmul.dtype = DUET_DTYPE_Q8_0, mq.matmul.out = (duet_view){x, 0}, mq.matmul.n_out = 4;
+    expect_invalid(be, &mq, "matmul", "out overlapping x_q8");
 
     /* gather, rmsnorm, add, swiglu, argmax */
     int32_t rows[1] = {8};
@@ -989,6 +1562,11 @@ START_TEST(test_bounds) {
     expect_invalid(be, &rn, "rmsnorm", "w of 4 floats for dim 8");
     rn.rmsnorm.dim = 4, rn.rmsnorm.out.offset = 4;
     expect_invalid(be, &rn, "rmsnorm", "out shifted over x");
+    rn.rmsnorm.dim = 32, rn.rmsnorm.w = (duet_view){x, 0}, rn.rmsnorm.out = (duet_view){NULL, 0};
+    rn.rmsnorm.out_q8 = (duet_view){small, 0};
+    expect_invalid(be, &rn, "rmsnorm", "out_q8 of 16 bytes for one block");
+    rn.rmsnorm.out_q8 = (duet_view){x, 64};
+    expect_invalid(be, &rn, "rmsnorm", "out_q8 overlapping x");
     duet_op ad = {.kind = DUET_OP_ADD, .n_tokens = 1};
     ad.add.a = (duet_view){x, 0}, ad.add.b = (duet_view){small, 0}, ad.add.out = (duet_view){o, 0}, ad.add.dim = 5;
     expect_invalid(be, &ad, "add", "b too small");
@@ -996,6 +1574,8 @@ START_TEST(test_bounds) {
     sw.swiglu.gate = (duet_view){x, 0}, sw.swiglu.up = (duet_view){x, 0}, sw.swiglu.out = (duet_view){o, 0};
     sw.swiglu.dim = 0;
     expect_invalid(be, &sw, "swiglu", "dim 0");
+    sw.swiglu.dim = 32, sw.swiglu.out = (duet_view){NULL, 0}, sw.swiglu.out_q8 = (duet_view){o, 1};
+    expect_invalid(be, &sw, "swiglu", "out_q8 at an odd offset");
     duet_op am = {.kind = DUET_OP_ARGMAX, .n_tokens = 1};
     am.argmax.x = (duet_view){small, 0}, am.argmax.out = (duet_view){o, 0}, am.argmax.dim = 5;
     expect_invalid(be, &am, "argmax", "x of 4 floats for dim 5");
@@ -1010,9 +1590,80 @@ START_TEST(test_bounds) {
     ck_assert_int_eq(duet_step_submit(be), DUET_OK);
     ck_assert_int_eq(duet_step_submit(be), DUET_INVALID_ARGUMENT);
 
-    duet_buffer *all[] = {w, x, o, small, tk, tab, eo, q, k, pb, sb, kc, vc, rb};
+    duet_buffer *all[] = {w, x, o, small, tk, tab, eo, q, k, pb, sb, tb, kc, vc, rb};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) duet_buffer_free(be, all[i]);
     duet_backend_close(be);
+}
+END_TEST
+
+/* A block-table entry outside the pool, covering a position a token uses,
+ * is an error naming the entry, and nothing is written: not the outputs,
+ * not the pools, not q or k (which rope_kv rotates in place). */
+START_TEST(test_bad_block_table) {
+    enum { NH = 4, HD = 32, NT = 3, W = NH * HD };
+    const int lens[2] = {40, 20};
+    for (int ci = 0; ci < N_CONFIGS; ci += 2) {
+        duet_backend *be;
+        if (!open_cfg(CONFIGS[ci], &be)) continue;
+        paged_kv p = paged_new(DUET_DTYPE_Q8_0, 16, W, 2, lens, 2);
+        int32_t pos[NT] = {19, 35, 5}, seq[NT] = {1, 0, 0};
+        float q[NT * W], k[NT * W], v[NT * W];
+        fill_uniform(q, NT * W, -1, 1), fill_uniform(k, NT * W, -1, 1), fill_uniform(v, NT * W, -1, 1);
+        for (int bad = 0; bad < 3; bad++) {
+            /* Entries 1 and 2 of sequence 0 cover positions 16..47: token 1
+             * (position 35) reads 16..31 and writes 35. */
+            int entry = bad == 2 ? 2 : 1;
+            int32_t saved = p.table[entry];
+            p.table[entry] = bad == 0 ? p.n_blocks : bad == 1 ? -7 : INT32_MAX;
+            paged_dev dev = paged_upload(be, &p);
+            p.table[entry] = saved;
+            gbuf qb = gbuf_new(be, sizeof q, q), kb = gbuf_new(be, sizeof k, k);
+            gbuf out = gbuf_new(be, sizeof q, NULL), o8 = gbuf_new(be, sizeof(duet_block_q8_0) * NT * W / 32, NULL);
+            duet_buffer *vb = mkbuf(be, v, sizeof v), *pb = mkbuf(be, pos, sizeof pos), *sb = mkbuf(be, seq, sizeof seq);
+            duet_op rp = {.kind = DUET_OP_ROPE_KV, .n_tokens = NT};
+            rp.rope_kv.q = gview(qb), rp.rope_kv.k = gview(kb), rp.rope_kv.v = (duet_view){vb, 0};
+            rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0}, rp.rope_kv.kv = paged_view(&p, dev);
+            rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NH, rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD;
+            rp.rope_kv.freq_base = 10000.0f;
+            duet_op at = {.kind = DUET_OP_ATTENTION, .n_tokens = NT};
+            at.attention.q = gview(qb), at.attention.pos = rp.rope_kv.pos, at.attention.seq = rp.rope_kv.seq;
+            at.attention.kv = rp.rope_kv.kv, at.attention.n_head = NH, at.attention.n_head_kv = NH;
+            at.attention.head_dim = HD, at.attention.scale = 0.2f, at.attention.out = gview(out);
+            at.attention.out_q8 = gview(o8);
+            char what[96];
+            snprintf(what, sizeof what, "bad table entry %d [%s, %d threads]", bad, CONFIGS[ci].isa, CONFIGS[ci].threads);
+            expect_invalid(be, &at, "attention", what);
+            ck_assert_msg(strstr(duet_last_error(), "block table entry"), "%s: message '%s' should name the entry",
+                          what, duet_last_error());
+            expect_invalid(be, &rp, "rope_kv", what);
+            {
+                /* Nothing moved. */
+                uint8_t *h = malloc(sizeof q + 2 * GUARD);
+                ck_assert(duet_buffer_download(be, out.buf, 0, h, sizeof q + 2 * GUARD) == DUET_OK);
+                for (size_t i = 0; i < sizeof q + 2 * GUARD; i++)
+                    if (h[i] != 0xa5) ck_abort_msg("%s: out byte %zu written", what, i);
+                ck_assert(duet_buffer_download(be, o8.buf, 0, h, o8.bytes + 2 * GUARD) == DUET_OK);
+                for (size_t i = 0; i < o8.bytes + 2 * GUARD; i++)
+                    if (h[i] != 0xa5) ck_abort_msg("%s: out_q8 byte %zu written", what, i);
+                float back[NT * W];
+                gbuf_read(be, qb, back, what);
+                ck_assert_msg(memcmp(back, q, sizeof q) == 0, "%s: q changed", what);
+                gbuf_read(be, kb, back, what);
+                ck_assert_msg(memcmp(back, k, sizeof k) == 0, "%s: k changed", what);
+                uint8_t *pool = malloc(p.pool_bytes);
+                ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, pool, p.pool_bytes) == DUET_OK);
+                ck_assert_msg(memcmp(pool, p.k, p.pool_bytes) == 0, "%s: k pool changed", what);
+                ck_assert(duet_buffer_download(be, dev.v, 0, pool, p.pool_bytes) == DUET_OK);
+                ck_assert_msg(memcmp(pool, p.v, p.pool_bytes) == 0, "%s: v pool changed", what);
+                free(pool), free(h);
+                paged_dev_free(be, dev);
+            }
+            duet_buffer_free(be, qb.buf), duet_buffer_free(be, kb.buf), duet_buffer_free(be, out.buf);
+            duet_buffer_free(be, o8.buf), duet_buffer_free(be, vb), duet_buffer_free(be, pb), duet_buffer_free(be, sb);
+        }
+        paged_free(&p);
+        duet_backend_close(be);
+    }
 }
 END_TEST
 
@@ -1075,14 +1726,23 @@ static Suite *cpu_suite(void) {
     tcase_add_test(ops, test_device_info);
     tcase_add_test(ops, test_matmul_float);
     tcase_add_test(ops, test_matmul_q8_0);
+    tcase_add_test(ops, test_matmul_x_q8);
     tcase_add_test(ops, test_matmul_q8_0_extremes);
     tcase_add_test(ops, test_embed);
     tcase_add_test(ops, test_rmsnorm);
     tcase_add_test(ops, test_elementwise);
+    tcase_add_test(ops, test_q8_outputs);
     tcase_add_test(ops, test_gather_argmax);
     tcase_add_test(ops, test_rope_kv);
-    tcase_add_test(ops, test_attention);
+    tcase_add_test(ops, test_rope_then_attention);
+    tcase_add_test(ops, test_attention_mha);
+    tcase_add_test(ops, test_attention_gqa);
+    tcase_add_test(ops, test_attention_mqa);
+    tcase_add_test(ops, test_attention_odd_heads);
+    tcase_add_test(ops, test_attention_batch_invariance);
+    tcase_add_test(ops, test_attention_memory);
     tcase_add_test(ops, test_bounds);
+    tcase_add_test(ops, test_bad_block_table);
     tcase_add_test(ops, test_pool_stress);
     tcase_set_timeout(ops, 300);
     suite_add_tcase(s, ops);

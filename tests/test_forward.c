@@ -381,7 +381,7 @@ static void check_batch_invariance(duet_dtype type, int n_ff) {
     p.n_ctx = 64;
     p.n_seqs = BI_SEQS;
     duet_model *m;
-    ck_assert_msg(duet__model_open(path, &p, 256, 64, &m) == DUET_OK, "open: %s", duet_last_error());
+    ck_assert_msg(duet__model_open(path, &p, 256, 64, 0, 0, &m) == DUET_OK, "open: %s", duet_last_error());
     const size_t per_run = (size_t)BI_SEQS * BI_MAX_LEN * (size_t)m->hp.n_vocab;
     float *one = calloc(per_run, sizeof(float)), *all = calloc(per_run, sizeof(float)),
           *halves = calloc(per_run, sizeof(float));

@@ -28,13 +28,13 @@ int cmd_mkmodel(int argc, char **argv) {
             break;
         case 'o': out = optarg; break;
         case 'h':
-            printf("usage: duet mkmodel --shape tiny|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] -o FILE\n");
+            printf("usage: duet mkmodel --shape tiny|small|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] -o FILE\n");
             return 0;
         default: return 2;
         }
     }
     if (!out) {
-        fprintf(stderr, "usage: duet mkmodel --shape tiny|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] -o FILE\n");
+        fprintf(stderr, "usage: duet mkmodel --shape tiny|small|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] -o FILE\n");
         return 2;
     }
     duet_status st = duet_mkmodel(&p, out);

@@ -18,7 +18,7 @@ static void usage(FILE *f) {
             "      --device I          device index within the backend (default: best)\n"
             "  -t, --threads N         cpu threads (default: all cores)\n"
             "  -c, --ctx N             context length (default: the model's, at most 4096)\n"
-            "      --kv-type T         f32|f16 KV cache (default: f32 for f32 models, else f16)\n"
+            "      --kv-type T         f32|f16|q8_0 KV cache (default: f32 for f32 models, else f16)\n"
             "      --temp T            temperature; 0 = greedy (default 0.8)\n"
             "      --top-k K           (default 40; 0 = off)\n"
             "      --top-p P           (default 0.95; 1 = off)\n"

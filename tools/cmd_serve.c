@@ -28,7 +28,7 @@ static void usage(FILE *f) {
             "      --device I              device index within the backend (default: best)\n"
             "  -t, --threads N             cpu threads (default: all cores)\n"
             "  -c, --ctx N                 context length per sequence (default: the model's, at most 4096)\n"
-            "      --kv-type T             f32|f16 KV cache\n"
+            "      --kv-type T             f32|f16|q8_0 KV cache\n"
             "  scheduler (0 or absent = the engine's default):\n"
             "      --max-batch-seqs N      sequences decoded together (default 16)\n"
             "      --max-batch-tokens N    tokens per step, decodes plus prefill chunks (default 256)\n"

@@ -169,6 +169,7 @@ static void cpu_close(duet_backend *base) {
     duet__cpu_pool_free(&be->pool);
     free(be->act.p);
     free(be->work.p);
+    free(be->attn.p);
     free(be->rope_freq);
     free(be);
 }
@@ -334,20 +335,76 @@ static duet_status check_inplace(const char *op, const char *name, duet_view in,
         if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__);                                 \
     } while (0)
 
-/* Positions and sequence slots of rope_kv/attention: every slot a token
- * touches, [seq][0..pos], must lie inside both caches. */
-static duet_status check_kv(const char *op, const int32_t *pos, const int32_t *seq, int n_tokens, int n_ctx,
-                            uint64_t kv_row_bytes, duet_view kc, duet_view vc) {
-    uint64_t avail = view_avail(kc) < view_avail(vc) ? view_avail(kc) : view_avail(vc);
-    for (int t = 0; t < n_tokens; t++) {
-        REQUIRE(pos[t] >= 0 && pos[t] < n_ctx, "%s: token %d has position %d outside [0, %d)", op, t, pos[t],
-                n_ctx);
-        REQUIRE(seq[t] >= 0, "%s: token %d has sequence %d", op, t, seq[t]);
-        uint64_t end = mul2((uint64_t)seq[t] * (uint64_t)n_ctx + (uint64_t)pos[t] + 1, kv_row_bytes);
-        REQUIRE(end <= avail, "%s: token %d (sequence %d, position %d) is past the end of the KV cache", op,
-                t, seq[t], pos[t]);
+/* The paged KV operands of rope_kv/attention: both pools, the block table,
+ * and for every token its position, sequence slot and the table entries
+ * covering positions 0..pos of its sequence (the rows it writes or reads).
+ * The cpu backend can read the table, so a bad entry is an error here rather
+ * than a clamp in the kernel, and nothing has been written when it fails. */
+typedef struct kv_operands {
+    void *k, *v;          /* pools */
+    const int32_t *table; /* [n_seqs][max_blocks] */
+    uint64_t pool_bytes;
+} kv_operands;
+
+static duet_status check_pages(const char *op, const duet_kv_pages *kv, int head_dim, int kv_width,
+                               const int32_t *pos, const int32_t *seq, int n_tokens, kv_operands *out) {
+    const duet_dtype dt = kv->dtype;
+    REQUIRE(dt == DUET_DTYPE_F32 || dt == DUET_DTYPE_F16 || dt == DUET_DTYPE_Q8_0, "%s: kv dtype %d", op,
+            (int)dt);
+    REQUIRE(kv->block_size > 0 && kv->n_blocks > 0 && kv->n_seqs > 0 && kv->max_blocks > 0,
+            "%s: kv pages of %d blocks x %d tokens, table %d x %d", op, kv->n_blocks, kv->block_size,
+            kv->n_seqs, kv->max_blocks);
+    REQUIRE(dt != DUET_DTYPE_Q8_0 || head_dim % DUET_QK8_0 == 0,
+            "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op, head_dim);
+    uint64_t row = duet_dtype_row_bytes(dt, kv_width);
+    out->pool_bytes = mul3(row, (uint64_t)kv->block_size, (uint64_t)kv->n_blocks);
+    size_t align = dt == DUET_DTYPE_F32 ? 4 : 2;
+    void *t = NULL;
+    CHECK(view_ptr(op, "k_pool", kv->k_pool, out->pool_bytes, align, &out->k));
+    CHECK(view_ptr(op, "v_pool", kv->v_pool, out->pool_bytes, align, &out->v));
+    CHECK(view_ptr(op, "block_table", kv->block_table,
+                   mul3((uint64_t)kv->n_seqs, (uint64_t)kv->max_blocks, 4), 4, &t));
+    out->table = t;
+    REQUIRE(!views_overlap(kv->k_pool, out->pool_bytes, kv->v_pool, out->pool_bytes),
+            "%s: k_pool overlaps v_pool", op);
+    const uint64_t table_bytes = (uint64_t)kv->n_seqs * (uint64_t)kv->max_blocks * 4;
+    REQUIRE(!views_overlap(kv->k_pool, out->pool_bytes, kv->block_table, table_bytes) &&
+                !views_overlap(kv->v_pool, out->pool_bytes, kv->block_table, table_bytes),
+            "%s: a kv pool overlaps the block table", op);
+    const int64_t n_pos = (int64_t)kv->max_blocks * kv->block_size;
+    /* Tokens of one sequence usually come in a run of rising positions:
+     * table entries already checked for the previous token are skipped. */
+    int32_t last_seq = -1;
+    int64_t checked = 0;
+    for (int i = 0; i < n_tokens; i++) {
+        REQUIRE(pos[i] >= 0 && pos[i] < n_pos,
+                "%s: token %d has position %d outside [0, %lld) (table of %d blocks x %d tokens)", op, i,
+                pos[i], (long long)n_pos, kv->max_blocks, kv->block_size);
+        REQUIRE(seq[i] >= 0 && seq[i] < kv->n_seqs, "%s: token %d has sequence slot %d outside [0, %d)", op,
+                i, seq[i], kv->n_seqs);
+        if (seq[i] != last_seq) last_seq = seq[i], checked = 0;
+        const int32_t *entries = out->table + (size_t)seq[i] * (size_t)kv->max_blocks;
+        int64_t need = pos[i] / kv->block_size + 1;
+        for (int64_t j = checked; j < need; j++)
+            REQUIRE(entries[j] >= 0 && entries[j] < kv->n_blocks,
+                    "%s: token %d (sequence %d, position %d) uses block table entry %lld = %d, outside the "
+                    "pool's "
+                    "%d blocks",
+                    op, i, seq[i], pos[i], (long long)j, entries[j], kv->n_blocks);
+        if (need > checked) checked = need;
     }
     return DUET_OK;
+}
+
+/* An optional q8_0 output of [n_tokens][width/32] blocks. */
+static duet_status q8_out_ptr(const char *op, duet_view v, uint64_t n_tokens, int width, uint64_t *bytes,
+                              void **out) {
+    *out = NULL;
+    *bytes = 0;
+    if (!v.buf) return DUET_OK;
+    REQUIRE(width % DUET_QK8_0 == 0, "%s: out_q8 needs a width that is a multiple of 32 (got %d)", op, width);
+    *bytes = mul3(n_tokens, (uint64_t)(width / DUET_QK8_0), sizeof(duet_block_q8_0));
+    return view_ptr(op, "out_q8", v, *bytes, 2, out);
 }
 
 static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
@@ -376,13 +433,21 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         const int dim = op->rmsnorm.dim;
         REQUIRE(dim > 0, "rmsnorm: dim %d", dim);
         uint64_t bytes = mul3(nt, (uint64_t)dim, 4);
+        uint64_t qbytes;
+        REQUIRE(op->rmsnorm.out.buf || op->rmsnorm.out_q8.buf, "rmsnorm: neither out nor out_q8");
         CHECK(view_ptr(name, "x", op->rmsnorm.x, bytes, 4, &a));
         CHECK(view_ptr(name, "w", op->rmsnorm.w, (uint64_t)dim * 4, 4, &b));
-        CHECK(view_ptr(name, "out", op->rmsnorm.out, bytes, 4, &c));
+        if (op->rmsnorm.out.buf) CHECK(view_ptr(name, "out", op->rmsnorm.out, bytes, 4, &c));
+        CHECK(q8_out_ptr(name, op->rmsnorm.out_q8, nt, dim, &qbytes, &d));
         CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
         REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes),
                 "rmsnorm: out overlaps w");
-        return duet__cpu_rmsnorm(be, op, a, b, c);
+        /* Other threads still read x and w while a row's blocks are written. */
+        REQUIRE(!views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.x, bytes) &&
+                    !views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.w, (uint64_t)dim * 4) &&
+                    !views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.out, bytes),
+                "rmsnorm: out_q8 overlaps x, w or out");
+        return duet__cpu_rmsnorm(be, op, a, b, c, d);
     }
     case DUET_OP_MATMUL: {
         const duet_dtype dt = op->matmul.dtype;
@@ -391,79 +456,106 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d",
                 n_in, duet_dtype_name(dt), duet_dtype_block(dt));
         uint64_t wbytes = mul2((uint64_t)n_out, duet_dtype_row_bytes(dt, n_in));
-        uint64_t xbytes = mul3(nt, (uint64_t)n_in, 4), obytes = mul3(nt, (uint64_t)n_out, 4);
+        uint64_t obytes = mul3(nt, (uint64_t)n_out, 4);
+        /* Pre-quantised activations (x_q8) replace x when given. */
+        const bool xq = op->matmul.x_q8.buf != NULL;
+        REQUIRE(!xq || dt == DUET_DTYPE_Q8_0, "matmul: x_q8 needs q8_0 weights (got %s)",
+                duet_dtype_name(dt));
+        duet_view xv = xq ? op->matmul.x_q8 : op->matmul.x;
+        uint64_t xbytes = xq ? mul3(nt, (uint64_t)(n_in / DUET_QK8_0), sizeof(duet_block_q8_0))
+                             : mul3(nt, (uint64_t)n_in, 4);
         CHECK(view_ptr(name, "w", op->matmul.w, wbytes, dt == DUET_DTYPE_F32 ? 4 : 2, &a));
-        CHECK(view_ptr(name, "x", op->matmul.x, xbytes, 4, &b));
+        CHECK(view_ptr(name, xq ? "x_q8" : "x", xv, xbytes, xq ? 2 : 4, &b));
         if (op->matmul.bias.buf) CHECK(view_ptr(name, "bias", op->matmul.bias, (uint64_t)n_out * 4, 4, &c));
         CHECK(view_ptr(name, "out", op->matmul.out, obytes, 4, &d));
         /* Threads write out while others still read x and W. */
-        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.x, xbytes), "matmul: out overlaps x");
+        REQUIRE(!views_overlap(op->matmul.out, obytes, xv, xbytes), "matmul: out overlaps %s",
+                xq ? "x_q8" : "x");
         REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.w, wbytes), "matmul: out overlaps w");
         REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.bias, (uint64_t)n_out * 4),
                 "matmul: out overlaps bias");
-        return duet__cpu_matmul(be, op, a, b, c, d);
+        return duet__cpu_matmul(be, op, a, xq ? NULL : b, xq ? b : NULL, c, d);
     }
     case DUET_OP_ROPE_KV: {
         const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim;
-        const int n_rot = op->rope_kv.n_rot, n_ctx = op->rope_kv.n_ctx;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0,
-                "rope_kv: n_head %d, n_head_kv %d, head_dim %d, n_ctx %d", nh, nkv, hd, n_ctx);
+        const int n_rot = op->rope_kv.n_rot;
+        REQUIRE(nh > 0 && nkv > 0 && hd > 0, "rope_kv: n_head %d, n_head_kv %d, head_dim %d", nh, nkv, hd);
         REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0,
                 "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot, hd);
         REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
                 (double)op->rope_kv.freq_base);
-        const duet_dtype kvt = op->rope_kv.kv_dtype;
-        REQUIRE(kvt == DUET_DTYPE_F32 || kvt == DUET_DTYPE_F16, "rope_kv: kv dtype %d", (int)kvt);
+        REQUIRE((int64_t)nkv * hd <= INT32_MAX && (int64_t)nh * hd <= INT32_MAX,
+                "rope_kv: %d x %d heads too wide", nh, hd);
         uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4),
                  kbytes = mul2(mul3(nt, (uint64_t)nkv, (uint64_t)hd), 4);
-        uint64_t kv_row = mul2((uint64_t)nkv * (uint64_t)hd, duet_dtype_block_bytes(kvt));
-        size_t kva = duet_dtype_block_bytes(kvt);
         CHECK(view_ptr(name, "q", op->rope_kv.q, qbytes, 4, &a));
         CHECK(view_ptr(name, "k", op->rope_kv.k, kbytes, 4, &b));
         CHECK(view_ptr(name, "v", op->rope_kv.v, kbytes, 4, &c));
         CHECK(view_ptr(name, "pos", op->rope_kv.pos, nt * 4, 4, &d));
         CHECK(view_ptr(name, "seq", op->rope_kv.seq, nt * 4, 4, &e));
-        CHECK(view_ptr(name, "k_cache", op->rope_kv.k_cache, kv_row, kva, &f));
-        CHECK(view_ptr(name, "v_cache", op->rope_kv.v_cache, kv_row, kva, &g));
-        CHECK(check_kv(name, d, e, op->n_tokens, n_ctx, kv_row, op->rope_kv.k_cache, op->rope_kv.v_cache));
+        kv_operands kv;
+        CHECK(check_pages(name, &op->rope_kv.kv, hd, nkv * hd, d, e, op->n_tokens, &kv));
         REQUIRE(!views_overlap(op->rope_kv.q, qbytes, op->rope_kv.k, kbytes), "rope_kv: q overlaps k");
-        return duet__cpu_rope_kv(be, op, a, b, c, d, e, f, g);
+        /* Pools are written while other threads read the activations. */
+        const duet_view ins[] = {op->rope_kv.q, op->rope_kv.k, op->rope_kv.v, op->rope_kv.pos,
+                                 op->rope_kv.seq};
+        const uint64_t in_bytes[] = {qbytes, kbytes, kbytes, nt * 4, nt * 4};
+        for (int i = 0; i < 5; i++)
+            REQUIRE(!views_overlap(op->rope_kv.kv.k_pool, kv.pool_bytes, ins[i], in_bytes[i]) &&
+                        !views_overlap(op->rope_kv.kv.v_pool, kv.pool_bytes, ins[i], in_bytes[i]),
+                    "rope_kv: a kv pool overlaps q, k, v, pos or seq");
+        return duet__cpu_rope_kv(be, op, a, b, c, d, e, kv.table, kv.k, kv.v);
     }
     case DUET_OP_ATTENTION: {
         const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
-        const int n_ctx = op->attention.n_ctx;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh % nkv == 0,
-                "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d, n_ctx %d", nh,
-                nkv, hd, n_ctx);
-        const duet_dtype kvt = op->attention.kv_dtype;
-        REQUIRE(kvt == DUET_DTYPE_F32 || kvt == DUET_DTYPE_F16, "attention: kv dtype %d", (int)kvt);
-        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4);
-        uint64_t kv_row = mul2((uint64_t)nkv * (uint64_t)hd, duet_dtype_block_bytes(kvt));
-        size_t kva = duet_dtype_block_bytes(kvt);
+        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0,
+                "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d", nh, nkv, hd);
+        REQUIRE((int64_t)nh * hd <= INT32_MAX, "attention: %d x %d heads too wide", nh, hd);
+        REQUIRE(op->attention.out.buf || op->attention.out_q8.buf, "attention: neither out nor out_q8");
+        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), q8bytes;
         CHECK(view_ptr(name, "q", op->attention.q, qbytes, 4, &a));
         CHECK(view_ptr(name, "pos", op->attention.pos, nt * 4, 4, &b));
         CHECK(view_ptr(name, "seq", op->attention.seq, nt * 4, 4, &c));
-        CHECK(view_ptr(name, "k_cache", op->attention.k_cache, kv_row, kva, &d));
-        CHECK(view_ptr(name, "v_cache", op->attention.v_cache, kv_row, kva, &e));
-        CHECK(view_ptr(name, "out", op->attention.out, qbytes, 4, &f));
-        CHECK(
-            check_kv(name, b, c, op->n_tokens, n_ctx, kv_row, op->attention.k_cache, op->attention.v_cache));
+        if (op->attention.out.buf) CHECK(view_ptr(name, "out", op->attention.out, qbytes, 4, &f));
+        CHECK(q8_out_ptr(name, op->attention.out_q8, nt, nh * hd, &q8bytes, &g));
+        kv_operands kv;
+        CHECK(check_pages(name, &op->attention.kv, hd, nkv * hd, b, c, op->n_tokens, &kv));
         CHECK(check_inplace(name, "q", op->attention.q, op->attention.out, qbytes));
-        uint64_t kc_bytes = view_avail(op->attention.k_cache), vc_bytes = view_avail(op->attention.v_cache);
-        REQUIRE(!views_overlap(op->attention.out, qbytes, op->attention.k_cache, kc_bytes) &&
-                    !views_overlap(op->attention.out, qbytes, op->attention.v_cache, vc_bytes),
-                "attention: out overlaps the KV cache");
-        return duet__cpu_attention(be, op, a, b, c, d, e, f);
+        const duet_kv_pages *pg = &op->attention.kv;
+        const uint64_t table_bytes = (uint64_t)pg->n_seqs * (uint64_t)pg->max_blocks * 4;
+        /* Outputs are written while other threads read every input. */
+        const duet_view outs[] = {op->attention.out, op->attention.out_q8};
+        const uint64_t out_bytes[] = {qbytes, q8bytes};
+        for (int i = 0; i < 2; i++) {
+            REQUIRE(!views_overlap(outs[i], out_bytes[i], pg->k_pool, kv.pool_bytes) &&
+                        !views_overlap(outs[i], out_bytes[i], pg->v_pool, kv.pool_bytes) &&
+                        !views_overlap(outs[i], out_bytes[i], pg->block_table, table_bytes),
+                    "attention: %s overlaps the KV cache", i ? "out_q8" : "out");
+            REQUIRE(!views_overlap(outs[i], out_bytes[i], op->attention.pos, nt * 4) &&
+                        !views_overlap(outs[i], out_bytes[i], op->attention.seq, nt * 4),
+                    "attention: %s overlaps pos or seq", i ? "out_q8" : "out");
+        }
+        REQUIRE(!views_overlap(op->attention.out_q8, q8bytes, op->attention.q, qbytes) &&
+                    !views_overlap(op->attention.out_q8, q8bytes, op->attention.out, qbytes),
+                "attention: out_q8 overlaps q or out");
+        return duet__cpu_attention(be, op, a, b, c, kv.table, kv.k, kv.v, f, g);
     }
     case DUET_OP_SWIGLU: {
         REQUIRE(op->swiglu.dim > 0, "swiglu: dim %d", op->swiglu.dim);
         uint64_t bytes = mul3(nt, (uint64_t)op->swiglu.dim, 4);
+        uint64_t qbytes;
+        REQUIRE(op->swiglu.out.buf || op->swiglu.out_q8.buf, "swiglu: neither out nor out_q8");
         CHECK(view_ptr(name, "gate", op->swiglu.gate, bytes, 4, &a));
         CHECK(view_ptr(name, "up", op->swiglu.up, bytes, 4, &b));
-        CHECK(view_ptr(name, "out", op->swiglu.out, bytes, 4, &c));
+        if (op->swiglu.out.buf) CHECK(view_ptr(name, "out", op->swiglu.out, bytes, 4, &c));
+        CHECK(q8_out_ptr(name, op->swiglu.out_q8, nt, op->swiglu.dim, &qbytes, &d));
         CHECK(check_inplace(name, "gate", op->swiglu.gate, op->swiglu.out, bytes));
         CHECK(check_inplace(name, "up", op->swiglu.up, op->swiglu.out, bytes));
-        return duet__cpu_swiglu(be, op, a, b, c);
+        REQUIRE(!views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.gate, bytes) &&
+                    !views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.up, bytes) &&
+                    !views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.out, bytes),
+                "swiglu: out_q8 overlaps gate, up or out");
+        return duet__cpu_swiglu(be, op, a, b, c, d);
     }
     case DUET_OP_ADD: {
         REQUIRE(op->add.dim > 0, "add: dim %d", op->add.dim);
@@ -504,6 +596,11 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
     return duet__error(DUET_INVALID_ARGUMENT, "cpu: unknown op kind %d", (int)op->kind);
 }
 
+/* Paged KV in f32, f16 or q8_0; q8_0 activations (out_q8, x_q8) everywhere. */
+static bool cpu_kv_dtype_ok(duet_dtype t) {
+    return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_Q8_0;
+}
+
 static bool cpu_supports_op(duet_backend *be, const duet_op *op) {
     switch (op->kind) {
     case DUET_OP_EMBED:
@@ -511,9 +608,9 @@ static bool cpu_supports_op(duet_backend *be, const duet_op *op) {
     case DUET_OP_MATMUL:
         return duet_dtype_is_weight(op->matmul.dtype);
     case DUET_OP_ROPE_KV:
-        return op->rope_kv.kv_dtype == DUET_DTYPE_F32 || op->rope_kv.kv_dtype == DUET_DTYPE_F16;
+        return cpu_kv_dtype_ok(op->rope_kv.kv.dtype);
     case DUET_OP_ATTENTION:
-        return op->attention.kv_dtype == DUET_DTYPE_F32 || op->attention.kv_dtype == DUET_DTYPE_F16;
+        return cpu_kv_dtype_ok(op->attention.kv.dtype);
     case DUET_OP_RMSNORM:
     case DUET_OP_SWIGLU:
     case DUET_OP_ADD:
@@ -539,6 +636,14 @@ static duet_status cpu_op(duet_backend *base, const duet_op *op) {
     return cpu_run_op(be, op);
 }
 
+/* Every allocation the backend makes for itself: scratch only grows until
+ * close, so the current sizes are the high-water mark. */
+static size_t cpu_scratch_bytes(duet_backend *base) {
+    const cpu_backend *be = (const cpu_backend *)base;
+    size_t rope = be->rope_freq ? (size_t)(be->rope_n_rot / 2) * sizeof(double) : 0;
+    return be->act.size + be->work.size + be->attn.size + rope;
+}
+
 const duet_backend_iface duet_cpu_backend_iface = {
     .name = "cpu",
     .available = cpu_available,
@@ -556,4 +661,5 @@ const duet_backend_iface duet_cpu_backend_iface = {
     .submit = cpu_submit,
     .wait = cpu_wait,
     .buffer_host_ptr = cpu_buffer_host_ptr,
+    .scratch_bytes = cpu_scratch_bytes,
 };

@@ -96,7 +96,8 @@ typedef struct cpu_backend {
     /* Scratch grown on demand and kept: the token loop never allocates in
      * steady state. */
     cpu_scratch act;   /* matmul: quantized activations */
-    cpu_scratch work;  /* per-thread rows: attention scores, rope tables */
+    cpu_scratch work;  /* per-thread rows: attention tiles, rope tables, q8 rows */
+    cpu_scratch attn;  /* attention: query tiles and split partials (linear in tokens) */
     double *rope_freq; /* inverse frequencies for (rope_base, rope_n_rot) */
     float rope_base;
     int rope_n_rot;
@@ -106,17 +107,29 @@ typedef struct cpu_backend {
 duet_status duet__cpu_scratch_reserve(cpu_scratch *s, size_t size);
 
 /* Ops, run after validation (cpu_backend.c); operand pointers resolved. */
+/* x or xq (pre-quantised q8_0 activations, q8_0 weights only; NULL when
+ * absent) is the input; exactly one is non-NULL. */
 duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, const float *x,
-                             const float *bias, float *out);
+                             const duet_block_q8_0 *xq, const float *bias, float *out);
+/* Quantises n floats (n % 32 == 0) to q8_0 blocks with the fastest path of
+ * be's ISA: the fused outputs of rmsnorm/swiglu/attention and matmul's own
+ * quantisation of f32 activations share it (cpu_matmul.c). */
+void duet__cpu_quantize_q8_0(const cpu_backend *be, const float *x, duet_block_q8_0 *y, int64_t n);
 duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *tokens, const void *table,
                             float *out);
-duet_status duet__cpu_rmsnorm(cpu_backend *be, const duet_op *op, const float *x, const float *w, float *out);
+/* out_q8 (NULL when absent) gets the q8_0 blocks of each f32 out row; out
+ * may then be NULL too (rows go through per-thread scratch). */
+duet_status duet__cpu_rmsnorm(cpu_backend *be, const duet_op *op, const float *x, const float *w, float *out,
+                              duet_block_q8_0 *out_q8);
+/* Paged KV: table is the validated i32 [n_seqs][max_blocks] block table. */
 duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, float *k, const float *v,
-                              const int32_t *pos, const int32_t *seq, void *k_cache, void *v_cache);
+                              const int32_t *pos, const int32_t *seq, const int32_t *table, void *k_pool,
+                              void *v_pool);
 duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float *q, const int32_t *pos,
-                                const int32_t *seq, const void *k_cache, const void *v_cache, float *out);
+                                const int32_t *seq, const int32_t *table, const void *k_pool,
+                                const void *v_pool, float *out, duet_block_q8_0 *out_q8);
 duet_status duet__cpu_swiglu(cpu_backend *be, const duet_op *op, const float *gate, const float *up,
-                             float *out);
+                             float *out, duet_block_q8_0 *out_q8);
 duet_status duet__cpu_add(cpu_backend *be, const duet_op *op, const float *a, const float *b, float *out);
 duet_status duet__cpu_gather(cpu_backend *be, const duet_op *op, const float *x, const int32_t *rows,
                              float *out);

@@ -1,16 +1,28 @@
 /* cpu_matmul.c — MATMUL: out[t][o] = sum_i W[o][i] x[t][i] (+ bias) (+ out).
  *
- * Work is split by output rows into one contiguous chunk per thread, so each
- * thread streams its own part of W once per token chunk. Inside a chunk a
- * micro-kernel ("tile") computes up to MR rows x MT tokens at once: each
- * weight vector loaded is used MT times, each activation vector MR times.
- * Decode (one token) is bound by the bytes of W; prefill by arithmetic,
- * which the tile's reuse feeds.
+ * Work is split by output rows into contiguous chunks, a few per thread, so
+ * each thread streams its own part of W once per token chunk. Inside a
+ * chunk a micro-kernel ("tile") computes up to MR rows x MT tokens at once:
+ * each weight vector loaded is used MT times, each activation vector MR
+ * times. Decode (one token) is bound by the bytes of W; prefill and batched
+ * decode by arithmetic, which the tile's reuse feeds.
  *
- * Q8_0 weights: the activations are quantized once per op to int8 blocks of
- * 32 with an f32 scale, then each block pair is an int8 x int8 dot product
- * scaled by d_w * d_x. F32/F16/BF16 weights are converted to f32 in
- * registers and use f32 FMAs with f32 activations. */
+ * Q8_0 weights run int8 x int8 dot products against q8_0 activation blocks
+ * (the op's x_q8, or f32 x quantised here by the same rule as
+ * duet_quantize_row_q8_0, so both give identical results): per block
+ * d_w * d_x * sum(qw * qx). On avx512 (matrices of 16 rows or more) a
+ * "panel" does it: 16 weight rows transposed in registers so each vector
+ * lane is one row, and every token's 4-byte slice is broadcast against it
+ * (vpdpbusd); the transposition is paid once per 16 rows and block and
+ * shared by up to 16 tokens. Elsewhere tiles run over the blocks' 32 values
+ * (a cheap per-op copy puts the activations in the layout the tile wants).
+ * Either way a token's result does not depend on the batch around it: the
+ * path depends only on the weights' shape, and every tile or panel shape
+ * sums a token's products in the same order (greedy output must not change
+ * with the engine's batching).
+ * F32/F16/BF16 weights are converted to f32 in registers and use f32 FMAs
+ * with f32 activations. */
+#include <assert.h>
 #include <stdlib.h>
 
 #include "cpu_internal.h"
@@ -34,39 +46,58 @@ typedef void (*q8_tile_fn)(int nr, int nt, const uint8_t *w, size_t ws, const in
 /* f tile: the same with f32 activations (stride xs floats) over n columns. */
 typedef void (*f_tile_fn)(int nr, int nt, const uint8_t *w, size_t ws, const float *x, int64_t xs, int64_t n,
                           cpu_tile_res res);
-/* Quantizes one token row of n floats (n % 32 == 0) into qs and scales d. */
-typedef void (*quant_fn)(const float *x, int64_t n, int8_t *qs, float *d);
+/* Quantises n floats (n % 32 == 0) exactly as duet_quantize_row_q8_0. */
+typedef void (*quant_fn)(const float *x, duet_block_q8_0 *y, int64_t n);
+
+/* Per activation block, for the panel kernel: -128 * sum(q) (the offset
+ * correction, see avx512_panel_body) and the scale as f32. */
+typedef struct q8_aux {
+    int32_t ncx;
+    float dx;
+} q8_aux;
+
+/* One panel: CPU_PANEL_ROWS weight rows (all real: the matrix's last,
+ * partial panel is moved back to end at its last row, and stores only rows
+ * from `first`, the others belonging to the panel before) against nt tokens
+ * (nt <= CPU_PANEL_TOKENS), all nb blocks; writes out (+ bias, + out).
+ * The transposed weights can be kept in `pack` (nb * CPU_PANEL_PACK bytes,
+ * 64-aligned) for the next token group of the same rows. */
+enum { PANEL_DIRECT, PANEL_STORE, PANEL_LOAD }; /* transpose; transpose and keep; reuse kept */
+typedef struct q8_panel {
+    const uint8_t *w;
+    size_t ws;
+    int first;
+    int64_t nb;
+    const duet_block_q8_0 *x; /* token rows of nb blocks */
+    const q8_aux *aux;        /* token rows of nb entries */
+    void *pack;
+    int pack_mode;
+    const float *bias; /* at the panel's first row, or NULL */
+    bool accumulate;
+    float *out; /* token 0, row 0 of the panel */
+    int64_t os; /* floats between tokens of out */
+} q8_panel;
+typedef void (*q8_panel_fn)(const q8_panel *p, int nt);
+/* Fills the panel's aux for one token row of nb blocks. */
+typedef void (*q8_aux_fn)(const duet_block_q8_0 *xb, int64_t nb, q8_aux *aux);
+#define CPU_PANEL_ROWS 16
+#define CPU_PANEL_TOKENS 16
+#define CPU_PANEL_PACK (9 * 64) /* bytes per block: 8 vectors of weights + the scales */
 
 typedef struct mm_kernels {
     int mr, mt;        /* tile shape this path is tuned for */
-    int d_pair_floats; /* scales per block pair: 2, or 16 (avx512: pre-broadcast) */
+    int d_pair_floats; /* tile scales per block pair: 2, or 16 (avx512: pre-broadcast) */
+    bool q_unsigned;   /* tile quants stored +128 as unsigned bytes (avx512) */
     quant_fn quantize;
     q8_tile_fn q8;
     f_tile_fn f32, f16, bf16;
+    q8_panel_fn panel; /* NULL: the tile does every q8_0 matmul */
+    q8_aux_fn panel_aux;
 } mm_kernels;
 
 /* ======================================================================== */
 /* scalar                                                                    */
 /* ======================================================================== */
-
-static void scalar_quantize(const float *x, int64_t n, int8_t *qs, float *d) {
-    for (int64_t b = 0; b < n / 32; b++) {
-        const float *xb = x + b * 32;
-        float amax = 0.0f;
-        for (int k = 0; k < 32; k++) {
-            float a = fabsf(xb[k]);
-            if (a > amax) amax = a;
-        }
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
-        for (int k = 0; k < 32; k++) {
-            float v = cpu_round_even(xb[k] * id);
-            /* NaN/inf inputs: defined int8s instead of an undefined cast. */
-            v = v != v ? 0.0f : v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v;
-            qs[b * 32 + k] = (int8_t)v;
-        }
-    }
-}
 
 static void scalar_q8_tile(int nr, int nt, const uint8_t *w, size_t ws, const int8_t *xq, int64_t xqs,
                            const float *xd, int64_t xds, int64_t nb, cpu_tile_res res) {
@@ -131,7 +162,7 @@ static const mm_kernels mm_scalar = {
     .mr = 4,
     .mt = 4,
     .d_pair_floats = 2,
-    .quantize = scalar_quantize,
+    .quantize = duet_quantize_row_q8_0,
     .q8 = scalar_q8_tile,
     .f32 = scalar_f32_tile,
     .f16 = scalar_f16_tile,
@@ -143,26 +174,42 @@ static const mm_kernels mm_scalar = {
 /* avx2 + fma + f16c                                                          */
 /* ======================================================================== */
 
-CPU_AVX2 static void avx2_quantize(const float *x, int64_t n, int8_t *qs, float *d) {
-    const __m256 sign = _mm256_set1_ps(-0.0f);
+/* duet_quantize_row_q8_0, bit for bit: the same IEEE operations (amax,
+ * amax / 127, 1 / d, x * id) in the same order, then roundf's ties away
+ * from zero built from truncation (y - trunc(y) is exact), the clamp, and
+ * NaN -> 0. The fp16 scale uses the hardware conversion, which rounds to
+ * nearest even like duet_fp32_to_fp16. */
+CPU_AVX2 static void avx2_quantize(const float *x, duet_block_q8_0 *y, int64_t n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), zero = _mm256_setzero_ps(), half = _mm256_set1_ps(0.5f);
+    const __m256 one = _mm256_set1_ps(1.0f), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
     for (int64_t b = 0; b < n / 32; b++) {
         __m256 v[4];
-        for (int k = 0; k < 4; k++)
+        __m256 m = zero;
+        for (int k = 0; k < 4; k++) {
             v[k] = _mm256_loadu_ps(x + b * 32 + k * 8);
-        __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                                 _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+            /* maxps returns its second operand when one is NaN: NaN never wins. */
+            m = _mm256_max_ps(_mm256_andnot_ps(sign, v[k]), m);
+        }
         float amax = avx2_hmax(m);
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = amax / 127.0f;
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
         __m256 s = _mm256_set1_ps(id);
         __m256i i[4];
-        for (int k = 0; k < 4; k++)
-            i[k] = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], s)); /* nearest even */
+        for (int k = 0; k < 4; k++) {
+            __m256 yv = _mm256_mul_ps(v[k], s);
+            __m256 t = _mm256_round_ps(yv, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(yv, t)), half, _CMP_GE_OQ);
+            __m256 r = _mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, yv))));
+            __m256 ord = _mm256_cmp_ps(r, r, _CMP_ORD_Q);
+            r = _mm256_and_ps(ord, _mm256_min_ps(_mm256_max_ps(r, lo), hi)); /* NaN -> +0 */
+            i[k] = _mm256_cvtps_epi32(r);                                    /* integral: exact */
+        }
         /* The packs work per 128-bit lane; the permute puts the 4-byte groups
          * back in element order. */
         __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i[0], i[1]), _mm256_packs_epi32(i[2], i[3]));
         p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(qs + b * 32), p);
+        _mm256_storeu_si256((__m256i *)y[b].qs, p);
     }
 }
 
@@ -312,37 +359,37 @@ static const mm_kernels mm_avx2 = {
 /* avx512 (f, bw, vl, vnni)                                                    */
 /* ======================================================================== */
 
-/* Like avx2_quantize, with two differences for the kernel below:
- * - quants are stored offset by +128 as unsigned bytes (q + 128 in 1..255),
- *   the operand vpdpbusd wants unsigned;
- * - each scale is stored pre-broadcast: per pair of blocks 16 floats
- *   (8 x d0, 8 x d1), matching the int32 lanes the pair's dot product lands
- *   in, so the kernel loads it with one instruction.
- * A missing second block of the last pair gets scale 0 and quants 0 (= 128). */
-CPU_AVX512 static void avx512_quantize(const float *x, int64_t n, int8_t *qs, float *d) {
-    int64_t nb = n / 32;
-    for (int64_t b = 0; b < nb; b++) {
-        __m512 v0 = _mm512_loadu_ps(x + b * 32), v1 = _mm512_loadu_ps(x + b * 32 + 16);
-        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+/* avx2_quantize with 16 lanes; masks instead of blends. */
+CPU_AVX512 static void avx512_quantize(const float *x, duet_block_q8_0 *y, int64_t n) {
+    const __m512 zero = _mm512_setzero_ps(), half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+    const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+    const __m512i sign = _mm512_set1_epi32((int)0x80000000u);
+    for (int64_t b = 0; b < n / 32; b++) {
+        __m512 v[2] = {_mm512_loadu_ps(x + b * 32), _mm512_loadu_ps(x + b * 32 + 16)};
+        /* maxps returns its second operand when one is NaN: NaN never wins. */
+        __m512 m = _mm512_max_ps(_mm512_abs_ps(v[1]), _mm512_max_ps(_mm512_abs_ps(v[0]), zero));
+        float amax = _mm512_reduce_max_ps(m);
+        float d = amax / 127.0f;
+        float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = _cvtss_sh(d, _MM_FROUND_TO_NEAREST_INT);
         __m512 s = _mm512_set1_ps(id);
-        __m512i i0 =
-            _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        __m512i i1 =
-            _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m512i off = _mm512_set1_epi32(128);
-        _mm_storeu_si128((__m128i *)(qs + b * 32), _mm512_cvtusepi32_epi8(_mm512_add_epi32(i0, off)));
-        _mm_storeu_si128((__m128i *)(qs + b * 32 + 16), _mm512_cvtusepi32_epi8(_mm512_add_epi32(i1, off)));
-        _mm256_storeu_ps(d + (b / 2) * 16 + (b % 2) * 8, _mm256_set1_ps(amax / 127.0f));
-    }
-    if (nb % 2) {
-        memset(qs + nb * 32, 128, 32);
-        _mm256_storeu_ps(d + (nb / 2) * 16 + 8, _mm256_setzero_ps());
+        for (int k = 0; k < 2; k++) {
+            __m512 yv = _mm512_mul_ps(v[k], s);
+            __m512 t = _mm512_roundscale_ps(yv, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            __mmask16 away = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(yv, t)), half, _CMP_GE_OQ);
+            __m512 sg = _mm512_castsi512_ps(
+                _mm512_or_si512(_mm512_castps_si512(one), _mm512_and_si512(sign, _mm512_castps_si512(yv))));
+            __m512 r = _mm512_mask_add_ps(t, away, t, sg);
+            __mmask16 ord = _mm512_cmp_ps_mask(r, r, _CMP_ORD_Q);
+            r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+            __m512i q = _mm512_maskz_cvtps_epi32(ord, r); /* integral: exact; NaN -> 0 */
+            _mm_storeu_si128((__m128i *)(y[b].qs + 16 * k), _mm512_cvtsepi32_epi8(q));
+        }
     }
 }
 
 /* Two blocks per 512-bit register. vpdpbusd multiplies unsigned by signed
- * bytes: with u = x + 128 (stored so by avx512_quantize) and the weights as
+ * bytes: with u = x + 128 (stored so by mm_tile_layout) and the weights as
  * they are, sum(u*w) = sum(x*w) + 128*sum(w). The correction 128*sum(w) is
  * one vpdpbusd per weight vector, shared by the tile's tokens, and enters
  * negated as each token's accumulator start value. A zero upper half (odd
@@ -544,16 +591,176 @@ AVX512_F_TILE(avx512_f32_tile, DUET_DTYPE_F32)
 AVX512_F_TILE(avx512_f16_tile, DUET_DTYPE_F16)
 AVX512_F_TILE(avx512_bf16_tile, DUET_DTYPE_BF16)
 
+/* ---- the q8_0 panel ------------------------------------------------------- */
+
+/* Loads block b of the 16 rows from w (ws bytes apart) and transposes it:
+ * v[c] lane l = bytes
+ * 4c..4c+3 of row l's quants, XORed with 0x80 (= q + 128: vpdpbusd's
+ * unsigned operand). Two rows share a register (8 dwords each), then an
+ * 8 x 8 dword transpose runs in both 256-bit halves at once. Which rows
+ * share a register is chosen so that the final 128-bit shuffle leaves lane l
+ * holding row l. */
+CPU_AVX512 CPU_INLINE void avx512_panel_transpose(const uint8_t *w, size_t ws, int64_t b, __m512i v[8]) {
+    __m512i z[8], t[8], u[8];
+    /* Row addresses are plain w + r * ws (scalar arithmetic on ports the
+     * vector work leaves free). */
+    const uint8_t *q = w + b * sizeof(duet_block_q8_0) + 2;
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
+        size_t ra = r < 4 ? r : r + 4, rb = r < 4 ? r + 4 : r + 8;
+        __m256i a = _mm256_loadu_si256((const __m256i *)(q + ra * ws));
+        z[r] = _mm512_inserti64x4(_mm512_castsi256_si512(a),
+                                  _mm256_loadu_si256((const __m256i *)(q + rb * ws)), 1);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 8; r += 2) { /* per 128-bit lane: rows r, r+1 x dwords (0,1 | 2,3) */
+        t[r] = _mm512_unpacklo_epi32(z[r], z[r + 1]);
+        t[r + 1] = _mm512_unpackhi_epi32(z[r], z[r + 1]);
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < 8; g += 4) { /* u[g + c] lanes: rows of 4 registers x dword c | c + 4 */
+        u[g + 0] = _mm512_unpacklo_epi64(t[g + 0], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g + 0], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+    const __m512i x80 = _mm512_set1_epi8((char)0x80);
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[c], u[c + 4], 0x88), x80);
+        v[c + 4] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[c], u[c + 4], 0xdd), x80);
+    }
+}
+
+/* Lane l of a token's int32 accumulator gets row l's dot product for one
+ * block: vpdpbusd adds (w + 128) * q over 4 bytes per instruction, 8 of
+ * them per block, each with the token's 4 quant bytes broadcast from memory.
+ * sum((w + 128) q) = sum(w q) + 128 sum(q), so the accumulator starts at
+ * -128 sum(q) (aux.ncx, per token and block). Then the float accumulator
+ * gets that times d_w (lanes) * d_x (broadcast).
+ * Registers: NT accumulators + 8 weight vectors + scales: NT <= 16. */
+CPU_AVX512 CPU_INLINE void avx512_panel_body(const int NT, const q8_panel *p) {
+    /* Byte offsets of the rows for the scale gather (the driver keeps them
+     * within int32). */
+    const __m512i gidx =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)p->ws));
+    __m512i *pack = p->pack;
+    __m512 acc[CPU_PANEL_TOKENS];
+#pragma GCC unroll 16
+    for (int j = 0; j < NT; j++)
+        acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < p->nb; b++) {
+        __m512i v[8];
+        __m512 dw;
+        if (p->pack_mode == PANEL_LOAD) {
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                v[c] = _mm512_load_si512(pack + b * 9 + c);
+            dw = _mm512_castsi512_ps(_mm512_load_si512(pack + b * 9 + 8));
+        } else {
+            /* The next panel's rows (a thread's rows are contiguous): one
+             * prefetch per row every 2 blocks (68 bytes) touches nearly
+             * every line; the hardware prefetcher fills the rest. */
+            if ((b & 1) == 0) {
+#pragma GCC unroll 16
+                for (size_t r = CPU_PANEL_ROWS; r < 2 * CPU_PANEL_ROWS; r++)
+                    CPU_PREFETCH(p->w + r * p->ws + (size_t)b * sizeof(duet_block_q8_0));
+            }
+            avx512_panel_transpose(p->w, p->ws, b, v);
+            /* The scale is the block's first 2 bytes: gather the dwords there. */
+            __m512i dd = _mm512_i32gather_epi32(gidx, p->w + b * sizeof(duet_block_q8_0), 1);
+            dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            if (p->pack_mode == PANEL_STORE) {
+#pragma GCC unroll 8
+                for (int c = 0; c < 8; c++)
+                    _mm512_store_si512(pack + b * 9 + c, v[c]);
+                _mm512_store_si512(pack + b * 9 + 8, _mm512_castps_si512(dw));
+            }
+        }
+#pragma GCC unroll 16
+        for (int j = 0; j < NT; j++) {
+            const int8_t *q = p->x[j * p->nb + b].qs;
+            const q8_aux *a = p->aux + j * p->nb + b;
+            __m512i r = _mm512_set1_epi32(a->ncx);
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++) {
+                int32_t q4;
+                memcpy(&q4, q + 4 * c, 4);
+                r = _mm512_dpbusd_epi32(r, v[c], _mm512_set1_epi32(q4));
+            }
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_mul_ps(dw, _mm512_set1_ps(a->dx)), acc[j]);
+        }
+    }
+    __mmask16 m = (__mmask16)(0xffffu << p->first);
+    __m512 bias = p->bias ? _mm512_maskz_loadu_ps(m, p->bias) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < NT; j++) {
+        float *o = p->out + j * p->os;
+        __m512 v = _mm512_add_ps(acc[j], bias);
+        if (p->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), v);
+        _mm512_mask_storeu_ps(o, m, v);
+    }
+}
+
+/* sum(q) of a block: vpsadbw adds 8 unsigned bytes at a time, so sum the
+ * bytes as q + 128 and take 32 * 128 off. */
+CPU_AVX512 static void avx512_panel_aux(const duet_block_q8_0 *xb, int64_t nb, q8_aux *aux) {
+    const __m256i x80 = _mm256_set1_epi8((char)0x80);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)xb[b].qs), x80);
+        __m256i s4 = _mm256_sad_epu8(u, _mm256_setzero_si256());
+        __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+        int32_t s = (int32_t)(_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 32 * 128;
+        aux[b] = (q8_aux){-128 * s, _cvtsh_ss(xb[b].d)};
+    }
+}
+
+#define AVX512_PANEL(N)                                                                                      \
+    CPU_AVX512 static void avx512_panel_##N(const q8_panel *p) {                                             \
+        avx512_panel_body(N, p);                                                                             \
+    }
+AVX512_PANEL(1)
+AVX512_PANEL(2)
+AVX512_PANEL(3)
+AVX512_PANEL(4)
+AVX512_PANEL(5)
+AVX512_PANEL(6)
+AVX512_PANEL(7)
+AVX512_PANEL(8)
+AVX512_PANEL(9)
+AVX512_PANEL(10)
+AVX512_PANEL(11)
+AVX512_PANEL(12)
+AVX512_PANEL(13)
+AVX512_PANEL(14)
+AVX512_PANEL(15)
+AVX512_PANEL(16)
+
+static void avx512_panel(const q8_panel *p, int nt) {
+    static void (*const fn[CPU_PANEL_TOKENS + 1])(const q8_panel *) = {
+        [1] = avx512_panel_1,   [2] = avx512_panel_2,   [3] = avx512_panel_3,   [4] = avx512_panel_4,
+        [5] = avx512_panel_5,   [6] = avx512_panel_6,   [7] = avx512_panel_7,   [8] = avx512_panel_8,
+        [9] = avx512_panel_9,   [10] = avx512_panel_10, [11] = avx512_panel_11, [12] = avx512_panel_12,
+        [13] = avx512_panel_13, [14] = avx512_panel_14, [15] = avx512_panel_15, [16] = avx512_panel_16,
+    };
+    assert(nt >= 1 && nt <= CPU_PANEL_TOKENS);
+    fn[nt](p);
+}
+
 /* 32 zmm registers: 4 x 4 accumulators plus 4 activation vectors. */
 static const mm_kernels mm_avx512 = {
     .mr = 4,
     .mt = 4,
     .d_pair_floats = 16,
+    .q_unsigned = true,
     .quantize = avx512_quantize,
     .q8 = avx512_q8_tile,
     .f32 = avx512_f32_tile,
     .f16 = avx512_f16_tile,
     .bf16 = avx512_bf16_tile,
+    .panel = avx512_panel,
+    .panel_aux = avx512_panel_aux,
 };
 #endif /* CPU_X86 */
 
@@ -580,19 +787,60 @@ typedef struct mm_task {
     const float *x, *bias;
     float *out;
     bool accumulate;
-    /* Quantized activations (Q8_0 weights only). */
+    /* Q8_0 weights: activation blocks [n_tokens][nb], the op's x_q8 or x
+     * quantised into xbuf, then either the tile layout (xq, xd: rows of
+     * xqs bytes and xds floats) or the panel's aux [n_tokens][nb]. */
+    int64_t nb;
+    const duet_block_q8_0 *xb;
+    duet_block_q8_0 *xbuf;
     int8_t *xq;
     float *xd;
     int64_t xqs, xds;
+    q8_aux *aux;
+    uint8_t *packs; /* per worker: nb * CPU_PANEL_PACK bytes */
+    size_t pack_bytes;
     int64_t token_chunk; /* tokens whose activations stay in L2 while W rows cycle */
 } mm_task;
 
-static void mm_quantize_task(void *p, int chunk, int n_chunks, int worker) {
+/* One token's q8_0 blocks -> the tile kernels' layout: quants (+128 as
+ * unsigned for avx512) padded to whole block pairs, scales as f32 per block
+ * (2 per pair) or pre-broadcast (16 per pair). A missing second block of the
+ * last pair gets quants 0 and scale 0. */
+static void mm_tile_layout(const mm_kernels *k, const duet_block_q8_0 *xb, int64_t nb, int8_t *qs, float *d) {
+    const uint8_t off = k->q_unsigned ? 0x80 : 0;
+    for (int64_t b = 0; b < nb + nb % 2; b++) {
+        uint8_t *o = (uint8_t *)qs + b * 32;
+        float s = 0.0f;
+        if (b < nb) {
+            for (int i = 0; i < 32; i++)
+                o[i] = (uint8_t)xb[b].qs[i] ^ off;
+            s = duet_fp16_to_fp32(xb[b].d);
+        } else {
+            memset(o, off, 32);
+        }
+        if (k->d_pair_floats == 2) {
+            d[b] = s;
+        } else {
+            for (int i = 0; i < 8; i++)
+                d[(b / 2) * 16 + (b % 2) * 8 + i] = s;
+        }
+    }
+}
+
+/* Per token: quantise x (when no x_q8 came), then the layout the row
+ * kernels read. */
+static void mm_prepare_task(void *p, int chunk, int n_chunks, int worker) {
     mm_task *t = p;
     int64_t lo, hi;
     cpu_split(t->n_tokens, chunk, n_chunks, 1, &lo, &hi);
-    for (int64_t i = lo; i < hi; i++)
-        t->k->quantize(t->x + i * t->n_in, t->n_in, t->xq + i * t->xqs, t->xd + i * t->xds);
+    for (int64_t i = lo; i < hi; i++) {
+        if (t->xbuf) t->k->quantize(t->x + i * t->n_in, t->xbuf + i * t->nb, t->n_in);
+        const duet_block_q8_0 *xb = t->xb + i * t->nb;
+        if (t->aux)
+            t->k->panel_aux(xb, t->nb, t->aux + i * t->nb);
+        else
+            mm_tile_layout(t->k, xb, t->nb, t->xq + i * t->xqs, t->xd + i * t->xds);
+    }
 }
 
 static void mm_store(const mm_task *t, int64_t r, int64_t tok, int nr, int nt, cpu_tile_res res) {
@@ -620,8 +868,8 @@ static void mm_rows_task(void *p, int chunk, int n_chunks, int worker) {
             for (int64_t tok = t0; tok < t1; tok += k->mt) {
                 int nt = (int)(t1 - tok < k->mt ? t1 - tok : k->mt);
                 if (t->dtype == DUET_DTYPE_Q8_0)
-                    k->q8(nr, nt, w, t->ws, t->xq + tok * t->xqs, t->xqs, t->xd + tok * t->xds, t->xds,
-                          t->n_in / 32, res);
+                    k->q8(nr, nt, w, t->ws, t->xq + tok * t->xqs, t->xqs, t->xd + tok * t->xds, t->xds, t->nb,
+                          res);
                 else
                     f(nr, nt, w, t->ws, t->x + tok * t->n_in, t->n_in, t->n_in, res);
                 mm_store(t, r, tok, nr, nt, res);
@@ -630,8 +878,48 @@ static void mm_rows_task(void *p, int chunk, int n_chunks, int worker) {
     }
 }
 
+/* Panels of CPU_PANEL_ROWS rows; per token chunk each panel meets the
+ * chunk's tokens in balanced groups of at most CPU_PANEL_TOKENS. The first
+ * group transposes the weights; with more groups it keeps them in the
+ * worker's pack for the rest. */
+static void mm_panel_task(void *p, int chunk, int n_chunks, int worker) {
+    mm_task *t = p;
+    int64_t lo, hi;
+    cpu_split(t->n_out, chunk, n_chunks, CPU_PANEL_ROWS, &lo, &hi);
+    q8_panel pn = {.ws = t->ws, .nb = t->nb, .accumulate = t->accumulate, .os = t->n_out};
+    pn.pack = t->packs ? t->packs + (size_t)worker * t->pack_bytes : NULL;
+    /* Token chunks balanced too. */
+    int64_t n_tc = (t->n_tokens + t->token_chunk - 1) / t->token_chunk;
+    for (int64_t tc = 0; tc < n_tc; tc++) {
+        int64_t t0 = t->n_tokens * tc / n_tc, t1 = t->n_tokens * (tc + 1) / n_tc;
+        int64_t n = t1 - t0, groups = (n + CPU_PANEL_TOKENS - 1) / CPU_PANEL_TOKENS;
+        for (int64_t r = lo; r < hi; r += CPU_PANEL_ROWS) {
+            int64_t r0 = hi - r < CPU_PANEL_ROWS ? hi - CPU_PANEL_ROWS : r; /* n_out >= 16 */
+            pn.first = (int)(r - r0);
+            pn.w = t->w + (size_t)r0 * t->ws;
+            pn.bias = t->bias ? t->bias + r0 : NULL;
+            for (int64_t g = 0; g < groups; g++) {
+                int64_t a = t0 + n * g / groups, b = t0 + n * (g + 1) / groups;
+                pn.x = t->xb + a * t->nb;
+                pn.aux = t->aux + a * t->nb;
+                pn.out = t->out + a * t->n_out + r0;
+                pn.pack_mode = groups == 1 ? PANEL_DIRECT : g == 0 ? PANEL_STORE : PANEL_LOAD;
+                t->k->panel(&pn, (int)(b - a));
+            }
+        }
+    }
+}
+
+void duet__cpu_quantize_q8_0(const cpu_backend *be, const float *x, duet_block_q8_0 *y, int64_t n) {
+    mm_kernels_for(be->isa)->quantize(x, y, n);
+}
+
+static size_t mm_align64(size_t n) {
+    return (n + 63) & ~(size_t)63;
+}
+
 duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, const float *x,
-                             const float *bias, float *out) {
+                             const duet_block_q8_0 *xq, const float *bias, float *out) {
     const mm_kernels *k = mm_kernels_for(be->isa);
     mm_task t = {
         .k = k,
@@ -646,33 +934,68 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
         .out = out,
         .accumulate = op->matmul.accumulate,
     };
+    if (xq && t.dtype != DUET_DTYPE_Q8_0)
+        return duet__error(DUET_INVALID_ARGUMENT, "matmul: q8 activations need q8_0 weights");
     int64_t x_row_bytes = t.n_in * (int64_t)sizeof(float);
+    bool panel = false;
     if (t.dtype == DUET_DTYPE_Q8_0) {
-        /* Token rows padded to 64 bytes so a block-pair load never leaves
-         * the row; scales per pair as the path wants them. */
-        int64_t npairs = (t.n_in / 32 + 1) / 2;
-        t.xqs = npairs * 64;
-        t.xds = npairs * k->d_pair_floats;
-        size_t qbytes = (size_t)(t.n_tokens * t.xqs);
-        duet_status st =
-            duet__cpu_scratch_reserve(&be->act, qbytes + (size_t)(t.n_tokens * t.xds) * sizeof(float));
+        t.nb = t.n_in / 32;
+        /* The panel needs 16 rows and gathers scales with 32-bit offsets of
+         * up to 15 rows. The choice must not depend on n_tokens: a token's
+         * result is the same bits alone or in any batch only if every
+         * batch size sums in the same order. */
+        panel = k->panel && t.n_out >= CPU_PANEL_ROWS && t.ws * (CPU_PANEL_ROWS - 1) <= (size_t)INT32_MAX;
+        size_t n_blk = (size_t)t.n_tokens * (size_t)t.nb;
+        size_t xbuf_bytes = xq ? 0 : mm_align64(n_blk * sizeof(duet_block_q8_0));
+        size_t rest;
+        if (panel) {
+            t.token_chunk = (256 * 1024) / (t.nb * (int64_t)(sizeof(duet_block_q8_0) + sizeof(q8_aux)));
+            t.token_chunk = t.token_chunk / CPU_PANEL_TOKENS * CPU_PANEL_TOKENS;
+            if (t.token_chunk < CPU_PANEL_TOKENS) t.token_chunk = CPU_PANEL_TOKENS;
+            bool packs = t.n_tokens > CPU_PANEL_TOKENS;
+            t.pack_bytes = packs ? (size_t)t.nb * CPU_PANEL_PACK : 0;
+            rest = mm_align64(n_blk * sizeof(q8_aux)) + t.pack_bytes * (size_t)be->pool.n_threads;
+        } else {
+            /* Token rows padded to 64 bytes so a block-pair load never
+             * leaves the row; scales per pair as the path wants them. */
+            int64_t npairs = (t.nb + 1) / 2;
+            t.xqs = npairs * 64;
+            t.xds = npairs * k->d_pair_floats;
+            rest = (size_t)(t.n_tokens * t.xds) * sizeof(float) + (size_t)(t.n_tokens * t.xqs);
+            x_row_bytes = t.xqs;
+        }
+        duet_status st = duet__cpu_scratch_reserve(&be->act, xbuf_bytes + rest);
         if (st != DUET_OK) return st;
-        t.xd = be->act.p;
-        t.xq = (int8_t *)be->act.p + (size_t)(t.n_tokens * t.xds) * sizeof(float);
-        /* A few tokens quantize faster inline than a dispatch costs. */
+        uint8_t *sp = be->act.p;
+        t.xbuf = xq ? NULL : (duet_block_q8_0 *)sp;
+        t.xb = xq ? xq : t.xbuf;
+        sp += xbuf_bytes;
+        if (panel) {
+            t.aux = (q8_aux *)sp;
+            if (t.pack_bytes) t.packs = sp + mm_align64(n_blk * sizeof(q8_aux));
+        } else {
+            t.xd = (float *)sp;
+            t.xq = (int8_t *)(sp + (size_t)(t.n_tokens * t.xds) * sizeof(float));
+        }
+        /* A few tokens are prepared faster inline than a dispatch costs. */
         duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1,
-                           mm_quantize_task, &t);
-        x_row_bytes = t.xqs;
+                           mm_prepare_task, &t);
+    }
+    /* Tiny matmuls (per-op work well under the cost of a dispatch) run
+     * inline; others in contiguous row ranges, a few per thread. */
+    int64_t work = (int64_t)t.n_tokens * t.n_in * t.n_out;
+    int chunk_rows = panel ? CPU_PANEL_ROWS : k->mr;
+    int64_t units = (t.n_out + chunk_rows - 1) / chunk_rows;
+    int n_chunks = work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1;
+    if (panel) {
+        duet__cpu_pool_run(&be->pool, n_chunks, mm_panel_task, &t);
+        return DUET_OK;
     }
     /* Keep a chunk of activations (~256 KiB) in L2 while the W rows of a
      * thread cycle through it; a multiple of the tile's token count. */
     int64_t chunk = (256 * 1024) / (x_row_bytes > 0 ? x_row_bytes : 1);
     chunk = chunk / k->mt * k->mt;
     t.token_chunk = chunk < k->mt ? k->mt : chunk;
-    /* Tiny matmuls (per-op work well under the cost of a dispatch) run
-     * inline; others in contiguous row ranges, a few per thread. */
-    int64_t work = (int64_t)t.n_tokens * t.n_in * t.n_out;
-    int64_t units = (t.n_out + k->mr - 1) / k->mr;
-    duet__cpu_pool_run(&be->pool, work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1, mm_rows_task, &t);
+    duet__cpu_pool_run(&be->pool, n_chunks, mm_rows_task, &t);
     return DUET_OK;
 }

@@ -24,13 +24,6 @@
 
 /* ---- scalar ---------------------------------------------------------------- */
 
-/* Round to nearest even without libm (exact for |v| < 2^22): adding
- * 1.5 * 2^23 pushes the fraction out of the mantissa in the default
- * nearest-even mode. Without -ffast-math the compiler keeps both steps. */
-CPU_INLINE float cpu_round_even(float v) {
-    return (v + 12582912.0f) - 12582912.0f;
-}
-
 /* bf16 is the top half of an f32 (inline: no call inside SIMD loops). */
 CPU_INLINE float cpu_bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;

@@ -134,6 +134,8 @@ static void ocl_close(duet_backend *base) {
     }
     duet__ocl_programs_free(be);
     if (be->scratch) clReleaseMemObject(be->scratch);
+    if (be->att_part) clReleaseMemObject(be->att_part);
+    if (be->att_rows) clReleaseMemObject(be->att_rows);
     if (be->queue) clReleaseCommandQueue(be->queue);
     if (be->ctx) clReleaseContext(be->ctx);
     free(be->events);
@@ -163,8 +165,20 @@ static duet_status ocl_open(int index, const duet_backend_params *params, duet_b
         fp64 = strstr(feat, "fp64") != NULL;
         sg = strstr(feat, "subgroups") != NULL;
     }
-    snprintf(be->dev_options, sizeof be->dev_options, "%s%s%s", fp16 ? "-DHAVE_FP16=1 " : "",
-             fp64 ? "-DHAVE_FP64=1 " : "", sg ? "-DHAVE_SUBGROUPS=1" : "");
+    /* CPU runtimes convert scalar halves in library code: kernels then
+     * convert fp16 scales with integer ops (SOFT_HALF, kernels/common.cl). */
+    snprintf(be->dev_options, sizeof be->dev_options, "%s%s%s%s", fp16 ? "-DHAVE_FP16=1 " : "",
+             fp64 ? "-DHAVE_FP64=1 " : "", sg ? "-DHAVE_SUBGROUPS=1 " : "",
+             dev->info.type == DUET_DEVICE_CPU ? "-DSOFT_HALF=1" : "");
+    /* The q8 x q8 dot product: the extension's packed words where the
+     * device has them, its char4 form where only that is reported, the
+     * portable code otherwise or when the tuning says dot=0. */
+    if (be->tune.dot == 0)
+        be->int_dot = 0;
+    else if (be->tune.dot == 2)
+        be->int_dot = 1; /* emulated built-ins (tests) */
+    else
+        be->int_dot = dev->int_dot ? (dev->int_dot_packed ? 1 : 2) : 0;
     const char *prof = getenv("DUET_PROFILE");
     be->profile = prof && strcmp(prof, "0") != 0 && *prof;
 
@@ -185,6 +199,40 @@ static duet_status ocl_open(int index, const duet_backend_params *params, duet_b
 fail:
     ocl_close(&be->base);
     return st;
+}
+
+/* ---- internal buffers ------------------------------------------------------------------ */
+
+duet_status duet__ocl_scratch(ocl_backend *be, cl_mem *mem, size_t *cur, size_t size, const char *what) {
+    if (*cur >= size) return DUET_OK;
+    if (size > be->dev->max_alloc)
+        return duet__error(DUET_OUT_OF_MEMORY,
+                           "opencl: %s needs %zu bytes, over %s's largest allocation (%llu)", what, size,
+                           be->dev->info.name, (unsigned long long)be->dev->max_alloc);
+    /* The new buffer comes first and the old one is released after it:
+     * enqueued work may still use the old one (the runtime keeps it alive
+     * until that work is done), so both count towards the high-water
+     * mark. (Releasing first would also let a simulator hand the same
+     * addresses out again while kernels still hold the old object as an
+     * argument; Oclgrind then loses track of what is initialised.) */
+    cl_int err;
+    cl_mem fresh = clCreateBuffer(be->ctx, CL_MEM_READ_WRITE, size, NULL, &err);
+    if (!fresh) {
+        char expr[96];
+        snprintf(expr, sizeof expr, "clCreateBuffer(%s, %zu bytes)", what, size);
+        return duet__ocl_fail(err, expr, __FILE__, __LINE__);
+    }
+    be->scratch_live += size;
+    if (be->scratch_live > be->scratch_peak) be->scratch_peak = be->scratch_live;
+    if (*mem) clReleaseMemObject(*mem);
+    be->scratch_live -= *cur;
+    *mem = fresh;
+    *cur = size;
+    return DUET_OK;
+}
+
+static size_t ocl_scratch_bytes(duet_backend *base) {
+    return ((ocl_backend *)base)->scratch_peak;
 }
 
 /* ---- buffers ------------------------------------------------------------------------- */
@@ -331,6 +379,36 @@ static size_t weight_align(duet_dtype t) {
 /* Kernels index elements with 32-bit ints. */
 #define OCL_MAX_DIM (1 << 30)
 
+/* Bytes of n_tokens rows of width/32 q8_0 blocks. */
+static uint64_t q8_bytes(uint64_t nt, int width) {
+    return mul3(nt, (uint64_t)(width / DUET_QK8_0), sizeof(duet_block_q8_0));
+}
+
+/* The paged KV views (the registry checked the geometry's signs and the
+ * dtype): pools of n_blocks x block_size rows, the table of n_seqs x
+ * max_blocks i32, none overlapping another. */
+static duet_status kv_check(const char *op, const duet_kv_pages *kv, int kv_width) {
+    /* Kernels split positions with mul24: block counts stay under 2^23. */
+    REQUIRE(kv->block_size < (1 << 23) && kv->n_blocks < OCL_MAX_DIM && kv->max_blocks < (1 << 23) &&
+                kv->n_seqs < OCL_MAX_DIM &&
+                mul2((uint64_t)kv->n_blocks, (uint64_t)kv->block_size) < OCL_MAX_DIM &&
+                mul2((uint64_t)kv->max_blocks, (uint64_t)kv->block_size) < OCL_MAX_DIM,
+            "%s: kv pages of %d blocks x %d tokens, table %d x %d", op, kv->n_blocks, kv->block_size,
+            kv->n_seqs, kv->max_blocks);
+    const uint64_t pool =
+        mul3(duet_dtype_row_bytes(kv->dtype, kv_width), (uint64_t)kv->block_size, (uint64_t)kv->n_blocks);
+    const uint64_t table = mul3((uint64_t)kv->n_seqs, (uint64_t)kv->max_blocks, 4);
+    const size_t align = kv->dtype == DUET_DTYPE_F32 ? 4 : 2;
+    CHECK(view_check(op, "k_pool", kv->k_pool, pool, align));
+    CHECK(view_check(op, "v_pool", kv->v_pool, pool, align));
+    CHECK(view_check(op, "block_table", kv->block_table, table, 4));
+    REQUIRE(!views_overlap(kv->k_pool, pool, kv->v_pool, pool), "%s: k_pool overlaps v_pool", op);
+    REQUIRE(!views_overlap(kv->k_pool, pool, kv->block_table, table) &&
+                !views_overlap(kv->v_pool, pool, kv->block_table, table),
+            "%s: the block table overlaps a pool", op);
+    return DUET_OK;
+}
+
 static duet_status validate(const duet_op *op) {
     const char *name = ocl_op_names[op->kind];
     const uint64_t nt = (uint64_t)op->n_tokens;
@@ -348,13 +426,22 @@ static duet_status validate(const duet_op *op) {
     case DUET_OP_RMSNORM: {
         const int dim = op->rmsnorm.dim;
         REQUIRE(dim > 0 && dim < OCL_MAX_DIM, "rmsnorm: dim %d", dim);
-        uint64_t bytes = mul3(nt, (uint64_t)dim, 4);
+        uint64_t bytes = mul3(nt, (uint64_t)dim, 4), qbytes = q8_bytes(nt, dim);
         CHECK(view_check(name, "x", op->rmsnorm.x, bytes, 4));
         CHECK(view_check(name, "w", op->rmsnorm.w, (uint64_t)dim * 4, 4));
-        CHECK(view_check(name, "out", op->rmsnorm.out, bytes, 4));
-        CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
-        REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes),
-                "rmsnorm: out overlaps w");
+        if (op->rmsnorm.out.buf) {
+            CHECK(view_check(name, "out", op->rmsnorm.out, bytes, 4));
+            CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
+            REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes),
+                    "rmsnorm: out overlaps w");
+        }
+        if (op->rmsnorm.out_q8.buf) {
+            CHECK(view_check(name, "out_q8", op->rmsnorm.out_q8, qbytes, 2));
+            REQUIRE(!views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.x, bytes) &&
+                        !views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.w, (uint64_t)dim * 4) &&
+                        !views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.out, bytes),
+                    "rmsnorm: out_q8 overlaps x, w or out");
+        }
         return DUET_OK;
     }
     case DUET_OP_MATMUL: {
@@ -365,13 +452,16 @@ static duet_status validate(const duet_op *op) {
         REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d",
                 n_in, duet_dtype_name(dt), duet_dtype_block(dt));
         uint64_t wbytes = mul2((uint64_t)n_out, duet_dtype_row_bytes(dt, n_in));
-        uint64_t xbytes = mul3(nt, (uint64_t)n_in, 4), obytes = mul3(nt, (uint64_t)n_out, 4);
+        uint64_t obytes = mul3(nt, (uint64_t)n_out, 4);
+        const bool q8x = op->matmul.x_q8.buf != NULL;
+        duet_view xv = q8x ? op->matmul.x_q8 : op->matmul.x;
+        uint64_t xbytes = q8x ? q8_bytes(nt, n_in) : mul3(nt, (uint64_t)n_in, 4);
         CHECK(view_check(name, "w", op->matmul.w, wbytes, weight_align(dt)));
-        CHECK(view_check(name, "x", op->matmul.x, xbytes, 4));
+        CHECK(view_check(name, q8x ? "x_q8" : "x", xv, xbytes, q8x ? 2 : 4));
         if (op->matmul.bias.buf) CHECK(view_check(name, "bias", op->matmul.bias, (uint64_t)n_out * 4, 4));
         CHECK(view_check(name, "out", op->matmul.out, obytes, 4));
         /* Work-items write out while others still read x and W. */
-        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.x, xbytes), "matmul: out overlaps x");
+        REQUIRE(!views_overlap(op->matmul.out, obytes, xv, xbytes), "matmul: out overlaps x");
         REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.w, wbytes), "matmul: out overlaps w");
         REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.bias, (uint64_t)n_out * 4),
                 "matmul: out overlaps bias");
@@ -379,60 +469,81 @@ static duet_status validate(const duet_op *op) {
     }
     case DUET_OP_ROPE_KV: {
         const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim;
-        const int n_rot = op->rope_kv.n_rot, n_ctx = op->rope_kv.n_ctx;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh < OCL_MAX_DIM && nkv < OCL_MAX_DIM &&
-                    hd < OCL_MAX_DIM && n_ctx < OCL_MAX_DIM,
-                "rope_kv: n_head %d, n_head_kv %d, head_dim %d, n_ctx %d", nh, nkv, hd, n_ctx);
+        const int n_rot = op->rope_kv.n_rot;
+        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && (uint64_t)(nh + nkv) * hd < OCL_MAX_DIM,
+                "rope_kv: n_head %d, n_head_kv %d, head_dim %d", nh, nkv, hd);
         REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0,
                 "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot, hd);
         REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
                 (double)op->rope_kv.freq_base);
-        const duet_dtype kvt = op->rope_kv.kv_dtype;
         uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4);
         uint64_t kbytes = mul2(mul3(nt, (uint64_t)nkv, (uint64_t)hd), 4);
-        uint64_t kv_row = mul2((uint64_t)nkv * (uint64_t)hd, duet_dtype_block_bytes(kvt));
         CHECK(view_check(name, "q", op->rope_kv.q, qbytes, 4));
         CHECK(view_check(name, "k", op->rope_kv.k, kbytes, 4));
         CHECK(view_check(name, "v", op->rope_kv.v, kbytes, 4));
         CHECK(view_check(name, "pos", op->rope_kv.pos, nt * 4, 4));
         CHECK(view_check(name, "seq", op->rope_kv.seq, nt * 4, 4));
-        CHECK(view_check(name, "k_cache", op->rope_kv.k_cache, kv_row, duet_dtype_block_bytes(kvt)));
-        CHECK(view_check(name, "v_cache", op->rope_kv.v_cache, kv_row, duet_dtype_block_bytes(kvt)));
+        CHECK(kv_check(name, &op->rope_kv.kv, nkv * hd));
         REQUIRE(!views_overlap(op->rope_kv.q, qbytes, op->rope_kv.k, kbytes), "rope_kv: q overlaps k");
+        const uint64_t pool = duet_kv_pool_bytes(&op->rope_kv.kv, nkv * hd);
+        const duet_view pools[2] = {op->rope_kv.kv.k_pool, op->rope_kv.kv.v_pool};
+        for (int i = 0; i < 2; i++)
+            REQUIRE(!views_overlap(pools[i], pool, op->rope_kv.q, qbytes) &&
+                        !views_overlap(pools[i], pool, op->rope_kv.k, kbytes) &&
+                        !views_overlap(pools[i], pool, op->rope_kv.v, kbytes) &&
+                        !views_overlap(pools[i], pool, op->rope_kv.pos, nt * 4) &&
+                        !views_overlap(pools[i], pool, op->rope_kv.seq, nt * 4),
+                    "rope_kv: a KV pool overlaps q, k, v, pos or seq");
         return DUET_OK;
     }
     case DUET_OP_ATTENTION: {
         const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
-        const int n_ctx = op->attention.n_ctx;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh % nkv == 0 && nh < OCL_MAX_DIM &&
-                    n_ctx < OCL_MAX_DIM,
-                "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d, n_ctx %d", nh,
-                nkv, hd, n_ctx);
-        const duet_dtype kvt = op->attention.kv_dtype;
-        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4);
-        uint64_t kv_row = mul2((uint64_t)nkv * (uint64_t)hd, duet_dtype_block_bytes(kvt));
+        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0 && (uint64_t)nh * hd < OCL_MAX_DIM &&
+                    nt < (1 << 23),
+                "attention: n_head %d, n_head_kv %d, head_dim %d, %llu tokens", nh, nkv, hd,
+                (unsigned long long)nt);
+        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), q8b = q8_bytes(nt, nh * hd);
         CHECK(view_check(name, "q", op->attention.q, qbytes, 4));
         CHECK(view_check(name, "pos", op->attention.pos, nt * 4, 4));
         CHECK(view_check(name, "seq", op->attention.seq, nt * 4, 4));
-        CHECK(view_check(name, "k_cache", op->attention.k_cache, kv_row, duet_dtype_block_bytes(kvt)));
-        CHECK(view_check(name, "v_cache", op->attention.v_cache, kv_row, duet_dtype_block_bytes(kvt)));
-        CHECK(view_check(name, "out", op->attention.out, qbytes, 4));
-        CHECK(check_inplace(name, "q", op->attention.q, op->attention.out, qbytes));
-        REQUIRE(!views_overlap(op->attention.out, qbytes, op->attention.k_cache,
-                               view_avail(op->attention.k_cache)) &&
-                    !views_overlap(op->attention.out, qbytes, op->attention.v_cache,
-                                   view_avail(op->attention.v_cache)),
-                "attention: out overlaps the KV cache");
+        CHECK(kv_check(name, &op->attention.kv, nkv * hd));
+        const uint64_t pool = duet_kv_pool_bytes(&op->attention.kv, nkv * hd);
+        const duet_view kp = op->attention.kv.k_pool, vp = op->attention.kv.v_pool;
+        if (op->attention.out.buf) {
+            CHECK(view_check(name, "out", op->attention.out, qbytes, 4));
+            CHECK(check_inplace(name, "q", op->attention.q, op->attention.out, qbytes));
+            REQUIRE(!views_overlap(op->attention.out, qbytes, kp, pool) &&
+                        !views_overlap(op->attention.out, qbytes, vp, pool),
+                    "attention: out overlaps the KV pools");
+        }
+        if (op->attention.out_q8.buf) {
+            CHECK(view_check(name, "out_q8", op->attention.out_q8, q8b, 2));
+            REQUIRE(!views_overlap(op->attention.out_q8, q8b, op->attention.q, qbytes) &&
+                        !views_overlap(op->attention.out_q8, q8b, op->attention.out, qbytes) &&
+                        !views_overlap(op->attention.out_q8, q8b, kp, pool) &&
+                        !views_overlap(op->attention.out_q8, q8b, vp, pool),
+                    "attention: out_q8 overlaps q, out or the KV pools");
+        }
         return DUET_OK;
     }
     case DUET_OP_SWIGLU: {
-        REQUIRE(op->swiglu.dim > 0, "swiglu: dim %d", op->swiglu.dim);
-        uint64_t bytes = mul3(nt, (uint64_t)op->swiglu.dim, 4);
+        const int dim = op->swiglu.dim;
+        REQUIRE(dim > 0, "swiglu: dim %d", dim);
+        uint64_t bytes = mul3(nt, (uint64_t)dim, 4), qbytes = q8_bytes(nt, dim);
         CHECK(view_check(name, "gate", op->swiglu.gate, bytes, 4));
         CHECK(view_check(name, "up", op->swiglu.up, bytes, 4));
-        CHECK(view_check(name, "out", op->swiglu.out, bytes, 4));
-        CHECK(check_inplace(name, "gate", op->swiglu.gate, op->swiglu.out, bytes));
-        CHECK(check_inplace(name, "up", op->swiglu.up, op->swiglu.out, bytes));
+        if (op->swiglu.out.buf) {
+            CHECK(view_check(name, "out", op->swiglu.out, bytes, 4));
+            CHECK(check_inplace(name, "gate", op->swiglu.gate, op->swiglu.out, bytes));
+            CHECK(check_inplace(name, "up", op->swiglu.up, op->swiglu.out, bytes));
+        }
+        if (op->swiglu.out_q8.buf) {
+            CHECK(view_check(name, "out_q8", op->swiglu.out_q8, qbytes, 2));
+            REQUIRE(!views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.gate, bytes) &&
+                        !views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.up, bytes) &&
+                        !views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.out, bytes),
+                    "swiglu: out_q8 overlaps gate, up or out");
+        }
         return DUET_OK;
     }
     case DUET_OP_ADD: {
@@ -468,6 +579,10 @@ static duet_status validate(const duet_op *op) {
     return duet__error(DUET_INVALID_ARGUMENT, "opencl: unknown op kind %d", (int)op->kind);
 }
 
+static bool kv_dtype_ok(duet_dtype t) {
+    return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_Q8_0;
+}
+
 static bool ocl_supports_op(duet_backend *be, const duet_op *op) {
     switch (op->kind) {
     case DUET_OP_EMBED:
@@ -475,10 +590,14 @@ static bool ocl_supports_op(duet_backend *be, const duet_op *op) {
     case DUET_OP_MATMUL:
         return duet_dtype_is_weight(op->matmul.dtype);
     case DUET_OP_ROPE_KV:
-        return op->rope_kv.kv_dtype == DUET_DTYPE_F32 || op->rope_kv.kv_dtype == DUET_DTYPE_F16;
-    case DUET_OP_ATTENTION:
-        return (op->attention.kv_dtype == DUET_DTYPE_F32 || op->attention.kv_dtype == DUET_DTYPE_F16) &&
-               op->attention.head_dim <= OCL_ATT_DMAX;
+        return kv_dtype_ok(op->rope_kv.kv.dtype) && op->rope_kv.n_rot <= 2 * OCL_ROPE_HALF_MAX;
+    case DUET_OP_ATTENTION: {
+        /* Kernels are built for the exact head_dim; the plan must fit the
+         * device's local memory. */
+        int split_len, n_splits;
+        return kv_dtype_ok(op->attention.kv.dtype) && op->attention.head_dim <= OCL_ATT_DMAX &&
+               duet__ocl_attention_plan((const ocl_backend *)be, op, &split_len, &n_splits) != NULL;
+    }
     case DUET_OP_RMSNORM:
     case DUET_OP_SWIGLU:
     case DUET_OP_ADD:
@@ -523,4 +642,5 @@ const duet_backend_iface duet_opencl_backend_iface = {
     .submit = ocl_submit,
     .wait = ocl_wait,
     .buffer_host_ptr = NULL,
+    .scratch_bytes = ocl_scratch_bytes,
 };

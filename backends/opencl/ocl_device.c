@@ -10,6 +10,8 @@
 
 #include "ocl_internal.h"
 
+#include <CL/cl_ext.h>
+
 /* ---- errors ----------------------------------------------------------------- */
 
 const char *duet__ocl_error_name(cl_int err) {
@@ -180,18 +182,46 @@ static void fill_device(ocl_device *d, cl_platform_id p, cl_device_id id) {
     d->fp16 = has_ext(e, "cl_khr_fp16");
     d->fp64 = has_ext(e, "cl_khr_fp64");
     d->subgroups = has_ext(e, "cl_khr_subgroups");
-    d->int_dot = has_ext(e, "cl_khr_integer_dot_product");
+    if (has_ext(e, "cl_khr_integer_dot_product")) {
+        /* The extension alone says little: its capability bits say which
+         * built-ins exist (packed words and/or char4), and the acceleration
+         * properties whether they map to hardware instructions. */
+        cl_ulong caps = 0;
+        if (clGetDeviceInfo(id, CL_DEVICE_INTEGER_DOT_PRODUCT_CAPABILITIES_KHR, sizeof caps, &caps, NULL) ==
+            CL_SUCCESS) {
+            d->int_dot_packed = (caps & CL_DEVICE_INTEGER_DOT_PRODUCT_INPUT_4x8BIT_PACKED_KHR) != 0;
+            d->int_dot = d->int_dot_packed || (caps & CL_DEVICE_INTEGER_DOT_PRODUCT_INPUT_4x8BIT_KHR) != 0;
+        }
+        cl_device_integer_dot_product_acceleration_properties_khr acc;
+        memset(&acc, 0, sizeof acc);
+        if (d->int_dot &&
+            clGetDeviceInfo(id,
+                            d->int_dot_packed
+                                ? CL_DEVICE_INTEGER_DOT_PRODUCT_ACCELERATION_PROPERTIES_4x8BIT_PACKED_KHR
+                                : CL_DEVICE_INTEGER_DOT_PRODUCT_ACCELERATION_PROPERTIES_8BIT_KHR,
+                            sizeof acc, &acc, NULL) == CL_SUCCESS)
+            d->int_dot_accel = acc.signed_accelerated || acc.accumulating_saturating_signed_accelerated;
+    }
     free(exts);
+    char cver[128];
+    get_str(id, CL_DEVICE_OPENCL_C_VERSION, cver, sizeof cver);
+    int major = 0;
+    d->cl30 = sscanf(cver, "OpenCL C %d", &major) == 1 && major >= 3;
     info->fp16 = d->fp16;
     info->int8_dot = d->int_dot;
     info->coopmat = false;
     info->subgroup_size = 0; /* OpenCL 1.2 has no query; cl_khr_subgroups sizes are per kernel */
     snprintf(
         info->features, sizeof info->features,
-        "%s; local memory %llu KiB%s; max alloc %llu MiB; max work-group %zu; fp64 %s; cl_khr_subgroups %s",
+        "%s; local memory %llu KiB%s; max alloc %llu MiB; max work-group %zu; fp64 %s; cl_khr_subgroups %s; "
+        "cl_khr_integer_dot_product %s",
         d->version, (unsigned long long)(d->local_mem >> 10), d->local_is_global ? " (global)" : "",
         (unsigned long long)(d->max_alloc >> 20), d->max_wg, d->fp64 ? "yes" : "no",
-        d->subgroups ? "yes" : "no");
+        d->subgroups ? "yes" : "no",
+        !d->int_dot         ? "no"
+        : d->int_dot_packed ? (d->int_dot_accel ? "packed 4x8, accelerated" : "packed 4x8")
+        : d->int_dot_accel  ? "4x8, accelerated"
+                            : "4x8");
 }
 
 static void enumerate(void) {

@@ -31,10 +31,10 @@ const char *duet__ocl_error_name(cl_int err); /* "CL_OUT_OF_RESOURCES", ... */
 duet_status duet__ocl_fail(cl_int err, const char *expr, const char *file, int line);
 
 /* Turns a CL result into a duet_status at the backend boundary. */
-#define CL_TRY(expr)                                                                   \
-    do {                                                                               \
-        cl_int cl_try_err_ = (expr);                                                   \
-        if (cl_try_err_ != CL_SUCCESS) return duet__ocl_fail(cl_try_err_, #expr, __FILE__, __LINE__); \
+#define CL_TRY(expr)                                                                                         \
+    do {                                                                                                     \
+        cl_int cl_try_err_ = (expr);                                                                         \
+        if (cl_try_err_ != CL_SUCCESS) return duet__ocl_fail(cl_try_err_, #expr, __FILE__, __LINE__);        \
     } while (0)
 
 /* ---- devices (ocl_device.c) ------------------------------------------------- */
@@ -51,7 +51,10 @@ typedef struct ocl_device {
     bool fp16;            /* cl_khr_fp16 */
     bool fp64;            /* cl_khr_fp64 */
     bool subgroups;       /* cl_khr_subgroups */
-    bool int_dot;         /* cl_khr_integer_dot_product */
+    bool int_dot;         /* cl_khr_integer_dot_product with a 4x8-bit capability */
+    bool int_dot_packed;  /* ... including packed 4x8-bit words (dot_*_4x8packed_*) */
+    bool int_dot_accel;   /* the driver says signed 4x8 dot products are accelerated */
+    bool cl30;            /* OpenCL C 3.0 compiler (CL_DEVICE_OPENCL_C_ALL_VERSIONS) */
     bool unified;         /* host-unified memory */
     bool local_is_global; /* CL_GLOBAL local memory (CPU devices) */
 } ocl_device;
@@ -66,17 +69,34 @@ bool duet__ocl_devices(const ocl_device **list, int *n, char *why, size_t why_si
 /* Every knob a kernel or the dispatcher reads. Kernels get them as -D
  * options (CLBlast style: #ifndef NAME / #define NAME default). */
 typedef struct ocl_tuning {
-    char entry[64];       /* which table entry matched (for logs and tests) */
-    int mv_r;             /* matmul: work-items sharing one dot product (1 = none) */
-    int mv_nr;            /* matmul: output rows per work-item (1, 2, 4) */
-    int mv_vw;            /* matmul: vector width of the inner loop (4, 8, 16) */
-    int mv_wg;            /* matmul: work-group size (a multiple of mv_r) */
-    int mv_mt;            /* matmul: tokens per work-item when n_tokens > 1 (1..8) */
-    int mv_qg;            /* matmul q8_0: blocks whose scales convert together (1 or 8) */
-    int norm_wg;          /* rmsnorm and argmax: work-items per row (power of two) */
-    int att_wg;           /* attention: work-items per (token, head) (power of two) */
-    int ew_wg;            /* elementwise ops: work-group size (0 = the driver's choice) */
-    int clblast_min;      /* F32/F16 matmuls with at least this many tokens use CLBlast; 0 = never */
+    char entry[64];         /* which table entry matched (for logs and tests) */
+    int mv_r;               /* matmul: work-items sharing one dot product (1 = none) */
+    int mv_nr;              /* matmul: output rows per work-item (1, 2, 4) */
+    int mv_vw;              /* matmul: vector width of the inner loop (4, 8, 16) */
+    int mv_wg;              /* matmul: work-group size (a multiple of mv_r) */
+    int mv_mt;              /* matmul: tokens per work-item when n_tokens > 1 (1..8) */
+    int mv_qg;              /* matmul q8_0: blocks whose scales convert together (1 or 8) */
+    int norm_wg;            /* rmsnorm and argmax: work-items per row (power of two) */
+    int att_wg;             /* attention decode: work-items per (token, head group, split) (power of two) */
+    int att_g;              /* attention decode: most query heads per work-group, whole GQA groups of
+                             * adjacent KV heads (0 = only heads of one KV head, at most 8) */
+    int att_split;          /* attention decode: most keys per split (local memory holds their scores) */
+    int att_occ;            /* attention decode: split long contexts until there are this many
+                             * work-groups per compute unit (0 = only att_split bounds a split) */
+    int att_bq, att_bk;     /* attention prefill: query rows and keys per tile */
+    int att_tpr;            /* attention prefill: work-items per query row */
+    int att_pf_min;         /* attention: batches of at least this many tokens (and more tokens
+                             * than sequence slots) take the prefill kernel; 0 = never */
+    int att_mode;           /* attention: 0 = pick by batch, 1 = always decode, 2 = always prefill */
+    int rope_wg;            /* rope_kv: work-items per token */
+    int dot;                /* q8 x q8 matmul: -1 = int dot products when the device has them,
+                             * 0 = portable fallback, 1 = require the extension, 2 = the
+                             * extension's code with emulated built-ins (tests) */
+    int mq_nr;              /* q8 x q8 matvec: output rows per work-item (1, 2, 4, 8) */
+    int mm_tile_min;        /* q8 x q8 matmuls with at least this many tokens use the tiled GEMM; 0 = never */
+    int mm_bn, mm_tr;       /* tiled GEMM: tile edge and work-item micro-tile edge */
+    int ew_wg;              /* elementwise ops: work-group size (0 = the driver's choice) */
+    int clblast_min;        /* F32/F16 matmuls with at least this many tokens use CLBlast; 0 = never */
     size_t clblast_scratch; /* bytes of f32 scratch for F16 weights converted for CLBlast */
 } ocl_tuning;
 
@@ -90,8 +110,8 @@ duet_status duet__ocl_tuning_for(const ocl_device *dev, ocl_tuning *out);
 #define OCL_MAX_KERNELS 8
 
 typedef struct ocl_program {
-    char family[32];    /* kernels/<family>.cl */
-    char options[512];  /* the -D options it was built with (beyond the device's) */
+    char family[32];   /* kernels/<family>.cl */
+    char options[512]; /* the -D options it was built with (beyond the device's) */
     cl_program prog;
     int n_kernels;
     char kernel_names[OCL_MAX_KERNELS][32];
@@ -99,11 +119,11 @@ typedef struct ocl_program {
 } ocl_program;
 
 typedef struct ocl_stats {
-    int programs_built;     /* compiled from source */
-    int programs_cached;    /* loaded from the on-disk cache */
+    int programs_built;  /* compiled from source */
+    int programs_cached; /* loaded from the on-disk cache */
     int programs_cache_saved;
-    int clblast_calls;      /* GEMMs that went to CLBlast */
-    int feature_fallbacks;  /* builds retried without fp16/subgroup code */
+    int clblast_calls;     /* GEMMs that went to CLBlast */
+    int feature_fallbacks; /* builds retried without fp16/subgroup/int-dot code */
 } ocl_stats;
 
 typedef struct ocl_backend ocl_backend;
@@ -145,6 +165,16 @@ struct ocl_backend {
     /* f32 copy of F16 weight rows for CLBlast, grown on first need. */
     cl_mem scratch;
     size_t scratch_size;
+    /* Attention: flash-decoding partials and the f32 rows of an unfused
+     * q8 output, grown on need (one step's ops run in order, so one
+     * buffer serves every layer). */
+    cl_mem att_part;
+    size_t att_part_size;
+    cl_mem att_rows;
+    size_t att_rows_size;
+    /* Bytes of the internal buffers above live now, and their high-water mark. */
+    size_t scratch_live, scratch_peak;
+    int int_dot; /* the INT_DOT kernel variant in use: 0 portable, 1 packed, 2 char4 */
 
     /* Profiling ($DUET_PROFILE=1): an event per enqueue, read at wait. */
     bool profile;
@@ -171,7 +201,15 @@ duet_status duet__ocl_enqueue(ocl_backend *be, const duet_op *op);
 /* Which path a matmul of this shape takes ("clblast", "matvec"). */
 const char *duet__ocl_matmul_path(const ocl_backend *be, const duet_op *op);
 
-/* Largest head_dim the attention kernel takes. */
+/* Largest head_dim the attention kernels take, and n_rot / 2 rope_kv takes. */
 #define OCL_ATT_DMAX 256
+#define OCL_ROPE_HALF_MAX 128
+
+/* An internal device buffer of at least `size` bytes in *mem (grown by
+ * release + create; its old contents are lost), counted in scratch_bytes. */
+duet_status duet__ocl_scratch(ocl_backend *be, cl_mem *mem, size_t *cur, size_t size, const char *what);
+/* Which attention kernel an op takes ("decode", "prefill") and, for decode,
+ * its split length and count. */
+const char *duet__ocl_attention_plan(const ocl_backend *be, const duet_op *op, int *split_len, int *n_splits);
 
 #endif /* DUET_OCL_INTERNAL_H */

@@ -31,7 +31,8 @@ static duet_status source_text(const char *name, const char **text, bool *owned)
         char path[1024];
         snprintf(path, sizeof path, "%s/%s.cl", dir, name);
         FILE *f = fopen(path, "rb");
-        if (!f) return duet__error(DUET_IO, "opencl: DUET_KERNEL_DIR: cannot open %s: %s", path, strerror(errno));
+        if (!f)
+            return duet__error(DUET_IO, "opencl: DUET_KERNEL_DIR: cannot open %s: %s", path, strerror(errno));
         char *buf = NULL;
         long n = -1;
         if (fseek(f, 0, SEEK_END) == 0 && (n = ftell(f)) >= 0 && fseek(f, 0, SEEK_SET) == 0)
@@ -67,13 +68,16 @@ void duet__ocl_cache_dir(char *out, size_t size) {
         return;
     }
     const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-    if (xdg && *xdg) snprintf(out, size, "%s/duet/opencl", xdg);
-    else if (home && *home) snprintf(out, size, "%s/.cache/duet/opencl", home);
+    if (xdg && *xdg)
+        snprintf(out, size, "%s/duet/opencl", xdg);
+    else if (home && *home)
+        snprintf(out, size, "%s/.cache/duet/opencl", home);
 }
 
 static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
     const unsigned char *p = data;
-    for (size_t i = 0; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ p[i]) * 0x100000001b3ull;
     return h;
 }
 
@@ -95,7 +99,8 @@ static unsigned char *read_all(const char *path, size_t *n) {
     if (!f) return NULL;
     unsigned char *buf = NULL;
     long len = -1;
-    if (fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0) buf = malloc((size_t)len);
+    if (fseek(f, 0, SEEK_END) == 0 && (len = ftell(f)) > 0 && fseek(f, 0, SEEK_SET) == 0)
+        buf = malloc((size_t)len);
     if (buf && fread(buf, 1, (size_t)len, f) != (size_t)len) {
         free(buf);
         buf = NULL;
@@ -115,7 +120,8 @@ static bool save_binary(cl_program prog, const char *dir, const char *path) {
     unsigned char *bin = malloc(size);
     if (!bin) return false;
     unsigned char *bins[1] = {bin};
-    bool ok = clGetProgramInfo(prog, CL_PROGRAM_BINARIES, sizeof bins, bins, NULL) == CL_SUCCESS && make_dirs(dir);
+    bool ok =
+        clGetProgramInfo(prog, CL_PROGRAM_BINARIES, sizeof bins, bins, NULL) == CL_SUCCESS && make_dirs(dir);
     if (ok) {
         char tmp[1100];
         /* Unique per process and program: instances may build at once. */
@@ -136,9 +142,11 @@ static duet_status build_log_error(ocl_backend *be, cl_program prog, const char 
     size_t n = 0;
     clGetProgramBuildInfo(prog, be->dev->id, CL_PROGRAM_BUILD_LOG, 0, NULL, &n);
     char *log = malloc(n + 1);
-    if (log && clGetProgramBuildInfo(prog, be->dev->id, CL_PROGRAM_BUILD_LOG, n, log, NULL) != CL_SUCCESS) log[0] = 0;
+    if (log && clGetProgramBuildInfo(prog, be->dev->id, CL_PROGRAM_BUILD_LOG, n, log, NULL) != CL_SUCCESS)
+        log[0] = 0;
     if (log) log[n] = 0;
-    duet_status st = duet__error(DUET_COMPILE, "opencl: building kernels/%s.cl for %s failed (options: %s); build log:\n%s",
+    duet_status st = duet__error(DUET_COMPILE,
+                                 "opencl: building kernels/%s.cl for %s failed (options: %s); build log:\n%s",
                                  family, be->dev->info.name, opts, log ? log : "(no log)");
     free(log);
     return st;
@@ -155,7 +163,9 @@ static duet_status build_program(ocl_backend *be, const char *family, const char
         return st;
     }
     char opts[1024];
-    snprintf(opts, sizeof opts, "-cl-std=CL1.2 %s %s", be->dev_options, options);
+    /* OpenCL C 1.2 unless the variant asks for another version. */
+    snprintf(opts, sizeof opts, "%s %s %s", strstr(options, "-cl-std=") ? "" : "-cl-std=CL1.2",
+             be->dev_options, options);
 
     /* The cache key covers everything that changes the binary. */
     uint64_t h = 0xcbf29ce484222325ull;
@@ -191,7 +201,8 @@ static duet_status build_program(ocl_backend *be, const char *family, const char
     if (!prog) {
         const char *srcs[2] = {common, body};
         prog = clCreateProgramWithSource(be->ctx, 2, srcs, NULL, &err);
-        if (!prog) st = duet__ocl_fail(err, "clCreateProgramWithSource", __FILE__, __LINE__);
+        if (!prog)
+            st = duet__ocl_fail(err, "clCreateProgramWithSource", __FILE__, __LINE__);
         else if ((err = clBuildProgram(prog, 1, &be->dev->id, opts, NULL, NULL)) != CL_SUCCESS) {
             st = err == CL_BUILD_PROGRAM_FAILURE ? build_log_error(be, prog, family, opts)
                                                  : duet__ocl_fail(err, "clBuildProgram", __FILE__, __LINE__);
@@ -222,13 +233,16 @@ duet_status duet__ocl_kernel(ocl_backend *be, const char *family, const char *op
             return duet__error(DUET_INVALID_ARGUMENT, "opencl: kernel options too long");
         cl_program prog;
         duet_status st = build_program(be, family, options, &prog);
-        if (st == DUET_COMPILE && (strstr(be->dev_options, "HAVE_FP16") || strstr(be->dev_options, "HAVE_SUBGROUPS"))) {
+        if (st == DUET_COMPILE &&
+            (strstr(be->dev_options, "HAVE_FP16") || strstr(be->dev_options, "HAVE_SUBGROUPS"))) {
             /* A driver that advertises cl_khr_fp16 or cl_khr_subgroups but
              * cannot compile their use under OpenCL C 1.2: fall back to the
              * portable paths (vload_half, local-memory reductions) for this
-             * instance, keeping fp64 if the device has it. */
+             * instance, keeping fp64 and SOFT_HALF. */
             const bool fp64 = strstr(be->dev_options, "HAVE_FP64") != NULL;
-            snprintf(be->dev_options, sizeof be->dev_options, "%s", fp64 ? "-DHAVE_FP64=1" : "");
+            const bool soft_half = strstr(be->dev_options, "SOFT_HALF") != NULL;
+            snprintf(be->dev_options, sizeof be->dev_options, "%s%s", fp64 ? "-DHAVE_FP64=1 " : "",
+                     soft_half ? "-DSOFT_HALF=1" : "");
             be->stats.feature_fallbacks++;
             st = build_program(be, family, options, &prog);
         }
@@ -257,7 +271,8 @@ duet_status duet__ocl_kernel(ocl_backend *be, const char *family, const char *op
 
 void duet__ocl_programs_free(ocl_backend *be) {
     for (int i = 0; i < be->n_programs; i++) {
-        for (int k = 0; k < be->programs[i].n_kernels; k++) clReleaseKernel(be->programs[i].kernels[k]);
+        for (int k = 0; k < be->programs[i].n_kernels; k++)
+            clReleaseKernel(be->programs[i].kernels[k]);
         clReleaseProgram(be->programs[i].prog);
     }
     be->n_programs = 0;

@@ -7,9 +7,10 @@
  * read), submit() hands the buffer to the queue with a fence, wait() waits
  * for the fence and reports device-side index errors and, when the
  * validation layer is on, its errors. Buffers are allocated once by their
- * owner; the backend's own scratch (quantized activations, the RoPE table)
- * grows to the largest op seen and is then reused, so steady-state steps
- * allocate nothing. */
+ * owner; the backend's own scratch (quantized activations, the RoPE table,
+ * attention's split partials) grows to the largest op seen and is then
+ * reused, so steady-state steps allocate nothing; scratch_bytes reports the
+ * high-water mark of that memory. */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -171,6 +172,7 @@ duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visibl
         if (start + len >= padded) break;
     }
     if (st != DUET_OK) goto fail;
+    b->alloc_bytes = (size_t)req.size;
     *out = b;
     return DUET_OK;
 fail:
@@ -178,8 +180,31 @@ fail:
     return st;
 }
 
+duet_status duet__vk_own_buffer_create(vk_backend *be, size_t size, bool host_visible, duet_buffer **out) {
+    duet_status st = duet__vk_buffer_create(be, size, host_visible, out);
+    if (st != DUET_OK) return st;
+    (*out)->own = true;
+    be->scratch_now += (*out)->alloc_bytes;
+    if (be->scratch_now > be->scratch_peak) be->scratch_peak = be->scratch_now;
+    return DUET_OK;
+}
+
+duet_status duet__vk_retire(vk_backend *be, duet_buffer *b) {
+    if (!b) return DUET_OK;
+    if (!be->in_step) {
+        duet__vk_buffer_destroy(be, b);
+        return DUET_OK;
+    }
+    /* The step recorded so far may use it. */
+    if (be->n_retired == (int)(sizeof be->retired / sizeof be->retired[0]))
+        return duet__error(DUET_UNSUPPORTED, "vulkan: scratch regrown too often in one step");
+    be->retired[be->n_retired++] = b;
+    return DUET_OK;
+}
+
 void duet__vk_buffer_destroy(vk_backend *be, duet_buffer *b) {
     if (!b) return;
+    if (b->own) be->scratch_now -= b->alloc_bytes;
     for (int i = 0; i < b->n_views; i++) vkDestroyBufferView(be->dev, b->views[i], NULL);
     if (b->buf) vkDestroyBuffer(be->dev, b->buf, NULL);
     if (b->mem) vkFreeMemory(be->dev, b->mem, NULL); /* unmaps too */
@@ -287,24 +312,17 @@ static void vk_buffer_free(duet_backend *base, duet_buffer *buf) {
 duet_status duet__vk_scratch_reserve(vk_backend *be, duet_buffer **b, size_t size) {
     if (*b && (*b)->size >= size) return DUET_OK;
     size_t want = size + size / 2; /* grow geometrically: rare reallocations */
+    if (be->in_step && be->n_retired == (int)(sizeof be->retired / sizeof be->retired[0]))
+        return duet__error(DUET_UNSUPPORTED, "vulkan: scratch regrown too often in one step");
     duet_buffer *nb;
-    duet_status st = duet__vk_buffer_create(be, want, false, &nb);
+    duet_status st = duet__vk_own_buffer_create(be, want, false, &nb);
     if (st != DUET_OK) return st;
-    if (*b) {
-        if (be->in_step) {
-            /* The step recorded so far may use the old one. */
-            if (be->n_retired == (int)(sizeof be->retired / sizeof be->retired[0])) {
-                duet__vk_buffer_destroy(be, nb);
-                return duet__error(DUET_UNSUPPORTED, "vulkan: scratch regrown too often in one step");
-            }
-            be->retired[be->n_retired++] = *b;
-        } else {
-            duet__vk_buffer_destroy(be, *b);
-        }
-    }
+    duet__vk_retire(be, *b); /* cannot fail: a slot was checked above */
     *b = nb;
     return DUET_OK;
 }
+
+static size_t vk_scratch_bytes(duet_backend *base) { return ((vk_backend *)base)->scratch_peak; }
 
 /* ---- instance ------------------------------------------------------------------------ */
 
@@ -352,6 +370,7 @@ static void vk_close(duet_backend *base) {
         duet__vk_pipeline_cache_save(be);
         duet__vk_buffer_destroy(be, be->xq);
         duet__vk_buffer_destroy(be, be->rope_table);
+        duet__vk_buffer_destroy(be, be->attn_part);
         duet__vk_buffer_destroy(be, be->status);
         duet__vk_buffer_destroy(be, be->staging);
         for (int i = 0; i < be->n_retired; i++) duet__vk_buffer_destroy(be, be->retired[i]);
@@ -471,9 +490,9 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
         st = duet__vk_fail(r, "vkCreateFence", __FILE__, __LINE__);
         goto fail;
     }
-    if (!be->mem_host_visible && (st = duet__vk_buffer_create(be, be->staging_bytes, true, &be->staging)) != DUET_OK)
+    if (!be->mem_host_visible && (st = duet__vk_own_buffer_create(be, be->staging_bytes, true, &be->staging)) != DUET_OK)
         goto fail;
-    if ((st = duet__vk_buffer_create(be, 16, true, &be->status)) != DUET_OK) goto fail;
+    if ((st = duet__vk_own_buffer_create(be, 16, true, &be->status)) != DUET_OK) goto fail;
     if (!be->status->map) {
         st = duet__error(DUET_UNSUPPORTED, "vulkan: %s has no host-visible memory", p->props.deviceName);
         goto fail;
@@ -573,11 +592,14 @@ static duet_status vk_wait(duet_backend *base) {
     uint32_t bad = *(volatile uint32_t *)be->status->map;
     if (bad) {
         *(volatile uint32_t *)be->status->map = 0;
-        return duet__error(DUET_INVALID_ARGUMENT, "vulkan: the step read an index out of range:%s%s%s%s (those outputs are zero)",
+        return duet__error(DUET_INVALID_ARGUMENT,
+                           "vulkan: the step read an index out of range:%s%s%s%s%s (those outputs are zero; a bad block "
+                           "table entry was clamped into the pools)",
                            bad & 1 ? " a token id outside the embedding table" : "",
-                           bad & 2 ? " a position outside the context" : "",
-                           bad & 4 ? " a sequence slot outside the KV cache" : "",
-                           bad & 8 ? " a row outside the gathered tensor" : "");
+                           bad & 2 ? " a position outside the block table" : "",
+                           bad & 4 ? " a sequence slot outside the block table" : "",
+                           bad & 8 ? " a row outside the gathered tensor" : "",
+                           bad & 16 ? " a block table entry outside the KV pools" : "");
     }
     int n = duet__vk_validation_errors(); /* -1: the layer is off */
     if (n > be->validation_seen) {
@@ -680,4 +702,5 @@ const duet_backend_iface duet_vulkan_backend_iface = {
     .wait = vk_wait,
     /* buffer_host_ptr stays NULL: even mapped memory is written by ops that
      * run later, on the device. */
+    .scratch_bytes = vk_scratch_bytes,
 };

@@ -216,6 +216,8 @@ static bool probe_device(VkPhysicalDevice pd, vk_physical *p, char *why, size_t 
     p->subgroup_ops = sg.supportedOperations;
     p->subgroup_arith = (sg.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
                         (sg.supportedOperations & VK_SUBGROUP_FEATURE_ARITHMETIC_BIT);
+    p->subgroup_shuffle = (sg.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
+                          (sg.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT);
     p->int_dot_accel = p->int_dot && (dotp.integerDotProduct4x8BitPackedSignedAccelerated ||
                                       dotp.integerDotProductAccumulatingSaturating4x8BitPackedSignedAccelerated);
     p->coopmat = p->has_coopmat_ext;

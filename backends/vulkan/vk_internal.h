@@ -10,6 +10,8 @@
  *                (one command buffer per step, barriers, timestamps)
  * vk_ops.c       op validation and recording: which shader, bindings, push
  *                constants and dispatch size each op becomes
+ * vk_attention.c rope_kv and attention over the paged KV cache
+ *                (FlashAttention tiles, flash-decoding splits)
  *
  * How memory is read and written. Every buffer has "texel views"
  * (VK_FORMAT_R32G32B32A32_UINT uniform texel buffers) that shaders read
@@ -31,7 +33,10 @@
  * Environment:
  *   DUET_VK_VALIDATION=1     Khronos validation + synchronization layer;
  *                            an error fails the step that caused it
- *   DUET_VK_TUNE=k=v,...     override the tuning table (vk_tuning.c)
+ *   DUET_VK_TUNE=k=v,...     override the tuning table (vk_tuning.c), e.g.
+ *                            dot=0 (int8 dot products through the
+ *                            packed-integer fallback), matmul=subgroup,
+ *                            attn=flash|lane, shuffle=0, attn_par=N
  *   DUET_PROFILE=1           per-dispatch timestamps, a table at close
  *   DUET_VK_PIPELINE_CACHE=0 no pipeline cache on disk
  *   DUET_VK_LIMITS=ssbo=N,texel=N,alloc=N   smaller device limits (tests)
@@ -81,6 +86,7 @@ typedef struct vk_physical {
     bool int_dot_accel;         /* 4x8-bit packed signed dot products are accelerated */
     bool coopmat;               /* VK_KHR_cooperative_matrix is offered */
     bool subgroup_arith;        /* subgroup arithmetic in compute shaders */
+    bool subgroup_shuffle;      /* subgroup shuffles in compute shaders */
     uint32_t subgroup_size;
     uint32_t subgroup_ops;      /* VkSubgroupFeatureFlags */
     bool has_int_dot_ext;       /* the KHR extension must be enabled (API < 1.3) */
@@ -125,18 +131,33 @@ typedef struct vk_tuning {
     char source[96];       /* which table entry (and overrides) chose these */
     vk_matmul_path matmul;
     bool int_dot;          /* Q8_0 through OpSDotAccSat (needs the feature) */
-    /* tile path: workgroup size, rows per invocation, tokens per invocation */
-    int tile_wg, tile_rows, tile_tokens;
+    /* tile path: workgroup size, rows per invocation, tokens per invocation;
+     * rows per invocation of the Q8_0 decode GEMV (one token) */
+    int tile_wg, tile_rows, tile_tokens, tile_rows_q8;
     /* subgroup path: workgroup size, rows per workgroup */
     int sg_wg, sg_rows;
-    int attn_wg;           /* attention: lanes per workgroup */
-    int attn_split;        /* attention: lanes per (token, head), splitting its keys */
+    /* Q8_0 prefill on the subgroup path: from mm_min tokens (0: never) a
+     * tiled GEMM (matmul_mm_q8.comp) of mm_bm rows x mm_bn tokens a
+     * workgroup, 4 x 4 outputs an invocation. */
+    int mm_min, mm_bm, mm_bn;
+    /* Attention. attn_lane: attn_lane.comp (a lane per token, head and key
+     * split; CPU devices) instead of attn_flash.comp (query tiles x key
+     * tiles in shared memory; GPUs). Flash prefill: attn_wg lanes, attn_c
+     * of them per query row; flash decode: up to attn_dc lanes per row (0:
+     * the subgroup size), the GQA heads of a KV head as rows; attn_kt keys
+     * per tile (fewer when shared memory is short). Lane: attn_wg lanes per
+     * workgroup. A context is split until about attn_par workgroups run, but
+     * never into pieces of fewer than attn_chunk keys. */
+    bool attn_lane;
+    int attn_wg, attn_c, attn_dc, attn_kt, attn_par, attn_chunk;
+    bool no_shuffle;       /* never use subgroup shuffles (one lane per row) */
     int norm_wg;           /* lanes per token row of rmsnorm / argmax */
     int ew_wg;             /* elementwise ops */
 } vk_tuning;
 
 /* Chooses the table entry for a device, then applies DUET_VK_TUNE
- * ("matmul=tile|subgroup,dot=0|1,tile_rows=N,..."). Fails on a malformed
+ * ("matmul=tile|subgroup,dot=0|1,tile_rows=N,..."; dot=0 forces the
+ * packed-integer fallback of the int8 dot products). Fails on a malformed
  * override. */
 duet_status duet__vk_tuning_select(const vk_physical *phys, vk_tuning *out);
 
@@ -150,6 +171,8 @@ struct duet_buffer {
     void *map;          /* host pointer when the memory is host-visible */
     size_t size;
     uint64_t id;        /* unique per instance, never reused: descriptor-cache key */
+    size_t alloc_bytes; /* device memory behind it */
+    bool own;           /* the backend's own (scratch_bytes counts it) */
     /* Texel views: view k starts at k * view_stride bytes and spans
      * view_span[k] bytes (one view unless the buffer passes the device's
      * texel limit). */
@@ -264,14 +287,18 @@ typedef struct vk_backend {
     int validation_seen;    /* validation errors already reported */
 
     /* Scratch owned by the backend: quantized activations for Q8_0 matmuls
-     * (grown to the largest op seen, then kept) and the RoPE cos/sin table. */
+     * (grown to the largest op seen, then kept), the RoPE cos/sin table and
+     * attention's split partials. scratch_now/peak: bytes of device memory
+     * in the backend's own buffers (staging and status too). */
+    size_t scratch_now, scratch_peak;
+    duet_buffer *attn_part;
     duet_buffer *xq;
     uint64_t xq_src_id;     /* the activation range xq currently holds */
     size_t xq_src_off, xq_src_bytes;
     int xq_tokens, xq_n_in;
     duet_buffer *rope_table;
     float rope_base;
-    int rope_n_rot, rope_n_ctx;
+    int rope_n_rot, rope_n_pos;
     duet_buffer *retired[8]; /* scratch replaced during a step, freed at wait */
     int n_retired;
 
@@ -294,6 +321,10 @@ void duet__vk_stats(duet_backend *be, long out[5]);
 /* The pipeline cache file this instance reads and writes ("" if none). */
 const char *duet__vk_pipeline_cache_path(duet_backend *be);
 duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visible, duet_buffer **out);
+/* The same for the backend's own buffers (counted by scratch_bytes). */
+duet_status duet__vk_own_buffer_create(vk_backend *be, size_t size, bool host_visible, duet_buffer **out);
+/* Frees an own buffer now, or after the step's wait when one is open. */
+duet_status duet__vk_retire(vk_backend *be, duet_buffer *b);
 void duet__vk_buffer_destroy(vk_backend *be, duet_buffer *b);
 /* Writes bytes into a buffer outside a step (memcpy or staging). */
 duet_status duet__vk_write(vk_backend *be, duet_buffer *b, size_t off, const void *src, size_t size);
@@ -316,6 +347,28 @@ void duet__vk_descriptors_destroy(vk_backend *be);
 /* vk_ops.c */
 bool duet__vk_supports_op(duet_backend *be, const duet_op *op);
 duet_status duet__vk_record_op(vk_backend *be, const duet_op *op);
+
+/* Helpers of the op recorders (vk_ops.c), shared with vk_attention.c. */
+duet_status duet__vk_view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align);
+uint64_t duet__vk_view_avail(duet_view v);
+bool duet__vk_views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn);
+/* The i32 data of a view when the host can read its final value now
+ * (mapped, and no dispatch of this step writes it), else NULL. */
+const int32_t *duet__vk_host_indices(const vk_backend *be, duet_view v);
+/* A read of `bytes` at `off` through the texel view holding it (*rel: the
+ * byte offset from the view's start), or a write through a storage binding
+ * starting at an aligned offset (*rel: off's byte offset inside it). */
+duet_status duet__vk_tex_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off,
+                              uint64_t bytes, struct vk_binding *bind, uint32_t *rel);
+duet_status duet__vk_ssbo_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off,
+                               uint64_t bytes, struct vk_binding *bind, uint32_t *rel);
+/* A storage binding nothing writes, for an absent optional output. */
+struct vk_binding duet__vk_unused_ssbo(vk_backend *be);
+
+/* vk_attention.c */
+duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op);
+duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op);
+#define VK_MAX_HEAD_DIM 256
 
 /* Records one dispatch: barrier if it depends on an earlier one in this
  * step, bindings, push constants, and (when profiling) timestamps. `reads`

@@ -10,7 +10,9 @@
  *
  * Ranges larger than the device's limits are split: matmul by rows (weights
  * larger than a texel view) and tokens (outputs larger than a storage
- * binding), embed by table rows, rope_kv by sequence windows of the cache. */
+ * binding), embed by table rows, rope_kv by block windows of the pools.
+ *
+ * rope_kv and attention live in vk_attention.c. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,8 +25,6 @@ static const char *const op_names[DUET_OP_COUNT] = {
     [DUET_OP_ROPE_KV] = "rope_kv",     [DUET_OP_ATTENTION] = "attention", [DUET_OP_SWIGLU] = "swiglu",
     [DUET_OP_ADD] = "add",             [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
 };
-
-#define VK_MAX_HEAD_DIM 256
 
 #define CHECK(expr)                     \
     do {                                \
@@ -96,7 +96,10 @@ static duet_status tex_bind(vk_backend *be, const char *op, const char *name, du
  * that starts at an aligned offset; *rel is off's byte offset inside it. */
 static duet_status ssbo_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off, uint64_t bytes,
                              vk_binding *bind, uint32_t *rel) {
-    size_t start = off & ~(size_t)(be->ssbo_align - 1);
+    /* At least 16-byte aligned: shaders address words (and q8_0 blocks by
+     * their word phase) from the binding's start. */
+    const size_t align = be->ssbo_align < 16 ? 16 : (size_t)be->ssbo_align;
+    size_t start = off & ~(align - 1);
     uint64_t range = ((off - start) + bytes + 3) & ~(uint64_t)3;
     size_t padded = (b->size + 15) & ~(size_t)15;
     if (start + range > padded) range = padded - start;
@@ -110,6 +113,36 @@ static duet_status ssbo_bind(vk_backend *be, const char *op, const char *name, d
 }
 
 static vk_binding status_bind(vk_backend *be) { return (vk_binding){.buf = be->status, .offset = 0, .range = 16}; }
+
+/* ---- exported for vk_attention.c ------------------------------------------------------- */
+
+duet_status duet__vk_view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align) {
+    return view_check(op, name, v, bytes, align);
+}
+uint64_t duet__vk_view_avail(duet_view v) { return view_avail(v); }
+bool duet__vk_views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) { return views_overlap(a, an, b, bn); }
+const int32_t *duet__vk_host_indices(const vk_backend *be, duet_view v) { return host_indices(be, v); }
+duet_status duet__vk_tex_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off,
+                              uint64_t bytes, vk_binding *bind, uint32_t *rel) {
+    return tex_bind(be, op, name, b, off, bytes, bind, rel);
+}
+duet_status duet__vk_ssbo_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off,
+                               uint64_t bytes, vk_binding *bind, uint32_t *rel) {
+    return ssbo_bind(be, op, name, b, off, bytes, bind, rel);
+}
+vk_binding duet__vk_unused_ssbo(vk_backend *be) { return status_bind(be); }
+
+/* An optional q8_0 output of `nt` rows of `width` values: its bytes, after
+ * checking it fits its buffer and overlaps none of the inputs. */
+static duet_status q8_out_check(const char *op, duet_view oq, uint64_t nt, int width, const duet_view *others,
+                                const uint64_t *other_bytes, int n_others) {
+    if (width % 32) return duet__error(DUET_INVALID_ARGUMENT, "%s: q8 output needs width %% 32 == 0 (got %d)", op, width);
+    uint64_t bytes = mul3(nt, (uint64_t)width / 32, 34);
+    CHECK(view_check(op, "out_q8", oq, bytes, 2));
+    for (int i = 0; i < n_others; i++)
+        REQUIRE(!views_overlap(oq, bytes, others[i], other_bytes[i]), "%s: out_q8 overlaps another operand", op);
+    return DUET_OK;
+}
 
 static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) { return (vk_range){b->id, off, off + bytes}; }
 
@@ -185,29 +218,50 @@ static duet_status rec_rmsnorm(vk_backend *be, const duet_op *op) {
     const char *name = "rmsnorm";
     const int dim = op->rmsnorm.dim;
     const uint64_t nt = (uint64_t)op->n_tokens;
+    const duet_view x = op->rmsnorm.x, w = op->rmsnorm.w, out = op->rmsnorm.out, oq = op->rmsnorm.out_q8;
+    const bool has_out = out.buf != NULL, has_q8 = oq.buf != NULL;
     REQUIRE(dim > 0, "rmsnorm: dim %d", dim);
+    REQUIRE(has_out || has_q8, "rmsnorm: no output");
     uint64_t bytes = mul3(nt, (uint64_t)dim, 4);
-    CHECK(view_check(name, "x", op->rmsnorm.x, bytes, 4));
-    CHECK(view_check(name, "w", op->rmsnorm.w, (uint64_t)dim * 4, 4));
-    CHECK(view_check(name, "out", op->rmsnorm.out, bytes, 4));
-    CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
-    REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes), "rmsnorm: out overlaps w");
+    CHECK(view_check(name, "x", x, bytes, 4));
+    CHECK(view_check(name, "w", w, (uint64_t)dim * 4, 4));
+    if (has_out) {
+        CHECK(view_check(name, "out", out, bytes, 4));
+        CHECK(check_inplace(name, "x", x, out, bytes));
+        REQUIRE(!views_overlap(w, (uint64_t)dim * 4, out, bytes), "rmsnorm: out overlaps w");
+    }
+    uint64_t qbytes = has_q8 ? mul3(nt, (uint64_t)dim / 32, 34) : 0;
+    if (has_q8) {
+        const duet_view ins[3] = {x, w, out};
+        const uint64_t inb[3] = {bytes, (uint64_t)dim * 4, has_out ? bytes : 0};
+        CHECK(q8_out_check(name, oq, nt, dim, ins, inb, 3));
+    }
+    REQUIRE(nt <= be->max_groups[1], "rmsnorm: %d tokens exceed the grid limit", op->n_tokens);
 
-    vk_dispatch d = {.kind = DUET_OP_RMSNORM, .n_reads = 2, .n_writes = 1};
+    vk_dispatch d = {.kind = DUET_OP_RMSNORM, .n_reads = 2};
     struct {
         uint32_t x_off, w_off, out_off, dim;
         float eps;
+        uint32_t oq_off;
     } pc = {.dim = (uint32_t)dim, .eps = op->rmsnorm.eps};
     uint32_t rel;
-    CHECK(tex_bind(be, name, "x", op->rmsnorm.x.buf, op->rmsnorm.x.offset, bytes, &d.bind[0], &pc.x_off));
-    CHECK(tex_bind(be, name, "w", op->rmsnorm.w.buf, op->rmsnorm.w.offset, (uint64_t)dim * 4, &d.bind[1], &pc.w_off));
-    CHECK(ssbo_bind(be, name, "out", op->rmsnorm.out.buf, op->rmsnorm.out.offset, bytes, &d.bind[2], &rel));
-    pc.out_off = rel / 4;
-    const uint32_t spec[2] = {(uint32_t)be->tune.norm_wg, pc.x_off % 16 == 0 && pc.w_off % 16 == 0 && dim % 4 == 0};
-    CHECK(pipe(be, VK_SHADER_RMSNORM, 2, 1, 2, spec, &d));
-    d.reads[0] = rng(op->rmsnorm.x.buf, op->rmsnorm.x.offset, bytes);
-    d.reads[1] = rng(op->rmsnorm.w.buf, op->rmsnorm.w.offset, (uint64_t)dim * 4);
-    d.writes[0] = rng(op->rmsnorm.out.buf, op->rmsnorm.out.offset, bytes);
+    CHECK(tex_bind(be, name, "x", x.buf, x.offset, bytes, &d.bind[0], &pc.x_off));
+    CHECK(tex_bind(be, name, "w", w.buf, w.offset, (uint64_t)dim * 4, &d.bind[1], &pc.w_off));
+    d.bind[2] = d.bind[3] = status_bind(be);
+    if (has_out) {
+        CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, bytes, &d.bind[2], &rel));
+        pc.out_off = rel / 4;
+        d.writes[d.n_writes++] = rng(out.buf, out.offset, bytes);
+    }
+    if (has_q8) {
+        CHECK(ssbo_bind(be, name, "out_q8", oq.buf, oq.offset, qbytes, &d.bind[3], &pc.oq_off));
+        d.writes[d.n_writes++] = rng(oq.buf, oq.offset, qbytes);
+    }
+    const uint32_t spec[4] = {(uint32_t)be->tune.norm_wg, pc.x_off % 16 == 0 && pc.w_off % 16 == 0 && dim % 4 == 0,
+                              has_out, has_q8};
+    CHECK(pipe(be, VK_SHADER_RMSNORM, 2, 2, 4, spec, &d));
+    d.reads[0] = rng(x.buf, x.offset, bytes);
+    d.reads[1] = rng(w.buf, w.offset, (uint64_t)dim * 4);
     d.groups[0] = 1;
     d.groups[1] = (uint32_t)nt;
     d.groups[2] = 1;
@@ -218,28 +272,28 @@ static duet_status rec_rmsnorm(vk_backend *be, const duet_op *op) {
 
 /* ---- matmul -------------------------------------------------------------------------------- */
 
-/* Quantizes x [n_tok][n_in] into be->xq (layout: quantize_q8.comp) unless
- * it already holds exactly this range, unchanged since. */
+/* Quantizes x [n_tok][n_in] into be->xq as q8_0 block rows (the layout of
+ * an op's out_q8) unless it already holds exactly this range, unchanged
+ * since. */
 static duet_status quantize_x(vk_backend *be, duet_view x, int n_tok, int n_in) {
-    const uint64_t nb = (uint64_t)n_in / 32, nb_pad = (nb + 7) & ~(uint64_t)7;
-    const uint64_t xbytes = (uint64_t)n_tok * (uint64_t)n_in * 4;
+    const uint64_t nb = (uint64_t)n_in / 32;
+    const uint64_t xbytes = (uint64_t)n_tok * (uint64_t)n_in * 4, qbytes = (uint64_t)n_tok * nb * 34;
     if (be->xq_src_id == x.buf->id && be->xq_src_off == x.offset && be->xq_src_bytes == xbytes &&
         be->xq_tokens == n_tok && be->xq_n_in == n_in)
         return DUET_OK;
-    const uint64_t qbytes = (uint64_t)n_tok * nb * 32, dbytes = (uint64_t)n_tok * nb_pad * 4;
-    CHECK(duet__vk_scratch_reserve(be, &be->xq, qbytes + dbytes));
+    CHECK(duet__vk_scratch_reserve(be, &be->xq, qbytes));
     const uint32_t wg = (uint32_t)be->tune.ew_wg;
     vk_dispatch d = {.kind = DUET_OP_MATMUL, .n_reads = 1, .n_writes = 1};
     struct {
-        uint32_t x_off, nb, nb_pad, d_off;
-    } pc = {.nb = (uint32_t)nb, .nb_pad = (uint32_t)nb_pad, .d_off = (uint32_t)(qbytes / 4)};
+        uint32_t x_off, nb;
+    } pc = {.nb = (uint32_t)nb};
     uint32_t rel;
     CHECK(tex_bind(be, "matmul", "x", x.buf, x.offset, xbytes, &d.bind[0], &pc.x_off));
-    CHECK(ssbo_bind(be, "matmul", "quantized x", be->xq, 0, qbytes + dbytes, &d.bind[1], &rel));
+    CHECK(ssbo_bind(be, "matmul", "quantized x", be->xq, 0, qbytes, &d.bind[1], &rel));
     const uint32_t spec[2] = {wg, pc.x_off % 16 == 0};
     CHECK(pipe(be, VK_SHADER_QUANTIZE_Q8, 1, 1, 2, spec, &d));
     d.reads[0] = rng(x.buf, x.offset, xbytes);
-    d.writes[0] = rng(be->xq, 0, qbytes + dbytes);
+    d.writes[0] = rng(be->xq, 0, qbytes);
     d.groups[0] = div_up(nb, wg);
     d.groups[1] = (uint32_t)n_tok;
     d.groups[2] = 1;
@@ -259,11 +313,9 @@ typedef struct mm_tile_push {
     uint32_t w_off, row_bytes, x_off, n_in, bias_off, out_off, out_stride, n_rows, n_tok;
 } mm_tile_push;
 typedef struct mm_tile_q8_push {
-    uint32_t w_off, row_bytes, q_off, d_off, nb, nb_pad, bias_off, out_off, out_stride, n_rows, n_tok;
+    uint32_t w_off, row_bytes, q_off, nb, bias_off, out_off, out_stride, n_rows, n_tok;
 } mm_tile_q8_push;
-typedef struct mm_sg_push {
-    uint32_t w_off, row_bytes, x_off, d_off, n_in, nb_pad, bias_off, out_off, out_stride, n_rows, n_tok;
-} mm_sg_push;
+typedef mm_tile_push mm_sg_push;
 
 static vk_shader matmul_shader(duet_dtype dt, bool tile, bool dot) {
     switch (dt) {
@@ -284,38 +336,66 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
     REQUIRE(n_in > 0 && n_out > 0, "matmul: n_in %d, n_out %d", n_in, n_out);
     REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d", n_in,
             duet_dtype_name(dt), duet_dtype_block(dt));
+    const duet_view w = op->matmul.w, x = op->matmul.x, xq8 = op->matmul.x_q8, bias = op->matmul.bias,
+                    out = op->matmul.out;
+    const bool q8 = dt == DUET_DTYPE_Q8_0, xb = xq8.buf != NULL;
+    REQUIRE(!xb || q8, "matmul: q8 activations need q8_0 weights");
     const uint64_t rb = duet_dtype_row_bytes(dt, n_in);
     uint64_t wbytes = mul2((uint64_t)n_out, rb), xbytes = mul3(nt, (uint64_t)n_in, 4), obytes = mul3(nt, (uint64_t)n_out, 4);
-    const duet_view w = op->matmul.w, x = op->matmul.x, bias = op->matmul.bias, out = op->matmul.out;
+    const uint64_t nb = q8 ? (uint64_t)n_in / 32 : 0;
+    const uint64_t xqbytes = mul3(nt, nb, 34); /* q8_0 activations: token rows laid out like a weight row */
     CHECK(view_check(name, "w", w, wbytes, dt == DUET_DTYPE_F32 ? 4 : 2));
-    CHECK(view_check(name, "x", x, xbytes, 4));
+    if (xb) CHECK(view_check(name, "x_q8", xq8, xqbytes, 2));
+    else CHECK(view_check(name, "x", x, xbytes, 4));
     if (bias.buf) CHECK(view_check(name, "bias", bias, (uint64_t)n_out * 4, 4));
     CHECK(view_check(name, "out", out, obytes, 4));
-    REQUIRE(!views_overlap(out, obytes, x, xbytes), "matmul: out overlaps x");
+    REQUIRE(xb || !views_overlap(out, obytes, x, xbytes), "matmul: out overlaps x");
+    REQUIRE(!xb || !views_overlap(out, obytes, xq8, xqbytes), "matmul: out overlaps x_q8");
     REQUIRE(!views_overlap(out, obytes, w, wbytes), "matmul: out overlaps w");
     REQUIRE(!views_overlap(out, obytes, bias, (uint64_t)n_out * 4), "matmul: out overlaps bias");
 
-    const bool q8 = dt == DUET_DTYPE_Q8_0;
-    const uint64_t nb = q8 ? (uint64_t)n_in / 32 : 0, nb_pad = (nb + 7) & ~(uint64_t)7;
-    /* The tile path wants texel-aligned rows; anything else takes the
-     * subgroup path, which reads at any alignment. */
+    /* The tile path wants texel-aligned rows (and q8_0 activation rows, which
+     * are laid out like weight rows); anything else takes the subgroup path,
+     * which reads at any alignment. */
     bool tile = be->tune.matmul == VK_MATMUL_TILE && rb % 16 == 0 && w.offset % 16 == 0 &&
-                (q8 ? nb % 8 == 0 : (x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0));
+                (q8 ? nb % 8 == 0 && (!xb || xq8.offset % 16 == 0)
+                    : (x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0));
     if (!tile && !be->phys->subgroup_arith)
         return duet__error(DUET_UNSUPPORTED, "matmul: %s rows of %d that are not 16-byte aligned need subgroup "
                            "arithmetic, which %s lacks", duet_dtype_name(dt), n_in, be->base.info.name);
-    if (q8) CHECK(quantize_x(be, x, n, n_in));
+    /* f32 activations of a q8_0 matmul are quantized first, by the rule
+     * of duet_quantize_row_q8_0 (as the cpu backend does); q8_0
+     * activations are read as they are. Either way the shaders read q8_0
+     * block rows (xa). */
+    duet_view xa = xq8;
+    if (q8 && !xb) {
+        CHECK(quantize_x(be, x, n, n_in));
+        xa = (duet_view){be->xq, 0};
+    }
 
     const bool dot = q8 && be->tune.int_dot;
-    const uint32_t WG = (uint32_t)(tile ? be->tune.tile_wg : be->tune.sg_wg);
-    const uint32_t R = (uint32_t)(tile ? be->tune.tile_rows : be->tune.sg_rows);
-    const uint32_t T = tile && n > 1 ? (uint32_t)be->tune.tile_tokens : 1;
+    /* GPU prefill of Q8_0: the tiled GEMM (BM rows x BN tokens a group). */
+    const bool mm = q8 && !tile && be->tune.mm_min > 0 && n >= be->tune.mm_min;
+    const uint32_t BM = (uint32_t)be->tune.mm_bm, BN = (uint32_t)be->tune.mm_bn;
+    const uint32_t WG = mm ? (BM / 4) * (BN / 4) : (uint32_t)(tile ? be->tune.tile_wg : be->tune.sg_wg);
+    const uint32_t R = mm ? BM
+                          : (uint32_t)(!tile ? be->tune.sg_rows
+                                             : q8 && n == 1 ? be->tune.tile_rows_q8 : be->tune.tile_rows);
+    const uint32_t T = mm ? BN : tile && n > 1 ? (uint32_t)be->tune.tile_tokens : 1;
     const bool has_bias = bias.buf != NULL, acc = op->matmul.accumulate;
     const bool sg_aligned = !q8 && rb % 16 == 0 && w.offset % 16 == 0 && x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0;
-    const bool sg_grouped = q8 && nb % 8 == 0 && rb % 16 == 0 && w.offset % 16 == 0;
+    const bool sg_grouped = q8 && nb % 8 == 0 && rb % 16 == 0 && w.offset % 16 == 0 && xa.offset % 16 == 0;
     const uint32_t spec[7] = {WG, R, tile ? T : WG, has_bias, acc, sg_aligned, sg_grouped};
+    const int n_spec = tile ? 5 : 7;
     vk_dispatch d = {.kind = DUET_OP_MATMUL};
-    CHECK(pipe(be, matmul_shader(dt, tile, dot), 3, 1, tile ? 5 : 7, spec, &d));
+    if (mm) {
+        if (WG > be->phys->props.limits.maxComputeWorkGroupInvocations)
+            return duet__error(DUET_UNSUPPORTED, "matmul: a %u x %u tile needs %u invocations", BM, BN, WG);
+        const uint32_t mspec[8] = {WG, BM, BN, 4, 4, 2, has_bias, acc};
+        CHECK(pipe(be, dot ? VK_SHADER_MATMUL_MM_Q8_0_DOT : VK_SHADER_MATMUL_MM_Q8_0, 3, 1, 8, mspec, &d));
+    } else {
+        CHECK(pipe(be, matmul_shader(dt, tile, dot), 3, 1, n_spec, spec, &d));
+    }
     mm_sg_push sg;
     mm_tile_push tf;
     mm_tile_q8_push tq;
@@ -327,7 +407,7 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
                            be->base.info.name);
     if (tok_chunk > (uint64_t)be->max_groups[1] * T) tok_chunk = (uint64_t)be->max_groups[1] * T;
     /* Rows per dispatch: the grid limit; texel views bound them below. */
-    uint64_t row_cap = (uint64_t)be->max_groups[0] * (tile ? WG * R : R);
+    uint64_t row_cap = (uint64_t)be->max_groups[0] * (tile ? WG * R : R); /* mm: R = BM */
     for (uint64_t t0 = 0; t0 < nt; t0 += tok_chunk) {
         const uint64_t tc = nt - t0 < tok_chunk ? nt - t0 : tok_chunk;
         for (uint64_t r0 = 0; r0 < (uint64_t)n_out;) {
@@ -352,20 +432,17 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
             if (bias.buf) d.reads[d.n_reads++] = rng(bias.buf, bias.offset + r0 * 4, rc * 4);
             if (op->matmul.accumulate) d.reads[d.n_reads++] = rng(out.buf, obyte, orange);
             d.writes[d.n_writes++] = rng(out.buf, obyte, orange);
-            uint32_t q_rel = 0, d_rel = 0;
             if (q8) {
-                const uint64_t qbytes = nt * nb * 32;
-                CHECK(tex_bind(be, name, "quantized x", be->xq, 0, qbytes + nt * nb_pad * 4, &d.bind[1], &x_rel));
-                q_rel = x_rel + (uint32_t)(t0 * nb * 32);
-                d_rel = x_rel + (uint32_t)(qbytes + t0 * nb_pad * 4);
-                d.reads[d.n_reads++] = rng(be->xq, 0, qbytes + nt * nb_pad * 4);
+                const size_t xo = xa.offset + (size_t)(t0 * nb * 34);
+                CHECK(tex_bind(be, name, xb ? "x_q8" : "quantized x", xa.buf, xo, tc * nb * 34, &d.bind[1], &x_rel));
+                d.reads[d.n_reads++] = rng(xa.buf, xo, tc * nb * 34);
             } else {
                 CHECK(tex_bind(be, name, "x", x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4,
                                &d.bind[1], &x_rel));
                 d.reads[d.n_reads++] = rng(x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4);
             }
-            if (tile && q8) {
-                tq = (mm_tile_q8_push){w_rel, (uint32_t)rb, q_rel, d_rel, (uint32_t)nb, (uint32_t)nb_pad, b_rel, o_rel / 4,
+            if ((tile || mm) && q8) {
+                tq = (mm_tile_q8_push){w_rel, (uint32_t)rb, x_rel, (uint32_t)nb, b_rel, o_rel / 4,
                                        (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
                 d.push = &tq;
                 d.push_size = sizeof tq;
@@ -375,250 +452,19 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
                 d.push = &tf;
                 d.push_size = sizeof tf;
             } else {
-                sg = (mm_sg_push){w_rel, (uint32_t)rb, q8 ? q_rel : x_rel, d_rel, q8 ? (uint32_t)nb : (uint32_t)n_in,
-                                  (uint32_t)nb_pad, b_rel, o_rel / 4, (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
+                sg = (mm_sg_push){w_rel, (uint32_t)rb, x_rel, q8 ? (uint32_t)nb : (uint32_t)n_in, b_rel, o_rel / 4,
+                                  (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
                 d.push = &sg;
                 d.push_size = sizeof sg;
             }
             d.groups[0] = tile ? div_up(rc, (uint64_t)WG * R) : div_up(rc, R);
-            d.groups[1] = tile ? div_up(tc, T) : (uint32_t)tc;
+            d.groups[1] = tile || mm ? div_up(tc, T) : (uint32_t)tc;
             d.groups[2] = 1;
             CHECK(duet__vk_dispatch(be, &d));
             r0 += rc;
         }
     }
     return DUET_OK;
-}
-
-/* ---- rope_kv -------------------------------------------------------------------------------- */
-
-/* cos/sin of pos * base^(-2i/n_rot) for every position and pair, computed
- * in double like the cpu backend: a table of [n_ctx][n_rot/2] (cos, sin). */
-static duet_status rope_table(vk_backend *be, float base, int n_rot, int n_ctx) {
-    if (be->rope_table && be->rope_base == base && be->rope_n_rot == n_rot && be->rope_n_ctx == n_ctx) return DUET_OK;
-    const int half = n_rot / 2;
-    size_t bytes = (size_t)n_ctx * (size_t)half * 2 * sizeof(float);
-    float *tab = malloc(bytes);
-    if (!tab) return duet__error(DUET_OUT_OF_MEMORY, "rope_kv: cos/sin table");
-    for (int i = 0; i < half; i++) {
-        double f = pow((double)base, -2.0 * i / n_rot);
-        for (int p = 0; p < n_ctx; p++) {
-            double th = (double)p * f;
-            tab[((size_t)p * half + i) * 2] = (float)cos(th);
-            tab[((size_t)p * half + i) * 2 + 1] = (float)sin(th);
-        }
-    }
-    /* A new buffer each time: dispatches recorded earlier in this step may
-     * still read the old table. */
-    duet_buffer *nb;
-    duet_status st = duet__vk_buffer_create(be, bytes, false, &nb);
-    if (st == DUET_OK) st = duet__vk_write(be, nb, 0, tab, bytes);
-    free(tab);
-    if (st != DUET_OK) {
-        duet__vk_buffer_destroy(be, nb);
-        return st;
-    }
-    if (be->rope_table) {
-        if (be->in_step && be->n_retired < (int)(sizeof be->retired / sizeof be->retired[0]))
-            be->retired[be->n_retired++] = be->rope_table;
-        else if (be->in_step) {
-            duet__vk_buffer_destroy(be, nb);
-            return duet__error(DUET_UNSUPPORTED, "rope_kv: too many RoPE parameter changes in one step");
-        } else
-            duet__vk_buffer_destroy(be, be->rope_table);
-    }
-    be->rope_table = nb;
-    be->rope_base = base;
-    be->rope_n_rot = n_rot;
-    be->rope_n_ctx = n_ctx;
-    return DUET_OK;
-}
-
-/* Every slot a token touches, [seq][0..pos], must lie inside both caches. */
-static duet_status check_kv(const char *op, const int32_t *pos, const int32_t *seq, int n_tokens, int n_ctx,
-                            uint64_t kv_row_bytes, duet_view kc, duet_view vc) {
-    uint64_t avail = view_avail(kc) < view_avail(vc) ? view_avail(kc) : view_avail(vc);
-    for (int t = 0; t < n_tokens; t++) {
-        REQUIRE(pos[t] >= 0 && pos[t] < n_ctx, "%s: token %d has position %d outside [0, %d)", op, t, pos[t], n_ctx);
-        REQUIRE(seq[t] >= 0, "%s: token %d has sequence %d", op, t, seq[t]);
-        uint64_t end = mul2((uint64_t)seq[t] * (uint64_t)n_ctx + (uint64_t)pos[t] + 1, kv_row_bytes);
-        REQUIRE(end <= avail, "%s: token %d (sequence %d, position %d) is past the end of the KV cache", op, t, seq[t],
-                pos[t]);
-    }
-    return DUET_OK;
-}
-
-static duet_status rec_rope_kv(vk_backend *be, const duet_op *op) {
-    const char *name = "rope_kv";
-    const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim;
-    const int n_rot = op->rope_kv.n_rot, n_ctx = op->rope_kv.n_ctx;
-    const uint64_t nt = (uint64_t)op->n_tokens;
-    REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0, "rope_kv: n_head %d, n_head_kv %d, head_dim %d, n_ctx %d", nh, nkv,
-            hd, n_ctx);
-    REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0, "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot,
-            hd);
-    REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g", (double)op->rope_kv.freq_base);
-    const duet_dtype kvt = op->rope_kv.kv_dtype;
-    REQUIRE(kvt == DUET_DTYPE_F32 || kvt == DUET_DTYPE_F16, "rope_kv: kv dtype %d", (int)kvt);
-    const uint64_t es = duet_dtype_block_bytes(kvt), kvw = (uint64_t)nkv * (uint64_t)hd;
-    uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), kbytes = mul2(mul2(nt, kvw), 4);
-    uint64_t kv_row = mul2(kvw, es);
-    const duet_view q = op->rope_kv.q, k = op->rope_kv.k, v = op->rope_kv.v, pos = op->rope_kv.pos,
-                    seq = op->rope_kv.seq, kc = op->rope_kv.k_cache, vc = op->rope_kv.v_cache;
-    CHECK(view_check(name, "q", q, qbytes, 4));
-    CHECK(view_check(name, "k", k, kbytes, 4));
-    CHECK(view_check(name, "v", v, kbytes, 4));
-    CHECK(view_check(name, "pos", pos, nt * 4, 4));
-    CHECK(view_check(name, "seq", seq, nt * 4, 4));
-    CHECK(view_check(name, "k_cache", kc, kv_row, es));
-    CHECK(view_check(name, "v_cache", vc, kv_row, es));
-    REQUIRE(!views_overlap(q, qbytes, k, kbytes), "rope_kv: q overlaps k");
-    const int32_t *hp = host_indices(be, pos), *hs = host_indices(be, seq);
-    if (hp && hs) CHECK(check_kv(name, hp, hs, op->n_tokens, n_ctx, kv_row, kc, vc));
-    uint64_t avail = view_avail(kc) < view_avail(vc) ? view_avail(kc) : view_avail(vc);
-    uint64_t avail_rows = avail / kv_row;
-    if (avail_rows > UINT32_MAX) avail_rows = UINT32_MAX;
-    REQUIRE(nt <= be->max_groups[1], "rope_kv: %d tokens exceed the grid limit", op->n_tokens);
-    if (n_rot > 0) CHECK(rope_table(be, op->rope_kv.freq_base, n_rot, n_ctx));
-
-    const uint32_t spec[3] = {(uint32_t)be->tune.ew_wg, kvt == DUET_DTYPE_F16, op->rope_kv.neox};
-    vk_dispatch d = {.kind = DUET_OP_ROPE_KV};
-    CHECK(pipe(be, VK_SHADER_ROPE_KV, 4, 5, 3, spec, &d));
-    struct {
-        uint32_t q_off, k_off, v_off, pos_off, seq_off, tab_off, kc_off, vc_off;
-        uint32_t n_head, n_head_kv, hd, n_rot, n_ctx, seq_lo, seq_hi, rotate, avail_rows;
-    } pc = {.n_head = (uint32_t)nh, .n_head_kv = (uint32_t)nkv, .hd = (uint32_t)hd, .n_rot = (uint32_t)n_rot,
-            .n_ctx = (uint32_t)n_ctx, .avail_rows = (uint32_t)avail_rows};
-    uint32_t rel;
-    CHECK(tex_bind(be, name, "pos", pos.buf, pos.offset, nt * 4, &d.bind[0], &pc.pos_off));
-    CHECK(tex_bind(be, name, "seq", seq.buf, seq.offset, nt * 4, &d.bind[1], &pc.seq_off));
-    CHECK(tex_bind(be, name, "v", v.buf, v.offset, kbytes, &d.bind[2], &pc.v_off));
-    if (n_rot > 0)
-        CHECK(tex_bind(be, name, "rope table", be->rope_table, 0, be->rope_table->size, &d.bind[3], &pc.tab_off));
-    else
-        d.bind[3] = d.bind[0]; /* unread */
-    CHECK(ssbo_bind(be, name, "q", q.buf, q.offset, qbytes, &d.bind[4], &rel));
-    pc.q_off = rel / 4;
-    CHECK(ssbo_bind(be, name, "k", k.buf, k.offset, kbytes, &d.bind[5], &rel));
-    pc.k_off = rel / 4;
-    d.bind[8] = status_bind(be);
-    d.push = &pc;
-    d.push_size = sizeof pc;
-    d.groups[0] = 1;
-    d.groups[1] = (uint32_t)nt;
-    d.groups[2] = 1;
-
-    /* Sequence windows: each dispatch's cache bindings hold whole sequences. */
-    const uint64_t seq_bytes = mul2((uint64_t)n_ctx, kv_row);
-    const uint64_t n_seq = (avail_rows + (uint64_t)n_ctx - 1) / (uint64_t)n_ctx;
-    uint64_t win = (be->max_ssbo_range - be->ssbo_align) / seq_bytes;
-    if (win == 0)
-        return duet__error(DUET_UNSUPPORTED, "rope_kv: one sequence of the KV cache (%llu bytes) exceeds a storage "
-                           "binding on %s", (unsigned long long)seq_bytes, be->base.info.name);
-    for (uint64_t s0 = 0; s0 < n_seq || s0 == 0; s0 += win) {
-        uint64_t s1 = s0 + win < n_seq ? s0 + win : n_seq;
-        uint64_t lo_row = s0 * (uint64_t)n_ctx, hi_row = s1 * (uint64_t)n_ctx < avail_rows ? s1 * (uint64_t)n_ctx : avail_rows;
-        uint64_t bytes = (hi_row - lo_row) * kv_row;
-        CHECK(ssbo_bind(be, name, "k_cache", kc.buf, kc.offset + lo_row * kv_row, bytes, &d.bind[6], &rel));
-        pc.kc_off = rel / (uint32_t)es;
-        CHECK(ssbo_bind(be, name, "v_cache", vc.buf, vc.offset + lo_row * kv_row, bytes, &d.bind[7], &rel));
-        pc.vc_off = rel / (uint32_t)es;
-        pc.seq_lo = (uint32_t)s0;
-        pc.seq_hi = (uint32_t)(s1 > UINT32_MAX ? UINT32_MAX : s1);
-        pc.rotate = s0 == 0;
-        d.n_reads = d.n_writes = 0;
-        d.reads[d.n_reads++] = rng(pos.buf, pos.offset, nt * 4);
-        d.reads[d.n_reads++] = rng(seq.buf, seq.offset, nt * 4);
-        d.reads[d.n_reads++] = rng(v.buf, v.offset, kbytes);
-        if (n_rot > 0) d.reads[d.n_reads++] = rng(be->rope_table, 0, be->rope_table->size);
-        d.writes[d.n_writes++] = rng(q.buf, q.offset, qbytes);
-        d.writes[d.n_writes++] = rng(k.buf, k.offset, kbytes);
-        d.writes[d.n_writes++] = rng(kc.buf, kc.offset + lo_row * kv_row, bytes);
-        d.writes[d.n_writes++] = rng(vc.buf, vc.offset + lo_row * kv_row, bytes);
-        CHECK(duet__vk_dispatch(be, &d));
-        if (s1 >= n_seq) break;
-    }
-    return DUET_OK;
-}
-
-/* ---- attention ------------------------------------------------------------------------------- */
-
-static duet_status rec_attention(vk_backend *be, const duet_op *op) {
-    const char *name = "attention";
-    const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
-    const int n_ctx = op->attention.n_ctx;
-    const uint64_t nt = (uint64_t)op->n_tokens;
-    REQUIRE(nh > 0 && nkv > 0 && hd > 0 && n_ctx > 0 && nh % nkv == 0,
-            "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d, n_ctx %d", nh, nkv, hd, n_ctx);
-    const duet_dtype kvt = op->attention.kv_dtype;
-    REQUIRE(kvt == DUET_DTYPE_F32 || kvt == DUET_DTYPE_F16, "attention: kv dtype %d", (int)kvt);
-    const uint64_t es = duet_dtype_block_bytes(kvt), kvw = (uint64_t)nkv * (uint64_t)hd;
-    uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), kv_row = mul2(kvw, es);
-    const duet_view q = op->attention.q, pos = op->attention.pos, seq = op->attention.seq, kc = op->attention.k_cache,
-                    vc = op->attention.v_cache, out = op->attention.out;
-    CHECK(view_check(name, "q", q, qbytes, 4));
-    CHECK(view_check(name, "pos", pos, nt * 4, 4));
-    CHECK(view_check(name, "seq", seq, nt * 4, 4));
-    CHECK(view_check(name, "k_cache", kc, kv_row, es));
-    CHECK(view_check(name, "v_cache", vc, kv_row, es));
-    CHECK(view_check(name, "out", out, qbytes, 4));
-    CHECK(check_inplace(name, "q", q, out, qbytes));
-    uint64_t kc_bytes = view_avail(kc), vc_bytes = view_avail(vc);
-    REQUIRE(!views_overlap(out, qbytes, kc, kc_bytes) && !views_overlap(out, qbytes, vc, vc_bytes),
-            "attention: out overlaps the KV cache");
-    if (hd > VK_MAX_HEAD_DIM)
-        return duet__error(DUET_UNSUPPORTED, "attention: head_dim %d (the vulkan backend handles up to %d)", hd,
-                           VK_MAX_HEAD_DIM);
-    const int32_t *hp = host_indices(be, pos), *hs = host_indices(be, seq);
-    if (hp && hs) CHECK(check_kv(name, hp, hs, op->n_tokens, n_ctx, kv_row, kc, vc));
-    uint64_t avail_rows = (kc_bytes < vc_bytes ? kc_bytes : vc_bytes) / kv_row;
-    if (avail_rows > UINT32_MAX) avail_rows = UINT32_MAX;
-
-    /* Lanes per workgroup and per (token, head) pair: the tuned counts,
-     * fewer if the merge buffers would not fit shared memory. */
-    const uint32_t hd4 = (uint32_t)(hd + 3) / 4;
-    uint32_t wg = (uint32_t)be->tune.attn_wg, split = (uint32_t)be->tune.attn_split;
-    if (split > wg) split = wg;
-    while (split > 1 && (uint64_t)wg * (hd4 * 16 + 8) > be->phys->props.limits.maxComputeSharedMemorySize) wg /= 2;
-    if (split > wg) split = wg;
-    vk_dispatch d = {.kind = DUET_OP_ATTENTION, .n_reads = 5, .n_writes = 1};
-    struct {
-        uint32_t q_off, pos_off, seq_off, kc_off, vc_off, out_off, n_head, n_head_kv, hd, n_ctx, n_tok;
-        float scale;
-        uint32_t avail_rows;
-    } pc = {.n_head = (uint32_t)nh, .n_head_kv = (uint32_t)nkv, .hd = (uint32_t)hd, .n_ctx = (uint32_t)n_ctx,
-            .n_tok = (uint32_t)nt, .scale = op->attention.scale, .avail_rows = (uint32_t)avail_rows};
-    uint32_t rel;
-    uint64_t kv_used = avail_rows * kv_row;
-    CHECK(tex_bind(be, name, "q", q.buf, q.offset, qbytes, &d.bind[0], &pc.q_off));
-    CHECK(tex_bind(be, name, "pos", pos.buf, pos.offset, nt * 4, &d.bind[1], &pc.pos_off));
-    CHECK(tex_bind(be, name, "seq", seq.buf, seq.offset, nt * 4, &d.bind[2], &pc.seq_off));
-    CHECK(tex_bind(be, name, "k_cache", kc.buf, kc.offset, kv_used, &d.bind[3], &pc.kc_off));
-    CHECK(tex_bind(be, name, "v_cache", vc.buf, vc.offset, kv_used, &d.bind[4], &pc.vc_off));
-    CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, qbytes, &d.bind[5], &rel));
-    pc.out_off = rel / 4;
-    d.bind[6] = status_bind(be);
-    /* The shader's ALIGNED: 1 when every 4-element group of a head's row
-     * (and of q) starts a half (f16) or whole (f32) texel; 2 (f16) when rows
-     * are whole texels, read 8 elements a fetch. */
-    const uint32_t va = kvt == DUET_DTYPE_F16 ? 8 : 16;
-    uint32_t aligned = kvw % 4 == 0 && hd % 4 == 0 && pc.q_off % 16 == 0 && pc.kc_off % va == 0 && pc.vc_off % va == 0;
-    if (aligned && kvt == DUET_DTYPE_F16 && kvw % 8 == 0 && hd % 8 == 0 && pc.kc_off % 16 == 0 && pc.vc_off % 16 == 0)
-        aligned = 2;
-    const uint32_t spec[5] = {wg, hd4, split, kvt == DUET_DTYPE_F16, aligned};
-    CHECK(pipe(be, VK_SHADER_ATTENTION, 5, 2, 5, spec, &d));
-    d.reads[0] = rng(q.buf, q.offset, qbytes);
-    d.reads[1] = rng(pos.buf, pos.offset, nt * 4);
-    d.reads[2] = rng(seq.buf, seq.offset, nt * 4);
-    d.reads[3] = rng(kc.buf, kc.offset, kv_used);
-    d.reads[4] = rng(vc.buf, vc.offset, kv_used);
-    d.writes[0] = rng(out.buf, out.offset, qbytes);
-    d.groups[0] = div_up(nt * (uint64_t)nh, wg / split);
-    d.groups[1] = 1;
-    d.groups[2] = 1;
-    d.push = &pc;
-    d.push_size = sizeof pc;
-    return duet__vk_dispatch(be, &d);
 }
 
 /* ---- swiglu, add ------------------------------------------------------------------------------ */
@@ -628,33 +474,50 @@ static duet_status rec_binary(vk_backend *be, const duet_op *op) {
     const char *name = op_names[op->kind];
     const int dim = swiglu ? op->swiglu.dim : op->add.dim;
     const duet_view a = swiglu ? op->swiglu.gate : op->add.a, b = swiglu ? op->swiglu.up : op->add.b,
-                    out = swiglu ? op->swiglu.out : op->add.out;
+                    out = swiglu ? op->swiglu.out : op->add.out, oq = swiglu ? op->swiglu.out_q8 : (duet_view){0};
+    const bool has_out = out.buf != NULL, has_q8 = oq.buf != NULL;
     const uint64_t nt = (uint64_t)op->n_tokens;
     REQUIRE(dim > 0, "%s: dim %d", name, dim);
+    REQUIRE(has_out || has_q8, "%s: no output", name);
     uint64_t bytes = mul3(nt, (uint64_t)dim, 4);
     CHECK(view_check(name, swiglu ? "gate" : "a", a, bytes, 4));
     CHECK(view_check(name, swiglu ? "up" : "b", b, bytes, 4));
-    CHECK(view_check(name, "out", out, bytes, 4));
-    CHECK(check_inplace(name, swiglu ? "gate" : "a", a, out, bytes));
-    CHECK(check_inplace(name, swiglu ? "up" : "b", b, out, bytes));
+    if (has_out) {
+        CHECK(view_check(name, "out", out, bytes, 4));
+        CHECK(check_inplace(name, swiglu ? "gate" : "a", a, out, bytes));
+        CHECK(check_inplace(name, swiglu ? "up" : "b", b, out, bytes));
+    }
+    uint64_t qbytes = has_q8 ? mul3(nt, (uint64_t)dim / 32, 34) : 0;
+    if (has_q8) {
+        const duet_view ins[3] = {a, b, out};
+        const uint64_t inb[3] = {bytes, bytes, has_out ? bytes : 0};
+        CHECK(q8_out_check(name, oq, nt, dim, ins, inb, 3));
+    }
     REQUIRE(nt <= be->max_groups[1], "%s: %d tokens exceed the grid limit", name, op->n_tokens);
 
     const uint32_t wg = (uint32_t)be->tune.ew_wg;
-    vk_dispatch d = {.kind = op->kind, .n_reads = 2, .n_writes = 1};
+    vk_dispatch d = {.kind = op->kind, .n_reads = 2};
     struct {
-        uint32_t a_off, b_off, out_off, dim;
+        uint32_t a_off, b_off, out_off, dim, oq_off;
     } pc = {.dim = (uint32_t)dim};
     uint32_t rel;
     CHECK(tex_bind(be, name, "a", a.buf, a.offset, bytes, &d.bind[0], &pc.a_off));
     CHECK(tex_bind(be, name, "b", b.buf, b.offset, bytes, &d.bind[1], &pc.b_off));
-    CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, bytes, &d.bind[2], &rel));
-    pc.out_off = rel / 4;
-    const uint32_t spec[2] = {wg, pc.a_off % 16 == 0 && pc.b_off % 16 == 0 && dim % 4 == 0};
-    CHECK(pipe(be, swiglu ? VK_SHADER_SWIGLU : VK_SHADER_ADD, 2, 1, 2, spec, &d));
+    d.bind[2] = d.bind[3] = status_bind(be);
+    if (has_out) {
+        CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, bytes, &d.bind[2], &rel));
+        pc.out_off = rel / 4;
+        d.writes[d.n_writes++] = rng(out.buf, out.offset, bytes);
+    }
+    if (has_q8) {
+        CHECK(ssbo_bind(be, name, "out_q8", oq.buf, oq.offset, qbytes, &d.bind[3], &pc.oq_off));
+        d.writes[d.n_writes++] = rng(oq.buf, oq.offset, qbytes);
+    }
+    const uint32_t spec[4] = {wg, pc.a_off % 16 == 0 && pc.b_off % 16 == 0 && dim % 4 == 0, has_out, has_q8};
+    CHECK(pipe(be, swiglu ? VK_SHADER_SWIGLU : VK_SHADER_ADD, 2, 2, 4, spec, &d));
     d.reads[0] = rng(a.buf, a.offset, bytes);
     d.reads[1] = rng(b.buf, b.offset, bytes);
-    d.writes[0] = rng(out.buf, out.offset, bytes);
-    d.groups[0] = div_up((uint64_t)dim, 4u * wg);
+    d.groups[0] = has_q8 ? div_up((uint64_t)dim / 32, wg) : div_up((uint64_t)dim, 4u * wg);
     d.groups[1] = (uint32_t)nt;
     d.groups[2] = 1;
     d.push = &pc;
@@ -745,9 +608,12 @@ bool duet__vk_supports_op(duet_backend *be, const duet_op *op) {
     switch (op->kind) {
     case DUET_OP_EMBED: return duet_dtype_is_weight(op->embed.dtype);
     case DUET_OP_MATMUL: return duet_dtype_is_weight(op->matmul.dtype);
-    case DUET_OP_ROPE_KV: return op->rope_kv.kv_dtype == DUET_DTYPE_F32 || op->rope_kv.kv_dtype == DUET_DTYPE_F16;
+    case DUET_OP_ROPE_KV:
+        return op->rope_kv.kv.dtype == DUET_DTYPE_F32 || op->rope_kv.kv.dtype == DUET_DTYPE_F16 ||
+               op->rope_kv.kv.dtype == DUET_DTYPE_Q8_0;
     case DUET_OP_ATTENTION:
-        return (op->attention.kv_dtype == DUET_DTYPE_F32 || op->attention.kv_dtype == DUET_DTYPE_F16) &&
+        return (op->attention.kv.dtype == DUET_DTYPE_F32 || op->attention.kv.dtype == DUET_DTYPE_F16 ||
+                op->attention.kv.dtype == DUET_DTYPE_Q8_0) &&
                op->attention.head_dim <= VK_MAX_HEAD_DIM;
     case DUET_OP_RMSNORM:
     case DUET_OP_SWIGLU:
@@ -769,8 +635,8 @@ duet_status duet__vk_record_op(vk_backend *be, const duet_op *op) {
     case DUET_OP_EMBED: return rec_embed(be, op);
     case DUET_OP_RMSNORM: return rec_rmsnorm(be, op);
     case DUET_OP_MATMUL: return rec_matmul(be, op);
-    case DUET_OP_ROPE_KV: return rec_rope_kv(be, op);
-    case DUET_OP_ATTENTION: return rec_attention(be, op);
+    case DUET_OP_ROPE_KV: return duet__vk_rec_rope_kv(be, op);
+    case DUET_OP_ATTENTION: return duet__vk_rec_attention(be, op);
     case DUET_OP_SWIGLU:
     case DUET_OP_ADD: return rec_binary(be, op);
     case DUET_OP_GATHER_ROWS: return rec_gather(be, op);

@@ -5,7 +5,8 @@
  * Looked up like CLBlast's database: the exact device first (vendor and
  * device id), then the vendor or driver (architecture), then a default by
  * device type. DUET_VK_TUNE overrides any field for experiments and tests,
- * e.g. DUET_VK_TUNE=matmul=subgroup,dot=0. */
+ * e.g. DUET_VK_TUNE=matmul=subgroup,dot=0 (dot=0: int8 dot products
+ * through the packed-integer fallback instead of OpSDotAccSat). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -26,29 +27,56 @@ typedef struct vk_tuning_entry {
  * OpSDotAccSat (8 rows x 256 columns per texel group), vs 0.4 GB/s for a
  * storage-buffer shader. Wider tiles spill without gaining. Workgroups of 8
  * invocations are one SIMD vector: small matrices still split across
- * cores. */
+ * cores. With q8_0 activations (x_q8) the decode GEMV does 5-10% better
+ * with 16 rows an invocation (the activations' int8 -> float unpacking is
+ * shared by more rows); F16 spills there. */
+/* Attention: on llvmpipe a workgroup runs on one core with its lanes as
+ * SIMD lanes, and shared memory is read and written lane by lane (texel
+ * fetches are vector gathers): attn_flash's tiles in shared memory ran
+ * 20-30x slower than attn_lane there (125m decode at 1024 keys: 23.6 ms vs
+ * about 1 ms, on a loaded machine), so CPU devices take the lane kernel, a
+ * row per lane (splitting a row over lanes costs shuffles that cost more
+ * than they save there), 8 lanes (one vector) per workgroup, split until 8
+ * workgroups keep 2 cores busy. GPUs take
+ * attn_flash: 4 lanes per query row in prefill (registers for q and the
+ * accumulator stay small), a subgroup per head in decode, and splits until
+ * a few hundred workgroups are in flight. */
 static const vk_tuning_entry vk_table[] = {
     /* exact devices go first: none measured yet */
 
     /* drivers / architectures */
     {"llvmpipe", 0, 0, VK_DRIVER_ID_MESA_LLVMPIPE, 1,
-     {.matmul = VK_MATMUL_TILE, .tile_wg = 8, .tile_rows = 8, .tile_tokens = 4, .sg_wg = 64, .sg_rows = 1,
-      .attn_wg = 8, .attn_split = 1, .norm_wg = 8, .ew_wg = 64}},
+     {.matmul = VK_MATMUL_TILE, .tile_wg = 8, .tile_rows = 8, .tile_tokens = 4, .tile_rows_q8 = 16,
+      .sg_wg = 64, .sg_rows = 1, .mm_min = 0, .mm_bm = 32, .mm_bn = 32,
+      .attn_lane = true, .attn_wg = 8, .attn_c = 1, .attn_dc = 1, .attn_kt = 16, .attn_par = 8, .attn_chunk = 512,
+      .norm_wg = 8, .ew_wg = 64}},
     {"nvidia", 0x10DE, 0, 0, 1,
-     {.matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4, .sg_wg = 128, .sg_rows = 2,
-      .attn_wg = 32, .attn_split = 32, .norm_wg = 256, .ew_wg = 256}},
+     {.matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4, .tile_rows_q8 = 4,
+      .sg_wg = 128, .sg_rows = 2, .mm_min = 16, .mm_bm = 64, .mm_bn = 32,
+      .attn_wg = 128, .attn_c = 4, .attn_dc = 32, .attn_kt = 32, .attn_par = 512, .attn_chunk = 256,
+      .norm_wg = 256, .ew_wg = 256}},
     {"amd", 0x1002, 0, 0, 1,
-     {.matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4, .sg_wg = 64, .sg_rows = 2,
-      .attn_wg = 64, .attn_split = 64, .norm_wg = 256, .ew_wg = 256}},
+     {.matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4, .tile_rows_q8 = 4,
+      .sg_wg = 64, .sg_rows = 2, .mm_min = 16, .mm_bm = 64, .mm_bn = 32,
+      .attn_wg = 128, .attn_c = 4, .attn_dc = 32, .attn_kt = 32, .attn_par = 512, .attn_chunk = 256,
+      .norm_wg = 256, .ew_wg = 256}},
     {"intel", 0x8086, 0, 0, 1,
-     {.matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4, .sg_wg = 64, .sg_rows = 2,
-      .attn_wg = 32, .attn_split = 32, .norm_wg = 128, .ew_wg = 128}},
+     {.matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4, .tile_rows_q8 = 4,
+      .sg_wg = 64, .sg_rows = 2, .mm_min = 16, .mm_bm = 32, .mm_bn = 32,
+      .attn_wg = 64, .attn_c = 4, .attn_dc = 16, .attn_kt = 16, .attn_par = 128, .attn_chunk = 256,
+      .norm_wg = 128, .ew_wg = 128}},
 };
 
-static const vk_tuning vk_default_gpu = {.matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4,
-                                         .sg_wg = 64, .sg_rows = 1, .attn_wg = 32, .attn_split = 32, .norm_wg = 128, .ew_wg = 128};
-static const vk_tuning vk_default_cpu = {.matmul = VK_MATMUL_TILE, .tile_wg = 8, .tile_rows = 8, .tile_tokens = 4,
-                                         .sg_wg = 64, .sg_rows = 1, .attn_wg = 8, .attn_split = 1, .norm_wg = 8, .ew_wg = 64};
+static const vk_tuning vk_default_gpu = {
+    .matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4, .tile_rows_q8 = 4,
+    .sg_wg = 64, .sg_rows = 1, .mm_min = 16, .mm_bm = 32, .mm_bn = 32,
+    .attn_wg = 64, .attn_c = 4, .attn_dc = 0, .attn_kt = 16, .attn_par = 256, .attn_chunk = 256,
+    .norm_wg = 128, .ew_wg = 128};
+static const vk_tuning vk_default_cpu = {
+    .matmul = VK_MATMUL_TILE, .tile_wg = 8, .tile_rows = 8, .tile_tokens = 4, .tile_rows_q8 = 16,
+    .sg_wg = 64, .sg_rows = 1, .mm_min = 0, .mm_bm = 32, .mm_bn = 32,
+    .attn_lane = true, .attn_wg = 8, .attn_c = 1, .attn_dc = 1, .attn_kt = 16, .attn_par = 8, .attn_chunk = 512,
+    .norm_wg = 8, .ew_wg = 64};
 
 static bool pow2_in(long v, long lo, long hi) { return v >= lo && v <= hi && (v & (v - 1)) == 0; }
 
@@ -74,20 +102,34 @@ static duet_status apply_overrides(const vk_physical *p, vk_tuning *t, const cha
                 return duet__error(DUET_UNSUPPORTED, "DUET_VK_TUNE: dot=1 but %s has no integer dot product",
                                    p->props.deviceName);
             t->int_dot = v;
+        } else if (strcmp(key, "attn") == 0) {
+            if (strcmp(val, "lane") == 0) t->attn_lane = true;
+            else if (strcmp(val, "flash") == 0) t->attn_lane = false;
+            else return duet__error(DUET_INVALID_ARGUMENT, "DUET_VK_TUNE: attn=%s (have: lane, flash)", val);
+        } else if (strcmp(key, "shuffle") == 0 && num && (v == 0 || v == 1)) {
+            t->no_shuffle = !v;
         } else if (strcmp(key, "tile_rows") == 0 && num && pow2_in(v, 1, 16)) t->tile_rows = (int)v;
         else if (strcmp(key, "tile_tokens") == 0 && num && pow2_in(v, 1, 8)) t->tile_tokens = (int)v;
+        else if (strcmp(key, "tile_rows_q8") == 0 && num && pow2_in(v, 1, 32)) t->tile_rows_q8 = (int)v;
         else if (strcmp(key, "tile_wg") == 0 && num && pow2_in(v, 1, max_wg)) t->tile_wg = (int)v;
         else if (strcmp(key, "sg_wg") == 0 && num && pow2_in(v, 1, max_wg)) t->sg_wg = (int)v;
         else if (strcmp(key, "sg_rows") == 0 && num && pow2_in(v, 1, 8)) t->sg_rows = (int)v;
-        else if (strcmp(key, "attn_wg") == 0 && num && pow2_in(v, 1, 256)) t->attn_wg = (int)v;
-        else if (strcmp(key, "attn_split") == 0 && num && pow2_in(v, 1, 256)) t->attn_split = (int)v;
+        else if (strcmp(key, "mm_min") == 0 && num && v >= 0 && v <= 65536) t->mm_min = (int)v;
+        else if (strcmp(key, "mm_bm") == 0 && num && pow2_in(v, 8, 128)) t->mm_bm = (int)v;
+        else if (strcmp(key, "mm_bn") == 0 && num && pow2_in(v, 8, 128)) t->mm_bn = (int)v;
+        else if (strcmp(key, "attn_wg") == 0 && num && pow2_in(v, 1, max_wg < 1024 ? max_wg : 1024)) t->attn_wg = (int)v;
+        else if (strcmp(key, "attn_c") == 0 && num && pow2_in(v, 1, 128)) t->attn_c = (int)v;
+        else if (strcmp(key, "attn_dc") == 0 && num && (v == 0 || pow2_in(v, 1, 128))) t->attn_dc = (int)v;
+        else if (strcmp(key, "attn_kt") == 0 && num && pow2_in(v, 1, 64)) t->attn_kt = (int)v;
+        else if (strcmp(key, "attn_par") == 0 && num && v >= 1 && v <= 65536) t->attn_par = (int)v;
+        else if (strcmp(key, "attn_chunk") == 0 && num && v >= 1 && v <= (1 << 20)) t->attn_chunk = (int)v;
         else if (strcmp(key, "norm_wg") == 0 && num && pow2_in(v, 1, max_wg)) t->norm_wg = (int)v;
         else if (strcmp(key, "ew_wg") == 0 && num && pow2_in(v, 1, max_wg)) t->ew_wg = (int)v;
         else
             return duet__error(DUET_INVALID_ARGUMENT,
-                               "DUET_VK_TUNE: bad '%s=%s' (keys: matmul=tile|subgroup, dot=0|1, tile_rows<=16, "
-                               "tile_tokens<=8, tile_wg, sg_wg, sg_rows<=8, attn_wg<=256, attn_split<=attn_wg, norm_wg, ew_wg; sizes are "
-                               "powers of two)",
+                               "DUET_VK_TUNE: bad '%s=%s' (keys: matmul=tile|subgroup, dot=0|1, attn=lane|flash, shuffle=0|1, tile_rows<=16, tile_rows_q8<=32, "
+                               "tile_tokens<=8, tile_wg, sg_wg, sg_rows<=8, mm_min (0: never), mm_bm, mm_bn (8..128), attn_wg, attn_c<=128, attn_dc<=128 (0: subgroup), "
+                               "attn_kt<=64, attn_par, attn_chunk, norm_wg, ew_wg; sizes are powers of two)",
                                key, val);
     }
     return DUET_OK;

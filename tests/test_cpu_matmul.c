@@ -1,0 +1,302 @@
+/* test_cpu_matmul.c — the cpu backend's q8_0 matmul and quantiser.
+ *
+ * - duet__cpu_quantize_q8_0 on every SIMD path this machine has must give
+ *   the bytes of duet_quantize_row_q8_0: ties, clamps, NaN/inf, subnormal
+ *   and overflowing scales included.
+ * - A q8_0 matmul given x_q8 must give exactly (bit for bit) what the f32 x
+ *   path gives for the x those blocks came from, on every path, for token
+ *   counts on both sides of the tile/panel switch and of the panel's token
+ *   groups and chunks, with row counts around the panel's 16.
+ * - Each token's row is the same bits computed alone (one token per op)
+ *   as in the batch: the engine's greedy output must not depend on how it
+ *   batches (test_forward checks the whole model; this pins the kernels).
+ * - Both against a double-precision reference on the same blocks
+ *   (sum_b d_w d_x sum(qw qx)), with bias and accumulate, between guard
+ *   values that must stay untouched. */
+#include <math.h>
+#include <stdint.h>
+
+#include "../backends/cpu/cpu_internal.h"
+#include "test_util.h"
+
+static uint64_t rng_state = 0x2545f4914f6cdd1dull;
+static uint64_t rng_next(void) { /* splitmix64 */
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+static float rng_uniform(float lo, float hi) {
+    return lo + (hi - lo) * (float)((rng_next() >> 40) * 0x1p-24);
+}
+static int rng_int(int n) {
+    return (int)(rng_next() % (uint64_t)n);
+}
+
+static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+
+/* The paths this CPU runs (duet__cpu_isa_detect without a cap). */
+static int n_isas(void) {
+    unsetenv("DUET_CPU_ISA");
+    return (int)duet__cpu_isa_detect() + 1;
+}
+
+/* ---- quantiser ------------------------------------------------------------ */
+
+/* One block of 32 in one of several hard modes. */
+static void fill_block(float *x, int mode) {
+    switch (mode) {
+    case 0: { /* random magnitudes from subnormal to near FLT_MAX */
+        float scale = ldexpf(1.0f, rng_int(270) - 149);
+        for (int i = 0; i < 32; i++)
+            x[i] = rng_uniform(-1.0f, 1.0f) * scale;
+        break;
+    }
+    case 1: { /* exact ties: d a power of two, x = (k + 0.5) d */
+        float d = ldexpf(1.0f, rng_int(60) - 30);
+        for (int i = 0; i < 32; i++)
+            x[i] = ((float)(rng_int(253) - 126) + 0.5f) * d;
+        x[rng_int(32)] = (rng_int(2) ? 127.0f : -127.0f) * d;
+        break;
+    }
+    case 2: /* all zero, signs mixed */
+        for (int i = 0; i < 32; i++)
+            x[i] = rng_int(2) ? 0.0f : -0.0f;
+        break;
+    case 3: { /* non-finite values among normal ones */
+        for (int i = 0; i < 32; i++)
+            x[i] = rng_uniform(-3.0f, 3.0f);
+        int k = 1 + rng_int(3);
+        for (int i = 0; i < k; i++) {
+            int r = rng_int(3);
+            x[rng_int(32)] = r == 0 ? NAN : r == 1 ? INFINITY : -INFINITY;
+        }
+        break;
+    }
+    case 4: /* only NaNs */
+        for (int i = 0; i < 32; i++)
+            x[i] = NAN;
+        break;
+    case 5: { /* values at +-amax and just inside: the clamp and 127 itself */
+        float a = rng_uniform(0.5f, 2.0f);
+        for (int i = 0; i < 32; i++) {
+            int r = rng_int(4);
+            x[i] = r == 0 ? a : r == 1 ? -a : r == 2 ? nextafterf(a, 0.0f) : -nextafterf(a, 0.0f);
+        }
+        break;
+    }
+    default: { /* random bit patterns: every exponent, NaN payloads */
+        for (int i = 0; i < 32; i++) {
+            uint32_t u = (uint32_t)rng_next();
+            memcpy(&x[i], &u, 4);
+        }
+        break;
+    }
+    }
+}
+
+START_TEST(quantize_matches_reference) {
+    enum { NB = 64, MODES = 7, ROUNDS = 300 };
+    float *x = malloc(sizeof(float) * 32 * NB);
+    duet_block_q8_0 *want = malloc(sizeof *want * NB), *got = malloc(sizeof *got * (NB + 1));
+    int isas = n_isas();
+    for (int isa = 0; isa < isas; isa++) {
+        cpu_backend be = {.isa = (cpu_isa)isa};
+        for (int round = 0; round < ROUNDS; round++) {
+            for (int b = 0; b < NB; b++)
+                fill_block(x + 32 * b, round < MODES ? round : rng_int(MODES));
+            int64_t n = 32 * (1 + rng_int(NB)); /* odd and even block counts */
+            duet_quantize_row_q8_0(x, want, n);
+            memset(got, 0x5a, sizeof *got * (NB + 1));
+            duet__cpu_quantize_q8_0(&be, x, got, n);
+            for (int64_t b = 0; b < n / 32; b++) {
+                ck_assert_msg(got[b].d == want[b].d,
+                              "%s: block %lld: scale 0x%04x, reference 0x%04x (round %d)", ISA_NAMES[isa],
+                              (long long)b, got[b].d, want[b].d, round);
+                for (int i = 0; i < 32; i++)
+                    ck_assert_msg(got[b].qs[i] == want[b].qs[i],
+                                  "%s: block %lld [%d]: x %.9g -> %d, reference %d (scale 0x%04x, round %d)",
+                                  ISA_NAMES[isa], (long long)b, i, (double)x[32 * b + i], got[b].qs[i],
+                                  want[b].qs[i], want[b].d, round);
+            }
+            ck_assert_msg(got[n / 32].d == 0x5a5a, "%s: wrote past %lld values", ISA_NAMES[isa],
+                          (long long)n);
+        }
+    }
+    free(x);
+    free(want);
+    free(got);
+}
+END_TEST
+
+/* ---- matmul ---------------------------------------------------------------- */
+
+typedef struct mm_case {
+    int n_out, n_in, n_tokens;
+    bool bias, accumulate;
+} mm_case;
+
+enum { GUARD = 19 };
+static const float GUARD_VALUE = -1234.5f;
+
+/* Runs one q8_0 matmul on `be` with f32 x (xq NULL) or blocks xq; out has
+ * GUARD floats either side and holds `init` (accumulate) in between. */
+static void run_mm(duet_backend *be, const mm_case *c, const duet_block_q8_0 *w, const float *x,
+                   const duet_block_q8_0 *xq, const float *bias, const float *init, float *out_guarded) {
+    duet_op op = {.kind = DUET_OP_MATMUL, .n_tokens = c->n_tokens};
+    op.matmul.dtype = DUET_DTYPE_Q8_0;
+    op.matmul.n_in = c->n_in;
+    op.matmul.n_out = c->n_out;
+    op.matmul.accumulate = c->accumulate;
+    size_t n = (size_t)c->n_tokens * c->n_out;
+    for (int i = 0; i < GUARD; i++)
+        out_guarded[i] = out_guarded[GUARD + n + i] = GUARD_VALUE;
+    memcpy(out_guarded + GUARD, init, n * sizeof(float));
+    duet_status st = duet__cpu_matmul((cpu_backend *)be, &op, w, xq ? NULL : x, xq, c->bias ? bias : NULL,
+                                      out_guarded + GUARD);
+    ck_assert_msg(st == DUET_OK, "matmul %dx%d, %d tokens: %s", c->n_out, c->n_in, c->n_tokens,
+                  duet_last_error());
+    for (int i = 0; i < GUARD; i++) {
+        ck_assert_msg(out_guarded[i] == GUARD_VALUE, "matmul %dx%d, %d tokens: wrote before out", c->n_out,
+                      c->n_in, c->n_tokens);
+        ck_assert_msg(out_guarded[GUARD + n + i] == GUARD_VALUE, "matmul %dx%d, %d tokens: wrote past out",
+                      c->n_out, c->n_in, c->n_tokens);
+    }
+}
+
+static void check_case(const mm_case *c) {
+    int nb = c->n_in / 32;
+    size_t n_w = (size_t)c->n_out * nb, n_x = (size_t)c->n_tokens * nb, n_o = (size_t)c->n_tokens * c->n_out;
+    duet_block_q8_0 *w = malloc(sizeof *w * n_w), *xq = malloc(sizeof *xq * n_x);
+    float *x = malloc(sizeof(float) * c->n_tokens * c->n_in), *bias = malloc(sizeof(float) * c->n_out);
+    float *init = malloc(sizeof(float) * n_o), *ref = malloc(sizeof(float) * n_o),
+          *mag = malloc(sizeof(float) * n_o);
+    float *o1 = malloc(sizeof(float) * (n_o + 2 * GUARD)), *o2 = malloc(sizeof(float) * (n_o + 2 * GUARD));
+    float *o3 = malloc(sizeof(float) * (c->n_out + 2 * GUARD));
+    /* Full-range weights, -128 included, and scales of mixed size. */
+    for (size_t i = 0; i < n_w; i++) {
+        w[i].d = duet_fp32_to_fp16(rng_uniform(0.001f, 0.05f));
+        for (int k = 0; k < 32; k++)
+            w[i].qs[k] = (int8_t)(rng_int(256) - 128);
+    }
+    for (int i = 0; i < c->n_tokens * c->n_in; i++)
+        x[i] = rng_uniform(-2.0f, 2.0f) * (i % 97 == 0 ? 20.0f : 1.0f);
+    for (int t = 0; t < c->n_tokens; t++)
+        duet_quantize_row_q8_0(x + (size_t)t * c->n_in, xq + (size_t)t * nb, c->n_in);
+    for (int o = 0; o < c->n_out; o++)
+        bias[o] = rng_uniform(-1.0f, 1.0f);
+    for (size_t i = 0; i < n_o; i++)
+        init[i] = c->accumulate ? rng_uniform(-1.0f, 1.0f) : 0.0f;
+    for (int t = 0; t < c->n_tokens; t++)
+        for (int o = 0; o < c->n_out; o++) {
+            double s = 0.0, m = 0.0;
+            for (int b = 0; b < nb; b++) {
+                const duet_block_q8_0 *wb = w + (size_t)o * nb + b, *xb = xq + (size_t)t * nb + b;
+                int32_t dot = 0;
+                for (int k = 0; k < 32; k++)
+                    dot += wb->qs[k] * xb->qs[k];
+                double term = (double)duet_fp16_to_fp32(wb->d) * duet_fp16_to_fp32(xb->d) * dot;
+                s += term;
+                m += fabs(term);
+            }
+            size_t i = (size_t)t * c->n_out + o;
+            double extra = (c->bias ? bias[o] : 0.0) + init[i];
+            ref[i] = (float)(s + extra);
+            mag[i] = (float)(m + fabs(extra));
+        }
+
+    static const int threads[] = {1, 3};
+    int isas = n_isas();
+    for (int isa = 0; isa < isas; isa++)
+        for (int th = 0; th < 2; th++) {
+            setenv("DUET_CPU_ISA", ISA_NAMES[isa], 1);
+            duet_backend_params p = {.n_threads = threads[th]};
+            duet_backend *be;
+            duet_status st = duet_backend_open("cpu", 0, &p, &be);
+            unsetenv("DUET_CPU_ISA");
+            ck_assert_msg(st == DUET_OK, "open cpu: %s", duet_last_error());
+            run_mm(be, c, w, x, NULL, bias, init, o1);
+            run_mm(be, c, w, NULL, xq, bias, init, o2);
+            mm_case alone = *c;
+            alone.n_tokens = 1;
+            for (int t = 0; t < c->n_tokens; t++) {
+                run_mm(be, &alone, w, NULL, xq + (size_t)t * nb, bias, init + (size_t)t * c->n_out, o3);
+                for (int o = 0; o < c->n_out; o++)
+                    ck_assert_msg(
+                        memcmp(&o3[GUARD + o], &o2[GUARD + (size_t)t * c->n_out + o], 4) == 0,
+                        "%s/%d threads, %dx%d: token %d of %d row %d: %.9g alone, %.9g in the batch",
+                        ISA_NAMES[isa], threads[th], c->n_out, c->n_in, t, c->n_tokens, o,
+                        (double)o3[GUARD + o], (double)o2[GUARD + (size_t)t * c->n_out + o]);
+            }
+            for (size_t i = 0; i < n_o; i++) {
+                int t = (int)(i / c->n_out), o = (int)(i % c->n_out);
+                ck_assert_msg(memcmp(&o1[GUARD + i], &o2[GUARD + i], 4) == 0,
+                              "%s/%d threads, %dx%d, %d tokens: token %d row %d: f32 x gives %.9g, x_q8 %.9g",
+                              ISA_NAMES[isa], threads[th], c->n_out, c->n_in, c->n_tokens, t, o,
+                              (double)o1[GUARD + i], (double)o2[GUARD + i]);
+                /* f32 sums of nb products, each rounded a few times */
+                double err = fabs((double)o2[GUARD + i] - ref[i]);
+                ck_assert_msg(
+                    err <= (nb + 8) * 1.2e-7 * mag[i] + 1e-6,
+                    "%s/%d threads, %dx%d, %d tokens: token %d row %d: %.9g, reference %.9g (|terms| %g)",
+                    ISA_NAMES[isa], threads[th], c->n_out, c->n_in, c->n_tokens, t, o, (double)o2[GUARD + i],
+                    (double)ref[i], (double)mag[i]);
+            }
+            duet_backend_close(be);
+        }
+    free(w), free(xq), free(x), free(bias), free(init), free(ref), free(mag), free(o1), free(o2), free(o3);
+}
+
+/* Token counts: the tile (1-2), one panel group (3-16), balanced groups
+ * (17, 33), and with n_in 4096 several token chunks (48 tokens each). */
+START_TEST(matmul_q8_shapes) {
+    static const mm_case cases[] = {
+        {16, 32, 1, false, false},    {17, 64, 2, true, false},    {33, 96, 3, false, true},
+        {16, 64, 4, false, false},    {1, 32, 5, true, true},      {15, 160, 7, false, false},
+        {50, 768, 16, true, false},   {31, 256, 17, false, true},  {48, 96, 33, true, true},
+        {20, 64, 40, false, false},   {64, 768, 12, false, false}, {3, 32, 16, true, true},
+        {40, 4096, 100, true, false},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        check_case(&cases[i]);
+}
+END_TEST
+
+/* Random shapes around the panel's edges. */
+START_TEST(matmul_q8_random) {
+    for (int i = 0; i < 40; i++) {
+        mm_case c = {1 + rng_int(70), 32 * (1 + rng_int(12)), 1 + rng_int(40), rng_int(2) == 1,
+                     rng_int(2) == 1};
+        check_case(&c);
+    }
+}
+END_TEST
+
+START_TEST(matmul_x_q8_needs_q8_weights) {
+    duet_backend_params p = {.n_threads = 1};
+    duet_backend *be;
+    ck_assert_msg(duet_backend_open("cpu", 0, &p, &be) == DUET_OK, "open cpu: %s", duet_last_error());
+    duet_op op = {.kind = DUET_OP_MATMUL, .n_tokens = 1};
+    op.matmul.dtype = DUET_DTYPE_F16;
+    op.matmul.n_in = 32;
+    op.matmul.n_out = 1;
+    uint16_t w[32] = {0};
+    duet_block_q8_0 xq = {0};
+    float out = 0.0f;
+    duet_status st = duet__cpu_matmul((cpu_backend *)be, &op, w, NULL, &xq, NULL, &out);
+    ck_assert_msg(st == DUET_INVALID_ARGUMENT, "f16 weights with x_q8: status %d, want invalid argument", st);
+    duet_backend_close(be);
+}
+END_TEST
+
+int main(void) {
+    Suite *s = suite_create("cpu_matmul");
+    TCase *tc = tcase_create("core");
+    tcase_set_timeout(tc, 600);
+    tcase_add_test(tc, quantize_matches_reference);
+    tcase_add_test(tc, matmul_q8_shapes);
+    tcase_add_test(tc, matmul_q8_random);
+    tcase_add_test(tc, matmul_x_q8_needs_q8_weights);
+    suite_add_tcase(s, tc);
+    return test_run_suite(s);
+}
