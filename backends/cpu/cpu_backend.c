@@ -12,6 +12,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include "backend_checks.h"
 #include "cpu_internal.h"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -280,16 +281,6 @@ static const char *const cpu_op_names[DUET_OP_COUNT] = {
     [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
 };
 
-/* Products of dimensions in 64 bits; UINT64_MAX on overflow, which then
- * fails every bounds check. */
-static uint64_t mul2(uint64_t a, uint64_t b) {
-    uint64_t r;
-    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
-}
-static uint64_t mul3(uint64_t a, uint64_t b, uint64_t c) {
-    return mul2(mul2(a, b), c);
-}
-
 /* Resolves a view that must hold `bytes` bytes, aligned for its element. */
 static duet_status view_ptr(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align,
                             void **out) {
@@ -324,16 +315,6 @@ static duet_status check_inplace(const char *op, const char *name, duet_view in,
         return duet__error(DUET_INVALID_ARGUMENT, "%s: out partly overlaps %s", op, name);
     return DUET_OK;
 }
-
-#define CHECK(expr)                                                                                          \
-    do {                                                                                                     \
-        duet_status st_ = (expr);                                                                            \
-        if (st_ != DUET_OK) return st_;                                                                      \
-    } while (0)
-#define REQUIRE(cond, ...)                                                                                   \
-    do {                                                                                                     \
-        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__);                                 \
-    } while (0)
 
 /* The paged KV operands of rope_kv/attention: both pools, the block table,
  * and for every token its position, sequence slot and the table entries

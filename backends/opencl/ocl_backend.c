@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend_checks.h"
 #include "ocl_internal.h"
 
 /* ---- devices --------------------------------------------------------------------- */
@@ -322,16 +323,6 @@ static const char *const ocl_op_names[DUET_OP_COUNT] = {
     [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
 };
 
-/* Products of dimensions in 64 bits; UINT64_MAX on overflow, which then
- * fails every bounds check. */
-static uint64_t mul2(uint64_t a, uint64_t b) {
-    uint64_t r;
-    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
-}
-static uint64_t mul3(uint64_t a, uint64_t b, uint64_t c) {
-    return mul2(mul2(a, b), c);
-}
-
 /* A view that must hold `bytes` bytes at an offset aligned for its element. */
 static duet_status view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align) {
     if (!v.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: %s has no buffer", op, name);
@@ -365,16 +356,6 @@ static duet_status check_inplace(const char *op, const char *name, duet_view in,
 static size_t weight_align(duet_dtype t) {
     return t == DUET_DTYPE_F32 ? 4 : 2;
 }
-
-#define CHECK(expr)                                                                                          \
-    do {                                                                                                     \
-        duet_status st_ = (expr);                                                                            \
-        if (st_ != DUET_OK) return st_;                                                                      \
-    } while (0)
-#define REQUIRE(cond, ...)                                                                                   \
-    do {                                                                                                     \
-        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__);                                 \
-    } while (0)
 
 /* Kernels index elements with 32-bit ints. */
 #define OCL_MAX_DIM (1 << 30)

@@ -30,23 +30,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend_checks.h"
 #include "vk_internal.h"
 
-#define CHECK(expr)                     \
-    do {                                \
-        duet_status st_ = (expr);       \
-        if (st_ != DUET_OK) return st_; \
-    } while (0)
-#define REQUIRE(cond, ...)                                                   \
-    do {                                                                     \
-        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__); \
-    } while (0)
-
-static uint64_t mul2(uint64_t a, uint64_t b) {
-    uint64_t r;
-    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
-}
-static uint32_t div_up(uint64_t a, uint64_t b) { return (uint32_t)((a + b - 1) / b); }
 static uint32_t pow2_ceil(uint32_t v) {
     uint32_t p = 1;
     while (p < v) p <<= 1;

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "backend_checks.h"
 #include "vk_internal.h"
 
 static const char *const op_names[DUET_OP_COUNT] = {
@@ -26,23 +27,7 @@ static const char *const op_names[DUET_OP_COUNT] = {
     [DUET_OP_ADD] = "add",             [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
 };
 
-#define CHECK(expr)                     \
-    do {                                \
-        duet_status st_ = (expr);       \
-        if (st_ != DUET_OK) return st_; \
-    } while (0)
-#define REQUIRE(cond, ...)                                                   \
-    do {                                                                     \
-        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__); \
-    } while (0)
-
 /* ---- validation helpers (as in the cpu backend) --------------------------------------- */
-
-static uint64_t mul2(uint64_t a, uint64_t b) {
-    uint64_t r;
-    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
-}
-static uint64_t mul3(uint64_t a, uint64_t b, uint64_t c) { return mul2(mul2(a, b), c); }
 
 static duet_status view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align) {
     if (!v.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: %s has no buffer", op, name);
@@ -145,8 +130,6 @@ static duet_status q8_out_check(const char *op, duet_view oq, uint64_t nt, int w
 }
 
 static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) { return (vk_range){b->id, off, off + bytes}; }
-
-static uint32_t div_up(uint64_t a, uint64_t b) { return (uint32_t)((a + b - 1) / b); }
 
 static duet_status pipe(vk_backend *be, vk_shader s, int n_tex, int n_ssbo, int n_spec, const uint32_t *spec,
                         vk_dispatch *d) {
