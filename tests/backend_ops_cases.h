@@ -163,6 +163,15 @@ static const bo_case bo_cases[] = {
     {"x-q8",        DUET_OP_MATMUL,      Q8,   77, 288,    131,  0, 0, 0, 0, 0, true,  true,  false, false, T, 1},
     {"125m-up-q8",  DUET_OP_MATMUL,      Q8,    1, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
     {"1b-up-q8",    DUET_OP_MATMUL,      Q8,    1, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
+    /* the rest of a 1b decode step, q8_0 (int8 activations) against f16 */
+    {"1b-qo-q8",    DUET_OP_MATMUL,      Q8,    1, 2048,  2048,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
+    {"1b-qo",       DUET_OP_MATMUL,      F16,   1, 2048,  2048,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"1b-kv-q8",    DUET_OP_MATMUL,      Q8,    1, 2048,   256,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
+    {"1b-kv",       DUET_OP_MATMUL,      F16,   1, 2048,   256,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"1b-down-q8",  DUET_OP_MATMUL,      Q8,    1, 5632,  2048,  0, 0, 0, 0, 0, false, true,  false, false, P, 1},
+    {"1b-down",     DUET_OP_MATMUL,      F16,   1, 5632,  2048,  0, 0, 0, 0, 0, false, true,  false, false, P},
+    {"1b-out-q8",   DUET_OP_MATMUL,      Q8,    1, 2048, 32000,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
+    {"1b-out",      DUET_OP_MATMUL,      F16,   1, 2048, 32000,  0, 0, 0, 0, 0, false, false, false, false, P},
     {"125m-up-q8",  DUET_OP_MATMUL,      Q8,   16, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
     {"125m-up-pf-q8", DUET_OP_MATMUL,    Q8,  128, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
 
