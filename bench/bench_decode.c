@@ -6,11 +6,17 @@
  * usage: bench_decode [--backend cpu|vulkan|opencl] [--threads N] [--tokens N]
  *                     [--ctx 128,1024,4096] [--kv f16|q8_0|f32] [--json]
  *                     [--shared DIR] [--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16]
+ *                     [--repeat N]
  * Models: stories260K (from ../shared), and synthetic ones made with
  * duet_mkmodel into /tmp. At context C the cache first holds C prompt
  * tokens (a real prefill), then --tokens tokens are decoded one per step.
  * Issue 5's floor reads off the 125m-q8_0 rows (decode at 4096 over 128);
  * issue 6's off 1b-q8_0 over 1b-f16.
+ * --repeat N runs every model N rounds, one after another, and reports
+ * medians: of each figure, and of the per-round ratios (against the first
+ * context, and against the first model at the same context). On a shared
+ * or throttling machine a ratio taken within one round is far steadier than
+ * one between figures measured minutes apart.
  */
 #include <cjson/cJSON.h>
 #include <stdio.h>
@@ -22,6 +28,8 @@
 #include "duet.h"
 
 #define MAX_CTXS 8
+#define MAX_MODELS 8
+#define MAX_ROUNDS 15
 
 typedef struct result {
     char name[64];
@@ -30,6 +38,10 @@ typedef struct result {
     int n_ctx;
     int ctx[MAX_CTXS];
     double decode_tps[MAX_CTXS], frac_bw[MAX_CTXS];
+    /* medians of per-round ratios: against this model's first context, and
+     * against the first model at the same context */
+    double vs_first_ctx[MAX_CTXS], vs_first_model[MAX_CTXS];
+    double round_tps[MAX_CTXS][MAX_ROUNDS];
 } result;
 
 typedef struct opts {
@@ -115,6 +127,38 @@ static const char *synthetic(const char *shape, const char *type) {
     return path;
 }
 
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* res[i] = the medians of rounds[r][i] over the rounds. */
+static void combine(result rounds[][MAX_MODELS], int n_rounds, int n_models, result *res) {
+    for (int i = 0; i < n_models; i++) {
+        result *m = &res[i];
+        *m = rounds[0][i];
+        double v[MAX_ROUNDS];
+        for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].prefill_tps;
+        m->prefill_tps = median(v, n_rounds);
+        for (int c = 0; c < m->n_ctx; c++) {
+            for (int r = 0; r < n_rounds; r++) m->round_tps[c][r] = v[r] = rounds[r][i].decode_tps[c];
+            m->decode_tps[c] = median(v, n_rounds);
+            for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].frac_bw[c];
+            m->frac_bw[c] = median(v, n_rounds);
+            for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].decode_tps[c] / rounds[r][i].decode_tps[0];
+            m->vs_first_ctx[c] = median(v, n_rounds);
+            bool same = c < rounds[0][0].n_ctx;
+            for (int r = 0; r < n_rounds && same; r++) v[r] = rounds[r][i].decode_tps[c] / rounds[r][0].decode_tps[c];
+            m->vs_first_model[c] = same ? median(v, n_rounds) : 0;
+        }
+    }
+}
+
 static int parse_ints(const char *s, int *out, int max) {
     int n = 0;
     char buf[256];
@@ -126,6 +170,7 @@ static int parse_ints(const char *s, int *out, int max) {
 int main(int argc, char **argv) {
     opts o = {.backend = "cpu", .kv = NULL, .threads = 2, .n_tokens = 64, .n_ctx = 1, .ctx = {8}};
     bool json = false;
+    int n_rounds = 1;
     const char *shared = "../shared", *models = "stories260K,125m-q8_0";
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--threads") && i + 1 < argc) o.threads = atoi(argv[++i]);
@@ -136,39 +181,51 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--shared") && i + 1 < argc) shared = argv[++i];
         else if (!strcmp(argv[i], "--models") && i + 1 < argc) models = argv[++i];
         else if (!strcmp(argv[i], "--json")) json = true;
+        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) n_rounds = atoi(argv[++i]);
         else {
             fprintf(stderr, "usage: bench_decode [--backend NAME] [--threads N] [--tokens N] [--ctx 128,1024,4096] "
                             "[--kv f16|q8_0|f32] [--json] [--shared DIR] "
-                            "[--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16]\n");
+                            "[--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16] [--repeat N]\n");
             return 2;
         }
     }
-    if (o.n_tokens < 1 || o.n_ctx < 1) return 2;
+    if (o.n_tokens < 1 || o.n_ctx < 1 || n_rounds < 1 || n_rounds > MAX_ROUNDS) {
+        fprintf(stderr, "bench_decode: --tokens and --ctx need at least 1, --repeat 1..%d\n", MAX_ROUNDS);
+        return 2;
+    }
     o.triad = bench_triad_gbs(o.threads, 5);
-    result res[8];
+    /* The models' names and files, made once. */
+    char names[MAX_MODELS][64], paths[MAX_MODELS][512];
     int n = 0;
     char list[256];
     snprintf(list, sizeof list, "%s", models);
     char *save = NULL;
-    for (char *tok = strtok_r(list, ",", &save); tok && n < 8; tok = strtok_r(NULL, ",", &save)) {
-        char path[512];
+    for (char *tok = strtok_r(list, ",", &save); tok && n < MAX_MODELS; tok = strtok_r(NULL, ",", &save)) {
         if (!strcmp(tok, "stories260K")) {
-            snprintf(path, sizeof path, "%s/models/stories260K.gguf", shared);
+            snprintf(paths[n], sizeof paths[n], "%s/models/stories260K.gguf", shared);
         } else {
             char shape[16], type[16];
             if (sscanf(tok, "%15[^-]-%15s", shape, type) != 2) continue;
             const char *p = synthetic(shape, type);
             if (!p) return 1;
-            snprintf(path, sizeof path, "%s", p);
+            snprintf(paths[n], sizeof paths[n], "%s", p);
         }
-        if (bench_model(tok, path, &o, &res[n]) == 0) n++;
+        snprintf(names[n], sizeof names[n], "%s", tok);
+        n++;
     }
+    static result rounds[MAX_ROUNDS][MAX_MODELS];
+    for (int r = 0; r < n_rounds; r++)
+        for (int i = 0; i < n; i++)
+            if (bench_model(names[i], paths[i], &o, &rounds[r][i]) != 0) return 1;
+    result res[MAX_MODELS];
+    combine(rounds, n_rounds, n, res);
     if (json) {
         cJSON *root = cJSON_CreateObject();
         cJSON_AddStringToObject(root, "backend", o.backend);
         cJSON_AddStringToObject(root, "kv", o.kv ? o.kv : "default");
         cJSON_AddNumberToObject(root, "threads", o.threads);
         cJSON_AddNumberToObject(root, "triad_gbs", o.triad);
+        cJSON_AddNumberToObject(root, "rounds", n_rounds);
         cJSON *a = cJSON_AddArrayToObject(root, "models");
         for (int i = 0; i < n; i++) {
             cJSON *e = cJSON_CreateObject();
@@ -182,7 +239,11 @@ int main(int argc, char **argv) {
                 cJSON_AddNumberToObject(x, "context", res[i].ctx[c]);
                 cJSON_AddNumberToObject(x, "tokens_per_s", res[i].decode_tps[c]);
                 cJSON_AddNumberToObject(x, "fraction_of_triad", res[i].frac_bw[c]);
-                cJSON_AddNumberToObject(x, "relative_to_first_context", res[i].decode_tps[c] / res[i].decode_tps[0]);
+                cJSON_AddNumberToObject(x, "relative_to_first_context", res[i].vs_first_ctx[c]);
+                if (i > 0 && res[i].vs_first_model[c] > 0)
+                    cJSON_AddNumberToObject(x, "relative_to_first_model", res[i].vs_first_model[c]);
+                if (n_rounds > 1)
+                    cJSON_AddItemToObject(x, "round_tokens_per_s", cJSON_CreateDoubleArray(res[i].round_tps[c], n_rounds));
                 cJSON_AddItemToArray(dc, x);
             }
             cJSON_AddItemToArray(a, e);
@@ -192,15 +253,15 @@ int main(int argc, char **argv) {
         cJSON_free(s);
         cJSON_Delete(root);
     } else {
-        printf("backend %s, kv %s, triad bandwidth (%d threads): %.1f GB/s\n", o.backend, o.kv ? o.kv : "default",
-               o.threads, o.triad);
-        printf("%-14s %10s %14s %8s %14s %10s %8s\n", "model", "MB/token", "prefill tok/s", "context", "decode tok/s",
-               "% triad", "vs first");
+        printf("backend %s, kv %s, triad bandwidth (%d threads): %.1f GB/s%s\n", o.backend, o.kv ? o.kv : "default",
+               o.threads, o.triad, n_rounds > 1 ? "; medians over rounds" : "");
+        printf("%-14s %10s %14s %8s %14s %10s %9s %9s\n", "model", "MB/token", "prefill tok/s", "context", "decode tok/s",
+               "% triad", "vs ctx 1", "vs model 1");
         for (int i = 0; i < n; i++)
             for (int c = 0; c < res[i].n_ctx; c++)
-                printf("%-14s %10.1f %14.1f %8d %14.1f %9.1f%% %8.2f\n", res[i].name, res[i].weight_mb,
+                printf("%-14s %10.1f %14.1f %8d %14.1f %9.1f%% %9.2f %9.2f\n", res[i].name, res[i].weight_mb,
                        res[i].prefill_tps, res[i].ctx[c], res[i].decode_tps[c], 100 * res[i].frac_bw[c],
-                       res[i].decode_tps[c] / res[i].decode_tps[0]);
+                       res[i].vs_first_ctx[c], res[i].vs_first_model[c]);
     }
     return 0;
 }
