@@ -256,7 +256,7 @@ int main(int argc, char **argv) {
         printf("backend %s, kv %s, triad bandwidth (%d threads): %.1f GB/s%s\n", o.backend, o.kv ? o.kv : "default",
                o.threads, o.triad, n_rounds > 1 ? "; medians over rounds" : "");
         printf("%-14s %10s %14s %8s %14s %10s %9s %9s\n", "model", "MB/token", "prefill tok/s", "context", "decode tok/s",
-               "% triad", "vs ctx 1", "vs model 1");
+               "% triad", "/1st ctx", "/1st model");
         for (int i = 0; i < n; i++)
             for (int c = 0; c < res[i].n_ctx; c++)
                 printf("%-14s %10.1f %14.1f %8d %14.1f %9.1f%% %9.2f %9.2f\n", res[i].name, res[i].weight_mb,
