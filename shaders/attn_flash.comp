@@ -169,7 +169,7 @@ void main() {
         if (bad && g == 0u && c == 0u && split == 0u && gl_WorkGroupID.y == 0u)
             atomicOr(status, (bad_pos ? ST_BAD_POS : 0u) | (bad_seq ? ST_BAD_SEQ : 0u));
     }
-    bool todo = live && !bad;
+    bool valid = live && !bad; // a real row with a usable position and sequence
     uint klo = split * p.chunk, khi = klo + p.chunk;
 
     // q, pre-scaled: lane c holds vec4s c, c + C, ... of the head.
@@ -178,7 +178,7 @@ void main() {
     [[unroll]] for (uint i = 0u; i < NV; i++) {
         uint e = (i * C + c) * 4u;
         vec4 x = vec4(0.0);
-        if (todo) [[unroll]] for (uint k = 0u; k < 4u; k++) x[k] = e + k < p.hd ? f32_at(Qv, qrow + (e + k) * 4u) : 0.0;
+        if (valid) [[unroll]] for (uint k = 0u; k < 4u; k++) x[k] = e + k < p.hd ? f32_at(Qv, qrow + (e + k) * 4u) : 0.0;
         qv[i] = x * p.scale;
         acc[i] = vec4(0.0);
     }
@@ -192,7 +192,7 @@ void main() {
         }
     }
     if (c == 0u) {
-        row_seq[r] = todo ? seq : -1;
+        row_seq[r] = valid ? seq : -1;
         row_end[r] = pos + 1;
     }
     for (;;) {
@@ -212,7 +212,7 @@ void main() {
         int S = seg_seq;
         if (S < 0) break;
         uint E = uint(seg_end);
-        bool mine = todo && seq == S;
+        bool mine = valid && seq == S;
         for (uint kb = klo; kb < E; kb += KT) {
             uint n = min(KT, E - kb);
             for (uint j = l; j < KT; j += WG) {

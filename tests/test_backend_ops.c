@@ -36,6 +36,17 @@ static bool list_has(const char *list, const char *name) {
     return false;
 }
 
+/* True when iface can run here. Otherwise says SKIP with the reason, and
+ * fails when DUET_REQUIRE_BACKENDS names it (CI: every backend must run). */
+static bool usable(const duet_backend_iface *iface, const char *what) {
+    char why[256] = "";
+    if (iface->available(why, sizeof why)) return true;
+    printf("SKIP %s on %s: %s\n", what, iface->name, why);
+    ck_assert_msg(!list_has(getenv("DUET_REQUIRE_BACKENDS"), iface->name),
+                  "%s is required (DUET_REQUIRE_BACKENDS) but unavailable: %s", iface->name, why);
+    return false;
+}
+
 static bool verbose(void) {
     const char *v = getenv("DUET_OPS_VERBOSE");
     return v && *v && strcmp(v, "0") != 0;
@@ -227,13 +238,7 @@ START_TEST(test_backend_parity) {
     if (strcmp(iface->name, "cpu") == 0) return;
     const char *only = getenv("DUET_OPS_BACKENDS");
     if (only && *only && !list_has(only, iface->name)) return;
-    char why[256] = "";
-    if (!iface->available(why, sizeof why)) {
-        printf("SKIP %s: %s\n", iface->name, why);
-        ck_assert_msg(!list_has(getenv("DUET_REQUIRE_BACKENDS"), iface->name),
-                      "%s is required (DUET_REQUIRE_BACKENDS) but unavailable: %s", iface->name, why);
-        return;
-    }
+    if (!usable(iface, "parity")) return;
     duet_backend *cpu;
     ck_assert_msg(duet_backend_open("cpu", 0, &(duet_backend_params){.n_threads = 2}, &cpu) == DUET_OK,
                   "cpu backend: %s", duet_last_error());
@@ -298,11 +303,7 @@ static void ref_attention(const bo_host *h, float *out) {
  * every attention case (contexts 1 to 4096, ragged mixes, f16/q8_0 KV). */
 START_TEST(test_attention_reference) {
     const duet_backend_iface *iface = duet_backend_get(_i);
-    char why[256];
-    if (!iface->available(why, sizeof why)) {
-        printf("SKIP attention reference on %s: %s\n", iface->name, why);
-        return;
-    }
+    if (!usable(iface, "attention reference")) return;
     const char *only = getenv("DUET_OPS_BACKENDS");
     if (only && *only && !list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
     const unsigned mask = case_mask();
@@ -398,11 +399,7 @@ static size_t attention_scratch(const duet_backend_iface *iface, int n_ctx, int 
  * below one 8192 x 8192 f32 score matrix per head (256 MiB). */
 START_TEST(test_attention_memory_linear) {
     const duet_backend_iface *iface = duet_backend_get(_i);
-    char why[256];
-    if (!iface->available(why, sizeof why)) {
-        printf("SKIP attention memory on %s: %s\n", iface->name, why);
-        return;
-    }
+    if (!usable(iface, "attention memory")) return;
     const char *only = getenv("DUET_OPS_BACKENDS");
     if (only && *only && !list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
     ck_assert_msg(iface->scratch_bytes != NULL, "%s does not report its scratch memory", iface->name);
