@@ -21,8 +21,7 @@
 /* ---- errors (shared by core and backends) ------------------------------ */
 
 /* Records a printf-style message for duet_last_error() and returns status. */
-duet_status duet__error(duet_status status, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3)));
+duet_status duet__error(duet_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 /* ---- element types ----------------------------------------------------- */
 
@@ -157,31 +156,31 @@ typedef struct duet_op {
             float eps;
         } rmsnorm;
         struct {
-            duet_view w;      /* dtype [n_out][n_in] */
+            duet_view w; /* dtype [n_out][n_in] */
             duet_dtype dtype;
-            duet_view x;      /* f32 [n_tokens][n_in] */
-            duet_view x_q8;   /* optional (q8_0 weights only): q8_0 [n_tokens][n_in/32], used instead of x */
-            duet_view bias;   /* f32 [n_out], buf NULL when none */
-            bool accumulate;  /* out += W x (fused residual add) */
+            duet_view x;     /* f32 [n_tokens][n_in] */
+            duet_view x_q8;  /* optional (q8_0 weights only): q8_0 [n_tokens][n_in/32], used instead of x */
+            duet_view bias;  /* f32 [n_out], buf NULL when none */
+            bool accumulate; /* out += W x (fused residual add) */
             int n_in, n_out;
-            duet_view out;    /* f32 [n_tokens][n_out] */
+            duet_view out; /* f32 [n_tokens][n_out] */
         } matmul;
         struct {
             duet_view q, k, v;  /* f32 [n_tokens][n_head*head_dim], k/v [n_tokens][n_head_kv*head_dim] */
             duet_view pos, seq; /* i32 [n_tokens]: position and sequence slot of each token */
             duet_kv_pages kv;   /* k, v are stored at (seq, pos) */
             int n_head, n_head_kv, head_dim, n_rot;
-            float freq_base;    /* theta_i = pos * base^(-2i/n_rot) on pairs (2i, 2i+1) */
-            bool neox;          /* pairs (i, i + n_rot/2) instead of adjacent */
+            float freq_base; /* theta_i = pos * base^(-2i/n_rot) on pairs (2i, 2i+1) */
+            bool neox;       /* pairs (i, i + n_rot/2) instead of adjacent */
         } rope_kv;
         struct {
             duet_view q;        /* f32 [n_tokens][n_head*head_dim], already rotated */
             duet_view pos, seq; /* i32 [n_tokens]: token t sees positions 0..pos[t] of seq[t] */
             duet_kv_pages kv;
             int n_head, n_head_kv, head_dim; /* n_head % n_head_kv == 0 (GQA/MQA) */
-            float scale;        /* usually 1/sqrt(head_dim) */
-            duet_view out;      /* f32 [n_tokens][n_head*head_dim] */
-            duet_view out_q8;   /* optional q8_0 [n_tokens][n_head*head_dim/32] */
+            float scale;                     /* usually 1/sqrt(head_dim) */
+            duet_view out;                   /* f32 [n_tokens][n_head*head_dim] */
+            duet_view out_q8;                /* optional q8_0 [n_tokens][n_head*head_dim/32] */
         } attention;
         struct {
             duet_view gate, up, out; /* f32 [n_tokens][dim] */
@@ -273,8 +272,7 @@ duet_status duet_buffer_alloc(duet_backend *be, size_t size, duet_buffer **out);
 void duet_buffer_free(duet_backend *be, duet_buffer *buf);
 duet_status duet_buffer_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
                                size_t size);
-duet_status duet_buffer_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst,
-                                 size_t size);
+duet_status duet_buffer_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst, size_t size);
 duet_status duet_step_begin(duet_backend *be);
 duet_status duet_step_op(duet_backend *be, const duet_op *op);
 duet_status duet_step_submit(duet_backend *be);

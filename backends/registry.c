@@ -25,7 +25,9 @@ static const duet_backend_iface *const duet__backends[] = {
 };
 #define DUET__N_BACKENDS ((int)(sizeof duet__backends / sizeof duet__backends[0]))
 
-int duet_backend_count(void) { return DUET__N_BACKENDS; }
+int duet_backend_count(void) {
+    return DUET__N_BACKENDS;
+}
 
 const duet_backend_iface *duet_backend_get(int i) {
     return i >= 0 && i < DUET__N_BACKENDS ? duet__backends[i] : NULL;
@@ -43,11 +45,16 @@ const duet_backend_iface *duet_backend_find(const char *name) {
  * are used only when asked for by name (tests, vendor comparisons). */
 static int duet__device_rank(duet_device_type t) {
     switch (t) {
-    case DUET_DEVICE_DISCRETE_GPU: return 4;
-    case DUET_DEVICE_INTEGRATED_GPU: return 3;
-    case DUET_DEVICE_HOST: return 2;
-    case DUET_DEVICE_CPU: return 1;
-    case DUET_DEVICE_OTHER: return 0;
+    case DUET_DEVICE_DISCRETE_GPU:
+        return 4;
+    case DUET_DEVICE_INTEGRATED_GPU:
+        return 3;
+    case DUET_DEVICE_HOST:
+        return 2;
+    case DUET_DEVICE_CPU:
+        return 1;
+    case DUET_DEVICE_OTHER:
+        return 0;
     }
     return 0;
 }
@@ -75,8 +82,8 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
         int n = be->device_count();
         if (device < 0) device = 0;
         if (device >= n)
-            return duet__error(DUET_NO_DEVICE, "%s: no device %d (it has %d; see `duet devices`)",
-                               be->name, device, n);
+            return duet__error(DUET_NO_DEVICE, "%s: no device %d (it has %d; see `duet devices`)", be->name,
+                               device, n);
         return be->open(device, params, out);
     }
     /* auto: best-ranked device over every available backend. */
@@ -98,7 +105,8 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
          * the named path does, rather than trusting every backend's open. */
         int n = best->device_count();
         if (device >= n)
-            return duet__error(DUET_NO_DEVICE, "auto chose %s, which has no device %d (it has %d; see `duet devices`)",
+            return duet__error(DUET_NO_DEVICE,
+                               "auto chose %s, which has no device %d (it has %d; see `duet devices`)",
                                best->name, device, n);
         best_dev = device;
     }
@@ -126,14 +134,15 @@ duet_status duet_buffer_upload(duet_backend *be, duet_buffer *buf, size_t offset
     return be->iface->upload(be, buf, offset, src, size);
 }
 
-duet_status duet_buffer_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst,
-                                 size_t size) {
+duet_status duet_buffer_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst, size_t size) {
     if (!buf || (size && !dst)) return duet__error(DUET_INVALID_ARGUMENT, "download: null buffer or target");
     if (size == 0) return DUET_OK;
     return be->iface->download(be, buf, offset, dst, size);
 }
 
-duet_status duet_step_begin(duet_backend *be) { return be->iface->begin(be); }
+duet_status duet_step_begin(duet_backend *be) {
+    return be->iface->begin(be);
+}
 
 static duet_status check_shared(const duet_op *op);
 
@@ -168,8 +177,8 @@ static duet_status check_kv_pages(const char *op, const duet_kv_pages *kv, int h
     if (!kv->k_pool.buf || !kv->v_pool.buf || !kv->block_table.buf)
         return duet__error(DUET_INVALID_ARGUMENT, "%s: kv pools and block table are required", op);
     if (head_dim < 1 || n_head < 1 || n_head_kv < 1 || n_head % n_head_kv)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: %d heads over %d kv heads of %d", op, n_head, n_head_kv,
-                           head_dim);
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: %d heads over %d kv heads of %d", op, n_head,
+                           n_head_kv, head_dim);
     if (kv->dtype == DUET_DTYPE_Q8_0 && head_dim % DUET_QK8_0)
         return duet__error(DUET_UNSUPPORTED, "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op, head_dim);
     return DUET_OK;
@@ -194,17 +203,24 @@ static duet_status check_shared(const duet_op *op) {
                   : check_q8_out("attention", op->attention.out, op->attention.out_q8,
                                  op->attention.n_head * op->attention.head_dim);
     }
-    case DUET_OP_RMSNORM: return check_q8_out("rmsnorm", op->rmsnorm.out, op->rmsnorm.out_q8, op->rmsnorm.dim);
-    case DUET_OP_SWIGLU: return check_q8_out("swiglu", op->swiglu.out, op->swiglu.out_q8, op->swiglu.dim);
+    case DUET_OP_RMSNORM:
+        return check_q8_out("rmsnorm", op->rmsnorm.out, op->rmsnorm.out_q8, op->rmsnorm.dim);
+    case DUET_OP_SWIGLU:
+        return check_q8_out("swiglu", op->swiglu.out, op->swiglu.out_q8, op->swiglu.dim);
     case DUET_OP_MATMUL:
         if (op->matmul.x_q8.buf && op->matmul.dtype != DUET_DTYPE_Q8_0)
             return duet__error(DUET_INVALID_ARGUMENT, "matmul: q8 activations need q8_0 weights");
         if (!op->matmul.x_q8.buf && !op->matmul.x.buf)
             return duet__error(DUET_INVALID_ARGUMENT, "matmul: no input");
         return DUET_OK;
-    default: return DUET_OK;
+    default:
+        return DUET_OK;
     }
 }
 
-duet_status duet_step_submit(duet_backend *be) { return be->iface->submit(be); }
-duet_status duet_step_wait(duet_backend *be) { return be->iface->wait(be); }
+duet_status duet_step_submit(duet_backend *be) {
+    return be->iface->submit(be);
+}
+duet_status duet_step_wait(duet_backend *be) {
+    return be->iface->wait(be);
+}

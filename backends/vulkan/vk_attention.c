@@ -35,24 +35,31 @@
 
 static uint32_t pow2_ceil(uint32_t v) {
     uint32_t p = 1;
-    while (p < v) p <<= 1;
+    while (p < v)
+        p <<= 1;
     return p;
 }
-static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) { return (vk_range){b->id, off, off + bytes}; }
+static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) {
+    return (vk_range){b->id, off, off + bytes};
+}
 
 /* The shaders' names for KV element types (kv.glsl). */
-static uint32_t kv_code(duet_dtype t) { return t == DUET_DTYPE_Q8_0 ? 8u : t == DUET_DTYPE_F16 ? 1u : 0u; }
+static uint32_t kv_code(duet_dtype t) {
+    return t == DUET_DTYPE_Q8_0 ? 8u : t == DUET_DTYPE_F16 ? 1u : 0u;
+}
 
 /* The pools and the block table fit their buffers; *rb = bytes of a row. */
-static duet_status kv_check(const char *op, const duet_kv_pages *kv, int n_head_kv, int head_dim, uint64_t *rb,
-                            uint64_t *pool_bytes) {
+static duet_status kv_check(const char *op, const duet_kv_pages *kv, int n_head_kv, int head_dim,
+                            uint64_t *rb, uint64_t *pool_bytes) {
     const duet_dtype t = kv->dtype;
-    REQUIRE(t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_Q8_0, "%s: kv dtype %d", op, (int)t);
+    REQUIRE(t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_Q8_0, "%s: kv dtype %d", op,
+            (int)t);
     REQUIRE(kv->block_size > 0 && kv->n_blocks > 0 && kv->n_seqs > 0 && kv->max_blocks > 0,
             "%s: kv pages %d blocks x %d tokens, table %d x %d", op, kv->n_blocks, kv->block_size, kv->n_seqs,
             kv->max_blocks);
     const uint64_t kvw = (uint64_t)n_head_kv * (uint64_t)head_dim;
-    REQUIRE(t != DUET_DTYPE_Q8_0 || head_dim % 32 == 0, "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op, head_dim);
+    REQUIRE(t != DUET_DTYPE_Q8_0 || head_dim % 32 == 0, "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op,
+            head_dim);
     *rb = duet_dtype_row_bytes(t, (int64_t)kvw);
     *pool_bytes = mul2(mul2((uint64_t)kv->n_blocks, (uint64_t)kv->block_size), *rb);
     const size_t align = t == DUET_DTYPE_F32 ? 4 : 2;
@@ -60,7 +67,8 @@ static duet_status kv_check(const char *op, const duet_kv_pages *kv, int n_head_
     CHECK(duet__vk_view_check(op, "v_pool", kv->v_pool, *pool_bytes, align));
     CHECK(duet__vk_view_check(op, "block_table", kv->block_table,
                               mul2(mul2((uint64_t)kv->n_seqs, (uint64_t)kv->max_blocks), 4), 4));
-    REQUIRE(!duet__vk_views_overlap(kv->k_pool, *pool_bytes, kv->v_pool, *pool_bytes), "%s: k_pool overlaps v_pool", op);
+    REQUIRE(!duet__vk_views_overlap(kv->k_pool, *pool_bytes, kv->v_pool, *pool_bytes),
+            "%s: k_pool overlaps v_pool", op);
     /* Shaders address pool bytes with 32-bit offsets. */
     REQUIRE(*pool_bytes < ((uint64_t)1 << 31), "%s: a pool of %llu bytes (at most 2 GiB)", op,
             (unsigned long long)*pool_bytes);
@@ -87,18 +95,20 @@ static duet_status host_tokens(const vk_backend *be, const char *op, duet_view p
     ti->known = true;
     int64_t run_max = -1;
     for (int t = 0; t < n; t++) {
-        REQUIRE(pos[t] >= 0 && pos[t] < cap, "%s: token %d has position %d outside [0, %lld) (%d blocks of %d)", op, t,
-                pos[t], (long long)cap, kv->max_blocks, kv->block_size);
-        REQUIRE(seq[t] >= 0 && seq[t] < kv->n_seqs, "%s: token %d has sequence slot %d outside [0, %d)", op, t, seq[t],
-                kv->n_seqs);
+        REQUIRE(pos[t] >= 0 && pos[t] < cap,
+                "%s: token %d has position %d outside [0, %lld) (%d blocks of %d)", op, t, pos[t],
+                (long long)cap, kv->max_blocks, kv->block_size);
+        REQUIRE(seq[t] >= 0 && seq[t] < kv->n_seqs, "%s: token %d has sequence slot %d outside [0, %d)", op,
+                t, seq[t], kv->n_seqs);
         if ((uint64_t)pos[t] + 1 > ti->max_ctx) ti->max_ctx = (uint64_t)pos[t] + 1;
         if (t == 0 || seq[t] != seq[t - 1]) ti->runs++;
         if (!tab) continue;
         const int32_t *row = tab + (size_t)seq[t] * (size_t)kv->max_blocks;
         if (!whole_ctx) {
             int32_t e = row[pos[t] / kv->block_size];
-            REQUIRE(e >= 0 && e < kv->n_blocks, "%s: token %d: block table entry %d of sequence %d is %d, outside [0, %d)",
-                    op, t, pos[t] / kv->block_size, seq[t], e, kv->n_blocks);
+            REQUIRE(e >= 0 && e < kv->n_blocks,
+                    "%s: token %d: block table entry %d of sequence %d is %d, outside [0, %d)", op, t,
+                    pos[t] / kv->block_size, seq[t], e, kv->n_blocks);
             continue;
         }
         /* Attention reads blocks 0..pos/bs: checked once per run. */
@@ -106,8 +116,8 @@ static duet_status host_tokens(const vk_backend *be, const char *op, duet_view p
         if (t + 1 < n && seq[t + 1] == seq[t]) continue;
         for (int b = 0; b <= run_max / kv->block_size; b++)
             REQUIRE(row[b] >= 0 && row[b] < kv->n_blocks,
-                    "%s: token %d: block table entry %d of sequence %d is %d, outside [0, %d)", op, t, b, seq[t], row[b],
-                    kv->n_blocks);
+                    "%s: token %d: block table entry %d of sequence %d is %d, outside [0, %d)", op, t, b,
+                    seq[t], row[b], kv->n_blocks);
         run_max = -1;
     }
     return DUET_OK;
@@ -120,16 +130,18 @@ static duet_status host_tokens(const vk_backend *be, const char *op, duet_view p
  * sin). Grown geometrically (up to the table's capacity `cap`) as contexts
  * grow, so decoding does not rebuild it every step. */
 static duet_status rope_table(vk_backend *be, float base, int n_rot, int64_t need, int64_t cap) {
-    if (be->rope_table && be->rope_base == base && be->rope_n_rot == n_rot && be->rope_n_pos >= need) return DUET_OK;
+    if (be->rope_table && be->rope_base == base && be->rope_n_rot == n_rot && be->rope_n_pos >= need)
+        return DUET_OK;
     int64_t n_pos = need < 256 ? 256 : need;
-    if (be->rope_table && be->rope_base == base && be->rope_n_rot == n_rot && n_pos < 2 * (int64_t)be->rope_n_pos)
+    if (be->rope_table && be->rope_base == base && be->rope_n_rot == n_rot &&
+        n_pos < 2 * (int64_t)be->rope_n_pos)
         n_pos = 2 * (int64_t)be->rope_n_pos;
     if (n_pos > cap) n_pos = cap;
     const int half = n_rot / 2;
     const uint64_t bytes = (uint64_t)n_pos * (uint64_t)half * 8;
     if (bytes > ((uint64_t)256 << 20))
-        return duet__error(DUET_UNSUPPORTED, "rope_kv: a RoPE table for %lld positions (%llu bytes)", (long long)n_pos,
-                           (unsigned long long)bytes);
+        return duet__error(DUET_UNSUPPORTED, "rope_kv: a RoPE table for %lld positions (%llu bytes)",
+                           (long long)n_pos, (unsigned long long)bytes);
     float *tab = malloc(bytes);
     if (!tab) return duet__error(DUET_OUT_OF_MEMORY, "rope_kv: cos/sin table");
     for (int i = 0; i < half; i++) {
@@ -160,18 +172,22 @@ static duet_status rope_table(vk_backend *be, float base, int n_rot, int64_t nee
 
 duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
     const char *name = "rope_kv";
-    const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim, n_rot = op->rope_kv.n_rot;
+    const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim,
+              n_rot = op->rope_kv.n_rot;
     const duet_kv_pages *kv = &op->rope_kv.kv;
     const uint64_t nt = (uint64_t)op->n_tokens;
-    REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0, "rope_kv: n_head %d, n_head_kv %d, head_dim %d", nh, nkv, hd);
-    REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0, "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot,
-            hd);
-    REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g", (double)op->rope_kv.freq_base);
+    REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0, "rope_kv: n_head %d, n_head_kv %d, head_dim %d", nh,
+            nkv, hd);
+    REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0,
+            "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot, hd);
+    REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
+            (double)op->rope_kv.freq_base);
     uint64_t rb, pool_bytes;
     CHECK(kv_check(name, kv, nkv, hd, &rb, &pool_bytes));
     const uint64_t kvw = (uint64_t)nkv * (uint64_t)hd;
     const uint64_t qbytes = mul2(mul2(nt, (uint64_t)nh * (uint64_t)hd), 4), kbytes = mul2(mul2(nt, kvw), 4);
-    const duet_view q = op->rope_kv.q, k = op->rope_kv.k, v = op->rope_kv.v, pos = op->rope_kv.pos, seq = op->rope_kv.seq;
+    const duet_view q = op->rope_kv.q, k = op->rope_kv.k, v = op->rope_kv.v, pos = op->rope_kv.pos,
+                    seq = op->rope_kv.seq;
     CHECK(duet__vk_view_check(name, "q", q, qbytes, 4));
     CHECK(duet__vk_view_check(name, "k", k, kbytes, 4));
     CHECK(duet__vk_view_check(name, "v", v, kbytes, 4));
@@ -188,29 +204,37 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
     tok_info ti;
     CHECK(host_tokens(be, name, pos, seq, op->n_tokens, kv, false, &ti));
     const int64_t cap = (int64_t)kv->max_blocks * kv->block_size;
-    if (n_rot > 0) CHECK(rope_table(be, op->rope_kv.freq_base, n_rot, ti.known ? (int64_t)ti.max_ctx : cap, cap));
+    if (n_rot > 0)
+        CHECK(rope_table(be, op->rope_kv.freq_base, n_rot, ti.known ? (int64_t)ti.max_ctx : cap, cap));
 
     const uint32_t spec[3] = {(uint32_t)be->tune.ew_wg, kv_code(kv->dtype), op->rope_kv.neox};
     vk_dispatch d = {.kind = DUET_OP_ROPE_KV};
     CHECK(duet__vk_pipeline_get(be, VK_SHADER_ROPE_KV, 5, 5, 3, spec, &d.pipe));
     struct {
         uint32_t q_off, k_off, v_off, pos_off, seq_off, tab_off, bt_off, kp_off, vp_off;
-        uint32_t n_head, n_head_kv, hd, n_rot, n_pos, block_size, n_blocks, max_blocks, n_seqs, blk_lo, blk_hi, rotate;
-    } pc = {.n_head = (uint32_t)nh, .n_head_kv = (uint32_t)nkv, .hd = (uint32_t)hd, .n_rot = (uint32_t)n_rot,
+        uint32_t n_head, n_head_kv, hd, n_rot, n_pos, block_size, n_blocks, max_blocks, n_seqs, blk_lo,
+            blk_hi, rotate;
+    } pc = {.n_head = (uint32_t)nh,
+            .n_head_kv = (uint32_t)nkv,
+            .hd = (uint32_t)hd,
+            .n_rot = (uint32_t)n_rot,
             .n_pos = n_rot > 0 ? (uint32_t)be->rope_n_pos : (uint32_t)(cap > UINT32_MAX ? UINT32_MAX : cap),
-            .block_size = (uint32_t)kv->block_size, .n_blocks = (uint32_t)kv->n_blocks,
-            .max_blocks = (uint32_t)kv->max_blocks, .n_seqs = (uint32_t)kv->n_seqs};
+            .block_size = (uint32_t)kv->block_size,
+            .n_blocks = (uint32_t)kv->n_blocks,
+            .max_blocks = (uint32_t)kv->max_blocks,
+            .n_seqs = (uint32_t)kv->n_seqs};
     const uint64_t bt_bytes = (uint64_t)kv->n_seqs * (uint64_t)kv->max_blocks * 4;
     uint32_t rel;
     CHECK(duet__vk_tex_bind(be, name, "pos", pos.buf, pos.offset, nt * 4, &d.bind[0], &pc.pos_off));
     CHECK(duet__vk_tex_bind(be, name, "seq", seq.buf, seq.offset, nt * 4, &d.bind[1], &pc.seq_off));
     CHECK(duet__vk_tex_bind(be, name, "v", v.buf, v.offset, kbytes, &d.bind[2], &pc.v_off));
     if (n_rot > 0)
-        CHECK(duet__vk_tex_bind(be, name, "rope table", be->rope_table, 0, be->rope_table->size, &d.bind[3], &pc.tab_off));
+        CHECK(duet__vk_tex_bind(be, name, "rope table", be->rope_table, 0, be->rope_table->size, &d.bind[3],
+                                &pc.tab_off));
     else
         d.bind[3] = d.bind[0]; /* unread */
-    CHECK(duet__vk_tex_bind(be, name, "block_table", kv->block_table.buf, kv->block_table.offset, bt_bytes, &d.bind[4],
-                            &pc.bt_off));
+    CHECK(duet__vk_tex_bind(be, name, "block_table", kv->block_table.buf, kv->block_table.offset, bt_bytes,
+                            &d.bind[4], &pc.bt_off));
     CHECK(duet__vk_ssbo_bind(be, name, "q", q.buf, q.offset, qbytes, &d.bind[5], &rel));
     pc.q_off = rel / 4;
     CHECK(duet__vk_ssbo_bind(be, name, "k", k.buf, k.offset, kbytes, &d.bind[6], &rel));
@@ -226,17 +250,18 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
     const uint64_t blk_bytes = (uint64_t)kv->block_size * rb;
     const uint64_t win = (be->max_ssbo_range - 32) / blk_bytes;
     if (win == 0)
-        return duet__error(DUET_UNSUPPORTED, "rope_kv: one block of the KV pool (%llu bytes) exceeds a storage binding on %s",
+        return duet__error(DUET_UNSUPPORTED,
+                           "rope_kv: one block of the KV pool (%llu bytes) exceeds a storage binding on %s",
                            (unsigned long long)blk_bytes, be->base.info.name);
     const uint32_t es = kv->dtype == DUET_DTYPE_F32 ? 4 : kv->dtype == DUET_DTYPE_F16 ? 2 : 1;
     for (uint64_t b0 = 0; b0 < (uint64_t)kv->n_blocks; b0 += win) {
         const uint64_t b1 = b0 + win < (uint64_t)kv->n_blocks ? b0 + win : (uint64_t)kv->n_blocks;
         const uint64_t bytes = (b1 - b0) * blk_bytes;
-        CHECK(duet__vk_ssbo_bind(be, name, "k_pool", kv->k_pool.buf, kv->k_pool.offset + b0 * blk_bytes, bytes, &d.bind[7],
-                                 &rel));
+        CHECK(duet__vk_ssbo_bind(be, name, "k_pool", kv->k_pool.buf, kv->k_pool.offset + b0 * blk_bytes,
+                                 bytes, &d.bind[7], &rel));
         pc.kp_off = rel / es;
-        CHECK(duet__vk_ssbo_bind(be, name, "v_pool", kv->v_pool.buf, kv->v_pool.offset + b0 * blk_bytes, bytes, &d.bind[8],
-                                 &rel));
+        CHECK(duet__vk_ssbo_bind(be, name, "v_pool", kv->v_pool.buf, kv->v_pool.offset + b0 * blk_bytes,
+                                 bytes, &d.bind[8], &rel));
         pc.vp_off = rel / es;
         pc.blk_lo = (uint32_t)b0;
         pc.blk_hi = (uint32_t)b1;
@@ -260,12 +285,12 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
 
 /* How one attention op runs (see the file comment). */
 typedef struct attn_plan {
-    bool lane;                /* attn_lane.comp (else attn_flash.comp) */
+    bool lane; /* attn_lane.comp (else attn_flash.comp) */
     bool prefill;
-    uint32_t wg, c, nv, kt;   /* attn_flash specialization */
-    uint32_t gh, bq, n_hg;    /* heads and tokens per workgroup, head groups per KV head */
-    uint32_t n_split, chunk;  /* key splits */
-    bool partial;             /* through partials and attn_reduce */
+    uint32_t wg, c, nv, kt;  /* attn_flash specialization */
+    uint32_t gh, bq, n_hg;   /* heads and tokens per workgroup, head groups per KV head */
+    uint32_t n_split, chunk; /* key splits */
+    bool partial;            /* through partials and attn_reduce */
 } attn_plan;
 
 #define ATTN_MAX_FACTORS 4096 /* attn_reduce: n_head * n_split */
@@ -281,8 +306,8 @@ static bool lane_aligned(const duet_op *op) {
     const duet_kv_pages *kv = &op->attention.kv;
     const uint64_t hd = (uint64_t)op->attention.head_dim, kvw = (uint64_t)op->attention.n_head_kv * hd;
     const uint32_t per = kv->dtype == DUET_DTYPE_F16 ? 8 : 4;
-    return kv->dtype != DUET_DTYPE_Q8_0 && kv->k_pool.offset % 16 == 0 && kv->v_pool.offset % 16 == 0 && kvw % per == 0 &&
-           hd % per == 0;
+    return kv->dtype != DUET_DTYPE_Q8_0 && kv->k_pool.offset % 16 == 0 && kv->v_pool.offset % 16 == 0 &&
+           kvw % per == 0 && hd % per == 0;
 }
 
 static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info *ti, attn_plan *pl) {
@@ -300,7 +325,8 @@ static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info 
     pl->prefill = nt >= 4 * runs && nt >= 4;
     uint32_t c = pl->prefill ? (uint32_t)tu->attn_c : tu->attn_dc ? (uint32_t)tu->attn_dc : sgs;
     if (!be->phys->subgroup_shuffle || tu->no_shuffle) c = 1;
-    while (c > 1 && c > sgs) c >>= 1;
+    while (c > 1 && c > sgs)
+        c >>= 1;
     if (c > pow2_ceil(hd4)) c = pow2_ceil(hd4);
     uint32_t wg;
     if (pl->prefill) {
@@ -308,10 +334,12 @@ static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info 
         if (wg < c) wg = c;
     } else {
         uint32_t rows = pow2_ceil(G);
-        while (rows > 1 && c * rows > 256) rows >>= 1;
+        while (rows > 1 && c * rows > 256)
+            rows >>= 1;
         wg = c * rows;
     }
-    while (wg > max_wg && wg > c) wg >>= 1;
+    while (wg > max_wg && wg > c)
+        wg >>= 1;
     pl->c = c;
     pl->wg = wg;
     pl->nv = (hd4 + c - 1) / c;
@@ -320,7 +348,9 @@ static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info 
     pl->bq = pl->prefill ? rows / pl->gh : 1;
     pl->n_hg = (G + pl->gh - 1) / pl->gh;
     uint32_t kt = (uint32_t)tu->attn_kt;
-    while (kt > 1 && flash_shared_bytes(kt, pl->nv * c, rows) > be->phys->props.limits.maxComputeSharedMemorySize) kt >>= 1;
+    while (kt > 1 &&
+           flash_shared_bytes(kt, pl->nv * c, rows) > be->phys->props.limits.maxComputeSharedMemorySize)
+        kt >>= 1;
     pl->kt = kt;
 
     /* The lane kernel: C lanes per (token, head, split) row, each owning
@@ -331,15 +361,18 @@ static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info 
         const bool al = lane_aligned(op);
         uint32_t lc = tu->attn_dc ? (uint32_t)tu->attn_dc : sgs;
         if (!be->phys->subgroup_shuffle || !be->phys->subgroup_arith || tu->no_shuffle) lc = 1;
-        while (lc > 1 && lc > sgs) lc >>= 1;
+        while (lc > 1 && lc > sgs)
+            lc >>= 1;
         uint32_t unit = kv->dtype == DUET_DTYPE_Q8_0 ? 8 : al ? (kv->dtype == DUET_DTYPE_F16 ? 8 : 4) : 4;
-        while (lc > 1 && lc > pow2_ceil((hd + unit - 1) / unit)) lc >>= 1;
+        while (lc > 1 && lc > pow2_ceil((hd + unit - 1) / unit))
+            lc >>= 1;
         if (kv->dtype == DUET_DTYPE_Q8_0 && lc == 1) unit = 32;
         const uint32_t n_units = (hd + unit - 1) / unit;
         pl->c = lc;
         pl->nv = (n_units + lc - 1) / lc;
         pl->wg = (uint32_t)tu->attn_wg < lc ? lc : (uint32_t)tu->attn_wg;
-        while (pl->wg > max_wg && pl->wg > lc) pl->wg >>= 1;
+        while (pl->wg > max_wg && pl->wg > lc)
+            pl->wg >>= 1;
         pl->kt = (uint32_t)kv->block_size; /* splits on block boundaries */
     }
 
@@ -347,7 +380,8 @@ static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info 
      * or more per split. */
     const uint64_t cap = (uint64_t)kv->max_blocks * (uint64_t)kv->block_size;
     const uint64_t ctx = ti->known ? ti->max_ctx : cap;
-    const uint64_t base = pl->lane ? div_up(nt * nh, pl->wg / pl->c) : (uint64_t)div_up(nt, pl->bq) * nkv * pl->n_hg;
+    const uint64_t base =
+        pl->lane ? div_up(nt * nh, pl->wg / pl->c) : (uint64_t)div_up(nt, pl->bq) * nkv * pl->n_hg;
     uint64_t n_split = base < (uint64_t)tu->attn_par ? div_up((uint64_t)tu->attn_par, base) : 1;
     uint64_t most = div_up(ctx, (uint64_t)tu->attn_chunk);
     if (n_split > most) n_split = most;
@@ -370,13 +404,13 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
     REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0,
             "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d", nh, nkv, hd);
     if (hd > VK_MAX_HEAD_DIM)
-        return duet__error(DUET_UNSUPPORTED, "attention: head_dim %d (the vulkan backend handles up to %d)", hd,
-                           VK_MAX_HEAD_DIM);
+        return duet__error(DUET_UNSUPPORTED, "attention: head_dim %d (the vulkan backend handles up to %d)",
+                           hd, VK_MAX_HEAD_DIM);
     uint64_t rb, pool_bytes;
     CHECK(kv_check(name, kv, nkv, hd, &rb, &pool_bytes));
     const uint64_t width = (uint64_t)nh * (uint64_t)hd, qbytes = mul2(mul2(nt, width), 4);
-    const duet_view q = op->attention.q, pos = op->attention.pos, seq = op->attention.seq, out = op->attention.out,
-                    oq = op->attention.out_q8;
+    const duet_view q = op->attention.q, pos = op->attention.pos, seq = op->attention.seq,
+                    out = op->attention.out, oq = op->attention.out_q8;
     const bool has_out = out.buf != NULL, has_q8 = oq.buf != NULL;
     REQUIRE(has_out || has_q8, "attention: no output");
     CHECK(duet__vk_view_check(name, "q", q, qbytes, 4));
@@ -385,9 +419,11 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
     const duet_view pools[2] = {kv->k_pool, kv->v_pool};
     if (has_out) {
         CHECK(duet__vk_view_check(name, "out", out, qbytes, 4));
-        REQUIRE(!duet__vk_views_overlap(out, qbytes, q, qbytes) || out.offset == q.offset, "attention: out partly overlaps q");
+        REQUIRE(!duet__vk_views_overlap(out, qbytes, q, qbytes) || out.offset == q.offset,
+                "attention: out partly overlaps q");
         for (int i = 0; i < 2; i++)
-            REQUIRE(!duet__vk_views_overlap(out, qbytes, pools[i], pool_bytes), "attention: out overlaps the KV cache");
+            REQUIRE(!duet__vk_views_overlap(out, qbytes, pools[i], pool_bytes),
+                    "attention: out overlaps the KV cache");
     }
     uint64_t oq_bytes = 0;
     if (has_q8) {
@@ -395,7 +431,8 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
                 (unsigned long long)width);
         oq_bytes = mul2(mul2(nt, width / 32), 34);
         CHECK(duet__vk_view_check(name, "out_q8", oq, oq_bytes, 2));
-        REQUIRE(!duet__vk_views_overlap(oq, oq_bytes, q, qbytes) && !duet__vk_views_overlap(oq, oq_bytes, out, qbytes) &&
+        REQUIRE(!duet__vk_views_overlap(oq, oq_bytes, q, qbytes) &&
+                    !duet__vk_views_overlap(oq, oq_bytes, out, qbytes) &&
                     !duet__vk_views_overlap(oq, oq_bytes, pools[0], pool_bytes) &&
                     !duet__vk_views_overlap(oq, oq_bytes, pools[1], pool_bytes),
                 "attention: out_q8 overlaps another operand");
@@ -408,11 +445,14 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
     const uint32_t grid_x = pl.lane ? 0 : div_up(nt, pl.bq), grid_y = pl.lane ? 1 : (uint32_t)nkv * pl.n_hg;
 
     /* Partials: f32 [n_tok][n_head][n_split][head_dim + 2]. */
-    const uint64_t part_bytes = pl.partial ? mul2(mul2(mul2(nt, (uint64_t)nh), pl.n_split), ((uint64_t)hd + 2) * 4) : 0;
+    const uint64_t part_bytes =
+        pl.partial ? mul2(mul2(mul2(nt, (uint64_t)nh), pl.n_split), ((uint64_t)hd + 2) * 4) : 0;
     if (pl.partial) {
         if (part_bytes > be->max_ssbo_range - 32 || part_bytes > be->max_texel_bytes / 2)
-            return duet__error(DUET_UNSUPPORTED, "attention: %d tokens x %d heads x %u splits of partials exceed a binding on %s",
-                               op->n_tokens, nh, pl.n_split, be->base.info.name);
+            return duet__error(
+                DUET_UNSUPPORTED,
+                "attention: %d tokens x %d heads x %u splits of partials exceed a binding on %s",
+                op->n_tokens, nh, pl.n_split, be->base.info.name);
         CHECK(duet__vk_scratch_reserve(be, &be->attn_part, part_bytes));
     }
 
@@ -424,18 +464,29 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
         uint32_t n_tok, n_head, n_head_kv, hd, block_size, n_blocks, max_blocks, n_seqs;
         float scale;
         uint32_t n_split, chunk, gh, bq;
-    } pc = {.n_tok = (uint32_t)nt, .n_head = (uint32_t)nh, .n_head_kv = (uint32_t)nkv, .hd = (uint32_t)hd,
-            .block_size = (uint32_t)kv->block_size, .n_blocks = (uint32_t)kv->n_blocks,
-            .max_blocks = (uint32_t)kv->max_blocks, .n_seqs = (uint32_t)kv->n_seqs, .scale = op->attention.scale,
-            .n_split = pl.n_split, .chunk = pl.chunk, .gh = pl.gh, .bq = pl.bq};
+    } pc = {.n_tok = (uint32_t)nt,
+            .n_head = (uint32_t)nh,
+            .n_head_kv = (uint32_t)nkv,
+            .hd = (uint32_t)hd,
+            .block_size = (uint32_t)kv->block_size,
+            .n_blocks = (uint32_t)kv->n_blocks,
+            .max_blocks = (uint32_t)kv->max_blocks,
+            .n_seqs = (uint32_t)kv->n_seqs,
+            .scale = op->attention.scale,
+            .n_split = pl.n_split,
+            .chunk = pl.chunk,
+            .gh = pl.gh,
+            .bq = pl.bq};
     uint32_t rel;
     CHECK(duet__vk_tex_bind(be, name, "q", q.buf, q.offset, qbytes, &d.bind[0], &pc.q_off));
     CHECK(duet__vk_tex_bind(be, name, "pos", pos.buf, pos.offset, nt * 4, &d.bind[1], &pc.pos_off));
     CHECK(duet__vk_tex_bind(be, name, "seq", seq.buf, seq.offset, nt * 4, &d.bind[2], &pc.seq_off));
-    CHECK(duet__vk_tex_bind(be, name, "block_table", kv->block_table.buf, kv->block_table.offset, bt_bytes, &d.bind[3],
-                            &pc.bt_off));
-    CHECK(duet__vk_tex_bind(be, name, "k_pool", kv->k_pool.buf, kv->k_pool.offset, pool_bytes, &d.bind[4], &pc.kp_off));
-    CHECK(duet__vk_tex_bind(be, name, "v_pool", kv->v_pool.buf, kv->v_pool.offset, pool_bytes, &d.bind[5], &pc.vp_off));
+    CHECK(duet__vk_tex_bind(be, name, "block_table", kv->block_table.buf, kv->block_table.offset, bt_bytes,
+                            &d.bind[3], &pc.bt_off));
+    CHECK(duet__vk_tex_bind(be, name, "k_pool", kv->k_pool.buf, kv->k_pool.offset, pool_bytes, &d.bind[4],
+                            &pc.kp_off));
+    CHECK(duet__vk_tex_bind(be, name, "v_pool", kv->v_pool.buf, kv->v_pool.offset, pool_bytes, &d.bind[5],
+                            &pc.vp_off));
     if (pl.partial) {
         CHECK(duet__vk_ssbo_bind(be, name, "partials", be->attn_part, 0, part_bytes, &d.bind[6], &rel));
         d.writes[d.n_writes++] = rng(be->attn_part, 0, part_bytes);
@@ -454,13 +505,15 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
         const uint64_t kvw = (uint64_t)nkv * (uint64_t)hd;
         const bool pairs = kv->dtype == DUET_DTYPE_Q8_0 && pl.c == 1 && hd % 64 == 0 && kvw % 64 == 0 &&
                            pc.kp_off % 4 == 0 && pc.vp_off % 4 == 0;
-        const uint32_t spec[7] = {pl.wg, pl.c, pl.nv, kv_code(kv->dtype), aligned || pairs, pl.partial, sg_add};
-        CHECK(duet__vk_pipeline_get(be, shuffle ? VK_SHADER_ATTN_LANE : VK_SHADER_ATTN_LANE_NOSHUFFLE, 6, 2, 7, spec,
-                                    &d.pipe));
+        const uint32_t spec[7] = {pl.wg,      pl.c,  pl.nv, kv_code(kv->dtype), aligned || pairs,
+                                  pl.partial, sg_add};
+        CHECK(duet__vk_pipeline_get(be, shuffle ? VK_SHADER_ATTN_LANE : VK_SHADER_ATTN_LANE_NOSHUFFLE, 6, 2,
+                                    7, spec, &d.pipe));
     } else {
         const uint32_t spec[7] = {pl.wg, pl.c, pl.nv, pl.kt, kv_code(kv->dtype), aligned, pl.partial};
-        const vk_shader flash =
-            be->phys->subgroup_shuffle && !be->tune.no_shuffle ? VK_SHADER_ATTN_FLASH : VK_SHADER_ATTN_FLASH_NOSHUFFLE;
+        const vk_shader flash = be->phys->subgroup_shuffle && !be->tune.no_shuffle
+                                    ? VK_SHADER_ATTN_FLASH
+                                    : VK_SHADER_ATTN_FLASH_NOSHUFFLE;
         CHECK(duet__vk_pipeline_get(be, flash, 6, 2, 7, spec, &d.pipe));
     }
     d.reads[d.n_reads++] = rng(q.buf, q.offset, qbytes);
@@ -472,7 +525,8 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
     if (pl.lane) {
         const uint64_t rows = nt * (uint64_t)nh * pl.n_split;
         if (div_up(rows, pl.wg / pl.c) > be->max_groups[0])
-            return duet__error(DUET_UNSUPPORTED, "attention: %llu rows exceed the grid limit", (unsigned long long)rows);
+            return duet__error(DUET_UNSUPPORTED, "attention: %llu rows exceed the grid limit",
+                               (unsigned long long)rows);
         d.groups[0] = div_up(rows, pl.wg / pl.c);
         d.groups[1] = d.groups[2] = 1;
     } else {

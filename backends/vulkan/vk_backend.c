@@ -20,7 +20,9 @@
 
 /* ---- discovery ---------------------------------------------------------------------- */
 
-static bool vk_available(char *why, size_t why_size) { return duet__vk_global(why, why_size) != NULL; }
+static bool vk_available(char *why, size_t why_size) {
+    return duet__vk_global(why, why_size) != NULL;
+}
 
 static int vk_device_count(void) {
     const vk_global *g = duet__vk_global(NULL, 0);
@@ -53,11 +55,14 @@ static void choose_memory(vk_backend *be) {
     const VkPhysicalDeviceMemoryProperties *mp = &be->phys->mem;
     VkDeviceSize largest_local = 0;
     for (uint32_t i = 0; i < mp->memoryHeapCount; i++)
-        if ((mp->memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) && mp->memoryHeaps[i].size > largest_local)
+        if ((mp->memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) &&
+            mp->memoryHeaps[i].size > largest_local)
             largest_local = mp->memoryHeaps[i].size;
-    const VkMemoryPropertyFlags uma = VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT | VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |
+    const VkMemoryPropertyFlags uma = VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT |
+                                      VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT |
                                       VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
-    const VkMemoryPropertyFlags host = VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
+    const VkMemoryPropertyFlags host =
+        VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT;
     int t = find_type(mp, ~0u, uma);
     if (t >= 0 && mp->memoryHeaps[mp->memoryTypes[t].heapIndex].size * 10 >= largest_local * 9) {
         be->mem_type = (uint32_t)t;
@@ -87,9 +92,10 @@ duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visibl
      * partial texel is inside the buffer. */
     size_t padded = (size + 15) & ~(size_t)15;
     if (padded < size || padded > be->max_alloc)
-        return duet__error(DUET_OUT_OF_MEMORY,
-                           "vulkan: a buffer of %zu bytes is larger than %s allows in one allocation (%" PRIu64 ")",
-                           size, be->base.info.name, (uint64_t)be->max_alloc);
+        return duet__error(
+            DUET_OUT_OF_MEMORY,
+            "vulkan: a buffer of %zu bytes is larger than %s allows in one allocation (%" PRIu64 ")", size,
+            be->base.info.name, (uint64_t)be->max_alloc);
     duet_buffer *b = calloc(1, sizeof *b);
     if (!b) return duet__error(DUET_OUT_OF_MEMORY, "vulkan: buffer handle");
     b->size = size;
@@ -112,8 +118,9 @@ duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visibl
     uint32_t type = host_visible ? be->staging_type : be->mem_type;
     if (!(req.memoryTypeBits >> type & 1)) {
         int t = find_type(&be->phys->mem, req.memoryTypeBits,
-                          host_visible ? VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
-                                       : VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+                          host_visible
+                              ? VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT
+                              : VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
         if (t < 0) {
             st = duet__error(DUET_DEVICE, "vulkan: no memory type for a buffer");
             goto fail;
@@ -128,8 +135,8 @@ duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visibl
     r = vkAllocateMemory(be->dev, &ai, NULL, &b->mem);
     if (r != VK_SUCCESS) {
         st = r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_OUT_OF_HOST_MEMORY
-                 ? duet__error(DUET_OUT_OF_MEMORY, "vulkan: out of device memory allocating %zu bytes on %s", size,
-                               be->base.info.name)
+                 ? duet__error(DUET_OUT_OF_MEMORY, "vulkan: out of device memory allocating %zu bytes on %s",
+                               size, be->base.info.name)
                  : duet__vk_fail(r, "vkAllocateMemory", __FILE__, __LINE__);
         goto fail;
     }
@@ -151,7 +158,8 @@ duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visibl
     stride &= ~(size_t)(be->texel_align - 1);
     for (size_t start = 0; start < padded && st == DUET_OK; start += stride) {
         if (b->n_views == VK_MAX_VIEWS) {
-            st = duet__error(DUET_UNSUPPORTED, "vulkan: a %zu-byte buffer needs more than %d texel views on %s", size,
+            st = duet__error(DUET_UNSUPPORTED,
+                             "vulkan: a %zu-byte buffer needs more than %d texel views on %s", size,
                              VK_MAX_VIEWS, be->base.info.name);
             break;
         }
@@ -205,7 +213,8 @@ duet_status duet__vk_retire(vk_backend *be, duet_buffer *b) {
 void duet__vk_buffer_destroy(vk_backend *be, duet_buffer *b) {
     if (!b) return;
     if (b->own) be->scratch_now -= b->alloc_bytes;
-    for (int i = 0; i < b->n_views; i++) vkDestroyBufferView(be->dev, b->views[i], NULL);
+    for (int i = 0; i < b->n_views; i++)
+        vkDestroyBufferView(be->dev, b->views[i], NULL);
     if (b->buf) vkDestroyBuffer(be->dev, b->buf, NULL);
     if (b->mem) vkFreeMemory(be->dev, b->mem, NULL); /* unmaps too */
     free(b);
@@ -227,10 +236,13 @@ static duet_status staged_copy(vk_backend *be, duet_buffer *b, size_t off, size_
                                    .flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT};
     VK_TRY(vkBeginCommandBuffer(be->xfer, &bi));
     VkBufferCopy c = {.srcOffset = to_device ? 0 : off, .dstOffset = to_device ? off : 0, .size = size};
-    if (to_device) vkCmdCopyBuffer(be->xfer, be->staging->buf, b->buf, 1, &c);
-    else vkCmdCopyBuffer(be->xfer, b->buf, be->staging->buf, 1, &c);
+    if (to_device)
+        vkCmdCopyBuffer(be->xfer, be->staging->buf, b->buf, 1, &c);
+    else
+        vkCmdCopyBuffer(be->xfer, b->buf, be->staging->buf, 1, &c);
     VK_TRY(vkEndCommandBuffer(be->xfer));
-    VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1, .pCommandBuffers = &be->xfer};
+    VkSubmitInfo si = {
+        .sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1, .pCommandBuffers = &be->xfer};
     VK_TRY(vkQueueSubmit(be->queue, 1, &si, be->fence));
     return fence_wait(be);
 }
@@ -239,7 +251,9 @@ static duet_status vk_wait(duet_backend *base);
 
 /* Data moves between steps: finish a submitted step first. */
 static duet_status settle(vk_backend *be, const char *what) {
-    if (be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "vulkan: %s inside a step (between begin and submit)", what);
+    if (be->in_step)
+        return duet__error(DUET_INVALID_ARGUMENT, "vulkan: %s inside a step (between begin and submit)",
+                           what);
     if (be->submitted) return vk_wait(&be->base);
     return DUET_OK;
 }
@@ -262,12 +276,14 @@ duet_status duet__vk_write(vk_backend *be, duet_buffer *b, size_t off, const voi
 
 static duet_status vk_check_range(const char *what, duet_buffer *buf, size_t offset, size_t size) {
     if (offset > buf->size || size > buf->size - offset)
-        return duet__error(DUET_INVALID_ARGUMENT, "vulkan %s: %zu bytes at offset %zu run past a %zu-byte buffer", what,
-                           size, offset, buf->size);
+        return duet__error(DUET_INVALID_ARGUMENT,
+                           "vulkan %s: %zu bytes at offset %zu run past a %zu-byte buffer", what, size,
+                           offset, buf->size);
     return DUET_OK;
 }
 
-static duet_status vk_upload(duet_backend *base, duet_buffer *buf, size_t offset, const void *src, size_t size) {
+static duet_status vk_upload(duet_backend *base, duet_buffer *buf, size_t offset, const void *src,
+                             size_t size) {
     vk_backend *be = (vk_backend *)base;
     duet_status st = vk_check_range("upload", buf, offset, size);
     if (st == DUET_OK) st = settle(be, "upload");
@@ -322,7 +338,9 @@ duet_status duet__vk_scratch_reserve(vk_backend *be, duet_buffer **b, size_t siz
     return DUET_OK;
 }
 
-static size_t vk_scratch_bytes(duet_backend *base) { return ((vk_backend *)base)->scratch_peak; }
+static size_t vk_scratch_bytes(duet_backend *base) {
+    return ((vk_backend *)base)->scratch_peak;
+}
 
 /* ---- instance ------------------------------------------------------------------------ */
 
@@ -338,11 +356,15 @@ static duet_status apply_limits(vk_backend *be) {
         unsigned long long v = eq ? strtoull(eq + 1, &end, 10) : 0;
         if (!eq || !*(eq + 1) || *end || v < 256 || v % 256)
             return duet__error(DUET_INVALID_ARGUMENT,
-                               "DUET_VK_LIMITS: '%s' (want ssbo=N, texel=N or alloc=N, N a multiple of 256)", kv);
+                               "DUET_VK_LIMITS: '%s' (want ssbo=N, texel=N or alloc=N, N a multiple of 256)",
+                               kv);
         *eq = 0;
-        if (strcmp(kv, "ssbo") == 0 && v < be->max_ssbo_range) be->max_ssbo_range = v;
-        else if (strcmp(kv, "texel") == 0 && v < be->max_texel_bytes) be->max_texel_bytes = v;
-        else if (strcmp(kv, "alloc") == 0 && v < be->max_alloc) be->max_alloc = v;
+        if (strcmp(kv, "ssbo") == 0 && v < be->max_ssbo_range)
+            be->max_ssbo_range = v;
+        else if (strcmp(kv, "texel") == 0 && v < be->max_texel_bytes)
+            be->max_texel_bytes = v;
+        else if (strcmp(kv, "alloc") == 0 && v < be->max_alloc)
+            be->max_alloc = v;
         else if (strcmp(kv, "ssbo") && strcmp(kv, "texel") && strcmp(kv, "alloc"))
             return duet__error(DUET_INVALID_ARGUMENT, "DUET_VK_LIMITS: unknown limit '%s'", kv);
     }
@@ -355,16 +377,18 @@ static void vk_close(duet_backend *base) {
     if (be->dev) {
         vkDeviceWaitIdle(be->dev);
         if (be->profile && be->prof_steps > 0) {
-            static const char *const names[DUET_OP_COUNT] = {"embed", "rmsnorm", "matmul", "rope_kv", "attention",
-                                                             "swiglu", "add", "gather_rows", "argmax"};
+            static const char *const names[DUET_OP_COUNT] = {"embed",   "rmsnorm",     "matmul",
+                                                             "rope_kv", "attention",   "swiglu",
+                                                             "add",     "gather_rows", "argmax"};
             double total = 0;
-            for (int k = 0; k < DUET_OP_COUNT; k++) total += be->prof_ms[k];
-            fprintf(stderr, "duet vulkan profile (%s, %d steps, %.3f ms of dispatches):\n", be->base.info.name,
-                    be->prof_steps, total);
+            for (int k = 0; k < DUET_OP_COUNT; k++)
+                total += be->prof_ms[k];
+            fprintf(stderr, "duet vulkan profile (%s, %d steps, %.3f ms of dispatches):\n",
+                    be->base.info.name, be->prof_steps, total);
             for (int k = 0; k < DUET_OP_COUNT; k++)
                 if (be->prof_n[k])
-                    fprintf(stderr, "  %-12s %8ld dispatches %10.3f ms %6.1f%%  %8.1f us each\n", names[k], be->prof_n[k],
-                            be->prof_ms[k], total > 0 ? 100.0 * be->prof_ms[k] / total : 0.0,
+                    fprintf(stderr, "  %-12s %8ld dispatches %10.3f ms %6.1f%%  %8.1f us each\n", names[k],
+                            be->prof_n[k], be->prof_ms[k], total > 0 ? 100.0 * be->prof_ms[k] / total : 0.0,
                             1000.0 * be->prof_ms[k] / (double)be->prof_n[k]);
         }
         duet__vk_pipeline_cache_save(be);
@@ -373,7 +397,8 @@ static void vk_close(duet_backend *base) {
         duet__vk_buffer_destroy(be, be->attn_part);
         duet__vk_buffer_destroy(be, be->status);
         duet__vk_buffer_destroy(be, be->staging);
-        for (int i = 0; i < be->n_retired; i++) duet__vk_buffer_destroy(be, be->retired[i]);
+        for (int i = 0; i < be->n_retired; i++)
+            duet__vk_buffer_destroy(be, be->retired[i]);
         duet__vk_descriptors_destroy(be);
         duet__vk_pipelines_destroy(be);
         if (be->pcache) vkDestroyPipelineCache(be->dev, be->pcache, NULL);
@@ -392,11 +417,13 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
     const vk_global *g = duet__vk_global(why, sizeof why);
     if (!g) return duet__error(DUET_NO_DEVICE, "vulkan: unavailable (%s)", why);
     if (index < 0 || index >= g->n_devices)
-        return duet__error(DUET_NO_DEVICE, "vulkan: no device %d (it has %d; see `duet devices`)", index, g->n_devices);
+        return duet__error(DUET_NO_DEVICE, "vulkan: no device %d (it has %d; see `duet devices`)", index,
+                           g->n_devices);
     const vk_physical *p = &g->devices[index];
     const VkPhysicalDeviceLimits *lim = &p->props.limits;
     if (lim->maxPerStageDescriptorStorageBuffers < 5 || lim->maxPerStageDescriptorSampledImages < 5)
-        return duet__error(DUET_UNSUPPORTED, "vulkan: %s binds too few buffers per shader (%u storage, %u texel)",
+        return duet__error(DUET_UNSUPPORTED,
+                           "vulkan: %s binds too few buffers per shader (%u storage, %u texel)",
                            p->props.deviceName, lim->maxPerStageDescriptorStorageBuffers,
                            lim->maxPerStageDescriptorSampledImages);
     VkFormatProperties fp;
@@ -430,7 +457,8 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
     };
     const char *exts[1];
     uint32_t n_exts = 0;
-    if (be->tune.int_dot && p->has_int_dot_ext) exts[n_exts++] = VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME;
+    if (be->tune.int_dot && p->has_int_dot_ext)
+        exts[n_exts++] = VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME;
     VkDeviceCreateInfo dci = {
         .sType = VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
         .pNext = be->tune.int_dot ? &dotf : NULL,
@@ -448,7 +476,8 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
     vkGetDeviceQueue(be->dev, p->queue_family, 0, &be->queue);
 
     /* Limits. maxMemoryAllocationSize is 1.1 core (maintenance3). */
-    VkPhysicalDeviceMaintenance3Properties m3 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
+    VkPhysicalDeviceMaintenance3Properties m3 = {
+        .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
     VkPhysicalDeviceProperties2 pr2 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, .pNext = &m3};
     vkGetPhysicalDeviceProperties2(p->pd, &pr2);
     be->max_ssbo_range = lim->maxStorageBufferRange;
@@ -490,7 +519,8 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
         st = duet__vk_fail(r, "vkCreateFence", __FILE__, __LINE__);
         goto fail;
     }
-    if (!be->mem_host_visible && (st = duet__vk_own_buffer_create(be, be->staging_bytes, true, &be->staging)) != DUET_OK)
+    if (!be->mem_host_visible &&
+        (st = duet__vk_own_buffer_create(be, be->staging_bytes, true, &be->staging)) != DUET_OK)
         goto fail;
     if ((st = duet__vk_own_buffer_create(be, 16, true, &be->status)) != DUET_OK) goto fail;
     if (!be->status->map) {
@@ -516,7 +546,8 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
     }
     snprintf(be->base.info.features + strlen(be->base.info.features),
              sizeof be->base.info.features - strlen(be->base.info.features), " tuning=%s matmul=%s%s",
-             be->tune.source, be->tune.matmul == VK_MATMUL_TILE ? "tile" : "subgroup", be->tune.int_dot ? "+dot" : "");
+             be->tune.source, be->tune.matmul == VK_MATMUL_TILE ? "tile" : "subgroup",
+             be->tune.int_dot ? "+dot" : "");
     *out = &be->base;
     return DUET_OK;
 fail:
@@ -547,7 +578,8 @@ static duet_status vk_begin(duet_backend *base) {
 
 static duet_status vk_op(duet_backend *base, const duet_op *op) {
     vk_backend *be = (vk_backend *)base;
-    if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "vulkan: op outside a step (call begin first)");
+    if (!be->in_step)
+        return duet__error(DUET_INVALID_ARGUMENT, "vulkan: op outside a step (call begin first)");
     return duet__vk_record_op(be, op);
 }
 
@@ -556,7 +588,8 @@ static duet_status vk_submit(duet_backend *base) {
     if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "vulkan: submit without begin");
     be->in_step = false;
     VK_TRY(vkEndCommandBuffer(be->cmd));
-    VkSubmitInfo si = {.sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1, .pCommandBuffers = &be->cmd};
+    VkSubmitInfo si = {
+        .sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1, .pCommandBuffers = &be->cmd};
     VK_TRY(vkQueueSubmit(be->queue, 1, &si, be->fence));
     be->submitted = true;
     return DUET_OK;
@@ -566,8 +599,9 @@ static void profile_collect(vk_backend *be) {
     if (!be->profile || be->ts_count == 0) return;
     uint64_t *ts = malloc(sizeof(uint64_t) * 2 * (size_t)be->ts_count);
     if (!ts) return;
-    if (vkGetQueryPoolResults(be->dev, be->ts_pool, 0, 2 * (uint32_t)be->ts_count, sizeof(uint64_t) * 2 * (size_t)be->ts_count,
-                              ts, sizeof(uint64_t), VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT) == VK_SUCCESS) {
+    if (vkGetQueryPoolResults(be->dev, be->ts_pool, 0, 2 * (uint32_t)be->ts_count,
+                              sizeof(uint64_t) * 2 * (size_t)be->ts_count, ts, sizeof(uint64_t),
+                              VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT) == VK_SUCCESS) {
         double period_ms = be->phys->props.limits.timestampPeriod * 1e-6;
         uint64_t mask = be->phys->timestamp_bits >= 64 ? ~0ull : (1ull << be->phys->timestamp_bits) - 1;
         for (int i = 0; i < be->ts_count; i++) {
@@ -585,21 +619,23 @@ static duet_status vk_wait(duet_backend *base) {
     if (!be->submitted) return DUET_OK;
     be->submitted = false;
     duet_status st = fence_wait(be);
-    for (int i = 0; i < be->n_retired; i++) duet__vk_buffer_destroy(be, be->retired[i]);
+    for (int i = 0; i < be->n_retired; i++)
+        duet__vk_buffer_destroy(be, be->retired[i]);
     be->n_retired = 0;
     if (st != DUET_OK) return st;
     profile_collect(be);
     uint32_t bad = *(volatile uint32_t *)be->status->map;
     if (bad) {
         *(volatile uint32_t *)be->status->map = 0;
-        return duet__error(DUET_INVALID_ARGUMENT,
-                           "vulkan: the step read an index out of range:%s%s%s%s%s (those outputs are zero; a bad block "
-                           "table entry was clamped into the pools)",
-                           bad & 1 ? " a token id outside the embedding table" : "",
-                           bad & 2 ? " a position outside the block table" : "",
-                           bad & 4 ? " a sequence slot outside the block table" : "",
-                           bad & 8 ? " a row outside the gathered tensor" : "",
-                           bad & 16 ? " a block table entry outside the KV pools" : "");
+        return duet__error(
+            DUET_INVALID_ARGUMENT,
+            "vulkan: the step read an index out of range:%s%s%s%s%s (those outputs are zero; a bad block "
+            "table entry was clamped into the pools)",
+            bad & 1 ? " a token id outside the embedding table" : "",
+            bad & 2 ? " a position outside the block table" : "",
+            bad & 4 ? " a sequence slot outside the block table" : "",
+            bad & 8 ? " a row outside the gathered tensor" : "",
+            bad & 16 ? " a block table entry outside the KV pools" : "");
     }
     int n = duet__vk_validation_errors(); /* -1: the layer is off */
     if (n > be->validation_seen) {
@@ -612,7 +648,9 @@ static duet_status vk_wait(duet_backend *base) {
 
 /* ---- dispatch recording -------------------------------------------------------------------- */
 
-static bool overlaps(const vk_range *a, const vk_range *b) { return a->id == b->id && a->lo < b->hi && b->lo < a->hi; }
+static bool overlaps(const vk_range *a, const vk_range *b) {
+    return a->id == b->id && a->lo < b->hi && b->lo < a->hi;
+}
 
 static bool conflicts(const vk_range *set, int n, const vk_range *r) {
     for (int i = 0; i < n; i++)
@@ -623,8 +661,9 @@ static bool conflicts(const vk_range *set, int n, const vk_range *r) {
 duet_status duet__vk_dispatch(vk_backend *be, const vk_dispatch *d) {
     for (int i = 0; i < 3; i++)
         if (d->groups[i] > be->max_groups[i])
-            return duet__error(DUET_UNSUPPORTED, "vulkan: %u workgroups in dimension %d exceed %s's limit of %u",
-                               d->groups[i], i, be->base.info.name, be->max_groups[i]);
+            return duet__error(DUET_UNSUPPORTED,
+                               "vulkan: %u workgroups in dimension %d exceed %s's limit of %u", d->groups[i],
+                               i, be->base.info.name, be->max_groups[i]);
     if (d->groups[0] == 0 || d->groups[1] == 0 || d->groups[2] == 0) return DUET_OK;
     VkDescriptorSet set;
     duet_status st = duet__vk_descriptor_set(be, d->pipe, d->bind, &set);
@@ -633,25 +672,29 @@ duet_status duet__vk_dispatch(vk_backend *be, const vk_dispatch *d) {
     /* A barrier when this dispatch reads or writes what an earlier one
      * (since the last barrier) wrote, or writes what one read. */
     bool hazard = be->n_reads + d->n_reads > VK_MAX_TRACKED || be->n_writes + d->n_writes > VK_MAX_TRACKED;
-    for (int i = 0; i < d->n_reads && !hazard; i++) hazard = conflicts(be->writes, be->n_writes, &d->reads[i]);
+    for (int i = 0; i < d->n_reads && !hazard; i++)
+        hazard = conflicts(be->writes, be->n_writes, &d->reads[i]);
     for (int i = 0; i < d->n_writes && !hazard; i++)
-        hazard = conflicts(be->writes, be->n_writes, &d->writes[i]) || conflicts(be->reads, be->n_reads, &d->writes[i]);
+        hazard = conflicts(be->writes, be->n_writes, &d->writes[i]) ||
+                 conflicts(be->reads, be->n_reads, &d->writes[i]);
     if (hazard) {
         VkMemoryBarrier mb = {
             .sType = VK_STRUCTURE_TYPE_MEMORY_BARRIER,
             .srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_SHADER_READ_BIT,
             .dstAccessMask = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT,
         };
-        vkCmdPipelineBarrier(be->cmd, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, 0, 1,
-                             &mb, 0, NULL, 0, NULL);
+        vkCmdPipelineBarrier(be->cmd, VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT,
+                             VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT, 0, 1, &mb, 0, NULL, 0, NULL);
         be->n_reads = be->n_writes = 0;
         be->n_barriers++;
     }
-    for (int i = 0; i < d->n_reads; i++) be->reads[be->n_reads++] = d->reads[i];
+    for (int i = 0; i < d->n_reads; i++)
+        be->reads[be->n_reads++] = d->reads[i];
     for (int i = 0; i < d->n_writes; i++) {
         be->writes[be->n_writes++] = d->writes[i];
         bool known = false;
-        for (int j = 0; j < be->n_written && j < VK_MAX_WRITTEN && !known; j++) known = be->written[j] == d->writes[i].id;
+        for (int j = 0; j < be->n_written && j < VK_MAX_WRITTEN && !known; j++)
+            known = be->written[j] == d->writes[i].id;
         if (!known && be->n_written <= VK_MAX_WRITTEN) {
             if (be->n_written < VK_MAX_WRITTEN) be->written[be->n_written] = d->writes[i].id;
             be->n_written++;
@@ -663,12 +706,16 @@ duet_status duet__vk_dispatch(vk_backend *be, const vk_dispatch *d) {
 
     vkCmdBindPipeline(be->cmd, VK_PIPELINE_BIND_POINT_COMPUTE, d->pipe->pipe);
     vkCmdBindDescriptorSets(be->cmd, VK_PIPELINE_BIND_POINT_COMPUTE, d->pipe->layout, 0, 1, &set, 0, NULL);
-    if (d->push_size) vkCmdPushConstants(be->cmd, d->pipe->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, d->push_size, d->push);
+    if (d->push_size)
+        vkCmdPushConstants(be->cmd, d->pipe->layout, VK_SHADER_STAGE_COMPUTE_BIT, 0, d->push_size, d->push);
     bool ts = be->profile && be->ts_count < VK_PROFILE_MAX_OPS;
-    if (ts) vkCmdWriteTimestamp(be->cmd, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, be->ts_pool, 2 * (uint32_t)be->ts_count);
+    if (ts)
+        vkCmdWriteTimestamp(be->cmd, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, be->ts_pool,
+                            2 * (uint32_t)be->ts_count);
     vkCmdDispatch(be->cmd, d->groups[0], d->groups[1], d->groups[2]);
     if (ts) {
-        vkCmdWriteTimestamp(be->cmd, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, be->ts_pool, 2 * (uint32_t)be->ts_count + 1);
+        vkCmdWriteTimestamp(be->cmd, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, be->ts_pool,
+                            2 * (uint32_t)be->ts_count + 1);
         be->ts_kind[be->ts_count++] = d->kind;
     }
     be->n_dispatches++;

@@ -18,8 +18,9 @@
 
 const char *duet__vk_result_str(VkResult r) {
     switch (r) {
-#define VK_RESULT_CASE(x) \
-    case x: return #x;
+#define VK_RESULT_CASE(x)                                                                                    \
+    case x:                                                                                                  \
+        return #x;
         VK_RESULT_CASE(VK_SUCCESS)
         VK_RESULT_CASE(VK_NOT_READY)
         VK_RESULT_CASE(VK_TIMEOUT)
@@ -41,14 +42,15 @@ const char *duet__vk_result_str(VkResult r) {
         VK_RESULT_CASE(VK_ERROR_FRAGMENTATION)
         VK_RESULT_CASE(VK_ERROR_UNKNOWN)
 #undef VK_RESULT_CASE
-    default: return "VK_ERROR_(unlisted)";
+    default:
+        return "VK_ERROR_(unlisted)";
     }
 }
 
 duet_status duet__vk_fail(VkResult r, const char *expr, const char *file, int line) {
     duet_status st = DUET_DEVICE;
-    if (r == VK_ERROR_OUT_OF_HOST_MEMORY || r == VK_ERROR_OUT_OF_DEVICE_MEMORY || r == VK_ERROR_FRAGMENTED_POOL ||
-        r == VK_ERROR_OUT_OF_POOL_MEMORY || r == VK_ERROR_TOO_MANY_OBJECTS)
+    if (r == VK_ERROR_OUT_OF_HOST_MEMORY || r == VK_ERROR_OUT_OF_DEVICE_MEMORY ||
+        r == VK_ERROR_FRAGMENTED_POOL || r == VK_ERROR_OUT_OF_POOL_MEMORY || r == VK_ERROR_TOO_MANY_OBJECTS)
         st = DUET_OUT_OF_MEMORY;
     else if (r == VK_ERROR_INCOMPATIBLE_DRIVER || r == VK_ERROR_INITIALIZATION_FAILED)
         st = DUET_NO_DEVICE;
@@ -65,7 +67,8 @@ static pthread_mutex_t vk_val_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static VKAPI_ATTR VkBool32 VKAPI_CALL vk_debug_cb(VkDebugUtilsMessageSeverityFlagBitsEXT severity,
                                                   VkDebugUtilsMessageTypeFlagsEXT types,
-                                                  const VkDebugUtilsMessengerCallbackDataEXT *data, void *user) {
+                                                  const VkDebugUtilsMessengerCallbackDataEXT *data,
+                                                  void *user) {
     (void)types;
     (void)user;
     if (!(severity & VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT)) return VK_FALSE;
@@ -81,9 +84,13 @@ static VKAPI_ATTR VkBool32 VKAPI_CALL vk_debug_cb(VkDebugUtilsMessageSeverityFla
 
 static atomic_bool vk_val_on;
 
-int duet__vk_validation_errors(void) { return atomic_load(&vk_val_on) ? atomic_load(&vk_val_errors) : -1; }
+int duet__vk_validation_errors(void) {
+    return atomic_load(&vk_val_on) ? atomic_load(&vk_val_errors) : -1;
+}
 
-const char *duet__vk_validation_first(void) { return vk_val_first; }
+const char *duet__vk_validation_first(void) {
+    return vk_val_first;
+}
 
 /* ---- the instance ---------------------------------------------------------------------- */
 
@@ -104,32 +111,47 @@ static bool has_layer(const char *name) {
     VkLayerProperties *l = calloc(n, sizeof *l);
     bool found = false;
     if (l && vkEnumerateInstanceLayerProperties(&n, l) == VK_SUCCESS)
-        for (uint32_t i = 0; i < n && !found; i++) found = strcmp(l[i].layerName, name) == 0;
+        for (uint32_t i = 0; i < n && !found; i++)
+            found = strcmp(l[i].layerName, name) == 0;
     free(l);
     return found;
 }
 
 static const char *vendor_name(uint32_t id) {
     switch (id) {
-    case 0x10DE: return "NVIDIA";
-    case 0x1002: return "AMD";
-    case 0x1022: return "AMD";
-    case 0x8086: return "Intel";
-    case 0x13B5: return "ARM";
-    case 0x5143: return "Qualcomm";
-    case 0x1010: return "Imagination";
-    case 0x106B: return "Apple";
-    case 0x10005: return "Mesa";
-    default: return NULL;
+    case 0x10DE:
+        return "NVIDIA";
+    case 0x1002:
+        return "AMD";
+    case 0x1022:
+        return "AMD";
+    case 0x8086:
+        return "Intel";
+    case 0x13B5:
+        return "ARM";
+    case 0x5143:
+        return "Qualcomm";
+    case 0x1010:
+        return "Imagination";
+    case 0x106B:
+        return "Apple";
+    case 0x10005:
+        return "Mesa";
+    default:
+        return NULL;
     }
 }
 
 static duet_device_type device_type(VkPhysicalDeviceType t) {
     switch (t) {
-    case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: return DUET_DEVICE_DISCRETE_GPU;
-    case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: return DUET_DEVICE_INTEGRATED_GPU;
-    case VK_PHYSICAL_DEVICE_TYPE_CPU: return DUET_DEVICE_CPU;
-    default: return DUET_DEVICE_OTHER;
+    case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU:
+        return DUET_DEVICE_DISCRETE_GPU;
+    case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU:
+        return DUET_DEVICE_INTEGRATED_GPU;
+    case VK_PHYSICAL_DEVICE_TYPE_CPU:
+        return DUET_DEVICE_CPU;
+    default:
+        return DUET_DEVICE_OTHER;
     }
 }
 
@@ -185,7 +207,8 @@ static bool probe_device(VkPhysicalDevice pd, vk_physical *p, char *why, size_t 
     vkEnumerateDeviceExtensionProperties(pd, NULL, &ne, ext);
     bool api13 = p->props.apiVersion >= VK_API_VERSION_1_3;
     p->has_int_dot_ext = !api13 && has_ext(ext, ne, VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME);
-    p->has_coopmat_ext = has_ext(ext, ne, "VK_KHR_cooperative_matrix") || has_ext(ext, ne, "VK_NV_cooperative_matrix");
+    p->has_coopmat_ext =
+        has_ext(ext, ne, "VK_KHR_cooperative_matrix") || has_ext(ext, ne, "VK_NV_cooperative_matrix");
     free(ext);
 
     /* Features (1.1/1.2 structs are core at 1.2; integer dot is core at 1.3). */
@@ -209,7 +232,8 @@ static bool probe_device(VkPhysicalDevice pd, vk_physical *p, char *why, size_t 
     VkPhysicalDeviceDriverProperties drv = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES,
                                             .pNext = &sg};
     if (p->int_dot) sg.pNext = &dotp;
-    VkPhysicalDeviceProperties2 pr2 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2, .pNext = &drv};
+    VkPhysicalDeviceProperties2 pr2 = {.sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2,
+                                       .pNext = &drv};
     vkGetPhysicalDeviceProperties2(pd, &pr2);
     p->driver_id = drv.driverID;
     p->subgroup_size = sg.subgroupSize;
@@ -218,24 +242,28 @@ static bool probe_device(VkPhysicalDevice pd, vk_physical *p, char *why, size_t 
                         (sg.supportedOperations & VK_SUBGROUP_FEATURE_ARITHMETIC_BIT);
     p->subgroup_shuffle = (sg.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) &&
                           (sg.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT);
-    p->int_dot_accel = p->int_dot && (dotp.integerDotProduct4x8BitPackedSignedAccelerated ||
-                                      dotp.integerDotProductAccumulatingSaturating4x8BitPackedSignedAccelerated);
+    p->int_dot_accel =
+        p->int_dot && (dotp.integerDotProduct4x8BitPackedSignedAccelerated ||
+                       dotp.integerDotProductAccumulatingSaturating4x8BitPackedSignedAccelerated);
     p->coopmat = p->has_coopmat_ext;
 
     /* The public description. */
     duet_device_info *info = &p->info;
     snprintf(info->name, sizeof info->name, "%s", p->props.deviceName);
     const char *vn = vendor_name(p->props.vendorID);
-    if (vn) snprintf(info->vendor, sizeof info->vendor, "%s", vn);
-    else snprintf(info->vendor, sizeof info->vendor, "0x%04x", p->props.vendorID);
-    snprintf(info->driver, sizeof info->driver, "%.40s %.60s (Vulkan %u.%u.%u)", drv.driverName, drv.driverInfo,
-             VK_API_VERSION_MAJOR(p->props.apiVersion), VK_API_VERSION_MINOR(p->props.apiVersion),
-             VK_API_VERSION_PATCH(p->props.apiVersion));
+    if (vn)
+        snprintf(info->vendor, sizeof info->vendor, "%s", vn);
+    else
+        snprintf(info->vendor, sizeof info->vendor, "0x%04x", p->props.vendorID);
+    snprintf(info->driver, sizeof info->driver, "%.40s %.60s (Vulkan %u.%u.%u)", drv.driverName,
+             drv.driverInfo, VK_API_VERSION_MAJOR(p->props.apiVersion),
+             VK_API_VERSION_MINOR(p->props.apiVersion), VK_API_VERSION_PATCH(p->props.apiVersion));
     info->type = device_type(p->props.deviceType);
     uint64_t local = 0, any = 0;
     for (uint32_t i = 0; i < p->mem.memoryHeapCount; i++) {
         any += p->mem.memoryHeaps[i].size;
-        if (p->mem.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) local += p->mem.memoryHeaps[i].size;
+        if (p->mem.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)
+            local += p->mem.memoryHeaps[i].size;
     }
     info->memory_bytes = local ? local : any;
     info->compute_units = 0; /* Vulkan does not say */
@@ -245,9 +273,9 @@ static bool probe_device(VkPhysicalDevice pd, vk_physical *p, char *why, size_t 
     info->subgroup_size = (int)p->subgroup_size;
     char *f = info->features;
     f[0] = 0;
-    appendf(f, sizeof info->features, "fp16-arith=%s fp16-storage=%s int8-storage=%s int8-dot=%s%s", p->fp16 ? "yes" : "no",
-            p->storage16 ? "yes" : "no", p->storage8 ? "yes" : "no", p->int_dot ? "yes" : "no",
-            p->int_dot ? (p->int_dot_accel ? "(accelerated)" : "(emulated)") : "");
+    appendf(f, sizeof info->features, "fp16-arith=%s fp16-storage=%s int8-storage=%s int8-dot=%s%s",
+            p->fp16 ? "yes" : "no", p->storage16 ? "yes" : "no", p->storage8 ? "yes" : "no",
+            p->int_dot ? "yes" : "no", p->int_dot ? (p->int_dot_accel ? "(accelerated)" : "(emulated)") : "");
     appendf(f, sizeof info->features, " subgroup=%u ops=%s%s%s%s%s", p->subgroup_size,
             (sg.supportedOperations & VK_SUBGROUP_FEATURE_ARITHMETIC_BIT) ? "arith," : "",
             (sg.supportedOperations & VK_SUBGROUP_FEATURE_BALLOT_BIT) ? "ballot," : "",
@@ -261,7 +289,8 @@ static bool probe_device(VkPhysicalDevice pd, vk_physical *p, char *why, size_t 
         appendf(f, sizeof info->features, "%s%.1fGiB%s", i ? "," : "",
                 (double)p->mem.memoryHeaps[i].size / (1024.0 * 1024 * 1024),
                 (p->mem.memoryHeaps[i].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) ? "(local)" : "");
-    appendf(f, sizeof info->features, " max-storage-range=%uMiB", p->props.limits.maxStorageBufferRange >> 20);
+    appendf(f, sizeof info->features, " max-storage-range=%uMiB",
+            p->props.limits.maxStorageBufferRange >> 20);
     return true;
 }
 
@@ -296,7 +325,8 @@ static bool create_instance(char *why, size_t why_size) {
     if (validation) {
         if (!has_layer(layers[0])) {
             free(ext);
-            snprintf(why, why_size, "DUET_VK_VALIDATION is set but VK_LAYER_KHRONOS_validation is not installed");
+            snprintf(why, why_size,
+                     "DUET_VK_VALIDATION is set but VK_LAYER_KHRONOS_validation is not installed");
             return false;
         }
         exts[n_exts++] = VK_EXT_DEBUG_UTILS_EXTENSION_NAME;
@@ -322,12 +352,15 @@ static bool create_instance(char *why, size_t why_size) {
     };
     VkDebugUtilsMessengerCreateInfoEXT dbg = {
         .sType = VK_STRUCTURE_TYPE_DEBUG_UTILS_MESSENGER_CREATE_INFO_EXT,
-        .messageSeverity = VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT | VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT,
-        .messageType = VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT | VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT |
+        .messageSeverity =
+            VK_DEBUG_UTILS_MESSAGE_SEVERITY_ERROR_BIT_EXT | VK_DEBUG_UTILS_MESSAGE_SEVERITY_WARNING_BIT_EXT,
+        .messageType = VK_DEBUG_UTILS_MESSAGE_TYPE_GENERAL_BIT_EXT |
+                       VK_DEBUG_UTILS_MESSAGE_TYPE_VALIDATION_BIT_EXT |
                        VK_DEBUG_UTILS_MESSAGE_TYPE_PERFORMANCE_BIT_EXT,
         .pfnUserCallback = vk_debug_cb,
     };
-    const VkValidationFeatureEnableEXT enables[1] = {VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT};
+    const VkValidationFeatureEnableEXT enables[1] = {
+        VK_VALIDATION_FEATURE_ENABLE_SYNCHRONIZATION_VALIDATION_EXT};
     VkValidationFeaturesEXT features = {
         .sType = VK_STRUCTURE_TYPE_VALIDATION_FEATURES_EXT,
         .enabledValidationFeatureCount = 1,
@@ -349,7 +382,8 @@ static bool create_instance(char *why, size_t why_size) {
         snprintf(why, why_size, "vkCreateInstance failed: %s", duet__vk_result_str(r));
         return false;
     }
-    volkLoadInstance(vk_g.instance); /* device functions go through the loader's trampolines: right for any number of devices */
+    volkLoadInstance(vk_g.instance); /* device functions go through the loader's trampolines: right for any
+                                        number of devices */
     vk_g.validation = validation;
     atomic_store(&vk_val_on, validation);
     if (validation && vkCreateDebugUtilsMessengerEXT) {
@@ -373,17 +407,21 @@ const vk_global *duet__vk_global(char *why, size_t why_size) {
             if (n > VK_MAX_DEVICES) n = VK_MAX_DEVICES;
             if (r == VK_SUCCESS || r == VK_INCOMPLETE) r = vkEnumeratePhysicalDevices(vk_g.instance, &n, pds);
             if (r != VK_SUCCESS && r != VK_INCOMPLETE) {
-                snprintf(vk_g_why, sizeof vk_g_why, "vkEnumeratePhysicalDevices failed: %s", duet__vk_result_str(r));
+                snprintf(vk_g_why, sizeof vk_g_why, "vkEnumeratePhysicalDevices failed: %s",
+                         duet__vk_result_str(r));
                 n = 0;
             }
             char skip[256] = "";
             for (uint32_t i = 0; i < n; i++) {
                 char reason[256];
-                if (probe_device(pds[i], &vk_g.devices[vk_g.n_devices], reason, sizeof reason)) vk_g.n_devices++;
-                else if (!skip[0]) snprintf(skip, sizeof skip, "%s", reason);
+                if (probe_device(pds[i], &vk_g.devices[vk_g.n_devices], reason, sizeof reason))
+                    vk_g.n_devices++;
+                else if (!skip[0])
+                    snprintf(skip, sizeof skip, "%s", reason);
             }
             if (vk_g.n_devices == 0 && !vk_g_why[0])
-                snprintf(vk_g_why, sizeof vk_g_why, "%s", n == 0 ? "no Vulkan driver or device (the loader found no ICD)" : skip);
+                snprintf(vk_g_why, sizeof vk_g_why, "%s",
+                         n == 0 ? "no Vulkan driver or device (the loader found no ICD)" : skip);
         }
     }
     const vk_global *g = vk_g.n_devices > 0 ? &vk_g : NULL;

@@ -58,10 +58,10 @@
 duet_status duet__vk_fail(VkResult r, const char *expr, const char *file, int line);
 const char *duet__vk_result_str(VkResult r);
 
-#define VK_TRY(expr)                                                              \
-    do {                                                                          \
-        VkResult vk_r_ = (expr);                                                  \
-        if (vk_r_ != VK_SUCCESS) return duet__vk_fail(vk_r_, #expr, __FILE__, __LINE__); \
+#define VK_TRY(expr)                                                                                         \
+    do {                                                                                                     \
+        VkResult vk_r_ = (expr);                                                                             \
+        if (vk_r_ != VK_SUCCESS) return duet__vk_fail(vk_r_, #expr, __FILE__, __LINE__);                     \
     } while (0)
 
 /* ---- process-wide state: loader, instance, physical devices ---------------- */
@@ -73,23 +73,23 @@ typedef struct vk_physical {
     VkPhysicalDeviceProperties props;
     VkPhysicalDeviceMemoryProperties mem;
     VkDriverId driver_id;
-    uint32_t queue_family;      /* a family with compute */
-    uint32_t timestamp_bits;    /* of that family; 0 = no timestamps */
+    uint32_t queue_family;   /* a family with compute */
+    uint32_t timestamp_bits; /* of that family; 0 = no timestamps */
     /* What the device offers. The shaders need none of the 8/16-bit
      * features (they read 32-bit texels and unpack); integer dot products
      * are enabled when the tuning uses them. */
-    bool fp16;                  /* shaderFloat16 */
-    bool storage16;             /* storageBuffer16BitAccess */
-    bool storage8;              /* storageBuffer8BitAccess */
-    bool int8;                  /* shaderInt8 */
-    bool int_dot;               /* shaderIntegerDotProduct (VK 1.3 or the KHR extension) */
-    bool int_dot_accel;         /* 4x8-bit packed signed dot products are accelerated */
-    bool coopmat;               /* VK_KHR_cooperative_matrix is offered */
-    bool subgroup_arith;        /* subgroup arithmetic in compute shaders */
-    bool subgroup_shuffle;      /* subgroup shuffles in compute shaders */
+    bool fp16;             /* shaderFloat16 */
+    bool storage16;        /* storageBuffer16BitAccess */
+    bool storage8;         /* storageBuffer8BitAccess */
+    bool int8;             /* shaderInt8 */
+    bool int_dot;          /* shaderIntegerDotProduct (VK 1.3 or the KHR extension) */
+    bool int_dot_accel;    /* 4x8-bit packed signed dot products are accelerated */
+    bool coopmat;          /* VK_KHR_cooperative_matrix is offered */
+    bool subgroup_arith;   /* subgroup arithmetic in compute shaders */
+    bool subgroup_shuffle; /* subgroup shuffles in compute shaders */
     uint32_t subgroup_size;
-    uint32_t subgroup_ops;      /* VkSubgroupFeatureFlags */
-    bool has_int_dot_ext;       /* the KHR extension must be enabled (API < 1.3) */
+    uint32_t subgroup_ops; /* VkSubgroupFeatureFlags */
+    bool has_int_dot_ext;  /* the KHR extension must be enabled (API < 1.3) */
     bool has_coopmat_ext;
     duet_device_info info;
 } vk_physical;
@@ -99,7 +99,7 @@ typedef struct vk_global {
     uint32_t api_version;
     int n_devices;
     vk_physical devices[VK_MAX_DEVICES];
-    bool validation;            /* VK_LAYER_KHRONOS_validation is on */
+    bool validation; /* VK_LAYER_KHRONOS_validation is on */
     VkDebugUtilsMessengerEXT messenger;
 } vk_global;
 
@@ -128,9 +128,9 @@ typedef enum vk_matmul_path {
 } vk_matmul_path;
 
 typedef struct vk_tuning {
-    char source[96];       /* which table entry (and overrides) chose these */
+    char source[96]; /* which table entry (and overrides) chose these */
     vk_matmul_path matmul;
-    bool int_dot;          /* Q8_0 through OpSDotAccSat (needs the feature) */
+    bool int_dot; /* Q8_0 through OpSDotAccSat (needs the feature) */
     /* tile path: workgroup size, rows per invocation, tokens per invocation;
      * rows per invocation of the Q8_0 decode GEMV (one token) */
     int tile_wg, tile_rows, tile_tokens, tile_rows_q8;
@@ -150,9 +150,9 @@ typedef struct vk_tuning {
      * never into pieces of fewer than attn_chunk keys. */
     bool attn_lane;
     int attn_wg, attn_c, attn_dc, attn_kt, attn_par, attn_chunk;
-    bool no_shuffle;       /* never use subgroup shuffles (one lane per row) */
-    int norm_wg;           /* lanes per token row of rmsnorm / argmax */
-    int ew_wg;             /* elementwise ops */
+    bool no_shuffle; /* never use subgroup shuffles (one lane per row) */
+    int norm_wg;     /* lanes per token row of rmsnorm / argmax */
+    int ew_wg;       /* elementwise ops */
 } vk_tuning;
 
 /* Chooses the table entry for a device, then applies DUET_VK_TUNE
@@ -168,7 +168,7 @@ duet_status duet__vk_tuning_select(const vk_physical *phys, vk_tuning *out);
 struct duet_buffer {
     VkBuffer buf;
     VkDeviceMemory mem;
-    void *map;          /* host pointer when the memory is host-visible */
+    void *map; /* host pointer when the memory is host-visible */
     size_t size;
     uint64_t id;        /* unique per instance, never reused: descriptor-cache key */
     size_t alloc_bytes; /* device memory behind it */
@@ -192,7 +192,7 @@ typedef struct vk_pipeline {
     vk_shader shader;
     int n_spec;
     uint32_t spec[VK_MAX_SPEC];
-    int n_tex, n_ssbo;             /* bindings: texel views first, then storage buffers */
+    int n_tex, n_ssbo;                /* bindings: texel views first, then storage buffers */
     VkDescriptorSetLayout set_layout; /* shared, owned by vk_backend.layouts */
     VkPipelineLayout layout;          /* shared */
     VkPipeline pipe;
@@ -207,9 +207,9 @@ typedef struct vk_layout {
 /* One binding of a dispatch: a texel view, or a storage-buffer range. */
 typedef struct vk_binding {
     duet_buffer *buf;
-    int view;              /* texel: which view */
-    VkDeviceSize offset;   /* storage: aligned start */
-    VkDeviceSize range;    /* storage: bytes */
+    int view;            /* texel: which view */
+    VkDeviceSize offset; /* storage: aligned start */
+    VkDeviceSize range;  /* storage: bytes */
 } vk_binding;
 
 typedef struct vk_desc_entry {
@@ -244,8 +244,8 @@ typedef struct vk_backend {
      * device has such a type: then uploads and downloads are memcpy). */
     uint32_t mem_type;
     bool mem_host_visible;
-    uint32_t staging_type;  /* host-visible, for the staging buffer */
-    duet_buffer *staging;   /* NULL when mem_host_visible */
+    uint32_t staging_type; /* host-visible, for the staging buffer */
+    duet_buffer *staging;  /* NULL when mem_host_visible */
     size_t staging_bytes;
 
     /* Limits (the device's, or smaller ones from DUET_VK_LIMITS for tests). */
@@ -270,21 +270,21 @@ typedef struct vk_backend {
 
     /* The step. */
     VkCommandPool cmd_pool;
-    VkCommandBuffer cmd;    /* the step's command buffer */
-    VkCommandBuffer xfer;   /* staging copies outside steps */
+    VkCommandBuffer cmd;  /* the step's command buffer */
+    VkCommandBuffer xfer; /* staging copies outside steps */
     VkFence fence;
     bool in_step, submitted;
     vk_range reads[VK_MAX_TRACKED], writes[VK_MAX_TRACKED]; /* since the last barrier */
     int n_reads, n_writes;
     uint64_t written[VK_MAX_WRITTEN]; /* buffers any dispatch of this step writes */
     int n_written;                    /* > VK_MAX_WRITTEN: too many to know */
-    int n_barriers, n_dispatches; /* this step, for tests and profiles */
+    int n_barriers, n_dispatches;     /* this step, for tests and profiles */
 
     /* Device-side bounds checks: shaders set bits in this host-visible word
      * when an index input (token id, position, sequence, row) is out of
      * range; wait() reports them. */
     duet_buffer *status;
-    int validation_seen;    /* validation errors already reported */
+    int validation_seen; /* validation errors already reported */
 
     /* Scratch owned by the backend: quantized activations for Q8_0 matmuls
      * (grown to the largest op seen, then kept), the RoPE cos/sin table and
@@ -293,7 +293,7 @@ typedef struct vk_backend {
     size_t scratch_now, scratch_peak;
     duet_buffer *attn_part;
     duet_buffer *xq;
-    uint64_t xq_src_id;     /* the activation range xq currently holds */
+    uint64_t xq_src_id; /* the activation range xq currently holds */
     size_t xq_src_off, xq_src_bytes;
     int xq_tokens, xq_n_in;
     duet_buffer *rope_table;

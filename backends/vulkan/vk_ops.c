@@ -22,9 +22,9 @@
 #include "vk_internal.h"
 
 static const char *const op_names[DUET_OP_COUNT] = {
-    [DUET_OP_EMBED] = "embed",         [DUET_OP_RMSNORM] = "rmsnorm", [DUET_OP_MATMUL] = "matmul",
-    [DUET_OP_ROPE_KV] = "rope_kv",     [DUET_OP_ATTENTION] = "attention", [DUET_OP_SWIGLU] = "swiglu",
-    [DUET_OP_ADD] = "add",             [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
+    [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",         [DUET_OP_MATMUL] = "matmul",
+    [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention",     [DUET_OP_SWIGLU] = "swiglu",
+    [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
 };
 
 /* ---- validation helpers (as in the cpu backend) --------------------------------------- */
@@ -32,20 +32,25 @@ static const char *const op_names[DUET_OP_COUNT] = {
 static duet_status view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align) {
     if (!v.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: %s has no buffer", op, name);
     if (v.offset % align)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s offset %zu is not a multiple of %zu", op, name, v.offset, align);
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s offset %zu is not a multiple of %zu", op, name,
+                           v.offset, align);
     if (v.offset > v.buf->size || bytes > (uint64_t)(v.buf->size - v.offset))
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s needs %llu bytes at offset %zu but its buffer holds %zu", op,
-                           name, (unsigned long long)bytes, v.offset, v.buf->size);
+        return duet__error(DUET_INVALID_ARGUMENT,
+                           "%s: %s needs %llu bytes at offset %zu but its buffer holds %zu", op, name,
+                           (unsigned long long)bytes, v.offset, v.buf->size);
     return DUET_OK;
 }
 
-static uint64_t view_avail(duet_view v) { return v.buf && v.offset <= v.buf->size ? v.buf->size - v.offset : 0; }
+static uint64_t view_avail(duet_view v) {
+    return v.buf && v.offset <= v.buf->size ? v.buf->size - v.offset : 0;
+}
 
 static bool views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) {
     return a.buf && a.buf == b.buf && a.offset < b.offset + bn && b.offset < a.offset + an;
 }
 
-static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out, uint64_t bytes) {
+static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out,
+                                 uint64_t bytes) {
     if (views_overlap(in, bytes, out, bytes) && in.offset != out.offset)
         return duet__error(DUET_INVALID_ARGUMENT, "%s: out partly overlaps %s", op, name);
     return DUET_OK;
@@ -64,14 +69,15 @@ static const int32_t *host_indices(const vk_backend *be, duet_view v) {
 
 /* A read of [v.offset, v.offset + bytes) through the texel view holding it;
  * *rel is the byte offset from that view's start. */
-static duet_status tex_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off, uint64_t bytes,
-                            vk_binding *bind, uint32_t *rel) {
+static duet_status tex_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off,
+                            uint64_t bytes, vk_binding *bind, uint32_t *rel) {
     int k = b->n_views == 1 ? 0 : (int)(off / b->view_stride);
     if (k >= b->n_views) k = b->n_views - 1;
     size_t start = (size_t)k * b->view_stride;
     if (off + bytes > start + b->view_span[k])
-        return duet__error(DUET_UNSUPPORTED, "%s: %s spans %llu bytes; one texel view on %s holds at most %llu", op, name,
-                           (unsigned long long)bytes, be->base.info.name, (unsigned long long)be->max_texel_bytes / 2);
+        return duet__error(
+            DUET_UNSUPPORTED, "%s: %s spans %llu bytes; one texel view on %s holds at most %llu", op, name,
+            (unsigned long long)bytes, be->base.info.name, (unsigned long long)be->max_texel_bytes / 2);
     *bind = (vk_binding){.buf = b, .view = k};
     *rel = (uint32_t)(off - start);
     return DUET_OK;
@@ -79,8 +85,8 @@ static duet_status tex_bind(vk_backend *be, const char *op, const char *name, du
 
 /* A write (or read-write) of [off, off + bytes) through a storage binding
  * that starts at an aligned offset; *rel is off's byte offset inside it. */
-static duet_status ssbo_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off, uint64_t bytes,
-                             vk_binding *bind, uint32_t *rel) {
+static duet_status ssbo_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off,
+                             uint64_t bytes, vk_binding *bind, uint32_t *rel) {
     /* At least 16-byte aligned: shaders address words (and q8_0 blocks by
      * their word phase) from the binding's start. */
     const size_t align = be->ssbo_align < 16 ? 16 : (size_t)be->ssbo_align;
@@ -89,24 +95,32 @@ static duet_status ssbo_bind(vk_backend *be, const char *op, const char *name, d
     size_t padded = (b->size + 15) & ~(size_t)15;
     if (start + range > padded) range = padded - start;
     if (range > be->max_ssbo_range)
-        return duet__error(DUET_UNSUPPORTED, "%s: %s writes %llu bytes; one storage binding on %s holds at most %llu", op,
-                           name, (unsigned long long)bytes, be->base.info.name,
-                           (unsigned long long)be->max_ssbo_range);
+        return duet__error(
+            DUET_UNSUPPORTED, "%s: %s writes %llu bytes; one storage binding on %s holds at most %llu", op,
+            name, (unsigned long long)bytes, be->base.info.name, (unsigned long long)be->max_ssbo_range);
     *bind = (vk_binding){.buf = b, .offset = start, .range = range};
     *rel = (uint32_t)(off - start);
     return DUET_OK;
 }
 
-static vk_binding status_bind(vk_backend *be) { return (vk_binding){.buf = be->status, .offset = 0, .range = 16}; }
+static vk_binding status_bind(vk_backend *be) {
+    return (vk_binding){.buf = be->status, .offset = 0, .range = 16};
+}
 
 /* ---- exported for vk_attention.c ------------------------------------------------------- */
 
 duet_status duet__vk_view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align) {
     return view_check(op, name, v, bytes, align);
 }
-uint64_t duet__vk_view_avail(duet_view v) { return view_avail(v); }
-bool duet__vk_views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) { return views_overlap(a, an, b, bn); }
-const int32_t *duet__vk_host_indices(const vk_backend *be, duet_view v) { return host_indices(be, v); }
+uint64_t duet__vk_view_avail(duet_view v) {
+    return view_avail(v);
+}
+bool duet__vk_views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) {
+    return views_overlap(a, an, b, bn);
+}
+const int32_t *duet__vk_host_indices(const vk_backend *be, duet_view v) {
+    return host_indices(be, v);
+}
 duet_status duet__vk_tex_bind(vk_backend *be, const char *op, const char *name, duet_buffer *b, size_t off,
                               uint64_t bytes, vk_binding *bind, uint32_t *rel) {
     return tex_bind(be, op, name, b, off, bytes, bind, rel);
@@ -115,21 +129,27 @@ duet_status duet__vk_ssbo_bind(vk_backend *be, const char *op, const char *name,
                                uint64_t bytes, vk_binding *bind, uint32_t *rel) {
     return ssbo_bind(be, op, name, b, off, bytes, bind, rel);
 }
-vk_binding duet__vk_unused_ssbo(vk_backend *be) { return status_bind(be); }
+vk_binding duet__vk_unused_ssbo(vk_backend *be) {
+    return status_bind(be);
+}
 
 /* An optional q8_0 output of `nt` rows of `width` values: its bytes, after
  * checking it fits its buffer and overlaps none of the inputs. */
 static duet_status q8_out_check(const char *op, duet_view oq, uint64_t nt, int width, const duet_view *others,
                                 const uint64_t *other_bytes, int n_others) {
-    if (width % 32) return duet__error(DUET_INVALID_ARGUMENT, "%s: q8 output needs width %% 32 == 0 (got %d)", op, width);
+    if (width % 32)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: q8 output needs width %% 32 == 0 (got %d)", op, width);
     uint64_t bytes = mul3(nt, (uint64_t)width / 32, 34);
     CHECK(view_check(op, "out_q8", oq, bytes, 2));
     for (int i = 0; i < n_others; i++)
-        REQUIRE(!views_overlap(oq, bytes, others[i], other_bytes[i]), "%s: out_q8 overlaps another operand", op);
+        REQUIRE(!views_overlap(oq, bytes, others[i], other_bytes[i]), "%s: out_q8 overlaps another operand",
+                op);
     return DUET_OK;
 }
 
-static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) { return (vk_range){b->id, off, off + bytes}; }
+static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) {
+    return (vk_range){b->id, off, off + bytes};
+}
 
 static duet_status pipe(vk_backend *be, vk_shader s, int n_tex, int n_ssbo, int n_spec, const uint32_t *spec,
                         vk_dispatch *d) {
@@ -143,8 +163,8 @@ static duet_status rec_embed(vk_backend *be, const duet_op *op) {
     const duet_dtype dt = op->embed.dtype;
     const int dim = op->embed.dim;
     const uint64_t nt = (uint64_t)op->n_tokens;
-    REQUIRE(dim > 0 && dim % duet_dtype_block(dt) == 0, "embed: dim %d is not a positive multiple of %s's block", dim,
-            duet_dtype_name(dt));
+    REQUIRE(dim > 0 && dim % duet_dtype_block(dt) == 0,
+            "embed: dim %d is not a positive multiple of %s's block", dim, duet_dtype_name(dt));
     uint64_t row = duet_dtype_row_bytes(dt, dim);
     CHECK(view_check(name, "tokens", op->embed.tokens, nt * 4, 4));
     CHECK(view_check(name, "table", op->embed.table, row, dt == DUET_DTYPE_F32 ? 4 : 2));
@@ -152,8 +172,8 @@ static duet_status rec_embed(vk_backend *be, const duet_op *op) {
     uint64_t n_rows = view_avail(op->embed.table) / row;
     const int32_t *tok = host_indices(be, op->embed.tokens);
     for (int t = 0; tok && t < op->n_tokens; t++)
-        REQUIRE(tok[t] >= 0 && (uint64_t)tok[t] < n_rows, "embed: token %d is %d, outside the %llu-row table", t, tok[t],
-                (unsigned long long)n_rows);
+        REQUIRE(tok[t] >= 0 && (uint64_t)tok[t] < n_rows, "embed: token %d is %d, outside the %llu-row table",
+                t, tok[t], (unsigned long long)n_rows);
     REQUIRE(n_rows <= INT32_MAX, "embed: table of %llu rows", (unsigned long long)n_rows);
 
     const uint32_t wg = (uint32_t)be->tune.ew_wg;
@@ -165,8 +185,10 @@ static duet_status rec_embed(vk_backend *be, const duet_op *op) {
         int32_t row_lo, n_rows, n_total;
     } pc = {.dim = (uint32_t)dim, .row_bytes = (uint32_t)row, .n_total = (int32_t)n_rows};
     uint32_t rel;
-    CHECK(tex_bind(be, name, "tokens", op->embed.tokens.buf, op->embed.tokens.offset, nt * 4, &d.bind[0], &pc.tok_off));
-    CHECK(ssbo_bind(be, name, "out", op->embed.out.buf, op->embed.out.offset, nt * (uint64_t)dim * 4, &d.bind[2], &rel));
+    CHECK(tex_bind(be, name, "tokens", op->embed.tokens.buf, op->embed.tokens.offset, nt * 4, &d.bind[0],
+                   &pc.tok_off));
+    CHECK(ssbo_bind(be, name, "out", op->embed.out.buf, op->embed.out.offset, nt * (uint64_t)dim * 4,
+                    &d.bind[2], &rel));
     pc.out_off = rel / 4;
     d.bind[3] = status_bind(be);
     d.reads[0] = rng(op->embed.tokens.buf, op->embed.tokens.offset, nt * 4);
@@ -183,7 +205,9 @@ static duet_status rec_embed(vk_backend *be, const duet_op *op) {
         int k = tb->n_views == 1 ? 0 : (int)(byte / tb->view_stride);
         if (k >= tb->n_views) k = tb->n_views - 1;
         uint64_t fit = ((size_t)k * tb->view_stride + tb->view_span[k] - byte) / row;
-        if (fit == 0) return duet__error(DUET_UNSUPPORTED, "embed: a %llu-byte row does not fit a texel view", (unsigned long long)row);
+        if (fit == 0)
+            return duet__error(DUET_UNSUPPORTED, "embed: a %llu-byte row does not fit a texel view",
+                               (unsigned long long)row);
         uint64_t n = n_rows - lo < fit ? n_rows - lo : fit;
         CHECK(tex_bind(be, name, "table", tb, byte, n * row, &d.bind[1], &pc.table_off));
         pc.row_lo = (int32_t)lo;
@@ -240,8 +264,8 @@ static duet_status rec_rmsnorm(vk_backend *be, const duet_op *op) {
         CHECK(ssbo_bind(be, name, "out_q8", oq.buf, oq.offset, qbytes, &d.bind[3], &pc.oq_off));
         d.writes[d.n_writes++] = rng(oq.buf, oq.offset, qbytes);
     }
-    const uint32_t spec[4] = {(uint32_t)be->tune.norm_wg, pc.x_off % 16 == 0 && pc.w_off % 16 == 0 && dim % 4 == 0,
-                              has_out, has_q8};
+    const uint32_t spec[4] = {(uint32_t)be->tune.norm_wg,
+                              pc.x_off % 16 == 0 && pc.w_off % 16 == 0 && dim % 4 == 0, has_out, has_q8};
     CHECK(pipe(be, VK_SHADER_RMSNORM, 2, 2, 4, spec, &d));
     d.reads[0] = rng(x.buf, x.offset, bytes);
     d.reads[1] = rng(w.buf, w.offset, (uint64_t)dim * 4);
@@ -302,9 +326,12 @@ typedef mm_tile_push mm_sg_push;
 
 static vk_shader matmul_shader(duet_dtype dt, bool tile, bool dot) {
     switch (dt) {
-    case DUET_DTYPE_F32: return tile ? VK_SHADER_MATMUL_TILE_F32 : VK_SHADER_MATMUL_SG_F32;
-    case DUET_DTYPE_F16: return tile ? VK_SHADER_MATMUL_TILE_F16 : VK_SHADER_MATMUL_SG_F16;
-    case DUET_DTYPE_BF16: return tile ? VK_SHADER_MATMUL_TILE_BF16 : VK_SHADER_MATMUL_SG_BF16;
+    case DUET_DTYPE_F32:
+        return tile ? VK_SHADER_MATMUL_TILE_F32 : VK_SHADER_MATMUL_SG_F32;
+    case DUET_DTYPE_F16:
+        return tile ? VK_SHADER_MATMUL_TILE_F16 : VK_SHADER_MATMUL_SG_F16;
+    case DUET_DTYPE_BF16:
+        return tile ? VK_SHADER_MATMUL_TILE_BF16 : VK_SHADER_MATMUL_SG_BF16;
     default:
         if (tile) return dot ? VK_SHADER_MATMUL_TILE_Q8_0_DOT : VK_SHADER_MATMUL_TILE_Q8_0;
         return dot ? VK_SHADER_MATMUL_SG_Q8_0_DOT : VK_SHADER_MATMUL_SG_Q8_0;
@@ -324,12 +351,15 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
     const bool q8 = dt == DUET_DTYPE_Q8_0, xb = xq8.buf != NULL;
     REQUIRE(!xb || q8, "matmul: q8 activations need q8_0 weights");
     const uint64_t rb = duet_dtype_row_bytes(dt, n_in);
-    uint64_t wbytes = mul2((uint64_t)n_out, rb), xbytes = mul3(nt, (uint64_t)n_in, 4), obytes = mul3(nt, (uint64_t)n_out, 4);
+    uint64_t wbytes = mul2((uint64_t)n_out, rb), xbytes = mul3(nt, (uint64_t)n_in, 4),
+             obytes = mul3(nt, (uint64_t)n_out, 4);
     const uint64_t nb = q8 ? (uint64_t)n_in / 32 : 0;
     const uint64_t xqbytes = mul3(nt, nb, 34); /* q8_0 activations: token rows laid out like a weight row */
     CHECK(view_check(name, "w", w, wbytes, dt == DUET_DTYPE_F32 ? 4 : 2));
-    if (xb) CHECK(view_check(name, "x_q8", xq8, xqbytes, 2));
-    else CHECK(view_check(name, "x", x, xbytes, 4));
+    if (xb)
+        CHECK(view_check(name, "x_q8", xq8, xqbytes, 2));
+    else
+        CHECK(view_check(name, "x", x, xbytes, 4));
     if (bias.buf) CHECK(view_check(name, "bias", bias, (uint64_t)n_out * 4, 4));
     CHECK(view_check(name, "out", out, obytes, 4));
     REQUIRE(xb || !views_overlap(out, obytes, x, xbytes), "matmul: out overlaps x");
@@ -344,8 +374,10 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
                 (q8 ? nb % 8 == 0 && (!xb || xq8.offset % 16 == 0)
                     : (x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0));
     if (!tile && !be->phys->subgroup_arith)
-        return duet__error(DUET_UNSUPPORTED, "matmul: %s rows of %d that are not 16-byte aligned need subgroup "
-                           "arithmetic, which %s lacks", duet_dtype_name(dt), n_in, be->base.info.name);
+        return duet__error(DUET_UNSUPPORTED,
+                           "matmul: %s rows of %d that are not 16-byte aligned need subgroup "
+                           "arithmetic, which %s lacks",
+                           duet_dtype_name(dt), n_in, be->base.info.name);
     /* f32 activations of a q8_0 matmul are quantized first, by the rule
      * of duet_quantize_row_q8_0 (as the cpu backend does); q8_0
      * activations are read as they are. Either way the shaders read q8_0
@@ -362,11 +394,13 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
     const uint32_t BM = (uint32_t)be->tune.mm_bm, BN = (uint32_t)be->tune.mm_bn;
     const uint32_t WG = mm ? (BM / 4) * (BN / 4) : (uint32_t)(tile ? be->tune.tile_wg : be->tune.sg_wg);
     const uint32_t R = mm ? BM
-                          : (uint32_t)(!tile ? be->tune.sg_rows
-                                             : q8 && n == 1 ? be->tune.tile_rows_q8 : be->tune.tile_rows);
+                          : (uint32_t)(!tile          ? be->tune.sg_rows
+                                       : q8 && n == 1 ? be->tune.tile_rows_q8
+                                                      : be->tune.tile_rows);
     const uint32_t T = mm ? BN : tile && n > 1 ? (uint32_t)be->tune.tile_tokens : 1;
     const bool has_bias = bias.buf != NULL, acc = op->matmul.accumulate;
-    const bool sg_aligned = !q8 && rb % 16 == 0 && w.offset % 16 == 0 && x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0;
+    const bool sg_aligned =
+        !q8 && rb % 16 == 0 && w.offset % 16 == 0 && x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0;
     const bool sg_grouped = q8 && nb % 8 == 0 && rb % 16 == 0 && w.offset % 16 == 0 && xa.offset % 16 == 0;
     const uint32_t spec[7] = {WG, R, tile ? T : WG, has_bias, acc, sg_aligned, sg_grouped};
     const int n_spec = tile ? 5 : 7;
@@ -386,7 +420,8 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
     /* Tokens per dispatch: the output rows must fit one storage binding. */
     uint64_t tok_chunk = be->max_ssbo_range / ((uint64_t)n_out * 4);
     if (tok_chunk == 0)
-        return duet__error(DUET_UNSUPPORTED, "matmul: an output row of %d floats exceeds a storage binding on %s", n_out,
+        return duet__error(DUET_UNSUPPORTED,
+                           "matmul: an output row of %d floats exceeds a storage binding on %s", n_out,
                            be->base.info.name);
     if (tok_chunk > (uint64_t)be->max_groups[1] * T) tok_chunk = (uint64_t)be->max_groups[1] * T;
     /* Rows per dispatch: the grid limit; texel views bound them below. */
@@ -398,7 +433,9 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
             int k = w.buf->n_views == 1 ? 0 : (int)(wbyte / w.buf->view_stride);
             if (k >= w.buf->n_views) k = w.buf->n_views - 1;
             uint64_t fit = ((size_t)k * w.buf->view_stride + w.buf->view_span[k] - wbyte) / rb;
-            if (fit == 0) return duet__error(DUET_UNSUPPORTED, "matmul: a %llu-byte row does not fit a texel view", (unsigned long long)rb);
+            if (fit == 0)
+                return duet__error(DUET_UNSUPPORTED, "matmul: a %llu-byte row does not fit a texel view",
+                                   (unsigned long long)rb);
             uint64_t rc = (uint64_t)n_out - r0;
             if (rc > fit) rc = fit;
             if (rc > row_cap) rc = row_cap;
@@ -408,8 +445,10 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
             const uint64_t orange = ((tc - 1) * (uint64_t)n_out + rc) * 4;
             const size_t obyte = out.offset + (size_t)((t0 * (uint64_t)n_out + r0) * 4);
             CHECK(ssbo_bind(be, name, "out", out.buf, obyte, orange, &d.bind[3], &o_rel));
-            if (bias.buf) CHECK(tex_bind(be, name, "bias", bias.buf, bias.offset + r0 * 4, rc * 4, &d.bind[2], &b_rel));
-            else d.bind[2] = d.bind[0]; /* unread: any valid view */
+            if (bias.buf)
+                CHECK(tex_bind(be, name, "bias", bias.buf, bias.offset + r0 * 4, rc * 4, &d.bind[2], &b_rel));
+            else
+                d.bind[2] = d.bind[0]; /* unread: any valid view */
             d.n_reads = d.n_writes = 0;
             d.reads[d.n_reads++] = rng(w.buf, wbyte, rc * rb);
             if (bias.buf) d.reads[d.n_reads++] = rng(bias.buf, bias.offset + r0 * 4, rc * 4);
@@ -417,26 +456,30 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
             d.writes[d.n_writes++] = rng(out.buf, obyte, orange);
             if (q8) {
                 const size_t xo = xa.offset + (size_t)(t0 * nb * 34);
-                CHECK(tex_bind(be, name, xb ? "x_q8" : "quantized x", xa.buf, xo, tc * nb * 34, &d.bind[1], &x_rel));
+                CHECK(tex_bind(be, name, xb ? "x_q8" : "quantized x", xa.buf, xo, tc * nb * 34, &d.bind[1],
+                               &x_rel));
                 d.reads[d.n_reads++] = rng(xa.buf, xo, tc * nb * 34);
             } else {
-                CHECK(tex_bind(be, name, "x", x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4,
-                               &d.bind[1], &x_rel));
-                d.reads[d.n_reads++] = rng(x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4);
+                CHECK(tex_bind(be, name, "x", x.buf, x.offset + t0 * (uint64_t)n_in * 4,
+                               tc * (uint64_t)n_in * 4, &d.bind[1], &x_rel));
+                d.reads[d.n_reads++] =
+                    rng(x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4);
             }
             if ((tile || mm) && q8) {
-                tq = (mm_tile_q8_push){w_rel, (uint32_t)rb, x_rel, (uint32_t)nb, b_rel, o_rel / 4,
-                                       (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
+                tq = (mm_tile_q8_push){w_rel,     (uint32_t)rb,    x_rel,        (uint32_t)nb, b_rel,
+                                       o_rel / 4, (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
                 d.push = &tq;
                 d.push_size = sizeof tq;
             } else if (tile) {
-                tf = (mm_tile_push){w_rel, (uint32_t)rb, x_rel, (uint32_t)n_in, b_rel, o_rel / 4, (uint32_t)n_out,
-                                    (uint32_t)rc, (uint32_t)tc};
+                tf = (mm_tile_push){w_rel,     (uint32_t)rb,    x_rel,        (uint32_t)n_in, b_rel,
+                                    o_rel / 4, (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
                 d.push = &tf;
                 d.push_size = sizeof tf;
             } else {
-                sg = (mm_sg_push){w_rel, (uint32_t)rb, x_rel, q8 ? (uint32_t)nb : (uint32_t)n_in, b_rel, o_rel / 4,
-                                  (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
+                sg = (mm_sg_push){
+                    w_rel,       (uint32_t)rb, x_rel,           q8 ? (uint32_t)nb : (uint32_t)n_in,
+                    b_rel,       o_rel / 4,    (uint32_t)n_out, (uint32_t)rc,
+                    (uint32_t)tc};
                 d.push = &sg;
                 d.push_size = sizeof sg;
             }
@@ -457,7 +500,8 @@ static duet_status rec_binary(vk_backend *be, const duet_op *op) {
     const char *name = op_names[op->kind];
     const int dim = swiglu ? op->swiglu.dim : op->add.dim;
     const duet_view a = swiglu ? op->swiglu.gate : op->add.a, b = swiglu ? op->swiglu.up : op->add.b,
-                    out = swiglu ? op->swiglu.out : op->add.out, oq = swiglu ? op->swiglu.out_q8 : (duet_view){0};
+                    out = swiglu ? op->swiglu.out : op->add.out,
+                    oq = swiglu ? op->swiglu.out_q8 : (duet_view){0};
     const bool has_out = out.buf != NULL, has_q8 = oq.buf != NULL;
     const uint64_t nt = (uint64_t)op->n_tokens;
     REQUIRE(dim > 0, "%s: dim %d", name, dim);
@@ -523,7 +567,8 @@ static duet_status rec_gather(vk_backend *be, const duet_op *op) {
     uint64_t n_rows = view_avail(x) / row;
     const int32_t *hr = host_indices(be, rows);
     for (int t = 0; hr && t < op->n_tokens; t++)
-        REQUIRE(hr[t] >= 0 && (uint64_t)hr[t] < n_rows, "gather_rows: row %d is %d, outside the %llu rows of x", t, hr[t],
+        REQUIRE(hr[t] >= 0 && (uint64_t)hr[t] < n_rows,
+                "gather_rows: row %d is %d, outside the %llu rows of x", t, hr[t],
                 (unsigned long long)n_rows);
     REQUIRE(!views_overlap(out, obytes, x, n_rows * row), "gather_rows: out overlaps x");
     REQUIRE(nt <= be->max_groups[1], "gather_rows: %d rows exceed the grid limit", op->n_tokens);
@@ -589,8 +634,10 @@ static duet_status rec_argmax(vk_backend *be, const duet_op *op) {
 bool duet__vk_supports_op(duet_backend *be, const duet_op *op) {
     (void)be;
     switch (op->kind) {
-    case DUET_OP_EMBED: return duet_dtype_is_weight(op->embed.dtype);
-    case DUET_OP_MATMUL: return duet_dtype_is_weight(op->matmul.dtype);
+    case DUET_OP_EMBED:
+        return duet_dtype_is_weight(op->embed.dtype);
+    case DUET_OP_MATMUL:
+        return duet_dtype_is_weight(op->matmul.dtype);
     case DUET_OP_ROPE_KV:
         return op->rope_kv.kv.dtype == DUET_DTYPE_F32 || op->rope_kv.kv.dtype == DUET_DTYPE_F16 ||
                op->rope_kv.kv.dtype == DUET_DTYPE_Q8_0;
@@ -602,8 +649,10 @@ bool duet__vk_supports_op(duet_backend *be, const duet_op *op) {
     case DUET_OP_SWIGLU:
     case DUET_OP_ADD:
     case DUET_OP_GATHER_ROWS:
-    case DUET_OP_ARGMAX: return true;
-    case DUET_OP_COUNT: break;
+    case DUET_OP_ARGMAX:
+        return true;
+    case DUET_OP_COUNT:
+        break;
     }
     return false;
 }
@@ -611,20 +660,31 @@ bool duet__vk_supports_op(duet_backend *be, const duet_op *op) {
 duet_status duet__vk_record_op(vk_backend *be, const duet_op *op) {
     if ((unsigned)op->kind >= DUET_OP_COUNT)
         return duet__error(DUET_INVALID_ARGUMENT, "vulkan: unknown op kind %d", (int)op->kind);
-    if (op->n_tokens <= 0) return duet__error(DUET_INVALID_ARGUMENT, "%s: n_tokens %d", op_names[op->kind], op->n_tokens);
+    if (op->n_tokens <= 0)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: n_tokens %d", op_names[op->kind], op->n_tokens);
     if (!duet__vk_supports_op(&be->base, op))
-        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype or shape on the vulkan backend", op_names[op->kind]);
+        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype or shape on the vulkan backend",
+                           op_names[op->kind]);
     switch (op->kind) {
-    case DUET_OP_EMBED: return rec_embed(be, op);
-    case DUET_OP_RMSNORM: return rec_rmsnorm(be, op);
-    case DUET_OP_MATMUL: return rec_matmul(be, op);
-    case DUET_OP_ROPE_KV: return duet__vk_rec_rope_kv(be, op);
-    case DUET_OP_ATTENTION: return duet__vk_rec_attention(be, op);
+    case DUET_OP_EMBED:
+        return rec_embed(be, op);
+    case DUET_OP_RMSNORM:
+        return rec_rmsnorm(be, op);
+    case DUET_OP_MATMUL:
+        return rec_matmul(be, op);
+    case DUET_OP_ROPE_KV:
+        return duet__vk_rec_rope_kv(be, op);
+    case DUET_OP_ATTENTION:
+        return duet__vk_rec_attention(be, op);
     case DUET_OP_SWIGLU:
-    case DUET_OP_ADD: return rec_binary(be, op);
-    case DUET_OP_GATHER_ROWS: return rec_gather(be, op);
-    case DUET_OP_ARGMAX: return rec_argmax(be, op);
-    case DUET_OP_COUNT: break;
+    case DUET_OP_ADD:
+        return rec_binary(be, op);
+    case DUET_OP_GATHER_ROWS:
+        return rec_gather(be, op);
+    case DUET_OP_ARGMAX:
+        return rec_argmax(be, op);
+    case DUET_OP_COUNT:
+        break;
     }
     return duet__error(DUET_INVALID_ARGUMENT, "vulkan: unknown op kind %d", (int)op->kind);
 }
