@@ -126,7 +126,8 @@ typedef struct duet_kv_pages {
     int n_seqs, max_blocks;   /* table shape: a sequence holds up to max_blocks * block_size tokens */
 } duet_kv_pages;
 
-/* Bytes of one pool: n_blocks * block_size rows of n_head_kv*head_dim. */
+/* Bytes of one pool: n_blocks * block_size rows of n_head_kv*head_dim
+ * (SIZE_MAX when that overflows, which then fails every bounds check). */
 size_t duet_kv_pool_bytes(const duet_kv_pages *kv, int kv_width);
 
 /* All activations are f32, row-major [n_tokens][width]. Index arrays are

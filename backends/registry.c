@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "backend_checks.h"
 
 #if DUET_BACKEND_VULKAN
 extern const duet_backend_iface duet_vulkan_backend_iface;
@@ -163,7 +164,9 @@ size_t duet_backend_scratch_bytes(duet_backend *be) {
 }
 
 size_t duet_kv_pool_bytes(const duet_kv_pages *kv, int kv_width) {
-    return duet_dtype_row_bytes(kv->dtype, kv_width) * (size_t)kv->block_size * (size_t)kv->n_blocks;
+    const uint64_t b =
+        mul3(duet_dtype_row_bytes(kv->dtype, kv_width), (uint64_t)kv->block_size, (uint64_t)kv->n_blocks);
+    return b > SIZE_MAX ? SIZE_MAX : (size_t)b;
 }
 
 /* Shape rules every backend shares: paged-KV geometry and q8 widths. */

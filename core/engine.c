@@ -485,24 +485,15 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     duet_open_params op = p.open;
     op.n_seqs = p.max_batch_seqs;
     /* The device pools hold exactly the blocks the scheduler hands out. */
-    duet_status st = p.kv_blocks < 0 ? duet__error(DUET_INVALID_ARGUMENT, "kv_blocks %d is negative", p.kv_blocks)
-                                     : duet__model_open(path, &op, p.max_batch_tokens, p.max_batch_seqs, p.kv_block_size,
-                                      p.kv_blocks, &e->model);
+    /* duet__model_open checks kv_blocks against the pools' geometry. */
+    duet_status st =
+        duet__model_open(path, &op, p.max_batch_tokens, p.max_batch_seqs, p.kv_block_size, p.kv_blocks, &e->model);
     if (st) goto fail;
     duet_model *m = e->model;
     const int n_ctx = m->n_ctx;
     const int blocks_per_seq = (n_ctx + p.kv_block_size - 1) / p.kv_block_size;
-    /* The cache holds every slot at full context: more blocks than that
-     * could never be used, fewer make admission preempt. */
-    const int max_blocks = blocks_per_seq * p.max_batch_seqs;
-    int kv_blocks = m->state->p.n_blocks;
+    const int kv_blocks = m->state->p.n_blocks; /* resolved: 0 became every slot at full context */
     e->max_blocks = blocks_per_seq;
-    if (kv_blocks < 1 || kv_blocks > max_blocks) {
-        st = duet__error(DUET_INVALID_ARGUMENT,
-                         "kv_blocks %d out of range [1, %d] (%d sequences x %d positions in blocks of %d)",
-                         kv_blocks, max_blocks, p.max_batch_seqs, n_ctx, p.kv_block_size);
-        goto fail;
-    }
     duet_sched_config sc = {.max_seqs = p.max_batch_seqs,
                             .max_tokens = p.max_batch_tokens,
                             .max_waiting = p.max_waiting,

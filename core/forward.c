@@ -13,9 +13,13 @@
 
 #include "forward.h"
 
-static duet_view V(duet_buffer *b) { return (duet_view){b, 0}; }
+static duet_view V(duet_buffer *b) {
+    return (duet_view){b, 0};
+}
 
-static size_t q8_bytes(size_t rows, int width) { return rows * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, width); }
+static size_t q8_bytes(size_t rows, int width) {
+    return rows * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, width);
+}
 
 /* Whether the backend runs the fused int8 activation path: q8 outputs of
  * rmsnorm/swiglu/attention and q8 x q8 matmuls. Probed with real buffers
@@ -37,7 +41,9 @@ static bool backend_has_q8_acts(duet_backend *be, duet_buffer *any, duet_dtype k
     return true;
 }
 
-static bool is_q8(const duet_weight *w) { return w->type == DUET_DTYPE_Q8_0; }
+static bool is_q8(const duet_weight *w) {
+    return w->type == DUET_DTYPE_Q8_0;
+}
 
 /* Whether any layer has a q8_0 consumer for each activation. */
 static void q8_consumers(const duet_weights *w, bool *xn, bool *att, bool *gate) {
@@ -56,23 +62,24 @@ duet_status duet__state_new(duet_backend *be, const duet_hparams *hp, const duet
     duet_state_params p = *params;
     if (!p.block_size) p.block_size = 16;
     if (p.max_tokens < 1 || p.max_out < 1 || p.max_out > p.max_tokens || p.n_ctx < 1 || p.n_seqs < 1 ||
-        p.block_size < 1 || p.block_size > 4096 || p.n_blocks < 0)
+        p.block_size < 1 || p.block_size > 4096)
         return duet__error(DUET_INVALID_ARGUMENT,
                            "state: bad sizes (tokens %d, out %d, ctx %d, seqs %d, block %d, blocks %d)",
                            p.max_tokens, p.max_out, p.n_ctx, p.n_seqs, p.block_size, p.n_blocks);
     if (p.kv_type != DUET_DTYPE_F32 && p.kv_type != DUET_DTYPE_F16 && p.kv_type != DUET_DTYPE_Q8_0)
         return duet__error(DUET_UNSUPPORTED, "state: kv cache type must be f32, f16 or q8_0");
     if (p.kv_type == DUET_DTYPE_Q8_0 && hp->head_dim % DUET_QK8_0)
-        return duet__error(DUET_UNSUPPORTED, "state: a q8_0 kv cache needs head_dim %% 32 == 0 (this model: %d)",
-                           hp->head_dim);
+        return duet__error(DUET_UNSUPPORTED,
+                           "state: a q8_0 kv cache needs head_dim %% 32 == 0 (this model: %d)", hp->head_dim);
     const int max_blocks = (p.n_ctx + p.block_size - 1) / p.block_size;
     const int64_t full = (int64_t)max_blocks * p.n_seqs;
     if (full > INT32_MAX) return duet__error(DUET_INVALID_ARGUMENT, "state: KV block count overflows");
     if (!p.n_blocks) p.n_blocks = (int)full;
-    if (p.n_blocks > full)
-        return duet__error(DUET_INVALID_ARGUMENT,
-                           "kv_blocks %d out of range [1, %lld] (%d sequences x %d positions in blocks of %d)",
-                           p.n_blocks, (long long)full, p.n_seqs, p.n_ctx, p.block_size);
+    if (p.n_blocks < 0 || p.n_blocks > full) /* 0 = every slot at full context */
+        return duet__error(
+            DUET_INVALID_ARGUMENT,
+            "kv_blocks %d out of range [1, %lld] (%d sequences x %d positions in blocks of %d)", p.n_blocks,
+            (long long)full, p.n_seqs, p.n_ctx, p.block_size);
     duet_state *s = calloc(1, sizeof *s);
     if (!s) return duet__error(DUET_OUT_OF_MEMORY, "state: out of memory");
     s->be = be;
@@ -84,8 +91,10 @@ duet_status duet__state_new(duet_backend *be, const duet_hparams *hp, const duet
     duet_status st;
     if ((st = duet_buffer_alloc(be, T * hp->n_embd * F4, &s->x)) ||
         (st = duet_buffer_alloc(be, T * hp->n_embd * F4, &s->xn)) ||
-        (st = duet_buffer_alloc(be, T * qw * F4, &s->q)) || (st = duet_buffer_alloc(be, T * kvw * F4, &s->k)) ||
-        (st = duet_buffer_alloc(be, T * kvw * F4, &s->v)) || (st = duet_buffer_alloc(be, T * qw * F4, &s->att)) ||
+        (st = duet_buffer_alloc(be, T * qw * F4, &s->q)) ||
+        (st = duet_buffer_alloc(be, T * kvw * F4, &s->k)) ||
+        (st = duet_buffer_alloc(be, T * kvw * F4, &s->v)) ||
+        (st = duet_buffer_alloc(be, T * qw * F4, &s->att)) ||
         (st = duet_buffer_alloc(be, T * hp->n_ff * F4, &s->gate)) ||
         (st = duet_buffer_alloc(be, T * hp->n_ff * F4, &s->up)) ||
         (st = duet_buffer_alloc(be, (size_t)p.max_out * hp->n_embd * F4, &s->xo)) ||
@@ -100,13 +109,16 @@ duet_status duet__state_new(duet_backend *be, const duet_hparams *hp, const duet
     const char *env = getenv("DUET_ACT_Q8");
     bool want_xn, want_att, want_gate;
     q8_consumers(w, &want_xn, &want_att, &want_gate);
-    s->q8_acts = !p.f32_acts && !(env && strcmp(env, "0") == 0) && (want_xn || want_att || want_gate) &&
-                 backend_has_q8_acts(be, s->x, p.kv_type);
-    if (s->q8_acts) {
-        if (want_xn && hp->n_embd % DUET_QK8_0 == 0 && (st = duet_buffer_alloc(be, q8_bytes(T, hp->n_embd), &s->xn_q8)))
+    const bool q8_acts = !(env && strcmp(env, "0") == 0) && (want_xn || want_att || want_gate) &&
+                         backend_has_q8_acts(be, s->x, p.kv_type);
+    if (q8_acts) {
+        if (want_xn && hp->n_embd % DUET_QK8_0 == 0 &&
+            (st = duet_buffer_alloc(be, q8_bytes(T, hp->n_embd), &s->xn_q8)))
             goto fail;
-        if (want_att && qw % DUET_QK8_0 == 0 && (st = duet_buffer_alloc(be, q8_bytes(T, qw), &s->att_q8))) goto fail;
-        if (want_gate && hp->n_ff % DUET_QK8_0 == 0 && (st = duet_buffer_alloc(be, q8_bytes(T, hp->n_ff), &s->gate_q8)))
+        if (want_att && qw % DUET_QK8_0 == 0 && (st = duet_buffer_alloc(be, q8_bytes(T, qw), &s->att_q8)))
+            goto fail;
+        if (want_gate && hp->n_ff % DUET_QK8_0 == 0 &&
+            (st = duet_buffer_alloc(be, q8_bytes(T, hp->n_ff), &s->gate_q8)))
             goto fail;
     }
 
@@ -118,9 +130,11 @@ duet_status duet__state_new(duet_backend *be, const duet_hparams *hp, const duet
         st = duet__error(DUET_OUT_OF_MEMORY, "state: out of memory");
         goto fail;
     }
-    for (int64_t i = 0; i < full; i++) s->host_table[i] = i < p.n_blocks ? (int32_t)i : -1;
+    for (int64_t i = 0; i < full; i++)
+        s->host_table[i] = i < p.n_blocks ? (int32_t)i : -1;
     if ((st = duet_buffer_upload(be, s->block_table, 0, s->host_table, (size_t)full * 4))) goto fail;
-    const size_t pool_bytes = duet_dtype_row_bytes(p.kv_type, kvw) * (size_t)p.block_size * (size_t)p.n_blocks;
+    const size_t pool_bytes = duet_kv_pool_bytes(
+        &(duet_kv_pages){.dtype = p.kv_type, .block_size = p.block_size, .n_blocks = p.n_blocks}, (int)kvw);
     for (int l = 0; l < hp->n_layer; l++)
         if ((st = duet_buffer_alloc(be, pool_bytes, &s->k_pool[l])) ||
             (st = duet_buffer_alloc(be, pool_bytes, &s->v_pool[l])))
@@ -135,10 +149,11 @@ fail:
 void duet__state_free(duet_state *s) {
     if (!s) return;
     duet_backend *be = s->be;
-    duet_buffer *bufs[] = {s->x,      s->xn,     s->q,      s->k,           s->v,      s->att,
-                           s->gate,   s->up,     s->xo,     s->logits,      s->tokens, s->pos,
-                           s->seq,    s->out,    s->xn_q8,  s->att_q8,      s->gate_q8, s->block_table};
-    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++) duet_buffer_free(be, bufs[i]);
+    duet_buffer *bufs[] = {s->x,    s->xn,  s->q,     s->k,      s->v,       s->att,
+                           s->gate, s->up,  s->xo,    s->logits, s->tokens,  s->pos,
+                           s->seq,  s->out, s->xn_q8, s->att_q8, s->gate_q8, s->block_table};
+    for (size_t i = 0; i < sizeof bufs / sizeof *bufs; i++)
+        duet_buffer_free(be, bufs[i]);
     for (int l = 0; l < s->n_layer; l++) {
         if (s->k_pool) duet_buffer_free(be, s->k_pool[l]);
         if (s->v_pool) duet_buffer_free(be, s->v_pool[l]);
@@ -161,14 +176,16 @@ typedef struct act {
 static act act_for(duet_buffer *f, duet_buffer *q, const duet_weight *const *ws, int n) {
     act a = {NULL, NULL};
     for (int i = 0; i < n; i++) {
-        if (q && is_q8(ws[i])) a.q8 = q;
-        else a.f32 = f;
+        if (q && is_q8(ws[i]))
+            a.q8 = q;
+        else
+            a.f32 = f;
     }
     return a;
 }
 
-static duet_status op_rmsnorm(duet_backend *be, int n, duet_buffer *x, const duet_weight *w, float eps, act out,
-                              int dim) {
+static duet_status op_rmsnorm(duet_backend *be, int n, duet_buffer *x, const duet_weight *w, float eps,
+                              act out, int dim) {
     duet_op op = {.kind = DUET_OP_RMSNORM, .n_tokens = n};
     op.rmsnorm.x = V(x);
     op.rmsnorm.w = V(w->buf);
@@ -185,8 +202,10 @@ static duet_status op_matmul(duet_backend *be, int n, const duet_weight *w, act 
     duet_op op = {.kind = DUET_OP_MATMUL, .n_tokens = n};
     op.matmul.w = V(w->buf);
     op.matmul.dtype = w->type;
-    if (is_q8(w) && x.q8) op.matmul.x_q8 = V(x.q8);
-    else op.matmul.x = V(x.f32);
+    if (is_q8(w) && x.q8)
+        op.matmul.x_q8 = V(x.q8);
+    else
+        op.matmul.x = V(x.f32);
     op.matmul.bias = V(bias ? bias->buf : NULL);
     op.matmul.accumulate = accumulate;
     op.matmul.n_in = (int)w->cols;
@@ -215,8 +234,8 @@ static duet_status check_tables(const duet_state *s, const duet_batch *b) {
         for (int j = 0; j <= b->pos[i] / s->p.block_size; j++)
             if (row[j] < 0 || row[j] >= s->p.n_blocks)
                 return duet__error(DUET_INVALID_ARGUMENT,
-                                   "forward: sequence slot %d has block %d at table entry %d (pool of %d)", b->seq[i],
-                                   row[j], j, s->p.n_blocks);
+                                   "forward: sequence slot %d has block %d at table entry %d (pool of %d)",
+                                   b->seq[i], row[j], j, s->p.n_blocks);
     }
     return DUET_OK;
 }
@@ -226,12 +245,12 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
     duet_backend *be = s->be;
     const int n = b->n_tokens;
     if (n < 1 || n > s->p.max_tokens || b->n_out < 0 || b->n_out > s->p.max_out)
-        return duet__error(DUET_INVALID_ARGUMENT, "forward: batch of %d tokens / %d outputs exceeds %d / %d", n,
-                           b->n_out, s->p.max_tokens, s->p.max_out);
+        return duet__error(DUET_INVALID_ARGUMENT, "forward: batch of %d tokens / %d outputs exceeds %d / %d",
+                           n, b->n_out, s->p.max_tokens, s->p.max_out);
     for (int i = 0; i < n; i++) {
         if (b->tokens[i] < 0 || b->tokens[i] >= hp->n_vocab)
-            return duet__error(DUET_INVALID_ARGUMENT, "forward: token id %d out of range [0, %d)", b->tokens[i],
-                               hp->n_vocab);
+            return duet__error(DUET_INVALID_ARGUMENT, "forward: token id %d out of range [0, %d)",
+                               b->tokens[i], hp->n_vocab);
         if (b->pos[i] < 0 || b->pos[i] >= s->p.n_ctx)
             return duet__error(DUET_CONTEXT_FULL, "forward: position %d outside the context of %d", b->pos[i],
                                s->p.n_ctx);
@@ -258,9 +277,9 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
     if ((st = duet_step_begin(be))) return st;
 
     const int E = hp->n_embd;
-#define TRY(expr)                                                                                        \
-    do {                                                                                                 \
-        if ((st = (expr))) goto fail;                                                                    \
+#define TRY(expr)                                                                                            \
+    do {                                                                                                     \
+        if ((st = (expr))) goto fail;                                                                        \
     } while (0)
 
     /* x = embed(tokens) */

@@ -26,7 +26,6 @@ typedef struct duet_state_params {
     duet_dtype kv_type;      /* f32, f16 or q8_0 */
     int block_size;          /* tokens per KV block; 0 = 16 */
     int n_blocks;            /* blocks per pool; 0 = n_seqs * ceil(n_ctx / block_size) */
-    bool f32_acts;           /* never quantise activations (A/B runs); else int8 where it pays */
 } duet_state_params;
 
 /* Run state: activations sized for the largest step and the paged KV
@@ -35,7 +34,6 @@ typedef struct duet_state {
     duet_backend *be;
     duet_state_params p;
     int max_blocks;      /* table entries per sequence: ceil(n_ctx / block_size) */
-    bool q8_acts;        /* fused int8 activations feed the q8_0 matmuls */
     duet_buffer *x;      /* f32 [max_tokens][n_embd] residual stream */
     duet_buffer *xn;     /* f32 [max_tokens][n_embd] normed input of a block */
     duet_buffer *q;      /* f32 [max_tokens][n_head*head_dim] */

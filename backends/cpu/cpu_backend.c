@@ -337,8 +337,7 @@ static duet_status check_pages(const char *op, const duet_kv_pages *kv, int head
             kv->n_seqs, kv->max_blocks);
     REQUIRE(dt != DUET_DTYPE_Q8_0 || head_dim % DUET_QK8_0 == 0,
             "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op, head_dim);
-    uint64_t row = duet_dtype_row_bytes(dt, kv_width);
-    out->pool_bytes = mul3(row, (uint64_t)kv->block_size, (uint64_t)kv->n_blocks);
+    out->pool_bytes = duet_kv_pool_bytes(kv, kv_width);
     size_t align = dt == DUET_DTYPE_F32 ? 4 : 2;
     void *t = NULL;
     CHECK(view_ptr(op, "k_pool", kv->k_pool, out->pool_bytes, align, &out->k));

@@ -376,8 +376,7 @@ static duet_status kv_check(const char *op, const duet_kv_pages *kv, int kv_widt
                 mul2((uint64_t)kv->max_blocks, (uint64_t)kv->block_size) < OCL_MAX_DIM,
             "%s: kv pages of %d blocks x %d tokens, table %d x %d", op, kv->n_blocks, kv->block_size,
             kv->n_seqs, kv->max_blocks);
-    const uint64_t pool =
-        mul3(duet_dtype_row_bytes(kv->dtype, kv_width), (uint64_t)kv->block_size, (uint64_t)kv->n_blocks);
+    const uint64_t pool = duet_kv_pool_bytes(kv, kv_width);
     const uint64_t table = mul3((uint64_t)kv->n_seqs, (uint64_t)kv->max_blocks, 4);
     const size_t align = kv->dtype == DUET_DTYPE_F32 ? 4 : 2;
     CHECK(view_check(op, "k_pool", kv->k_pool, pool, align));

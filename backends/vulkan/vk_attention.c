@@ -61,7 +61,7 @@ static duet_status kv_check(const char *op, const duet_kv_pages *kv, int n_head_
     REQUIRE(t != DUET_DTYPE_Q8_0 || head_dim % 32 == 0, "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op,
             head_dim);
     *rb = duet_dtype_row_bytes(t, (int64_t)kvw);
-    *pool_bytes = mul2(mul2((uint64_t)kv->n_blocks, (uint64_t)kv->block_size), *rb);
+    *pool_bytes = duet_kv_pool_bytes(kv, (int)kvw);
     const size_t align = t == DUET_DTYPE_F32 ? 4 : 2;
     CHECK(duet__vk_view_check(op, "k_pool", kv->k_pool, *pool_bytes, align));
     CHECK(duet__vk_view_check(op, "v_pool", kv->v_pool, *pool_bytes, align));
