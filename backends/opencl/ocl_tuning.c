@@ -57,7 +57,8 @@ static const tune_entry tune_table[] = {
      * never. Attention always takes the flash-decoding kernel (one
      * work-item per split, rows in vector registers): the local-memory
      * prefill tiles, built for GPUs, ran a 128-token prompt of the 125m
-     * model 4-5x slower here (bench_decode, DUET_PROFILE=1). q8 x q8
+     * model 4-5x slower here (one bench_decode run with DUET_PROFILE=1,
+     * not kept in bench/results). q8 x q8
      * matvec: 4 rows per work-item amortise the activation scales. No
      * cl_khr_integer_dot_product in PoCL 3.1: the portable int8 code. */
     {NULL,

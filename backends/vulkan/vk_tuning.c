@@ -27,14 +27,17 @@ typedef struct vk_tuning_entry {
  * OpSDotAccSat (8 rows x 256 columns per texel group), vs 0.4 GB/s for a
  * storage-buffer shader. Wider tiles spill without gaining. Workgroups of 8
  * invocations are one SIMD vector: small matrices still split across
- * cores. With q8_0 activations (x_q8) the decode GEMV does 5-10% better
- * with 16 rows an invocation (the activations' int8 -> float unpacking is
- * shared by more rows); F16 spills there. */
+ * cores. With q8_0 activations (x_q8), 16 rows an invocation measured
+ * 5-10% faster than 8 on that cache-resident matrix (the activations'
+ * int8 -> float unpacking is shared by more rows; F16 spills there); end
+ * to end on the 1b model, which streams from DRAM, 8 and 16 were within
+ * run-to-run noise (six alternated bench_decode runs). */
 /* Attention: on llvmpipe a workgroup runs on one core with its lanes as
  * SIMD lanes, and shared memory is read and written lane by lane (texel
  * fetches are vector gathers): attn_flash's tiles in shared memory ran
  * 20-30x slower than attn_lane there (125m decode at 1024 keys: 23.6 ms vs
- * about 1 ms, on a loaded machine), so CPU devices take the lane kernel, a
+ * about 1 ms, one DUET_PROFILE run on a loaded machine, not kept in
+ * bench/results), so CPU devices take the lane kernel, a
  * row per lane (splitting a row over lanes costs shuffles that cost more
  * than they save there), 8 lanes (one vector) per workgroup, split until 8
  * workgroups keep 2 cores busy. GPUs take
