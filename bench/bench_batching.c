@@ -48,21 +48,10 @@ static void on_event(const duet_event *ev, void *user) {
     pthread_mutex_unlock(&rs->mu);
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
 static double percentile(double *v, int n, double p) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
     int i = (int)(p / 100.0 * (n - 1) + 0.5);
     return v[i < n ? i : n - 1];
-}
-
-/* Median of n values (sorts v). */
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 typedef struct result {
@@ -183,10 +172,10 @@ int main(int argc, char **argv) {
     for (int i = 0; i < n; i++) {
         for (int r = 0; r < repeat; r++)
             v[r] = res[r][i].tokens_per_s;
-        med_tps[i] = median(v, repeat);
+        med_tps[i] = bench_median(v, repeat);
         for (int r = 0; r < repeat; r++)
             v[r] = res[r][i].tokens_per_s / res[r][0].tokens_per_s;
-        med_ratio[i] = median(v, repeat);
+        med_ratio[i] = bench_median(v, repeat);
     }
     if (!json && repeat > 1)
         for (int i = 0; i < n; i++)
@@ -208,13 +197,13 @@ int main(int argc, char **argv) {
             cJSON_AddNumberToObject(e, "speedup_vs_first", med_ratio[i]);
             for (int r = 0; r < repeat; r++)
                 v[r] = res[r][i].p50;
-            cJSON_AddNumberToObject(e, "latency_p50_s", median(v, repeat));
+            cJSON_AddNumberToObject(e, "latency_p50_s", bench_median(v, repeat));
             for (int r = 0; r < repeat; r++)
                 v[r] = res[r][i].p99;
-            cJSON_AddNumberToObject(e, "latency_p99_s", median(v, repeat));
+            cJSON_AddNumberToObject(e, "latency_p99_s", bench_median(v, repeat));
             for (int r = 0; r < repeat; r++)
                 v[r] = res[r][i].ttft_p99;
-            cJSON_AddNumberToObject(e, "ttft_p99_s", median(v, repeat));
+            cJSON_AddNumberToObject(e, "ttft_p99_s", bench_median(v, repeat));
             cJSON *rounds = cJSON_AddArrayToObject(e, "round_tokens_per_s");
             for (int r = 0; r < repeat; r++)
                 cJSON_AddItemToArray(rounds, cJSON_CreateNumber(res[r][i].tokens_per_s));

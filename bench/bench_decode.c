@@ -127,16 +127,6 @@ static const char *synthetic(const char *shape, const char *type) {
     return path;
 }
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
-
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
-
 /* res[i] = the medians of rounds[r][i] over the rounds. */
 static void combine(result rounds[][MAX_MODELS], int n_rounds, int n_models, result *res) {
     for (int i = 0; i < n_models; i++) {
@@ -144,17 +134,17 @@ static void combine(result rounds[][MAX_MODELS], int n_rounds, int n_models, res
         *m = rounds[0][i];
         double v[MAX_ROUNDS];
         for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].prefill_tps;
-        m->prefill_tps = median(v, n_rounds);
+        m->prefill_tps = bench_median(v, n_rounds);
         for (int c = 0; c < m->n_ctx; c++) {
             for (int r = 0; r < n_rounds; r++) m->round_tps[c][r] = v[r] = rounds[r][i].decode_tps[c];
-            m->decode_tps[c] = median(v, n_rounds);
+            m->decode_tps[c] = bench_median(v, n_rounds);
             for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].frac_bw[c];
-            m->frac_bw[c] = median(v, n_rounds);
+            m->frac_bw[c] = bench_median(v, n_rounds);
             for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].decode_tps[c] / rounds[r][i].decode_tps[0];
-            m->vs_first_ctx[c] = median(v, n_rounds);
+            m->vs_first_ctx[c] = bench_median(v, n_rounds);
             bool same = c < rounds[0][0].n_ctx;
             for (int r = 0; r < n_rounds && same; r++) v[r] = rounds[r][i].decode_tps[c] / rounds[r][0].decode_tps[c];
-            m->vs_first_model[c] = same ? median(v, n_rounds) : 0;
+            m->vs_first_model[c] = same ? bench_median(v, n_rounds) : 0;
         }
     }
 }

@@ -52,4 +52,15 @@ static inline double bench_triad_gbs(int threads, int reps) {
     return 3.0 * n * sizeof(double) / best / 1e9;
 }
 
+static inline int bench_cmp_double(const void *a, const void *b) {
+    const double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Median of n > 0 values (sorts v). */
+static inline double bench_median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 #endif

@@ -19,7 +19,9 @@
  * 125m q8_0 decode >= 10 tokens/s on CPU devices.
  *
  * usage: bench_vulkan [--device N] [--decode-tokens N] [--ctx N] [--no-e2e]
- *                     [--out FILE]
+ *                     [--only-1b] [--rounds N] [--verbose] [--out FILE]
+ * --only-1b: just the 1b q8_0 against f16 decode (the INT8 floor);
+ * --rounds: interleaved decode rounds (default 3); --verbose: each one.
  * Timings take the best of interleaved rounds (ops, and decode at each
  * context and of each model), so machines shared with other work still
  * compare fairly. DUET_PROFILE=1 prints per-op device time of each run as
@@ -305,8 +307,10 @@ static void e2e_close(e2e_model *e) {
 /* Decode tokens/s of each (model, context) pair, measured in interleaved
  * rounds (the best of each) so that a machine shared with other work
  * changes both sides of a ratio alike. tps[i * n_ctxs + c]. */
+static bool verbose; /* --verbose: every round's figure */
+
 static void e2e_rounds(e2e_model *ms, int n_models, const int *ctxs, int n_ctxs, int n_decode, int rounds, double *tps,
-                       cJSON *out) {
+                       double *each, cJSON *out) {
     for (int i = 0; i < n_models * n_ctxs; i++) tps[i] = 0;
     for (int r = 0; r < rounds; r++)
         for (int i = 0; i < n_models; i++)
@@ -314,6 +318,10 @@ static void e2e_rounds(e2e_model *ms, int n_models, const int *ctxs, int n_ctxs,
                 if (!ms[i].m) continue;
                 double s = e2e_decode(&ms[i], ctxs[c], n_decode);
                 if (s > 0 && n_decode / s > tps[i * n_ctxs + c]) tps[i * n_ctxs + c] = n_decode / s;
+                if (each) each[(size_t)r * n_models * n_ctxs + i * n_ctxs + c] = s > 0 ? n_decode / s : 0;
+                if (verbose)
+                    printf("    round %d: %s-%s kv %s context %d: %.2f tok/s\n", r, ms[i].shape, ms[i].type, ms[i].kv,
+                           ctxs[c], s > 0 ? n_decode / s : 0);
             }
     for (int i = 0; i < n_models; i++)
         for (int c = 0; c < n_ctxs; c++) {
@@ -332,8 +340,8 @@ static void e2e_rounds(e2e_model *ms, int n_models, const int *ctxs, int n_ctxs,
 }
 
 int main(int argc, char **argv) {
-    int device = 0, n_decode = 16, ctx = 4096;
-    bool e2e = true;
+    int device = 0, n_decode = 16, ctx = 4096, rounds = 3;
+    bool e2e = true, only_1b = false;
     const char *out_path = NULL;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -341,12 +349,17 @@ int main(int argc, char **argv) {
         else if (!strcmp(argv[i], "--decode-tokens") && v) n_decode = atoi(v), i++;
         else if (!strcmp(argv[i], "--ctx") && v) ctx = atoi(v), i++;
         else if (!strcmp(argv[i], "--no-e2e")) e2e = false;
+        else if (!strcmp(argv[i], "--only-1b")) only_1b = true;
+        else if (!strcmp(argv[i], "--verbose")) verbose = true;
+        else if (!strcmp(argv[i], "--rounds") && v) rounds = atoi(v), i++;
         else if (!strcmp(argv[i], "--out") && v) out_path = v, i++;
         else {
-            fprintf(stderr, "usage: bench_vulkan [--device N] [--decode-tokens N] [--ctx N] [--no-e2e] [--out FILE]\n");
+            fprintf(stderr, "usage: bench_vulkan [--device N] [--decode-tokens N] [--ctx N] [--no-e2e] [--only-1b] "
+                            "[--rounds N] [--verbose] [--out FILE]\n");
             return 2;
         }
     }
+    if (rounds < 1 || rounds > 100) rounds = 3;
     if (n_decode < 4) n_decode = 4;
     if (ctx < 256) ctx = 256;
     const duet_backend_iface *vk = duet_backend_find("vulkan");
@@ -373,10 +386,13 @@ int main(int argc, char **argv) {
     cJSON_AddNumberToObject(root, "triad_gbs", triad);
     cJSON_AddNumberToObject(root, "peak_gbs", peak);
 
-    printf("Q8_0 and F16 matrix-vector, by path (x..: time per op against the table's F16):\n");
-    const double frac = bench_matvec(device, peak, cpu_device, cJSON_AddArrayToObject(root, "matvec"));
-    printf("\nattention decode, 125m shape (12 heads of 64, one token):\n");
-    bench_attention(device, peak, cJSON_AddArrayToObject(root, "attention_decode"));
+    double frac = -1;
+    if (!only_1b) {
+        printf("Q8_0 and F16 matrix-vector, by path (x..: time per op against the table's F16):\n");
+        frac = bench_matvec(device, peak, cpu_device, cJSON_AddArrayToObject(root, "matvec"));
+        printf("\nattention decode, 125m shape (12 heads of 64, one token):\n");
+        bench_attention(device, peak, cJSON_AddArrayToObject(root, "attention_decode"));
+    }
 
     bool ok = true;
     cJSON *floors = cJSON_AddObjectToObject(root, "floors");
@@ -387,18 +403,31 @@ int main(int argc, char **argv) {
          * then decoding ends at 128 and at ctx in turn. */
         const int ctxs[2] = {128, ctx}, short_ctx[1] = {128};
         e2e_model m125[2] = {{.shape = "125m", .type = "q8_0", .kv = "f16"}, {.shape = "125m", .type = "q8_0", .kv = "q8_0"}};
-        double t125[4];
-        for (int i = 0; i < 2; i++) e2e_open(&m125[i], device, ctx + 64, ctx - n_decode);
-        e2e_rounds(m125, 2, ctxs, 2, n_decode, 3, t125, e2);
-        for (int i = 0; i < 2; i++) e2e_close(&m125[i]);
+        double t125[4] = {0};
+        if (!only_1b) {
+            for (int i = 0; i < 2; i++) e2e_open(&m125[i], device, ctx + 64, ctx - n_decode);
+            e2e_rounds(m125, 2, ctxs, 2, n_decode, rounds, t125, NULL, e2);
+            for (int i = 0; i < 2; i++) e2e_close(&m125[i]);
+        }
         const double f16kv[2] = {t125[0], t125[1]}, q8kv[2] = {t125[2], t125[3]};
         /* 1b q8_0 against 1b f16, in turn. */
         e2e_model m1b[2] = {{.shape = "1b", .type = "q8_0", .kv = "f16"}, {.shape = "1b", .type = "f16", .kv = "f16"}};
-        double t1b[2];
+        double t1b[2], each[100 * 2], ratio[100];
         for (int i = 0; i < 2; i++) e2e_open(&m1b[i], device, 192, 128 - n_decode / 2);
-        e2e_rounds(m1b, 2, short_ctx, 1, n_decode / 2, 3, t1b, e2);
+        e2e_rounds(m1b, 2, short_ctx, 1, n_decode / 2, rounds, t1b, each, e2);
         for (int i = 0; i < 2; i++) e2e_close(&m1b[i]);
         const double b1q8[1] = {t1b[0]}, b1f16[1] = {t1b[1]};
+        /* The median of the per-round ratios too: the best of each side
+         * may come from different rounds. */
+        int n_ratio = 0;
+        for (int r = 0; r < rounds; r++)
+            if (each[2 * r] > 0 && each[2 * r + 1] > 0) ratio[n_ratio++] = each[2 * r] / each[2 * r + 1];
+        if (n_ratio > 0) {
+            const double med = bench_median(ratio, n_ratio);
+            cJSON_AddNumberToObject(floors, "1b_q8_0_vs_f16_round_ratio_median", med);
+            printf("  1b q8_0 / f16, median of %d per-round ratios: %.2fx (range %.2f-%.2f)\n", n_ratio, med, ratio[0],
+                   ratio[n_ratio - 1]);
+        }
         printf("\n");
         if (b1q8[0] > 0 && b1f16[0] > 0) {
             const double r = b1q8[0] / b1f16[0];
