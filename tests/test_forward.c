@@ -246,6 +246,20 @@ static void reference_logits(const cfg *c, const int32_t *tok, int n, double *lo
     free(x), free(xn), free(q), free(k), free(v), free(att), free(tmp), free(g), free(u), free(sc);
 }
 
+/* Counts the matmuls a model runs, and those that read int8 activations
+ * (x_q8), by wrapping its backend's op. */
+static const duet_backend_iface *count_real;
+static duet_backend_iface count_iface;
+static int n_matmuls, n_q8_matmuls;
+
+static duet_status count_op(duet_backend *be, const duet_op *op) {
+    if (op->kind == DUET_OP_MATMUL) {
+        n_matmuls++;
+        n_q8_matmuls += op->matmul.x_q8.buf != NULL;
+    }
+    return count_real->op(be, op);
+}
+
 static void check_model(const cfg *c, double tol) {
     char path[512];
     snprintf(path, sizeof path, "%s/test_forward_%s_%s.gguf", DUET_BINARY_DIR, c->arch, duet_dtype_name(c->type));
@@ -256,6 +270,11 @@ static void check_model(const cfg *c, double tol) {
     p.n_ctx = 256;
     duet_model *m;
     ck_assert_msg(duet_model_open(path, &p, &m) == DUET_OK, "open: %s", duet_last_error());
+    count_real = m->be->iface;
+    count_iface = *m->be->iface;
+    count_iface.op = count_op;
+    m->be->iface = &count_iface;
+    n_matmuls = n_q8_matmuls = 0;
     int32_t tok[40];
     for (int i = 0; i < 40; i++) tok[i] = (i * 37 + 5) % c->V;
     float *got = malloc(sizeof(float) * c->V);
@@ -275,6 +294,7 @@ static void check_model(const cfg *c, double tol) {
         ck_assert_msg(nmse < tol, "%s %s: %d tokens: NMSE %g >= %g", c->arch, duet_dtype_name(c->type), n, nmse, tol);
     }
     free(got), free(want);
+    m->be->iface = count_real;
     duet_model_close(m);
     free_tensors();
     remove(path);
@@ -287,7 +307,23 @@ START_TEST(llama_f16_tied) { check_model(&(cfg){"llama", DUET_DTYPE_F16, true, 6
 END_TEST
 START_TEST(mistral_bf16) { check_model(&(cfg){"mistral", DUET_DTYPE_BF16, false, 96, 2, 6, 2, 128, 280, 10000}, 1e-6); }
 END_TEST
-START_TEST(llama_q8_0) { check_model(&(cfg){"llama", DUET_DTYPE_Q8_0, false, 64, 2, 8, 2, 96, 300, 10000}, 1e-3); }
+static const cfg llama_q8 = {"llama", DUET_DTYPE_Q8_0, false, 64, 2, 8, 2, 96, 300, 10000};
+START_TEST(llama_q8_0) {
+    check_model(&llama_q8, 1e-3);
+    /* Every q8_0 matmul reads int8 activations written by the op before it. */
+    ck_assert_msg(n_matmuls > 0 && n_q8_matmuls == n_matmuls, "%d of %d matmuls read int8 activations", n_q8_matmuls,
+                  n_matmuls);
+}
+END_TEST
+/* DUET_ACT_Q8=0 (the README's A/B switch): the same model with f32
+ * activations everywhere, still within the bound. */
+START_TEST(llama_q8_0_f32_activations) {
+    setenv("DUET_ACT_Q8", "0", 1);
+    check_model(&llama_q8, 1e-3);
+    unsetenv("DUET_ACT_Q8");
+    ck_assert_msg(n_matmuls > 0 && n_q8_matmuls == 0, "DUET_ACT_Q8=0: %d of %d matmuls read int8 activations",
+                  n_q8_matmuls, n_matmuls);
+}
 END_TEST
 START_TEST(qwen2_f32_bias_neox) { check_model(&(cfg){"qwen2", DUET_DTYPE_F32, false, 64, 2, 8, 4, 96, 300, 1e6}, 1e-9); }
 END_TEST
@@ -645,6 +681,7 @@ int main(void) {
     tcase_add_test(tc, llama_f16_tied);
     tcase_add_test(tc, mistral_bf16);
     tcase_add_test(tc, llama_q8_0);
+    tcase_add_test(tc, llama_q8_0_f32_activations);
     tcase_add_test(tc, qwen2_f32_bias_neox);
     tcase_add_test(tc, unknown_arch_and_missing_tensor);
     tcase_add_test(tc, batch_invariant_f32);
