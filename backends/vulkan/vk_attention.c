@@ -39,9 +39,6 @@ static uint32_t pow2_ceil(uint32_t v) {
         p <<= 1;
     return p;
 }
-static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) {
-    return (vk_range){b->id, off, off + bytes};
-}
 
 /* The shaders' names for KV element types (kv.glsl). */
 static uint32_t kv_code(duet_dtype t) {
@@ -267,15 +264,15 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
         pc.blk_hi = (uint32_t)b1;
         pc.rotate = b0 == 0;
         d.n_reads = d.n_writes = 0;
-        d.reads[d.n_reads++] = rng(pos.buf, pos.offset, nt * 4);
-        d.reads[d.n_reads++] = rng(seq.buf, seq.offset, nt * 4);
-        d.reads[d.n_reads++] = rng(v.buf, v.offset, kbytes);
-        d.reads[d.n_reads++] = rng(kv->block_table.buf, kv->block_table.offset, bt_bytes);
-        if (n_rot > 0) d.reads[d.n_reads++] = rng(be->rope_table, 0, be->rope_table->size);
-        d.writes[d.n_writes++] = rng(q.buf, q.offset, qbytes);
-        d.writes[d.n_writes++] = rng(k.buf, k.offset, kbytes);
-        d.writes[d.n_writes++] = rng(kv->k_pool.buf, kv->k_pool.offset + b0 * blk_bytes, bytes);
-        d.writes[d.n_writes++] = rng(kv->v_pool.buf, kv->v_pool.offset + b0 * blk_bytes, bytes);
+        d.reads[d.n_reads++] = vk_rng(pos.buf, pos.offset, nt * 4);
+        d.reads[d.n_reads++] = vk_rng(seq.buf, seq.offset, nt * 4);
+        d.reads[d.n_reads++] = vk_rng(v.buf, v.offset, kbytes);
+        d.reads[d.n_reads++] = vk_rng(kv->block_table.buf, kv->block_table.offset, bt_bytes);
+        if (n_rot > 0) d.reads[d.n_reads++] = vk_rng(be->rope_table, 0, be->rope_table->size);
+        d.writes[d.n_writes++] = vk_rng(q.buf, q.offset, qbytes);
+        d.writes[d.n_writes++] = vk_rng(k.buf, k.offset, kbytes);
+        d.writes[d.n_writes++] = vk_rng(kv->k_pool.buf, kv->k_pool.offset + b0 * blk_bytes, bytes);
+        d.writes[d.n_writes++] = vk_rng(kv->v_pool.buf, kv->v_pool.offset + b0 * blk_bytes, bytes);
         CHECK(duet__vk_dispatch(be, &d));
     }
     return DUET_OK;
@@ -310,19 +307,15 @@ static bool lane_aligned(const duet_op *op) {
            kvw % per == 0 && hd % per == 0;
 }
 
-static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info *ti, attn_plan *pl) {
-    const duet_kv_pages *kv = &op->attention.kv;
+/* attn_flash: C lanes per query row (prefill: attn_c; decode: up to
+ * attn_dc or a subgroup), the GQA heads of a KV head as rows in decode,
+ * attn_kt keys a tile (fewer when shared memory is short). */
+static void plan_flash(const vk_backend *be, const duet_op *op, attn_plan *pl) {
     const uint32_t nh = (uint32_t)op->attention.n_head, nkv = (uint32_t)op->attention.n_head_kv;
     const uint32_t hd = (uint32_t)op->attention.head_dim, G = nh / nkv, hd4 = (hd + 3) / 4;
-    const uint64_t nt = (uint64_t)op->n_tokens;
     const vk_tuning *tu = &be->tune;
     const uint32_t sgs = be->phys->subgroup_size ? be->phys->subgroup_size : 1;
     const uint32_t max_wg = be->phys->props.limits.maxComputeWorkGroupInvocations;
-    /* Prefill when the tokens of a sequence come in runs (they share every
-     * K/V tile); unknown positions: when there are several tokens per
-     * sequence slot on average. */
-    uint64_t runs = ti->known ? ti->runs : (nt < (uint64_t)kv->n_seqs ? nt : (uint64_t)kv->n_seqs);
-    pl->prefill = nt >= 4 * runs && nt >= 4;
     uint32_t c = pl->prefill ? (uint32_t)tu->attn_c : tu->attn_dc ? (uint32_t)tu->attn_dc : sgs;
     if (!be->phys->subgroup_shuffle || tu->no_shuffle) c = 1;
     while (c > 1 && c > sgs)
@@ -352,29 +345,52 @@ static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info 
            flash_shared_bytes(kt, pl->nv * c, rows) > be->phys->props.limits.maxComputeSharedMemorySize)
         kt >>= 1;
     pl->kt = kt;
+}
 
-    /* The lane kernel: C lanes per (token, head, split) row, each owning
-     * units of the head (see attn_lane.comp: texels; q8_0 blocks, or
-     * quarters of them when lanes share a row). */
+/* attn_lane: C lanes per (token, head, split) row, each owning units of
+ * the head (see attn_lane.comp: texels; q8_0 blocks, or quarters of them
+ * when lanes share a row); splits on block boundaries. */
+static void plan_lane(const vk_backend *be, const duet_op *op, attn_plan *pl) {
+    const duet_kv_pages *kv = &op->attention.kv;
+    const uint32_t hd = (uint32_t)op->attention.head_dim;
+    const vk_tuning *tu = &be->tune;
+    const uint32_t sgs = be->phys->subgroup_size ? be->phys->subgroup_size : 1;
+    const uint32_t max_wg = be->phys->props.limits.maxComputeWorkGroupInvocations;
+    const bool al = lane_aligned(op);
+    uint32_t lc = tu->attn_dc ? (uint32_t)tu->attn_dc : sgs;
+    if (!be->phys->subgroup_shuffle || !be->phys->subgroup_arith || tu->no_shuffle) lc = 1;
+    while (lc > 1 && lc > sgs)
+        lc >>= 1;
+    uint32_t unit = kv->dtype == DUET_DTYPE_Q8_0 ? 8 : al ? (kv->dtype == DUET_DTYPE_F16 ? 8 : 4) : 4;
+    while (lc > 1 && lc > pow2_ceil((hd + unit - 1) / unit))
+        lc >>= 1;
+    if (kv->dtype == DUET_DTYPE_Q8_0 && lc == 1) unit = 32;
+    const uint32_t n_units = (hd + unit - 1) / unit;
+    pl->c = lc;
+    pl->nv = (n_units + lc - 1) / lc;
+    pl->wg = (uint32_t)tu->attn_wg < lc ? lc : (uint32_t)tu->attn_wg;
+    while (pl->wg > max_wg && pl->wg > lc)
+        pl->wg >>= 1;
+    pl->kt = (uint32_t)kv->block_size;
+    pl->gh = pl->bq = 1; /* attn_flash's; unread by attn_lane */
+    pl->n_hg = 1;
+}
+
+static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info *ti, attn_plan *pl) {
+    const duet_kv_pages *kv = &op->attention.kv;
+    const uint32_t nh = (uint32_t)op->attention.n_head, nkv = (uint32_t)op->attention.n_head_kv;
+    const uint64_t nt = (uint64_t)op->n_tokens;
+    const vk_tuning *tu = &be->tune;
+    /* Prefill when the tokens of a sequence come in runs (they share every
+     * K/V tile); unknown positions: when there are several tokens per
+     * sequence slot on average. */
+    uint64_t runs = ti->known ? ti->runs : (nt < (uint64_t)kv->n_seqs ? nt : (uint64_t)kv->n_seqs);
+    pl->prefill = nt >= 4 * runs && nt >= 4;
     pl->lane = tu->attn_lane;
-    if (pl->lane) {
-        const bool al = lane_aligned(op);
-        uint32_t lc = tu->attn_dc ? (uint32_t)tu->attn_dc : sgs;
-        if (!be->phys->subgroup_shuffle || !be->phys->subgroup_arith || tu->no_shuffle) lc = 1;
-        while (lc > 1 && lc > sgs)
-            lc >>= 1;
-        uint32_t unit = kv->dtype == DUET_DTYPE_Q8_0 ? 8 : al ? (kv->dtype == DUET_DTYPE_F16 ? 8 : 4) : 4;
-        while (lc > 1 && lc > pow2_ceil((hd + unit - 1) / unit))
-            lc >>= 1;
-        if (kv->dtype == DUET_DTYPE_Q8_0 && lc == 1) unit = 32;
-        const uint32_t n_units = (hd + unit - 1) / unit;
-        pl->c = lc;
-        pl->nv = (n_units + lc - 1) / lc;
-        pl->wg = (uint32_t)tu->attn_wg < lc ? lc : (uint32_t)tu->attn_wg;
-        while (pl->wg > max_wg && pl->wg > lc)
-            pl->wg >>= 1;
-        pl->kt = (uint32_t)kv->block_size; /* splits on block boundaries */
-    }
+    if (pl->lane)
+        plan_lane(be, op, pl);
+    else
+        plan_flash(be, op, pl);
 
     /* Splits: until about attn_par workgroups run, keeping attn_chunk keys
      * or more per split. */
@@ -427,15 +443,10 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
     }
     uint64_t oq_bytes = 0;
     if (has_q8) {
-        REQUIRE(width % 32 == 0, "attention: q8 output needs n_head * head_dim %% 32 == 0 (got %llu)",
-                (unsigned long long)width);
-        oq_bytes = mul2(mul2(nt, width / 32), 34);
-        CHECK(duet__vk_view_check(name, "out_q8", oq, oq_bytes, 2));
-        REQUIRE(!duet__vk_views_overlap(oq, oq_bytes, q, qbytes) &&
-                    !duet__vk_views_overlap(oq, oq_bytes, out, qbytes) &&
-                    !duet__vk_views_overlap(oq, oq_bytes, pools[0], pool_bytes) &&
-                    !duet__vk_views_overlap(oq, oq_bytes, pools[1], pool_bytes),
-                "attention: out_q8 overlaps another operand");
+        const duet_view others[4] = {q, out, pools[0], pools[1]};
+        const uint64_t other_bytes[4] = {qbytes, has_out ? qbytes : 0, pool_bytes, pool_bytes};
+        CHECK(duet__vk_q8_out_check(name, oq, nt, width, others, other_bytes, 4));
+        oq_bytes = mul3(nt, width / DUET_QK8_0, sizeof(duet_block_q8_0));
     }
     REQUIRE(nt <= be->max_groups[1], "attention: %d tokens exceed the grid limit", op->n_tokens);
     tok_info ti;
@@ -489,10 +500,10 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
                             &pc.vp_off));
     if (pl.partial) {
         CHECK(duet__vk_ssbo_bind(be, name, "partials", be->attn_part, 0, part_bytes, &d.bind[6], &rel));
-        d.writes[d.n_writes++] = rng(be->attn_part, 0, part_bytes);
+        d.writes[d.n_writes++] = vk_rng(be->attn_part, 0, part_bytes);
     } else {
         CHECK(duet__vk_ssbo_bind(be, name, "out", out.buf, out.offset, qbytes, &d.bind[6], &rel));
-        d.writes[d.n_writes++] = rng(out.buf, out.offset, qbytes);
+        d.writes[d.n_writes++] = vk_rng(out.buf, out.offset, qbytes);
     }
     pc.out_off = rel / 4;
     d.bind[7] = duet__vk_unused_ssbo(be); /* the status word */
@@ -516,12 +527,12 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
                                     : VK_SHADER_ATTN_FLASH_NOSHUFFLE;
         CHECK(duet__vk_pipeline_get(be, flash, 6, 2, 7, spec, &d.pipe));
     }
-    d.reads[d.n_reads++] = rng(q.buf, q.offset, qbytes);
-    d.reads[d.n_reads++] = rng(pos.buf, pos.offset, nt * 4);
-    d.reads[d.n_reads++] = rng(seq.buf, seq.offset, nt * 4);
-    d.reads[d.n_reads++] = rng(kv->block_table.buf, kv->block_table.offset, bt_bytes);
-    d.reads[d.n_reads++] = rng(kv->k_pool.buf, kv->k_pool.offset, pool_bytes);
-    d.reads[d.n_reads++] = rng(kv->v_pool.buf, kv->v_pool.offset, pool_bytes);
+    d.reads[d.n_reads++] = vk_rng(q.buf, q.offset, qbytes);
+    d.reads[d.n_reads++] = vk_rng(pos.buf, pos.offset, nt * 4);
+    d.reads[d.n_reads++] = vk_rng(seq.buf, seq.offset, nt * 4);
+    d.reads[d.n_reads++] = vk_rng(kv->block_table.buf, kv->block_table.offset, bt_bytes);
+    d.reads[d.n_reads++] = vk_rng(kv->k_pool.buf, kv->k_pool.offset, pool_bytes);
+    d.reads[d.n_reads++] = vk_rng(kv->v_pool.buf, kv->v_pool.offset, pool_bytes);
     if (pl.lane) {
         const uint64_t rows = nt * (uint64_t)nh * pl.n_split;
         if (div_up(rows, pl.wg / pl.c) > be->max_groups[0])
@@ -545,16 +556,16 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
         uint32_t part_off, out_off, oq_off, n_head, hd, n_split;
     } rc = {.n_head = (uint32_t)nh, .hd = (uint32_t)hd, .n_split = pl.n_split};
     CHECK(duet__vk_tex_bind(be, name, "partials", be->attn_part, 0, part_bytes, &r.bind[0], &rc.part_off));
-    r.reads[r.n_reads++] = rng(be->attn_part, 0, part_bytes);
+    r.reads[r.n_reads++] = vk_rng(be->attn_part, 0, part_bytes);
     r.bind[1] = r.bind[2] = duet__vk_unused_ssbo(be);
     if (has_out) {
         CHECK(duet__vk_ssbo_bind(be, name, "out", out.buf, out.offset, qbytes, &r.bind[1], &rel));
         rc.out_off = rel / 4;
-        r.writes[r.n_writes++] = rng(out.buf, out.offset, qbytes);
+        r.writes[r.n_writes++] = vk_rng(out.buf, out.offset, qbytes);
     }
     if (has_q8) {
         CHECK(duet__vk_ssbo_bind(be, name, "out_q8", oq.buf, oq.offset, oq_bytes, &r.bind[2], &rc.oq_off));
-        r.writes[r.n_writes++] = rng(oq.buf, oq.offset, oq_bytes);
+        r.writes[r.n_writes++] = vk_rng(oq.buf, oq.offset, oq_bytes);
     }
     uint32_t maxf = pow2_ceil((uint32_t)nh * pl.n_split);
     if (maxf < 64) maxf = 64;

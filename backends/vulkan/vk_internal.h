@@ -228,6 +228,11 @@ typedef struct vk_range {
     size_t lo, hi;
 } vk_range;
 
+/* The range an op reads or writes: bytes at off of b. */
+static inline vk_range vk_rng(const duet_buffer *b, size_t off, uint64_t bytes) {
+    return (vk_range){b->id, off, off + bytes};
+}
+
 #define VK_MAX_TRACKED 64
 #define VK_MAX_WRITTEN 256
 #define VK_PROFILE_MAX_OPS 4096
@@ -352,6 +357,10 @@ duet_status duet__vk_record_op(vk_backend *be, const duet_op *op);
 duet_status duet__vk_view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align);
 uint64_t duet__vk_view_avail(duet_view v);
 bool duet__vk_views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn);
+/* An op's q8_0 output (out_q8, nt rows of width / 32 blocks): width a
+ * multiple of 32, in bounds, apart from the other operands. */
+duet_status duet__vk_q8_out_check(const char *op, duet_view oq, uint64_t nt, uint64_t width,
+                                  const duet_view *others, const uint64_t *other_bytes, int n_others);
 /* The i32 data of a view when the host can read its final value now
  * (mapped, and no dispatch of this step writes it), else NULL. */
 const int32_t *duet__vk_host_indices(const vk_backend *be, duet_view v);

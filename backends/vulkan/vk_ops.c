@@ -133,13 +133,14 @@ vk_binding duet__vk_unused_ssbo(vk_backend *be) {
     return status_bind(be);
 }
 
-/* An optional q8_0 output of `nt` rows of `width` values: its bytes, after
- * checking it fits its buffer and overlaps none of the inputs. */
-static duet_status q8_out_check(const char *op, duet_view oq, uint64_t nt, int width, const duet_view *others,
-                                const uint64_t *other_bytes, int n_others) {
-    if (width % 32)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: q8 output needs width %% 32 == 0 (got %d)", op, width);
-    uint64_t bytes = mul3(nt, (uint64_t)width / 32, 34);
+/* An optional q8_0 output of `nt` rows of `width` values: checks it fits
+ * its buffer and overlaps none of the inputs. */
+static duet_status q8_out_check(const char *op, duet_view oq, uint64_t nt, uint64_t width,
+                                const duet_view *others, const uint64_t *other_bytes, int n_others) {
+    if (width % DUET_QK8_0)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: q8 output needs width %% 32 == 0 (got %llu)", op,
+                           (unsigned long long)width);
+    uint64_t bytes = mul3(nt, width / DUET_QK8_0, sizeof(duet_block_q8_0));
     CHECK(view_check(op, "out_q8", oq, bytes, 2));
     for (int i = 0; i < n_others; i++)
         REQUIRE(!views_overlap(oq, bytes, others[i], other_bytes[i]), "%s: out_q8 overlaps another operand",
@@ -147,8 +148,9 @@ static duet_status q8_out_check(const char *op, duet_view oq, uint64_t nt, int w
     return DUET_OK;
 }
 
-static vk_range rng(duet_buffer *b, size_t off, uint64_t bytes) {
-    return (vk_range){b->id, off, off + bytes};
+duet_status duet__vk_q8_out_check(const char *op, duet_view oq, uint64_t nt, uint64_t width,
+                                  const duet_view *others, const uint64_t *other_bytes, int n_others) {
+    return q8_out_check(op, oq, nt, width, others, other_bytes, n_others);
 }
 
 static duet_status pipe(vk_backend *be, vk_shader s, int n_tex, int n_ssbo, int n_spec, const uint32_t *spec,
@@ -191,8 +193,8 @@ static duet_status rec_embed(vk_backend *be, const duet_op *op) {
                     &d.bind[2], &rel));
     pc.out_off = rel / 4;
     d.bind[3] = status_bind(be);
-    d.reads[0] = rng(op->embed.tokens.buf, op->embed.tokens.offset, nt * 4);
-    d.writes[0] = rng(op->embed.out.buf, op->embed.out.offset, nt * (uint64_t)dim * 4);
+    d.reads[0] = vk_rng(op->embed.tokens.buf, op->embed.tokens.offset, nt * 4);
+    d.writes[0] = vk_rng(op->embed.out.buf, op->embed.out.offset, nt * (uint64_t)dim * 4);
     d.groups[0] = div_up((uint64_t)dim, 4u * wg);
     d.groups[1] = (uint32_t)nt;
     d.groups[2] = 1;
@@ -212,7 +214,7 @@ static duet_status rec_embed(vk_backend *be, const duet_op *op) {
         CHECK(tex_bind(be, name, "table", tb, byte, n * row, &d.bind[1], &pc.table_off));
         pc.row_lo = (int32_t)lo;
         pc.n_rows = (int32_t)n;
-        d.reads[1] = rng(tb, byte, n * row);
+        d.reads[1] = vk_rng(tb, byte, n * row);
         CHECK(duet__vk_dispatch(be, &d));
         lo += n;
     }
@@ -258,17 +260,17 @@ static duet_status rec_rmsnorm(vk_backend *be, const duet_op *op) {
     if (has_out) {
         CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, bytes, &d.bind[2], &rel));
         pc.out_off = rel / 4;
-        d.writes[d.n_writes++] = rng(out.buf, out.offset, bytes);
+        d.writes[d.n_writes++] = vk_rng(out.buf, out.offset, bytes);
     }
     if (has_q8) {
         CHECK(ssbo_bind(be, name, "out_q8", oq.buf, oq.offset, qbytes, &d.bind[3], &pc.oq_off));
-        d.writes[d.n_writes++] = rng(oq.buf, oq.offset, qbytes);
+        d.writes[d.n_writes++] = vk_rng(oq.buf, oq.offset, qbytes);
     }
     const uint32_t spec[4] = {(uint32_t)be->tune.norm_wg,
                               pc.x_off % 16 == 0 && pc.w_off % 16 == 0 && dim % 4 == 0, has_out, has_q8};
     CHECK(pipe(be, VK_SHADER_RMSNORM, 2, 2, 4, spec, &d));
-    d.reads[0] = rng(x.buf, x.offset, bytes);
-    d.reads[1] = rng(w.buf, w.offset, (uint64_t)dim * 4);
+    d.reads[0] = vk_rng(x.buf, x.offset, bytes);
+    d.reads[1] = vk_rng(w.buf, w.offset, (uint64_t)dim * 4);
     d.groups[0] = 1;
     d.groups[1] = (uint32_t)nt;
     d.groups[2] = 1;
@@ -299,8 +301,8 @@ static duet_status quantize_x(vk_backend *be, duet_view x, int n_tok, int n_in) 
     CHECK(ssbo_bind(be, "matmul", "quantized x", be->xq, 0, qbytes, &d.bind[1], &rel));
     const uint32_t spec[2] = {wg, pc.x_off % 16 == 0};
     CHECK(pipe(be, VK_SHADER_QUANTIZE_Q8, 1, 1, 2, spec, &d));
-    d.reads[0] = rng(x.buf, x.offset, xbytes);
-    d.writes[0] = rng(be->xq, 0, qbytes);
+    d.reads[0] = vk_rng(x.buf, x.offset, xbytes);
+    d.writes[0] = vk_rng(be->xq, 0, qbytes);
     d.groups[0] = div_up(nb, wg);
     d.groups[1] = (uint32_t)n_tok;
     d.groups[2] = 1;
@@ -450,20 +452,20 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
             else
                 d.bind[2] = d.bind[0]; /* unread: any valid view */
             d.n_reads = d.n_writes = 0;
-            d.reads[d.n_reads++] = rng(w.buf, wbyte, rc * rb);
-            if (bias.buf) d.reads[d.n_reads++] = rng(bias.buf, bias.offset + r0 * 4, rc * 4);
-            if (op->matmul.accumulate) d.reads[d.n_reads++] = rng(out.buf, obyte, orange);
-            d.writes[d.n_writes++] = rng(out.buf, obyte, orange);
+            d.reads[d.n_reads++] = vk_rng(w.buf, wbyte, rc * rb);
+            if (bias.buf) d.reads[d.n_reads++] = vk_rng(bias.buf, bias.offset + r0 * 4, rc * 4);
+            if (op->matmul.accumulate) d.reads[d.n_reads++] = vk_rng(out.buf, obyte, orange);
+            d.writes[d.n_writes++] = vk_rng(out.buf, obyte, orange);
             if (q8) {
                 const size_t xo = xa.offset + (size_t)(t0 * nb * 34);
                 CHECK(tex_bind(be, name, xb ? "x_q8" : "quantized x", xa.buf, xo, tc * nb * 34, &d.bind[1],
                                &x_rel));
-                d.reads[d.n_reads++] = rng(xa.buf, xo, tc * nb * 34);
+                d.reads[d.n_reads++] = vk_rng(xa.buf, xo, tc * nb * 34);
             } else {
                 CHECK(tex_bind(be, name, "x", x.buf, x.offset + t0 * (uint64_t)n_in * 4,
                                tc * (uint64_t)n_in * 4, &d.bind[1], &x_rel));
                 d.reads[d.n_reads++] =
-                    rng(x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4);
+                    vk_rng(x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4);
             }
             if ((tile || mm) && q8) {
                 tq = (mm_tile_q8_push){w_rel,     (uint32_t)rb,    x_rel,        (uint32_t)nb, b_rel,
@@ -534,16 +536,16 @@ static duet_status rec_binary(vk_backend *be, const duet_op *op) {
     if (has_out) {
         CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, bytes, &d.bind[2], &rel));
         pc.out_off = rel / 4;
-        d.writes[d.n_writes++] = rng(out.buf, out.offset, bytes);
+        d.writes[d.n_writes++] = vk_rng(out.buf, out.offset, bytes);
     }
     if (has_q8) {
         CHECK(ssbo_bind(be, name, "out_q8", oq.buf, oq.offset, qbytes, &d.bind[3], &pc.oq_off));
-        d.writes[d.n_writes++] = rng(oq.buf, oq.offset, qbytes);
+        d.writes[d.n_writes++] = vk_rng(oq.buf, oq.offset, qbytes);
     }
     const uint32_t spec[4] = {wg, pc.a_off % 16 == 0 && pc.b_off % 16 == 0 && dim % 4 == 0, has_out, has_q8};
     CHECK(pipe(be, swiglu ? VK_SHADER_SWIGLU : VK_SHADER_ADD, 2, 2, 4, spec, &d));
-    d.reads[0] = rng(a.buf, a.offset, bytes);
-    d.reads[1] = rng(b.buf, b.offset, bytes);
+    d.reads[0] = vk_rng(a.buf, a.offset, bytes);
+    d.reads[1] = vk_rng(b.buf, b.offset, bytes);
     d.groups[0] = has_q8 ? div_up((uint64_t)dim / 32, wg) : div_up((uint64_t)dim, 4u * wg);
     d.groups[1] = (uint32_t)nt;
     d.groups[2] = 1;
@@ -586,9 +588,9 @@ static duet_status rec_gather(vk_backend *be, const duet_op *op) {
     CHECK(ssbo_bind(be, name, "out", out.buf, out.offset, obytes, &d.bind[2], &rel));
     pc.out_off = rel / 4;
     d.bind[3] = status_bind(be);
-    d.reads[0] = rng(x.buf, x.offset, n_rows * row);
-    d.reads[1] = rng(rows.buf, rows.offset, nt * 4);
-    d.writes[0] = rng(out.buf, out.offset, obytes);
+    d.reads[0] = vk_rng(x.buf, x.offset, n_rows * row);
+    d.reads[1] = vk_rng(rows.buf, rows.offset, nt * 4);
+    d.writes[0] = vk_rng(out.buf, out.offset, obytes);
     d.groups[0] = div_up((uint64_t)dim, 4u * wg);
     d.groups[1] = (uint32_t)nt;
     d.groups[2] = 1;
@@ -619,8 +621,8 @@ static duet_status rec_argmax(vk_backend *be, const duet_op *op) {
     CHECK(tex_bind(be, name, "x", op->argmax.x.buf, op->argmax.x.offset, xbytes, &d.bind[0], &pc.x_off));
     CHECK(ssbo_bind(be, name, "out", op->argmax.out.buf, op->argmax.out.offset, nt * 4, &d.bind[1], &rel));
     pc.out_off = rel / 4;
-    d.reads[0] = rng(op->argmax.x.buf, op->argmax.x.offset, xbytes);
-    d.writes[0] = rng(op->argmax.out.buf, op->argmax.out.offset, nt * 4);
+    d.reads[0] = vk_rng(op->argmax.x.buf, op->argmax.x.offset, xbytes);
+    d.writes[0] = vk_rng(op->argmax.out.buf, op->argmax.out.offset, nt * 4);
     d.groups[0] = 1;
     d.groups[1] = (uint32_t)nt;
     d.groups[2] = 1;
