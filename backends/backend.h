@@ -180,8 +180,13 @@ typedef struct duet_op {
             duet_kv_pages kv;
             int n_head, n_head_kv, head_dim; /* n_head % n_head_kv == 0 (GQA/MQA) */
             float scale;                     /* usually 1/sqrt(head_dim) */
-            duet_view out;                   /* f32 [n_tokens][n_head*head_dim] */
-            duet_view out_q8;                /* optional q8_0 [n_tokens][n_head*head_dim/32] */
+            /* Optional: max over the tokens of pos[t] + 1, which the caller
+             * knows on the host (0: not given). Backends size key splits
+             * from it instead of the table's capacity; a token past it is
+             * an error where the backend can see it, else gets zeros. */
+            int n_keys;
+            duet_view out;    /* f32 [n_tokens][n_head*head_dim] */
+            duet_view out_q8; /* optional q8_0 [n_tokens][n_head*head_dim/32] */
         } attention;
         struct {
             duet_view gate, up, out; /* f32 [n_tokens][dim] */

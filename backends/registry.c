@@ -202,6 +202,12 @@ static duet_status check_shared(const duet_op *op) {
     case DUET_OP_ATTENTION: {
         duet_status st = check_kv_pages("attention", &op->attention.kv, op->attention.head_dim,
                                         op->attention.n_head, op->attention.n_head_kv);
+        const duet_kv_pages *kv = &op->attention.kv;
+        if (!st && (op->attention.n_keys < 0 ||
+                    (int64_t)op->attention.n_keys > (int64_t)kv->max_blocks * kv->block_size))
+            st = duet__error(DUET_INVALID_ARGUMENT,
+                             "attention: n_keys %d outside [0, %lld] (the table's capacity)",
+                             op->attention.n_keys, (long long)kv->max_blocks * kv->block_size);
         return st ? st
                   : check_q8_out("attention", op->attention.out, op->attention.out_q8,
                                  op->attention.n_head * op->attention.head_dim);

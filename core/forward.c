@@ -247,6 +247,7 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
     if (n < 1 || n > s->p.max_tokens || b->n_out < 0 || b->n_out > s->p.max_out)
         return duet__error(DUET_INVALID_ARGUMENT, "forward: batch of %d tokens / %d outputs exceeds %d / %d",
                            n, b->n_out, s->p.max_tokens, s->p.max_out);
+    int n_keys = 0; /* keys the batch's attention sees: its largest position + 1 */
     for (int i = 0; i < n; i++) {
         if (b->tokens[i] < 0 || b->tokens[i] >= hp->n_vocab)
             return duet__error(DUET_INVALID_ARGUMENT, "forward: token id %d out of range [0, %d)",
@@ -257,6 +258,7 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
         if (b->seq[i] < 0 || b->seq[i] >= s->p.n_seqs)
             return duet__error(DUET_INVALID_ARGUMENT, "forward: sequence slot %d out of range [0, %d)",
                                b->seq[i], s->p.n_seqs);
+        if (b->pos[i] >= n_keys) n_keys = b->pos[i] + 1;
     }
     for (int i = 0; i < b->n_out; i++)
         if (b->out[i] < 0 || b->out[i] >= n)
@@ -327,6 +329,7 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
         op.attention.n_head_kv = hp->n_head_kv;
         op.attention.head_dim = hp->head_dim;
         op.attention.scale = 1.0f / sqrtf((float)hp->head_dim);
+        op.attention.n_keys = n_keys;
         op.attention.out = V(att.f32);
         op.attention.out_q8 = V(att.q8);
         TRY(duet_step_op(be, &op));

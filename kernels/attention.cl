@@ -240,7 +240,9 @@ kernel void attn_decode(gbytes q, ulong q_off, gbytes pos, ulong pos_off, gbytes
      * has no keys: it runs through the barriers doing nothing (see the
      * note on returns below); attn_reduce ignores its partial. */
     const int k0 = sp * split_len;
-    const bool valid = ps.x >= 0 && k0 <= ps.x;
+    /* A position past the last split (the host planned the splits for
+     * fewer keys) is a bad slot too, not silently fewer keys. */
+    const bool valid = ps.x >= 0 && ps.x < n_splits * split_len && k0 <= ps.x;
     const int n = valid ? min(split_len, ps.x + 1 - k0) : 0;
     global const int *table = AT_CONST(int, tab, tab_off);
     gbytes kbase = kp + kp_off, vbase = vp + vp_off;
@@ -431,10 +433,10 @@ kernel void attn_reduce(gbytes pos, ulong pos_off, gbytes seq, ulong seq_off, gl
     const int width = n_head * ATT_HD;
     const int2 ps = token_slot(pos, pos_off, seq, seq_off, t, bs, n_seqs, max_blocks);
     float o = 0.0f;
-    if (i < width && ps.x >= 0) {
+    if (i < width && ps.x >= 0 && ps.x < n_splits * split_len) {
         int h, d;
         DIVMOD(i, ATT_HD, h, d);
-        const int ns = min(n_splits, ps.x / split_len + 1); /* splits that saw keys */
+        const int ns = ps.x / split_len + 1; /* splits that saw keys */
         global const float *pt = part + ((ulong)t * n_head + h) * n_splits * (2 + ATT_HD);
         float mx = -INFINITY;
         for (int s = 0; s < ns; s++) mx = fmax(mx, pt[s * (2 + ATT_HD)]);

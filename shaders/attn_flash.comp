@@ -163,7 +163,8 @@ void main() {
     if (live) {
         pos = i32_at(POS, p.pos_off + t * 4u);
         seq = i32_at(SEQ, p.seq_off + t * 4u);
-        bool bad_pos = pos < 0 || uint(pos) / p.block_size >= p.max_blocks;
+        // Past the splits (planned for fewer keys): an error, not fewer keys.
+        bool bad_pos = pos < 0 || uint(pos) / p.block_size >= p.max_blocks || uint(pos) >= p.n_split * p.chunk;
         bool bad_seq = seq < 0 || uint(seq) >= p.n_seqs;
         bad = bad_pos || bad_seq;
         if (bad && g == 0u && c == 0u && split == 0u && gl_WorkGroupID.y == 0u)

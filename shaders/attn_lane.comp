@@ -123,7 +123,9 @@ void main() {
     uint n_units = (p.hd + UNIT - 1u) / UNIT;
 
     int pos = i32_at(POS, p.pos_off + t * 4u), seq = i32_at(SEQ, p.seq_off + t * 4u);
-    bool bad_pos = pos < 0 || uint(pos) / p.block_size >= p.max_blocks;
+    // Past the splits (the host planned them for fewer keys): an error, not
+    // silently fewer keys.
+    bool bad_pos = pos < 0 || uint(pos) / p.block_size >= p.max_blocks || uint(pos) >= p.n_split * p.chunk;
     bool bad_seq = seq < 0 || uint(seq) >= p.n_seqs;
     bool bad = live && (bad_pos || bad_seq);
     if (bad && h == 0u && split == 0u && c == 0u)

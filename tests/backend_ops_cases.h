@@ -592,6 +592,15 @@ static inline duet_status bo_dev_setup(duet_backend *be, const bo_host *h, bo_de
         op->attention.n_head_kv = c->n_head_kv;
         op->attention.head_dim = c->dim;
         op->attention.scale = 1.0f / sqrtf((float)c->dim);
+        /* n_keys as the forward pass gives it: the largest position + 1
+         * (splits then cover the keys in use, not the table's capacity). */
+        {
+            int32_t *pos = bo_ints((size_t)c->n_tokens), *seq = bo_ints((size_t)c->n_tokens);
+            bo_positions(c, pos, seq);
+            for (int t = 0; t < c->n_tokens; t++)
+                if (pos[t] + 1 > op->attention.n_keys) op->attention.n_keys = pos[t] + 1;
+            free(pos), free(seq);
+        }
         break;
     case DUET_OP_SWIGLU:
         op->swiglu.gate = VW("gate");

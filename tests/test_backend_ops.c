@@ -372,6 +372,65 @@ START_TEST(test_attention_reference) {
 }
 END_TEST
 
+/* n_keys (the largest position + 1, which the forward pass passes) smaller
+ * than a token's position: a backend that plans its key splits from it
+ * must refuse the op or give that token zeros (a bad slot), never
+ * attention over a silently shortened context; one whose kernel does not
+ * split (OpenCL's prefill kernel, forced) attends over the whole context. */
+START_TEST(test_attention_past_n_keys) {
+    const duet_backend_iface *iface = duet_backend_get(_i);
+    if (!usable(iface, "attention past n_keys")) return;
+    int ci = 0;
+    while (ci < BO_N_CASES && !(bo_cases[ci].kind == DUET_OP_ATTENTION && !strcmp(bo_cases[ci].shape, "ctx1000") &&
+                                bo_cases[ci].dtype == DUET_DTYPE_F16))
+        ci++;
+    ck_assert_int_lt(ci, BO_N_CASES);
+    const bo_case *c = &bo_cases[ci];
+    for (int d = 0; d < iface->device_count(); d++) {
+        duet_backend *be;
+        ck_assert_msg(iface->open(d, &(duet_backend_params){0}, &be) == DUET_OK, "%s: %s", iface->name,
+                      duet_last_error());
+        bo_host h;
+        bo_host_build(ci, &h);
+        bo_dev dev;
+        ck_assert_msg(bo_dev_setup(be, &h, &dev) == DUET_OK, "%s: %s", iface->name, duet_last_error());
+        ck_assert_int_eq(dev.op.attention.n_keys, 1000); /* one decode token at position 999 */
+        dev.op.attention.n_keys = 300;
+        const duet_status st = bo_dev_run(&dev, 1);
+        if (st != DUET_OK) {
+            ck_assert_msg(strstr(duet_last_error(), "n_keys") || strstr(duet_last_error(), "position"),
+                          "%s: refused, but says: %s", iface->name, duet_last_error());
+        } else {
+            const int oi = bo_find(&h, "out");
+            uint8_t *img = bo_dev_image(&dev, &h, oi);
+            ck_assert_ptr_nonnull(img);
+            const size_t n = (size_t)c->n_tokens * c->n_head * c->dim;
+            float *want = malloc(n * sizeof(float));
+            ref_attention(&h, want);
+            double err = 0, norm = 0;
+            bool zeros = true;
+            for (size_t i = 0; i < n; i++) {
+                const double g = raw_at(DUET_DTYPE_F32, img + BO_GUARD, i), e = g - want[i];
+                zeros = zeros && g == 0.0;
+                err += e * e;
+                norm += (double)want[i] * want[i];
+            }
+            ck_assert_msg(zeros || err <= 1e-7 * norm,
+                          "%s: a position past n_keys gave neither an error, zeros nor the whole context's "
+                          "attention (NMSE %g)",
+                          iface->name, err / norm);
+            free(want);
+            free(img);
+            printf("%s/%d: a position past n_keys: %s\n", iface->name, d, zeros ? "zeros" : "the whole context");
+        }
+        if (st) printf("%s/%d: a position past n_keys: %s\n", iface->name, d, duet_last_error());
+        bo_dev_free(&dev);
+        bo_host_free(&h);
+        iface->close(be);
+    }
+}
+END_TEST
+
 /* Backend scratch (device memory besides the caller's buffers) after one
  * attention step over a context of n_ctx, on a freshly opened backend:
  * 64 queries at the end of the context plus 4 decoding sequences. */
@@ -489,6 +548,7 @@ int main(void) {
     tcase_add_loop_test(tc, test_bounds_refused, 0, duet_backend_count());
     tcase_add_loop_test(tc, test_backend_parity, 0, duet_backend_count());
     tcase_add_loop_test(tc, test_attention_reference, 0, duet_backend_count());
+    tcase_add_loop_test(tc, test_attention_past_n_keys, 0, duet_backend_count());
     tcase_add_loop_test(tc, test_attention_memory_linear, 0, duet_backend_count());
     suite_add_tcase(s, tc);
     return test_run_suite(s);

@@ -518,6 +518,10 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         REQUIRE(!views_overlap(op->attention.out_q8, q8bytes, op->attention.q, qbytes) &&
                     !views_overlap(op->attention.out_q8, q8bytes, op->attention.out, qbytes),
                 "attention: out_q8 overlaps q or out");
+        const int32_t *pos = b;
+        for (int i = 0; i < op->n_tokens && op->attention.n_keys > 0; i++)
+            REQUIRE(pos[i] < op->attention.n_keys, "attention: token %d has position %d past n_keys %d", i,
+                    pos[i], op->attention.n_keys);
         return duet__cpu_attention(be, op, a, b, c, kv.table, kv.k, kv.v, f, g);
     }
     case DUET_OP_SWIGLU: {

@@ -423,7 +423,9 @@ static bool plan_attention(const ocl_backend *be, const duet_op *op, att_plan *p
         }
     }
     if (dec_ok) {
-        const long max_ctx = (long)kv->max_blocks * kv->block_size;
+        /* Keys to cover: the caller's n_keys, else the table's capacity. */
+        const long max_ctx =
+            op->attention.n_keys > 0 ? (long)op->attention.n_keys : (long)kv->max_blocks * kv->block_size;
         int len = p->split_cap;
         const long groups = (long)nt * (nh / p->g);
         const long want =

@@ -395,7 +395,11 @@ static void attn_choose(const vk_backend *be, const duet_op *op, const tok_info 
     /* Splits: until about attn_par workgroups run, keeping attn_chunk keys
      * or more per split. */
     const uint64_t cap = (uint64_t)kv->max_blocks * (uint64_t)kv->block_size;
-    const uint64_t ctx = ti->known ? ti->max_ctx : cap;
+    /* Keys to cover: the positions when the host can read them, else the
+     * caller's n_keys, else the table's capacity. */
+    const uint64_t ctx = ti->known                  ? ti->max_ctx
+                         : op->attention.n_keys > 0 ? (uint64_t)op->attention.n_keys
+                                                    : cap;
     const uint64_t base =
         pl->lane ? div_up(nt * nh, pl->wg / pl->c) : (uint64_t)div_up(nt, pl->bq) * nkv * pl->n_hg;
     uint64_t n_split = base < (uint64_t)tu->attn_par ? div_up((uint64_t)tu->attn_par, base) : 1;
@@ -451,6 +455,9 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
     REQUIRE(nt <= be->max_groups[1], "attention: %d tokens exceed the grid limit", op->n_tokens);
     tok_info ti;
     CHECK(host_tokens(be, name, pos, seq, op->n_tokens, kv, true, &ti));
+    REQUIRE(!ti.known || op->attention.n_keys == 0 || ti.max_ctx <= (uint64_t)op->attention.n_keys,
+            "attention: a position %llu past n_keys %d", (unsigned long long)ti.max_ctx - 1,
+            op->attention.n_keys);
     attn_plan pl;
     attn_choose(be, op, &ti, &pl);
     const uint32_t grid_x = pl.lane ? 0 : div_up(nt, pl.bq), grid_y = pl.lane ? 1 : (uint32_t)nkv * pl.n_hg;
