@@ -980,6 +980,52 @@ static void bad_table(bool staged) {
     duet_backend_close(vk);
 }
 
+/* A position past the attention's n_keys, read where the host cannot see
+ * it (staged buffers): the splits cover fewer keys, so the shader flags
+ * the token and wait() reports it; the right n_keys runs clean. */
+static void past_n_keys_device(const char *tune) {
+    setenv("DUET_VK_STAGING", "4096", 1);
+    duet_backend *vk = open_tuned(tune);
+    paged p = {.nh = 2, .nkv = 2, .hd = 32, .bs = 4, .n_blocks = 16, .n_seqs = 1, .max_blocks = 16, .dt = DUET_DTYPE_F16};
+    paged_init(&p);
+    solo s = {.be = vk};
+    paged_dev d = paged_upload(&s, &p);
+    int32_t pos = 40, seq = 0;
+    float *q = rand_f32(64);
+    int qi = solo_buf(&s, 64 * 4, q), pi = solo_buf(&s, 4, &pos), si = solo_buf(&s, 4, &seq), oi = solo_buf(&s, 64 * 4, NULL);
+    free(q);
+    duet_op op = {.kind = DUET_OP_ATTENTION, .n_tokens = 1};
+    op.attention.q = sv(&s, qi);
+    op.attention.pos = sv(&s, pi);
+    op.attention.seq = sv(&s, si);
+    op.attention.kv = paged_view(&s, &p, d);
+    op.attention.n_head = op.attention.n_head_kv = 2;
+    op.attention.head_dim = 32;
+    op.attention.scale = 0.125f;
+    op.attention.out = sv(&s, oi);
+    op.attention.n_keys = 8; /* position 40 needs 41 */
+    ck_assert_int_eq(duet_step_begin(vk), DUET_OK);
+    ck_assert_msg(duet_step_op(vk, &op) == DUET_OK, "recording must succeed: %s", duet_last_error());
+    ck_assert_int_eq(duet_step_submit(vk), DUET_OK);
+    ck_assert_msg(duet_step_wait(vk) == DUET_INVALID_ARGUMENT, "%s: a position past n_keys went unreported",
+                  tune ? tune : "table");
+    ck_assert_msg(strstr(duet_last_error(), "n_keys"), "%s", duet_last_error());
+    op.attention.n_keys = 41;
+    solo_run(vk, &op, 1);
+    solo_free(&s);
+    paged_free(&p);
+    duet_backend_close(vk);
+}
+
+START_TEST(position_past_n_keys_device) {
+    duet_backend *vk = open_vk();
+    if (!vk) return;
+    duet_backend_close(vk);
+    past_n_keys_device(NULL);
+    past_n_keys_device("attn=flash");
+}
+END_TEST
+
 START_TEST(bad_block_table_host) { bad_table(false); }
 END_TEST
 START_TEST(bad_block_table_device) { bad_table(true); }
@@ -1677,6 +1723,7 @@ int main(void) {
     ADD(barriers_where_data_depends);
     ADD(steady_state_allocates_nothing);
     ADD(index_errors);
+    ADD(position_past_n_keys_device);
     ADD(protocol_errors);
     ADD(no_driver);
     suite_add_tcase(s, tc);

@@ -632,7 +632,7 @@ static duet_status vk_wait(duet_backend *base) {
             "vulkan: the step read an index out of range:%s%s%s%s%s (those outputs are zero; a bad block "
             "table entry was clamped into the pools)",
             bad & 1 ? " a token id outside the embedding table" : "",
-            bad & 2 ? " a position outside the block table" : "",
+            bad & 2 ? " a position outside the block table (or past the attention's n_keys)" : "",
             bad & 4 ? " a sequence slot outside the block table" : "",
             bad & 8 ? " a row outside the gathered tensor" : "",
             bad & 16 ? " a block table entry outside the KV pools" : "");
