@@ -265,10 +265,24 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
             return duet__error(DUET_INVALID_ARGUMENT, "forward: output row %d out of range", b->out[i]);
 
     duet_status st;
-    const size_t table_bytes = (size_t)s->p.n_seqs * s->max_blocks * sizeof(int32_t);
-    if (b->block_tables && memcmp(b->block_tables, s->host_table, table_bytes) != 0) {
-        if ((st = duet_buffer_upload(be, s->block_table, 0, b->block_tables, table_bytes))) return st;
-        memcpy(s->host_table, b->block_tables, table_bytes);
+    /* Block tables: only the span of sequence rows that changed goes up
+     * (usually the one row that gained a block), in one upload. */
+    if (b->block_tables) {
+        const size_t row_bytes = (size_t)s->max_blocks * sizeof(int32_t);
+        int lo = -1, hi = -1;
+        for (int r = 0; r < s->p.n_seqs; r++)
+            if (memcmp(b->block_tables + (size_t)r * s->max_blocks, s->host_table + (size_t)r * s->max_blocks,
+                       row_bytes) != 0) {
+                if (lo < 0) lo = r;
+                hi = r;
+            }
+        if (lo >= 0) {
+            const size_t off = (size_t)lo * row_bytes, bytes = (size_t)(hi - lo + 1) * row_bytes;
+            if ((st =
+                     duet_buffer_upload(be, s->block_table, off, (const char *)b->block_tables + off, bytes)))
+                return st;
+            memcpy((char *)s->host_table + off, (const char *)b->block_tables + off, bytes);
+        }
     }
     if ((st = check_tables(s, b))) return st;
     if ((st = duet_buffer_upload(be, s->tokens, 0, b->tokens, (size_t)n * 4)) ||
