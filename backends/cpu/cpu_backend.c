@@ -327,16 +327,11 @@ typedef struct kv_operands {
     uint64_t pool_bytes;
 } kv_operands;
 
-static duet_status check_pages(const char *op, const duet_kv_pages *kv, int head_dim, int kv_width,
-                               const int32_t *pos, const int32_t *seq, int n_tokens, kv_operands *out) {
+/* (The registry checked the dtype, the geometry's signs and q8_0's
+ * head_dim.) */
+static duet_status check_pages(const char *op, const duet_kv_pages *kv, int kv_width, const int32_t *pos,
+                               const int32_t *seq, int n_tokens, kv_operands *out) {
     const duet_dtype dt = kv->dtype;
-    REQUIRE(dt == DUET_DTYPE_F32 || dt == DUET_DTYPE_F16 || dt == DUET_DTYPE_Q8_0, "%s: kv dtype %d", op,
-            (int)dt);
-    REQUIRE(kv->block_size > 0 && kv->n_blocks > 0 && kv->n_seqs > 0 && kv->max_blocks > 0,
-            "%s: kv pages of %d blocks x %d tokens, table %d x %d", op, kv->n_blocks, kv->block_size,
-            kv->n_seqs, kv->max_blocks);
-    REQUIRE(dt != DUET_DTYPE_Q8_0 || head_dim % DUET_QK8_0 == 0,
-            "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op, head_dim);
     out->pool_bytes = duet_kv_pool_bytes(kv, kv_width);
     size_t align = dt == DUET_DTYPE_F32 ? 4 : 2;
     void *t = NULL;
@@ -474,7 +469,7 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         CHECK(view_ptr(name, "pos", op->rope_kv.pos, nt * 4, 4, &d));
         CHECK(view_ptr(name, "seq", op->rope_kv.seq, nt * 4, 4, &e));
         kv_operands kv;
-        CHECK(check_pages(name, &op->rope_kv.kv, hd, nkv * hd, d, e, op->n_tokens, &kv));
+        CHECK(check_pages(name, &op->rope_kv.kv, nkv * hd, d, e, op->n_tokens, &kv));
         REQUIRE(!views_overlap(op->rope_kv.q, qbytes, op->rope_kv.k, kbytes), "rope_kv: q overlaps k");
         /* Pools are written while other threads read the activations. */
         const duet_view ins[] = {op->rope_kv.q, op->rope_kv.k, op->rope_kv.v, op->rope_kv.pos,
@@ -499,7 +494,7 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         if (op->attention.out.buf) CHECK(view_ptr(name, "out", op->attention.out, qbytes, 4, &f));
         CHECK(q8_out_ptr(name, op->attention.out_q8, nt, nh * hd, &q8bytes, &g));
         kv_operands kv;
-        CHECK(check_pages(name, &op->attention.kv, hd, nkv * hd, b, c, op->n_tokens, &kv));
+        CHECK(check_pages(name, &op->attention.kv, nkv * hd, b, c, op->n_tokens, &kv));
         CHECK(check_inplace(name, "q", op->attention.q, op->attention.out, qbytes));
         const duet_kv_pages *pg = &op->attention.kv;
         const uint64_t table_bytes = (uint64_t)pg->n_seqs * (uint64_t)pg->max_blocks * 4;

@@ -48,15 +48,10 @@ static uint32_t kv_code(duet_dtype t) {
 /* The pools and the block table fit their buffers; *rb = bytes of a row. */
 static duet_status kv_check(const char *op, const duet_kv_pages *kv, int n_head_kv, int head_dim,
                             uint64_t *rb, uint64_t *pool_bytes) {
+    /* The registry checked the dtype, the geometry's signs and q8_0's
+     * head_dim: the views against their buffers are left. */
     const duet_dtype t = kv->dtype;
-    REQUIRE(t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_Q8_0, "%s: kv dtype %d", op,
-            (int)t);
-    REQUIRE(kv->block_size > 0 && kv->n_blocks > 0 && kv->n_seqs > 0 && kv->max_blocks > 0,
-            "%s: kv pages %d blocks x %d tokens, table %d x %d", op, kv->n_blocks, kv->block_size, kv->n_seqs,
-            kv->max_blocks);
     const uint64_t kvw = (uint64_t)n_head_kv * (uint64_t)head_dim;
-    REQUIRE(t != DUET_DTYPE_Q8_0 || head_dim % 32 == 0, "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op,
-            head_dim);
     *rb = duet_dtype_row_bytes(t, (int64_t)kvw);
     *pool_bytes = duet_kv_pool_bytes(kv, (int)kvw);
     const size_t align = t == DUET_DTYPE_F32 ? 4 : 2;
