@@ -1202,7 +1202,8 @@ static const char *ops_binary(void) {
  * memory, the prefill attention tiles, the int8 dot-product code with
  * emulated built-ins, the tiled q8 GEMM, chunked CLBlast) forced on this
  * device, and the most serial CPU-style settings (flash-decoding with one
- * work-item and short splits, the portable int8 code): parity with the
+ * work-item and short splits, the portable int8 code for one token and
+ * dequantised q8 activations from two): parity with the
  * cpu backend must hold for every tuning, not just the table's. */
 START_TEST(test_forced_paths) {
     if (!have_device()) return;
@@ -1213,7 +1214,7 @@ START_TEST(test_forced_paths) {
         "clblast_min=8,clblast_scratch_mb=1",
         "DUET_OPENCL_TUNE=mv_r=1,mv_wg=1,mv_nr=1,mv_vw=8,mv_mt=8,mv_qg=1,norm_wg=1,att_wg=1,att_mode=1,att_"
         "split=32,"
-        "rope_wg=1,dot=0,mq_nr=8,ew_wg=0,clblast_min=0",
+        "rope_wg=1,dot=0,mq_nr=8,ew_wg=0,clblast_min=0,q8_f32_min=2",
     };
     for (int i = 0; i < 2; i++) {
         /* The small cases: contexts up to 300 still cross every split

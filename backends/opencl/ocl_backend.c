@@ -137,6 +137,7 @@ static void ocl_close(duet_backend *base) {
     if (be->scratch) clReleaseMemObject(be->scratch);
     if (be->att_part) clReleaseMemObject(be->att_part);
     if (be->att_rows) clReleaseMemObject(be->att_rows);
+    if (be->q8_rows) clReleaseMemObject(be->q8_rows);
     if (be->queue) clReleaseCommandQueue(be->queue);
     if (be->ctx) clReleaseContext(be->ctx);
     free(be->events);

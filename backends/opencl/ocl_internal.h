@@ -94,6 +94,8 @@ typedef struct ocl_tuning {
                              * extension's code with emulated built-ins (tests) */
     int mq_nr;              /* q8 x q8 matvec: output rows per work-item (1, 2, 4, 8) */
     int mm_tile_min;        /* q8 x q8 matmuls with at least this many tokens use the tiled GEMM; 0 = never */
+    int q8_f32_min;         /* q8 matmuls with at least this many tokens dequantise x_q8 to f32 and take
+                             * the f32-activation kernel (where int8 dot products are slow); 0 = never */
     int mm_bn, mm_tr;       /* tiled GEMM: tile edge and work-item micro-tile edge */
     int ew_wg;              /* elementwise ops: work-group size (0 = the driver's choice) */
     int clblast_min;        /* F32/F16 matmuls with at least this many tokens use CLBlast; 0 = never */
@@ -172,6 +174,9 @@ struct ocl_backend {
     size_t att_part_size;
     cl_mem att_rows;
     size_t att_rows_size;
+    /* q8_0 activations dequantised to f32 (q8_f32_min), grown on need. */
+    cl_mem q8_rows;
+    size_t q8_rows_size;
     /* Bytes of the internal buffers above live now, and their high-water mark. */
     size_t scratch_live, scratch_peak;
     int int_dot; /* the INT_DOT kernel variant in use: 0 portable, 1 packed, 2 char4 */

@@ -293,6 +293,8 @@ static duet_status matmul_q8(ocl_backend *be, const duet_op *op) {
 
 const char *duet__ocl_matmul_path(const ocl_backend *be, const duet_op *op) {
     const duet_dtype dt = op->matmul.dtype;
+    if (op->matmul.x_q8.buf && be->tune.q8_f32_min > 0 && op->n_tokens >= be->tune.q8_f32_min)
+        return "q8_as_f32";
     if (op->matmul.x_q8.buf)
         return be->tune.mm_tile_min > 0 && op->n_tokens >= be->tune.mm_tile_min ? "q8_tiled" : "q8_matvec";
     if ((dt == DUET_DTYPE_F32 || dt == DUET_DTYPE_F16) && be->tune.clblast_min > 0 &&
@@ -301,9 +303,35 @@ const char *duet__ocl_matmul_path(const ocl_backend *be, const duet_op *op) {
     return "matvec";
 }
 
+/* q8_0 activations dequantised to f32 rows, then the f32-activation
+ * kernel: the same int8 values and scales, summed in float. */
+static duet_status matmul_q8_as_f32(ocl_backend *be, const duet_op *op) {
+    const int n_in = op->matmul.n_in, nt = op->n_tokens;
+    TRY(duet__ocl_scratch(be, &be->q8_rows, &be->q8_rows_size, (size_t)nt * n_in * 4,
+                          "dequantised activations"));
+    cl_kernel k;
+    TRY(matmul_kernel(be, DUET_DTYPE_Q8_0, 1, "dequantize_rows", &k));
+    argset a = {k, 0, CL_SUCCESS};
+    arg_view(&a, op->matmul.x_q8);
+    arg_int(&a, n_in);
+    arg_int(&a, 0);
+    arg_int(&a, nt);
+    arg(&a, sizeof(cl_mem), &be->q8_rows);
+    TRY(args_done(&a, "dequantize_rows"));
+    size_t g[2] = {(size_t)n_in, (size_t)nt}, l[2];
+    TRY(launch(be, k, DUET_OP_MATMUL, 2, g, ew_local(be, l)));
+    duet_buffer rows = {be->q8_rows, be->q8_rows_size};
+    duet_op f = *op;
+    f.matmul.x = (duet_view){&rows, 0};
+    f.matmul.x_q8 = (duet_view){0};
+    return matmul_ours(be, &f);
+}
+
 static duet_status op_matmul(ocl_backend *be, const duet_op *op) {
+    const char *path = duet__ocl_matmul_path(be, op);
+    if (strcmp(path, "q8_as_f32") == 0) return matmul_q8_as_f32(be, op);
     if (op->matmul.x_q8.buf) return matmul_q8(be, op);
-    if (strcmp(duet__ocl_matmul_path(be, op), "clblast") == 0) return matmul_clblast(be, op);
+    if (strcmp(path, "clblast") == 0) return matmul_clblast(be, op);
     return matmul_ours(be, op);
 }
 
