@@ -119,17 +119,26 @@ int main(int argc, char **argv) {
     int threads = 2, n_req = 0, n_tokens = 32, repeat = 1;
     bool json = false;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "-m") && i + 1 < argc) model = argv[++i];
-        else if (!strcmp(argv[i], "--backend") && i + 1 < argc) backend = argv[++i];
-        else if (!strcmp(argv[i], "--threads") && i + 1 < argc) threads = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--concurrency") && i + 1 < argc) conc_list = argv[++i];
-        else if (!strcmp(argv[i], "--requests") && i + 1 < argc) n_req = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) n_tokens = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) repeat = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--json")) json = true;
+        if (!strcmp(argv[i], "-m") && i + 1 < argc)
+            model = argv[++i];
+        else if (!strcmp(argv[i], "--backend") && i + 1 < argc)
+            backend = argv[++i];
+        else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+            threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--concurrency") && i + 1 < argc)
+            conc_list = argv[++i];
+        else if (!strcmp(argv[i], "--requests") && i + 1 < argc)
+            n_req = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
+            n_tokens = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc)
+            repeat = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--json"))
+            json = true;
         else {
-            fprintf(stderr, "usage: bench_batching [-m MODEL] [--backend B] [--threads N] [--concurrency 1,4,16] "
-                            "[--requests N] [--tokens N] [--repeat N] [--json]\n");
+            fprintf(stderr,
+                    "usage: bench_batching [-m MODEL] [--backend B] [--threads N] [--concurrency 1,4,16] "
+                    "[--requests N] [--tokens N] [--repeat N] [--json]\n");
             return 2;
         }
     }
@@ -162,7 +171,8 @@ int main(int argc, char **argv) {
             res[r][i] = run(model, backend, threads, c, n_req ? n_req : 2 * c, n_tokens);
             if (!json)
                 fprintf(stderr,
-                        "%sconcurrency %3d: %8.1f tokens/s (%.2fx), latency p50 %.3f s p99 %.3f s, ttft p99 %.3f s\n",
+                        "%sconcurrency %3d: %8.1f tokens/s (%.2fx), latency p50 %.3f s p99 %.3f s, ttft p99 "
+                        "%.3f s\n",
                         repeat > 1 ? "  " : "", c, res[r][i].tokens_per_s,
                         res[r][i].tokens_per_s / res[r][0].tokens_per_s, res[r][i].p50, res[r][i].p99,
                         res[r][i].ttft_p99);
@@ -179,8 +189,8 @@ int main(int argc, char **argv) {
     }
     if (!json && repeat > 1)
         for (int i = 0; i < n; i++)
-            fprintf(stderr, "concurrency %3d: median %8.1f tokens/s, median speedup %.2fx (%d rounds)\n", levels[i],
-                    med_tps[i], med_ratio[i], repeat);
+            fprintf(stderr, "concurrency %3d: median %8.1f tokens/s, median speedup %.2fx (%d rounds)\n",
+                    levels[i], med_tps[i], med_ratio[i], repeat);
     if (json) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "model", model);

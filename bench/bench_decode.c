@@ -58,7 +58,8 @@ static double kv_bytes_per_token(const duet_model_desc *d, const char *kv) {
 
 static int bench_model(const char *name, const char *path, const opts *o, result *r) {
     int max_ctx = 128;
-    for (int i = 0; i < o->n_ctx; i++) max_ctx = o->ctx[i] > max_ctx ? o->ctx[i] : max_ctx;
+    for (int i = 0; i < o->n_ctx; i++)
+        max_ctx = o->ctx[i] > max_ctx ? o->ctx[i] : max_ctx;
     duet_open_params op = duet_open_params_default();
     op.backend = o->backend;
     op.n_threads = o->threads;
@@ -72,7 +73,8 @@ static int bench_model(const char *name, const char *path, const opts *o, result
     duet_model_desc d;
     duet_model_describe(m, &d);
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)(max_ctx + o->n_tokens));
-    for (int i = 0; i < max_ctx + o->n_tokens; i++) prompt[i] = 3 + (int32_t)(((uint32_t)i * 7919u) % (uint32_t)(d.n_vocab - 3));
+    for (int i = 0; i < max_ctx + o->n_tokens; i++)
+        prompt[i] = 3 + (int32_t)(((uint32_t)i * 7919u) % (uint32_t)(d.n_vocab - 3));
     memset(r, 0, sizeof *r);
     snprintf(r->name, sizeof r->name, "%s", name);
     r->weight_mb = d.weight_bytes / 1e6;
@@ -98,7 +100,8 @@ static int bench_model(const char *name, const char *path, const opts *o, result
         double best = 1e30;
         for (int rep = 0; rep < 2; rep++) {
             double t0 = bench_now();
-            for (int i = 0; i < o->n_tokens; i++) duet_eval(m, &prompt[C + i], 1, C + i, NULL);
+            for (int i = 0; i < o->n_tokens; i++)
+                duet_eval(m, &prompt[C + i], 1, C + i, NULL);
             double dt = bench_now() - t0;
             if (dt < best) best = dt;
         }
@@ -133,17 +136,22 @@ static void combine(result rounds[][MAX_MODELS], int n_rounds, int n_models, res
         result *m = &res[i];
         *m = rounds[0][i];
         double v[MAX_ROUNDS];
-        for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].prefill_tps;
+        for (int r = 0; r < n_rounds; r++)
+            v[r] = rounds[r][i].prefill_tps;
         m->prefill_tps = bench_median(v, n_rounds);
         for (int c = 0; c < m->n_ctx; c++) {
-            for (int r = 0; r < n_rounds; r++) m->round_tps[c][r] = v[r] = rounds[r][i].decode_tps[c];
+            for (int r = 0; r < n_rounds; r++)
+                m->round_tps[c][r] = v[r] = rounds[r][i].decode_tps[c];
             m->decode_tps[c] = bench_median(v, n_rounds);
-            for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].frac_bw[c];
+            for (int r = 0; r < n_rounds; r++)
+                v[r] = rounds[r][i].frac_bw[c];
             m->frac_bw[c] = bench_median(v, n_rounds);
-            for (int r = 0; r < n_rounds; r++) v[r] = rounds[r][i].decode_tps[c] / rounds[r][i].decode_tps[0];
+            for (int r = 0; r < n_rounds; r++)
+                v[r] = rounds[r][i].decode_tps[c] / rounds[r][i].decode_tps[0];
             m->vs_first_ctx[c] = bench_median(v, n_rounds);
             bool same = c < rounds[0][0].n_ctx;
-            for (int r = 0; r < n_rounds && same; r++) v[r] = rounds[r][i].decode_tps[c] / rounds[r][0].decode_tps[c];
+            for (int r = 0; r < n_rounds && same; r++)
+                v[r] = rounds[r][i].decode_tps[c] / rounds[r][0].decode_tps[c];
             m->vs_first_model[c] = same ? bench_median(v, n_rounds) : 0;
         }
     }
@@ -153,7 +161,8 @@ static int parse_ints(const char *s, int *out, int max) {
     int n = 0;
     char buf[256];
     snprintf(buf, sizeof buf, "%s", s);
-    for (char *t = strtok(buf, ","); t && n < max; t = strtok(NULL, ",")) out[n++] = atoi(t);
+    for (char *t = strtok(buf, ","); t && n < max; t = strtok(NULL, ","))
+        out[n++] = atoi(t);
     return n;
 }
 
@@ -163,19 +172,29 @@ int main(int argc, char **argv) {
     int n_rounds = 1;
     const char *shared = "../shared", *models = "stories260K,125m-q8_0";
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--threads") && i + 1 < argc) o.threads = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc) o.n_tokens = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--backend") && i + 1 < argc) o.backend = argv[++i];
-        else if (!strcmp(argv[i], "--kv") && i + 1 < argc) o.kv = argv[++i];
-        else if (!strcmp(argv[i], "--ctx") && i + 1 < argc) o.n_ctx = parse_ints(argv[++i], o.ctx, MAX_CTXS);
-        else if (!strcmp(argv[i], "--shared") && i + 1 < argc) shared = argv[++i];
-        else if (!strcmp(argv[i], "--models") && i + 1 < argc) models = argv[++i];
-        else if (!strcmp(argv[i], "--json")) json = true;
-        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc) n_rounds = atoi(argv[++i]);
+        if (!strcmp(argv[i], "--threads") && i + 1 < argc)
+            o.threads = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--tokens") && i + 1 < argc)
+            o.n_tokens = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--backend") && i + 1 < argc)
+            o.backend = argv[++i];
+        else if (!strcmp(argv[i], "--kv") && i + 1 < argc)
+            o.kv = argv[++i];
+        else if (!strcmp(argv[i], "--ctx") && i + 1 < argc)
+            o.n_ctx = parse_ints(argv[++i], o.ctx, MAX_CTXS);
+        else if (!strcmp(argv[i], "--shared") && i + 1 < argc)
+            shared = argv[++i];
+        else if (!strcmp(argv[i], "--models") && i + 1 < argc)
+            models = argv[++i];
+        else if (!strcmp(argv[i], "--json"))
+            json = true;
+        else if (!strcmp(argv[i], "--repeat") && i + 1 < argc)
+            n_rounds = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_decode [--backend NAME] [--threads N] [--tokens N] [--ctx 128,1024,4096] "
-                            "[--kv f16|q8_0|f32] [--json] [--shared DIR] "
-                            "[--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16] [--repeat N]\n");
+            fprintf(stderr,
+                    "usage: bench_decode [--backend NAME] [--threads N] [--tokens N] [--ctx 128,1024,4096] "
+                    "[--kv f16|q8_0|f32] [--json] [--shared DIR] "
+                    "[--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16] [--repeat N]\n");
             return 2;
         }
     }
@@ -233,7 +252,8 @@ int main(int argc, char **argv) {
                 if (i > 0 && res[i].vs_first_model[c] > 0)
                     cJSON_AddNumberToObject(x, "relative_to_first_model", res[i].vs_first_model[c]);
                 if (n_rounds > 1)
-                    cJSON_AddItemToObject(x, "round_tokens_per_s", cJSON_CreateDoubleArray(res[i].round_tps[c], n_rounds));
+                    cJSON_AddItemToObject(x, "round_tokens_per_s",
+                                          cJSON_CreateDoubleArray(res[i].round_tps[c], n_rounds));
                 cJSON_AddItemToArray(dc, x);
             }
             cJSON_AddItemToArray(a, e);
@@ -243,10 +263,10 @@ int main(int argc, char **argv) {
         cJSON_free(s);
         cJSON_Delete(root);
     } else {
-        printf("backend %s, kv %s, triad bandwidth (%d threads): %.1f GB/s%s\n", o.backend, o.kv ? o.kv : "default",
-               o.threads, o.triad, n_rounds > 1 ? "; medians over rounds" : "");
-        printf("%-14s %10s %14s %8s %14s %10s %9s %9s\n", "model", "MB/token", "prefill tok/s", "context", "decode tok/s",
-               "% triad", "/1st ctx", "/1st model");
+        printf("backend %s, kv %s, triad bandwidth (%d threads): %.1f GB/s%s\n", o.backend,
+               o.kv ? o.kv : "default", o.threads, o.triad, n_rounds > 1 ? "; medians over rounds" : "");
+        printf("%-14s %10s %14s %8s %14s %10s %9s %9s\n", "model", "MB/token", "prefill tok/s", "context",
+               "decode tok/s", "% triad", "/1st ctx", "/1st model");
         for (int i = 0; i < n; i++)
             for (int c = 0; c < res[i].n_ctx; c++)
                 printf("%-14s %10.1f %14.1f %8d %14.1f %9.1f%% %9.2f %9.2f\n", res[i].name, res[i].weight_mb,

@@ -20,7 +20,8 @@ typedef struct bench_triad_part {
 
 static void *bench_triad_worker(void *arg) {
     bench_triad_part *p = arg;
-    for (size_t i = p->lo; i < p->hi; i++) p->a[i] = p->b[i] + 3.0 * p->c[i];
+    for (size_t i = p->lo; i < p->hi; i++)
+        p->a[i] = p->b[i] + 3.0 * p->c[i];
     return NULL;
 }
 
@@ -30,7 +31,8 @@ static inline double bench_triad_gbs(int threads, int reps) {
     const size_t n = (64u << 20) / sizeof(double);
     double *a = malloc(n * sizeof *a), *b = malloc(n * sizeof *b), *c = malloc(n * sizeof *c);
     if (!a || !b || !c) return 0;
-    for (size_t i = 0; i < n; i++) a[i] = 0, b[i] = 1, c[i] = 2;
+    for (size_t i = 0; i < n; i++)
+        a[i] = 0, b[i] = 1, c[i] = 2;
     if (threads < 1) threads = 1;
     pthread_t tid[64];
     bench_triad_part parts[64];
@@ -42,7 +44,8 @@ static inline double bench_triad_gbs(int threads, int reps) {
             parts[t] = (bench_triad_part){a, b, c, n * t / threads, n * (t + 1) / threads};
             pthread_create(&tid[t], NULL, bench_triad_worker, &parts[t]);
         }
-        for (int t = 0; t < threads; t++) pthread_join(tid[t], NULL);
+        for (int t = 0; t < threads; t++)
+            pthread_join(tid[t], NULL);
         double dt = bench_now() - t0;
         if (dt < best) best = dt;
     }

@@ -86,8 +86,10 @@ static double timed_gbs(const timed *t) {
 }
 
 static duet_backend *open_tuned(int device, const char *tune) {
-    if (tune) setenv("DUET_VK_TUNE", tune, 1);
-    else unsetenv("DUET_VK_TUNE");
+    if (tune)
+        setenv("DUET_VK_TUNE", tune, 1);
+    else
+        unsetenv("DUET_VK_TUNE");
     duet_backend *be = NULL;
     duet_status st = duet_backend_open("vulkan", device, NULL, &be);
     unsetenv("DUET_VK_TUNE");
@@ -96,8 +98,8 @@ static duet_backend *open_tuned(int device, const char *tune) {
 
 /* A device's own bandwidth for GPUs: a large ADD (read 2, write 1). */
 static double device_gbs(int device) {
-    static const bo_case add = {"big", DUET_OP_ADD, DUET_DTYPE_F32, 1024, 16384, 0, 0, 0, 0, 0, 0,
-                                false, false, false, false, BO_PERF, 0, 0, {0}};
+    static const bo_case add = {"big", DUET_OP_ADD, DUET_DTYPE_F32, 1024,  16384, 0,       0, 0, 0,  0,
+                                0,     false,       false,          false, false, BO_PERF, 0, 0, {0}};
     duet_backend *be = open_tuned(device, NULL);
     if (!be) return 0;
     timed t;
@@ -117,14 +119,122 @@ static double device_gbs(int device) {
 #define MV_SHAPES 2
 static const bo_case mv_cases[MV_SHAPES][3] = {
     {
-        {"125m-up", DUET_OP_MATMUL, DUET_DTYPE_F16, 1, 768, 2048, 0, 0, 0, 0, 0, false, false, false, false, BO_PERF, 0, 0, {0}},
-        {"125m-up", DUET_OP_MATMUL, DUET_DTYPE_Q8_0, 1, 768, 2048, 0, 0, 0, 0, 0, false, false, false, false, BO_PERF, 0, 0, {0}},
-        {"125m-up", DUET_OP_MATMUL, DUET_DTYPE_Q8_0, 1, 768, 2048, 0, 0, 0, 0, 0, false, false, false, false, BO_PERF, 1, 0, {0}},
+        {"125m-up",
+         DUET_OP_MATMUL,
+         DUET_DTYPE_F16,
+         1,
+         768,
+         2048,
+         0,
+         0,
+         0,
+         0,
+         0,
+         false,
+         false,
+         false,
+         false,
+         BO_PERF,
+         0,
+         0,
+         {0}},
+        {"125m-up",
+         DUET_OP_MATMUL,
+         DUET_DTYPE_Q8_0,
+         1,
+         768,
+         2048,
+         0,
+         0,
+         0,
+         0,
+         0,
+         false,
+         false,
+         false,
+         false,
+         BO_PERF,
+         0,
+         0,
+         {0}},
+        {"125m-up",
+         DUET_OP_MATMUL,
+         DUET_DTYPE_Q8_0,
+         1,
+         768,
+         2048,
+         0,
+         0,
+         0,
+         0,
+         0,
+         false,
+         false,
+         false,
+         false,
+         BO_PERF,
+         1,
+         0,
+         {0}},
     },
     {
-        {"1b-up", DUET_OP_MATMUL, DUET_DTYPE_F16, 1, 2048, 5632, 0, 0, 0, 0, 0, false, false, false, false, BO_PERF, 0, 0, {0}},
-        {"1b-up", DUET_OP_MATMUL, DUET_DTYPE_Q8_0, 1, 2048, 5632, 0, 0, 0, 0, 0, false, false, false, false, BO_PERF, 0, 0, {0}},
-        {"1b-up", DUET_OP_MATMUL, DUET_DTYPE_Q8_0, 1, 2048, 5632, 0, 0, 0, 0, 0, false, false, false, false, BO_PERF, 1, 0, {0}},
+        {"1b-up",
+         DUET_OP_MATMUL,
+         DUET_DTYPE_F16,
+         1,
+         2048,
+         5632,
+         0,
+         0,
+         0,
+         0,
+         0,
+         false,
+         false,
+         false,
+         false,
+         BO_PERF,
+         0,
+         0,
+         {0}},
+        {"1b-up",
+         DUET_OP_MATMUL,
+         DUET_DTYPE_Q8_0,
+         1,
+         2048,
+         5632,
+         0,
+         0,
+         0,
+         0,
+         0,
+         false,
+         false,
+         false,
+         false,
+         BO_PERF,
+         0,
+         0,
+         {0}},
+        {"1b-up",
+         DUET_OP_MATMUL,
+         DUET_DTYPE_Q8_0,
+         1,
+         2048,
+         5632,
+         0,
+         0,
+         0,
+         0,
+         0,
+         false,
+         false,
+         false,
+         false,
+         BO_PERF,
+         1,
+         0,
+         {0}},
     },
 };
 static const char *const mv_kind[3] = {"f16", "q8_0 (f32 x)", "q8_0 (x_q8)"};
@@ -171,8 +281,8 @@ static double bench_matvec(int device, double peak, bool cpu_device, cJSON *out)
                 /* Time per weight against F16's: the q8_0 speed-up. */
                 double speedup = f16->ok ? f16->best / t->best : 0;
                 printf("  %-18s %-13s %-34s %9.1f us %6.2f GB/s %5.1f%% of %s  x%.2f vs f16\n", paths[p].name,
-                       mv_kind[k], label, t->best * 1e6, gbs, 100 * gbs / peak, cpu_device ? "triad" : "device",
-                       speedup);
+                       mv_kind[k], label, t->best * 1e6, gbs, 100 * gbs / peak,
+                       cpu_device ? "triad" : "device", speedup);
                 cJSON *e = cJSON_CreateObject();
                 cJSON_AddStringToObject(e, "path", paths[p].name);
                 cJSON_AddStringToObject(e, "kind", mv_kind[k]);
@@ -187,7 +297,8 @@ static double bench_matvec(int device, double peak, bool cpu_device, cJSON *out)
     }
     for (int p = 0; p < N_PATHS; p++) {
         for (int s = 0; s < MV_SHAPES; s++)
-            for (int k = 0; k < 3; k++) timed_free(&items[p][s][k]);
+            for (int k = 0; k < 3; k++)
+                timed_free(&items[p][s][k]);
         if (be[p]) duet_backend_close(be[p]);
     }
     return frac;
@@ -208,8 +319,25 @@ static void bench_attention(int device, double peak, cJSON *out) {
     timed items[2][ATT_CTX];
     for (int k = 0; k < 2; k++)
         for (int i = 0; i < ATT_CTX; i++) {
-            cases[k][i] = (bo_case){"125m", DUET_OP_ATTENTION, k ? DUET_DTYPE_Q8_0 : DUET_DTYPE_F16, 1, 64, att_ctx[i], 12,
-                                    12, 1, 0, 0, false, false, false, false, BO_PERF, 0, 16, {att_ctx[i]}};
+            cases[k][i] = (bo_case){"125m",
+                                    DUET_OP_ATTENTION,
+                                    k ? DUET_DTYPE_Q8_0 : DUET_DTYPE_F16,
+                                    1,
+                                    64,
+                                    att_ctx[i],
+                                    12,
+                                    12,
+                                    1,
+                                    0,
+                                    0,
+                                    false,
+                                    false,
+                                    false,
+                                    false,
+                                    BO_PERF,
+                                    0,
+                                    16,
+                                    {att_ctx[i]}};
             timed_setup(&items[k][i], be, &cases[k][i]);
         }
     timed_rounds(&items[0][0], 2 * ATT_CTX, 5, 5);
@@ -230,7 +358,8 @@ static void bench_attention(int device, double peak, cJSON *out) {
             cJSON_AddItemToArray(out, e);
         }
     for (int k = 0; k < 2; k++)
-        for (int i = 0; i < ATT_CTX; i++) timed_free(&items[k][i]);
+        for (int i = 0; i < ATT_CTX; i++)
+            timed_free(&items[k][i]);
     printf("  scratch_bytes after these: %zu\n", duet_backend_scratch_bytes(be));
     duet_backend_close(be);
 }
@@ -278,9 +407,11 @@ static bool e2e_open(e2e_model *e, int device, int n_ctx, int fill) {
     e->n_vocab = d.n_vocab;
     e->weight_bytes = d.weight_bytes;
     e->tok = malloc(sizeof(int32_t) * (size_t)n_ctx);
-    for (int i = 0; i < n_ctx; i++) e->tok[i] = 3 + (i * 7919) % (d.n_vocab - 3);
+    for (int i = 0; i < n_ctx; i++)
+        e->tok[i] = 3 + (i * 7919) % (d.n_vocab - 3);
     duet_status st = DUET_OK;
-    for (int p = 0; p < fill && st == DUET_OK; p += 256) st = duet_eval(e->m, e->tok + p, fill - p < 256 ? fill - p : 256, p, NULL);
+    for (int p = 0; p < fill && st == DUET_OK; p += 256)
+        st = duet_eval(e->m, e->tok + p, fill - p < 256 ? fill - p : 256, p, NULL);
     if (st != DUET_OK) printf("  %s-%s kv %s: %s\n", e->shape, e->type, e->kv, duet_last_error());
     return st == DUET_OK;
 }
@@ -309,9 +440,10 @@ static void e2e_close(e2e_model *e) {
  * changes both sides of a ratio alike. tps[i * n_ctxs + c]. */
 static bool verbose; /* --verbose: every round's figure */
 
-static void e2e_rounds(e2e_model *ms, int n_models, const int *ctxs, int n_ctxs, int n_decode, int rounds, double *tps,
-                       double *each, cJSON *out) {
-    for (int i = 0; i < n_models * n_ctxs; i++) tps[i] = 0;
+static void e2e_rounds(e2e_model *ms, int n_models, const int *ctxs, int n_ctxs, int n_decode, int rounds,
+                       double *tps, double *each, cJSON *out) {
+    for (int i = 0; i < n_models * n_ctxs; i++)
+        tps[i] = 0;
     for (int r = 0; r < rounds; r++)
         for (int i = 0; i < n_models; i++)
             for (int c = 0; c < n_ctxs; c++) {
@@ -320,14 +452,14 @@ static void e2e_rounds(e2e_model *ms, int n_models, const int *ctxs, int n_ctxs,
                 if (s > 0 && n_decode / s > tps[i * n_ctxs + c]) tps[i * n_ctxs + c] = n_decode / s;
                 if (each) each[(size_t)r * n_models * n_ctxs + i * n_ctxs + c] = s > 0 ? n_decode / s : 0;
                 if (verbose)
-                    printf("    round %d: %s-%s kv %s context %d: %.2f tok/s\n", r, ms[i].shape, ms[i].type, ms[i].kv,
-                           ctxs[c], s > 0 ? n_decode / s : 0);
+                    printf("    round %d: %s-%s kv %s context %d: %.2f tok/s\n", r, ms[i].shape, ms[i].type,
+                           ms[i].kv, ctxs[c], s > 0 ? n_decode / s : 0);
             }
     for (int i = 0; i < n_models; i++)
         for (int c = 0; c < n_ctxs; c++) {
             if (!ms[i].m || tps[i * n_ctxs + c] <= 0) continue;
-            printf("  %-5s %-5s kv %-5s context %5d: decode %7.2f tok/s  (%.0f MB of weights a token)\n", ms[i].shape,
-                   ms[i].type, ms[i].kv, ctxs[c], tps[i * n_ctxs + c], ms[i].weight_bytes / 1e6);
+            printf("  %-5s %-5s kv %-5s context %5d: decode %7.2f tok/s  (%.0f MB of weights a token)\n",
+                   ms[i].shape, ms[i].type, ms[i].kv, ctxs[c], tps[i * n_ctxs + c], ms[i].weight_bytes / 1e6);
             cJSON *e = cJSON_CreateObject();
             cJSON_AddStringToObject(e, "model", ms[i].shape);
             cJSON_AddStringToObject(e, "type", ms[i].type);
@@ -345,17 +477,26 @@ int main(int argc, char **argv) {
     const char *out_path = NULL;
     for (int i = 1; i < argc; i++) {
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(argv[i], "--device") && v) device = atoi(v), i++;
-        else if (!strcmp(argv[i], "--decode-tokens") && v) n_decode = atoi(v), i++;
-        else if (!strcmp(argv[i], "--ctx") && v) ctx = atoi(v), i++;
-        else if (!strcmp(argv[i], "--no-e2e")) e2e = false;
-        else if (!strcmp(argv[i], "--only-1b")) only_1b = true;
-        else if (!strcmp(argv[i], "--verbose")) verbose = true;
-        else if (!strcmp(argv[i], "--rounds") && v) rounds = atoi(v), i++;
-        else if (!strcmp(argv[i], "--out") && v) out_path = v, i++;
+        if (!strcmp(argv[i], "--device") && v)
+            device = atoi(v), i++;
+        else if (!strcmp(argv[i], "--decode-tokens") && v)
+            n_decode = atoi(v), i++;
+        else if (!strcmp(argv[i], "--ctx") && v)
+            ctx = atoi(v), i++;
+        else if (!strcmp(argv[i], "--no-e2e"))
+            e2e = false;
+        else if (!strcmp(argv[i], "--only-1b"))
+            only_1b = true;
+        else if (!strcmp(argv[i], "--verbose"))
+            verbose = true;
+        else if (!strcmp(argv[i], "--rounds") && v)
+            rounds = atoi(v), i++;
+        else if (!strcmp(argv[i], "--out") && v)
+            out_path = v, i++;
         else {
-            fprintf(stderr, "usage: bench_vulkan [--device N] [--decode-tokens N] [--ctx N] [--no-e2e] [--only-1b] "
-                            "[--rounds N] [--verbose] [--out FILE]\n");
+            fprintf(stderr,
+                    "usage: bench_vulkan [--device N] [--decode-tokens N] [--ctx N] [--no-e2e] [--only-1b] "
+                    "[--rounds N] [--verbose] [--out FILE]\n");
             return 2;
         }
     }
@@ -402,20 +543,26 @@ int main(int argc, char **argv) {
         /* 125m q8_0, f16 and q8_0 KV: filled to the long context once,
          * then decoding ends at 128 and at ctx in turn. */
         const int ctxs[2] = {128, ctx}, short_ctx[1] = {128};
-        e2e_model m125[2] = {{.shape = "125m", .type = "q8_0", .kv = "f16"}, {.shape = "125m", .type = "q8_0", .kv = "q8_0"}};
+        e2e_model m125[2] = {{.shape = "125m", .type = "q8_0", .kv = "f16"},
+                             {.shape = "125m", .type = "q8_0", .kv = "q8_0"}};
         double t125[4] = {0};
         if (!only_1b) {
-            for (int i = 0; i < 2; i++) e2e_open(&m125[i], device, ctx + 64, ctx - n_decode);
+            for (int i = 0; i < 2; i++)
+                e2e_open(&m125[i], device, ctx + 64, ctx - n_decode);
             e2e_rounds(m125, 2, ctxs, 2, n_decode, rounds, t125, NULL, e2);
-            for (int i = 0; i < 2; i++) e2e_close(&m125[i]);
+            for (int i = 0; i < 2; i++)
+                e2e_close(&m125[i]);
         }
         const double f16kv[2] = {t125[0], t125[1]}, q8kv[2] = {t125[2], t125[3]};
         /* 1b q8_0 against 1b f16, in turn. */
-        e2e_model m1b[2] = {{.shape = "1b", .type = "q8_0", .kv = "f16"}, {.shape = "1b", .type = "f16", .kv = "f16"}};
+        e2e_model m1b[2] = {{.shape = "1b", .type = "q8_0", .kv = "f16"},
+                            {.shape = "1b", .type = "f16", .kv = "f16"}};
         double t1b[2], each[100 * 2], ratio[100];
-        for (int i = 0; i < 2; i++) e2e_open(&m1b[i], device, 192, 128 - n_decode / 2);
+        for (int i = 0; i < 2; i++)
+            e2e_open(&m1b[i], device, 192, 128 - n_decode / 2);
         e2e_rounds(m1b, 2, short_ctx, 1, n_decode / 2, rounds, t1b, each, e2);
-        for (int i = 0; i < 2; i++) e2e_close(&m1b[i]);
+        for (int i = 0; i < 2; i++)
+            e2e_close(&m1b[i]);
         const double b1q8[1] = {t1b[0]}, b1f16[1] = {t1b[1]};
         /* The median of the per-round ratios too: the best of each side
          * may come from different rounds. */
@@ -425,8 +572,8 @@ int main(int argc, char **argv) {
         if (n_ratio > 0) {
             const double med = bench_median(ratio, n_ratio);
             cJSON_AddNumberToObject(floors, "1b_q8_0_vs_f16_round_ratio_median", med);
-            printf("  1b q8_0 / f16, median of %d per-round ratios: %.2fx (range %.2f-%.2f)\n", n_ratio, med, ratio[0],
-                   ratio[n_ratio - 1]);
+            printf("  1b q8_0 / f16, median of %d per-round ratios: %.2fx (range %.2f-%.2f)\n", n_ratio, med,
+                   ratio[0], ratio[n_ratio - 1]);
         }
         printf("\n");
         if (b1q8[0] > 0 && b1f16[0] > 0) {
@@ -446,7 +593,8 @@ int main(int argc, char **argv) {
         }
         if (cpu_device && f16kv[0] > 0) {
             cJSON_AddNumberToObject(floors, "125m_q8_0_decode_tokens_per_s", f16kv[0]);
-            printf("floor: 125m q8_0 decode %.1f tokens/s (>= 10): %s\n", f16kv[0], f16kv[0] >= 10 ? "ok" : "BELOW");
+            printf("floor: 125m q8_0 decode %.1f tokens/s (>= 10): %s\n", f16kv[0],
+                   f16kv[0] >= 10 ? "ok" : "BELOW");
             ok = ok && f16kv[0] >= 10;
         }
     }

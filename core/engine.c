@@ -28,8 +28,8 @@
 #define ENGINE_ERR_SIZE 1024
 
 typedef struct engine_req {
-    uint64_t id;            /* 0 when the entry is free */
-    int32_t *stream;        /* prompt then generated tokens [n_ctx] */
+    uint64_t id;     /* 0 when the entry is free */
+    int32_t *stream; /* prompt then generated tokens [n_ctx] */
     int n_prompt, n_gen, max_tokens;
     bool ignore_eos;
     duet_priority prio;
@@ -66,7 +66,7 @@ struct duet_engine {
     duet_finish *step_finish; /* [max_seqs] what the step decided; published under the lock */
     int max_tokens, max_seqs;
     char *text; /* [model->detok_size] a token's text, for the engine thread */
-    char *err; /* message of a failed step [ENGINE_ERR_SIZE] */
+    char *err;  /* message of a failed step [ENGINE_ERR_SIZE] */
 };
 
 static int64_t now_ns(void) {
@@ -75,7 +75,9 @@ static int64_t now_ns(void) {
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-static double secs(int64_t ns) { return (double)ns * 1e-9; }
+static double secs(int64_t ns) {
+    return (double)ns * 1e-9;
+}
 
 duet_engine_params duet_engine_params_default(void) {
     return (duet_engine_params){.open = duet_open_params_default(),
@@ -87,7 +89,9 @@ duet_engine_params duet_engine_params_default(void) {
                                 .kv_block_size = 16};
 }
 
-const duet_model *duet_engine_model(const duet_engine *e) { return e->model; }
+const duet_model *duet_engine_model(const duet_engine *e) {
+    return e->model;
+}
 
 static engine_req *find_req(duet_engine *e, uint64_t id) {
     int i = ID_INDEX(id);
@@ -103,7 +107,8 @@ static void release_req(engine_req *r) {
 /* ---- events (always called without the lock) ------------------------------ */
 
 static void emit_token(engine_req *r, int32_t token, const char *text, size_t len) {
-    duet_event ev = {.kind = DUET_EVENT_TOKEN, .request_id = r->id, .token = token, .text = text, .text_len = len};
+    duet_event ev = {
+        .kind = DUET_EVENT_TOKEN, .request_id = r->id, .token = token, .text = text, .text_len = len};
     r->fn(&ev, r->user);
 }
 
@@ -124,14 +129,15 @@ static void emit_done(duet_engine *e, engine_req *r, duet_finish finish, const c
     ev.queue_seconds = secs(first - r->t_arrival);
     ev.ttft_seconds = r->t_first_token ? secs(r->t_first_token - r->t_arrival) : 0;
     ev.total_seconds = secs(now - r->t_arrival);
-    duet__metrics_request_done(e->metrics, r->prio, finish, ev.total_seconds, ev.ttft_seconds, ev.queue_seconds,
-                               r->n_prompt, r->n_gen);
+    duet__metrics_request_done(e->metrics, r->prio, finish, ev.total_seconds, ev.ttft_seconds,
+                               ev.queue_seconds, r->n_prompt, r->n_gen);
     r->fn(&ev, r->user);
 }
 
 /* ---- submit / cancel (any thread) ----------------------------------------- */
 
-duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event_fn fn, void *user, uint64_t *id) {
+duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event_fn fn, void *user,
+                               uint64_t *id) {
     if (!e || !q || !fn) return duet__error(DUET_INVALID_ARGUMENT, "submit: NULL argument");
     const duet_model *m = e->model;
     duet_priority prio = q->priority;
@@ -165,7 +171,8 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
         duet__metrics_request_refused(e->metrics, prio, "invalid");
         return DUET_BAD_REQUEST;
     }
-    for (int i = 0; i < q->n_prompt; i++) duet_sampler_accept(smp, q->prompt[i]);
+    for (int i = 0; i < q->n_prompt; i++)
+        duet_sampler_accept(smp, q->prompt[i]);
 
     pthread_mutex_lock(&e->mu);
     if (e->stopping) {
@@ -182,8 +189,9 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
         }
     }
     uint64_t rid = ((++e->next_seq) << ID_INDEX_BITS) | (uint64_t)(slot < 0 ? 0 : slot);
-    duet_sched_admit a =
-        slot < 0 ? DUET_SCHED_QUEUE_FULL : duet__sched_arrival(e->sched, now_ns(), rid, q->n_prompt, max_tokens, prio);
+    duet_sched_admit a = slot < 0
+                             ? DUET_SCHED_QUEUE_FULL
+                             : duet__sched_arrival(e->sched, now_ns(), rid, q->n_prompt, max_tokens, prio);
     if (a != DUET_SCHED_ADMITTED) {
         pthread_mutex_unlock(&e->mu);
         duet_sampler_free(smp);
@@ -310,11 +318,14 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
         duet_sampler_accept(r->smp, id);
         r->stream[r->n_prompt + r->n_gen++] = id;
         int64_t now = now_ns();
-        if (!r->t_first_token) r->t_first_token = now;
-        else duet__metrics_inter_token(e->metrics, secs(now - r->t_last_token));
+        if (!r->t_first_token)
+            r->t_first_token = now;
+        else
+            duet__metrics_inter_token(e->metrics, secs(now - r->t_last_token));
         r->t_last_token = now;
         bool eog = !r->ignore_eos && duet_tokenizer_is_eog(m->tok, id);
-        if (eog) e->step_finish[i] = DUET_FINISH_STOP;
+        if (eog)
+            e->step_finish[i] = DUET_FINISH_STOP;
         else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= m->n_ctx)
             e->step_finish[i] = DUET_FINISH_LENGTH;
         res->finished = e->step_finish[i] != DUET_FINISH_NONE;
@@ -358,7 +369,8 @@ static void *engine_main(void *arg) {
             const duet_sched_seq *s = &e->plan_seqs[i];
             int32_t *row = e->tables + (size_t)s->slot * e->max_blocks;
             memcpy(row, s->blocks, (size_t)s->n_blocks * sizeof *row);
-            for (int j = s->n_blocks; j < e->max_blocks; j++) row[j] = -1;
+            for (int j = s->n_blocks; j < e->max_blocks; j++)
+                row[j] = -1;
         }
         for (int i = 0; i < plan.n_preempted; i++) {
             engine_req *r = find_req(e, plan.preempted[i]);
@@ -380,8 +392,9 @@ static void *engine_main(void *arg) {
             st = duet__sched_step_done(e->sched, now_ns(), e->results, n_seqs);
             /* Cannot happen unless engine and scheduler disagree; failing the
              * step beats leaving it outstanding, which would wedge the engine. */
-            if (st) snprintf(e->err, ENGINE_ERR_SIZE, "engine: the scheduler refused a step's results: %s",
-                             duet_last_error());
+            if (st)
+                snprintf(e->err, ENGINE_ERR_SIZE, "engine: the scheduler refused a step's results: %s",
+                         duet_last_error());
         }
         if (st) {
             /* A device error fails this step's requests; the engine keeps
@@ -459,7 +472,8 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     if (!p.max_waiting) p.max_waiting = d.max_waiting;
     if (!p.kv_block_size) p.kv_block_size = d.kv_block_size;
     if (p.max_batch_seqs < 1 || p.max_batch_seqs > 1024)
-        return duet__error(DUET_INVALID_ARGUMENT, "max_batch_seqs %d out of range [1, 1024]", p.max_batch_seqs);
+        return duet__error(DUET_INVALID_ARGUMENT, "max_batch_seqs %d out of range [1, 1024]",
+                           p.max_batch_seqs);
     if (p.max_batch_tokens < p.max_batch_seqs || p.max_batch_tokens > 65536)
         return duet__error(DUET_INVALID_ARGUMENT, "max_batch_tokens %d out of range [max_batch_seqs, 65536]",
                            p.max_batch_tokens);
@@ -469,7 +483,8 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     if (p.max_waiting < 1 || p.max_waiting > 100000)
         return duet__error(DUET_INVALID_ARGUMENT, "max_waiting %d out of range [1, 100000]", p.max_waiting);
     if (!(p.batch_timeout_ms <= 60000))
-        return duet__error(DUET_INVALID_ARGUMENT, "batch_timeout_ms %g out of range [0, 60000]", p.batch_timeout_ms);
+        return duet__error(DUET_INVALID_ARGUMENT, "batch_timeout_ms %g out of range [0, 60000]",
+                           p.batch_timeout_ms);
     if (p.kv_block_size != 16 && p.kv_block_size != 32)
         return duet__error(DUET_INVALID_ARGUMENT, "kv_block_size %d must be 16 or 32", p.kv_block_size);
 
@@ -486,8 +501,8 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     op.n_seqs = p.max_batch_seqs;
     /* The device pools hold exactly the blocks the scheduler hands out. */
     /* duet__model_open checks kv_blocks against the pools' geometry. */
-    duet_status st =
-        duet__model_open(path, &op, p.max_batch_tokens, p.max_batch_seqs, p.kv_block_size, p.kv_blocks, &e->model);
+    duet_status st = duet__model_open(path, &op, p.max_batch_tokens, p.max_batch_seqs, p.kv_block_size,
+                                      p.kv_blocks, &e->model);
     if (st) goto fail;
     duet_model *m = e->model;
     const int n_ctx = m->n_ctx;
@@ -522,7 +537,8 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     e->seq = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
     e->out = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
     e->tables = malloc((size_t)p.max_batch_seqs * blocks_per_seq * sizeof(int32_t));
-    if (e->tables) memset(e->tables, 0xff, (size_t)p.max_batch_seqs * blocks_per_seq * sizeof(int32_t)); /* -1 */
+    if (e->tables)
+        memset(e->tables, 0xff, (size_t)p.max_batch_seqs * blocks_per_seq * sizeof(int32_t)); /* -1 */
     e->step_finish = calloc((size_t)p.max_batch_seqs, sizeof *e->step_finish);
     e->text = malloc(m->detok_size);
     e->err = calloc(1, ENGINE_ERR_SIZE);

@@ -32,12 +32,12 @@ enum {
 };
 
 typedef struct bo_case {
-    const char *shape;  /* shape class: "decode", "prefill", "ragged", "gqa", ... */
+    const char *shape; /* shape class: "decode", "prefill", "ragged", "gqa", ... */
     duet_op_kind kind;
-    duet_dtype dtype;   /* weights (embed, matmul) or the KV cache (rope_kv, attention); else f32 */
+    duet_dtype dtype; /* weights (embed, matmul) or the KV cache (rope_kv, attention); else f32 */
     int n_tokens;
-    int dim;            /* embed/rmsnorm/swiglu/add/gather/argmax: row width; matmul: n_in; rope/attention: head_dim */
-    int rows;           /* embed: vocab rows; gather: rows of x; matmul: n_out; rope/attention: n_ctx */
+    int dim;  /* embed/rmsnorm/swiglu/add/gather/argmax: row width; matmul: n_in; rope/attention: head_dim */
+    int rows; /* embed: vocab rows; gather: rows of x; matmul: n_out; rope/attention: n_ctx */
     int n_head, n_head_kv, n_seqs, pos0, n_rot; /* rope/attention */
     bool bias, accumulate, neox, inplace;
     unsigned modes;
@@ -60,6 +60,7 @@ typedef struct bo_case {
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 /* clang-format off */
+// clang-format off
 static const bo_case bo_cases[] = {
     /* shape        kind                 dtype tok  dim   rows   nh nkv seqs pos0 rot  bias  acc    neox   inplace modes */
     {"decode",      DUET_OP_EMBED,       F32,   1,  64,    100,  0, 0, 0, 0, 0, false, false, false, false, T|S},
@@ -186,6 +187,7 @@ static const bo_case bo_cases[] = {
     {"ragged",      DUET_OP_ARGMAX,      F32,   7, 1000,     0,  0, 0, 0, 0, 0, false, false, false, false, T|S},
     {"vocab",       DUET_OP_ARGMAX,      F32,   2, 32000,    0,  0, 0, 0, 0, 0, false, false, false, false, T|P},
 };
+// clang-format on
 /* clang-format on */
 #pragma GCC diagnostic pop
 #undef F32
@@ -203,8 +205,8 @@ static const bo_case bo_cases[] = {
 
 static inline const char *bo_op_name(duet_op_kind k) {
     static const char *const names[DUET_OP_COUNT] = {
-        [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",     [DUET_OP_MATMUL] = "matmul",
-        [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention", [DUET_OP_SWIGLU] = "swiglu",
+        [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",         [DUET_OP_MATMUL] = "matmul",
+        [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention",     [DUET_OP_SWIGLU] = "swiglu",
         [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
     };
     return (unsigned)k < DUET_OP_COUNT ? names[k] : "?";
@@ -220,9 +222,9 @@ static inline void bo_case_label(const bo_case *c, char *buf, size_t size) {
         break;
     case DUET_OP_ROPE_KV:
     case DUET_OP_ATTENTION:
-        snprintf(buf, size, "%s kv=%s %s t=%d hd=%d heads=%d/%d seqs=%d pos0=%d%s%s", bo_op_name(c->kind), dt, c->shape,
-                 c->n_tokens, c->dim, c->n_head, c->n_head_kv, c->n_seqs, c->pos0, c->neox ? " neox" : "",
-                 c->inplace ? " inplace" : "");
+        snprintf(buf, size, "%s kv=%s %s t=%d hd=%d heads=%d/%d seqs=%d pos0=%d%s%s", bo_op_name(c->kind), dt,
+                 c->shape, c->n_tokens, c->dim, c->n_head, c->n_head_kv, c->n_seqs, c->pos0,
+                 c->neox ? " neox" : "", c->inplace ? " inplace" : "");
         break;
     default:
         snprintf(buf, size, "%s %s %s t=%d dim=%d%s", bo_op_name(c->kind), dt, c->shape, c->n_tokens, c->dim,
@@ -238,11 +240,11 @@ typedef enum bo_elem { BO_ELEM_F32, BO_ELEM_I32, BO_ELEM_RAW, BO_ELEM_Q8 } bo_el
 
 typedef struct bo_operand {
     const char *name;
-    size_t bytes;   /* the view's size */
-    void *host;     /* initial content (malloc'd) */
-    bo_elem elem;   /* how outputs are compared */
-    bool output;    /* compared after the op */
-    int alias;      /* >= 0: the op uses operand `alias`'s view here (in place) */
+    size_t bytes; /* the view's size */
+    void *host;   /* initial content (malloc'd) */
+    bo_elem elem; /* how outputs are compared */
+    bool output;  /* compared after the op */
+    int alias;    /* >= 0: the op uses operand `alias`'s view here (in place) */
 } bo_operand;
 
 /* Host side of one case: operands and the op with views left empty. */
@@ -263,7 +265,8 @@ static inline float bo_rand(uint64_t *s) {
 
 static inline void *bo_fill_f32(size_t n, uint64_t seed, float scale) {
     float *p = malloc(n * sizeof(float) + 1);
-    for (size_t i = 0; i < n; i++) p[i] = bo_rand(&seed) * scale;
+    for (size_t i = 0; i < n; i++)
+        p[i] = bo_rand(&seed) * scale;
     return p;
 }
 
@@ -273,7 +276,8 @@ static inline void *bo_fill_typed(duet_dtype t, int64_t rows, int64_t cols, uint
     uint8_t *p = malloc((size_t)rows * rb + 1);
     float *tmp = malloc((size_t)cols * sizeof(float));
     for (int64_t r = 0; r < rows; r++) {
-        for (int64_t i = 0; i < cols; i++) tmp[i] = bo_rand(&seed) * scale;
+        for (int64_t i = 0; i < cols; i++)
+            tmp[i] = bo_rand(&seed) * scale;
         duet_convert_row(t, tmp, p + (size_t)r * rb, cols);
     }
     free(tmp);
@@ -291,7 +295,9 @@ static inline int bo_add(bo_host *h, const char *name, size_t bytes, void *data,
     return h->n++;
 }
 
-static inline int32_t *bo_ints(size_t n) { return malloc(n * sizeof(int32_t) + 1); }
+static inline int32_t *bo_ints(size_t n) {
+    return malloc(n * sizeof(int32_t) + 1);
+}
 
 /* Positions and sequences of rope/attention. Token t belongs to sequence
  * t % n_seqs. With lens[], sequence s's tokens are the last ones of its
@@ -313,7 +319,9 @@ static inline void bo_positions(const bo_case *c, int32_t *pos, int32_t *seq) {
     }
 }
 
-static inline int bo_block_size(const bo_case *c) { return c->block ? c->block : 16; }
+static inline int bo_block_size(const bo_case *c) {
+    return c->block ? c->block : 16;
+}
 
 /* Scattered block tables: every (sequence, entry) gets a distinct block of
  * a shuffled pool with a few spare blocks nobody references, so a kernel
@@ -323,7 +331,8 @@ static inline int32_t *bo_block_tables(const bo_case *c, int *max_blocks, int *n
     *max_blocks = (c->rows + bs - 1) / bs;
     *n_blocks = c->n_seqs * *max_blocks + 5;
     int32_t *perm = malloc(sizeof(int32_t) * (size_t)*n_blocks);
-    for (int i = 0; i < *n_blocks; i++) perm[i] = i;
+    for (int i = 0; i < *n_blocks; i++)
+        perm[i] = i;
     uint64_t st = 0x2545F4914F6CDD1Dull + (uint64_t)c->rows;
     for (int i = *n_blocks - 1; i > 0; i--) {
         st = st * 6364136223846793005ull + 1442695040888963407ull;
@@ -342,7 +351,8 @@ static inline int32_t *bo_block_tables(const bo_case *c, int *max_blocks, int *n
 static inline void *bo_quantize_rows(const float *x, size_t rows, int width) {
     size_t rb = duet_dtype_row_bytes(DUET_DTYPE_Q8_0, width);
     uint8_t *p = malloc(rows * rb + 1);
-    for (size_t r = 0; r < rows; r++) duet_quantize_row_q8_0(x + r * (size_t)width, (duet_block_q8_0 *)(p + r * rb), width);
+    for (size_t r = 0; r < rows; r++)
+        duet_quantize_row_q8_0(x + r * (size_t)width, (duet_block_q8_0 *)(p + r * rb), width);
     return p;
 }
 
@@ -360,7 +370,8 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
     switch (c->kind) {
     case DUET_OP_EMBED: {
         int32_t *tok = bo_ints(T);
-        for (size_t t = 0; t < T; t++) tok[t] = (int32_t)((t * 7919 + 3) % (size_t)c->rows);
+        for (size_t t = 0; t < T; t++)
+            tok[t] = (int32_t)((t * 7919 + 3) % (size_t)c->rows);
         bo_add(h, "tokens", T * 4, tok, BO_ELEM_I32, false);
         bo_add(h, "table", (size_t)c->rows * duet_dtype_row_bytes(c->dtype, c->dim),
                bo_fill_typed(c->dtype, c->rows, c->dim, seed + 1, 1.0f), BO_ELEM_RAW, false);
@@ -378,12 +389,12 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
         break;
     case DUET_OP_MATMUL: {
         const size_t O = (size_t)c->rows;
-        bo_add(h, "w", O * duet_dtype_row_bytes(c->dtype, c->dim), bo_fill_typed(c->dtype, c->rows, c->dim, seed + 1, 1.0f),
-               BO_ELEM_RAW, false);
+        bo_add(h, "w", O * duet_dtype_row_bytes(c->dtype, c->dim),
+               bo_fill_typed(c->dtype, c->rows, c->dim, seed + 1, 1.0f), BO_ELEM_RAW, false);
         float *x = bo_fill_f32(T * D, seed + 2, 1.0f);
         if (c->q8act) {
-            bo_add(h, "x_q8", T * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, c->dim), bo_quantize_rows(x, T, c->dim),
-                   BO_ELEM_Q8, false);
+            bo_add(h, "x_q8", T * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, c->dim),
+                   bo_quantize_rows(x, T, c->dim), BO_ELEM_Q8, false);
             free(x);
         } else {
             bo_add(h, "x", T * D * 4, x, BO_ELEM_F32, false);
@@ -419,10 +430,10 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
         /* Pools start full of random rows: attention reads them, rope_kv
          * must change exactly the rows it stores (compared whole). */
         size_t pool_bytes = pool_rows * duet_dtype_row_bytes(c->dtype, (int64_t)kvw);
-        bo_add(h, "k_pool", pool_bytes, bo_fill_typed(c->dtype, (int64_t)pool_rows, (int64_t)kvw, seed + 4, 1.0f),
-               BO_ELEM_RAW, rope);
-        bo_add(h, "v_pool", pool_bytes, bo_fill_typed(c->dtype, (int64_t)pool_rows, (int64_t)kvw, seed + 5, 1.0f),
-               BO_ELEM_RAW, rope);
+        bo_add(h, "k_pool", pool_bytes,
+               bo_fill_typed(c->dtype, (int64_t)pool_rows, (int64_t)kvw, seed + 4, 1.0f), BO_ELEM_RAW, rope);
+        bo_add(h, "v_pool", pool_bytes,
+               bo_fill_typed(c->dtype, (int64_t)pool_rows, (int64_t)kvw, seed + 5, 1.0f), BO_ELEM_RAW, rope);
         if (!rope) {
             if (c->q8act != 2) {
                 bo_add(h, "out", T * qw * 4, bo_fill_f32(T * qw, seed + 6, 1.0f), BO_ELEM_F32, true);
@@ -430,15 +441,17 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
             }
             if (c->q8act)
                 bo_add(h, "out_q8", T * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, (int64_t)qw),
-                       bo_fill_typed(DUET_DTYPE_Q8_0, c->n_tokens, (int64_t)qw, seed + 7, 1.0f), BO_ELEM_Q8, true);
+                       bo_fill_typed(DUET_DTYPE_Q8_0, c->n_tokens, (int64_t)qw, seed + 7, 1.0f), BO_ELEM_Q8,
+                       true);
         }
         break;
     }
     case DUET_OP_SWIGLU:
     case DUET_OP_ADD:
-        bo_add(h, c->kind == DUET_OP_ADD ? "a" : "gate", T * D * 4, bo_fill_f32(T * D, seed + 1, 3.0f), BO_ELEM_F32,
-               c->inplace);
-        bo_add(h, c->kind == DUET_OP_ADD ? "b" : "up", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f), BO_ELEM_F32, false);
+        bo_add(h, c->kind == DUET_OP_ADD ? "a" : "gate", T * D * 4, bo_fill_f32(T * D, seed + 1, 3.0f),
+               BO_ELEM_F32, c->inplace);
+        bo_add(h, c->kind == DUET_OP_ADD ? "b" : "up", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f),
+               BO_ELEM_F32, false);
         if (c->q8act != 2) bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 3, 1.0f), BO_ELEM_F32, true);
         if (c->inplace) h->ops[2].alias = 0;
         if (c->q8act)
@@ -446,9 +459,11 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
                    bo_fill_typed(DUET_DTYPE_Q8_0, c->n_tokens, c->dim, seed + 4, 1.0f), BO_ELEM_Q8, true);
         break;
     case DUET_OP_GATHER_ROWS: {
-        bo_add(h, "x", (size_t)c->rows * D * 4, bo_fill_f32((size_t)c->rows * D, seed + 1, 1.0f), BO_ELEM_F32, false);
+        bo_add(h, "x", (size_t)c->rows * D * 4, bo_fill_f32((size_t)c->rows * D, seed + 1, 1.0f), BO_ELEM_F32,
+               false);
         int32_t *rows = bo_ints(T);
-        for (size_t t = 0; t < T; t++) rows[t] = (int32_t)((t * 13 + 5) % (size_t)c->rows);
+        for (size_t t = 0; t < T; t++)
+            rows[t] = (int32_t)((t * 13 + 5) % (size_t)c->rows);
         bo_add(h, "rows", T * 4, rows, BO_ELEM_I32, false);
         bo_add(h, "out", T * D * 4, bo_fill_f32(T * D, seed + 2, 1.0f), BO_ELEM_F32, true);
         break;
@@ -467,14 +482,18 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
         memset(h->ops[1].host, 0xff, T * 4);
         break;
     }
-    case DUET_OP_COUNT: break;
+    case DUET_OP_COUNT:
+        break;
     }
 }
 
-static inline void bo_host_build(int ci, bo_host *h) { bo_host_build_case(&bo_cases[ci], ci, h); }
+static inline void bo_host_build(int ci, bo_host *h) {
+    bo_host_build_case(&bo_cases[ci], ci, h);
+}
 
 static inline void bo_host_free(bo_host *h) {
-    for (int i = 0; i < h->n; i++) free(h->ops[i].host);
+    for (int i = 0; i < h->n; i++)
+        free(h->ops[i].host);
     free(h->pos);
     free(h->seq);
     free(h->table);
@@ -626,7 +645,8 @@ static inline duet_status bo_dev_setup(duet_backend *be, const bo_host *h, bo_de
         op->argmax.out = VW("out");
         op->argmax.dim = c->dim;
         break;
-    case DUET_OP_COUNT: break;
+    case DUET_OP_COUNT:
+        break;
     }
 #undef VW
     return DUET_OK;
@@ -635,7 +655,8 @@ static inline duet_status bo_dev_setup(duet_backend *be, const bo_host *h, bo_de
 /* One step with the op, `reps` times. */
 static inline duet_status bo_dev_run(bo_dev *d, int reps) {
     duet_status st = duet_step_begin(d->be);
-    for (int r = 0; r < reps && st == DUET_OK; r++) st = duet_step_op(d->be, &d->op);
+    for (int r = 0; r < reps && st == DUET_OK; r++)
+        st = duet_step_op(d->be, &d->op);
     duet_status st2 = duet_step_submit(d->be);
     duet_status st3 = duet_step_wait(d->be);
     return st ? st : st2 ? st2 : st3;
@@ -653,7 +674,8 @@ static inline uint8_t *bo_dev_image(bo_dev *d, const bo_host *h, int i) {
 }
 
 static inline void bo_dev_free(bo_dev *d) {
-    for (int i = 0; i < BO_MAX_OPERANDS; i++) duet_buffer_free(d->be, d->buf[i]);
+    for (int i = 0; i < BO_MAX_OPERANDS; i++)
+        duet_buffer_free(d->be, d->buf[i]);
     memset(d->buf, 0, sizeof d->buf);
 }
 
@@ -672,8 +694,8 @@ static inline void bo_case_cost(const bo_case *c, double *bytes, double *flops) 
         *flops = T * D * 4;
         break;
     case DUET_OP_MATMUL:
-        *bytes = (double)c->rows * (double)duet_dtype_row_bytes(c->dtype, c->dim) + T * D * (c->q8act ? 34.0 / 32 : 4) +
-                 T * c->rows * 4 * (c->accumulate ? 2 : 1);
+        *bytes = (double)c->rows * (double)duet_dtype_row_bytes(c->dtype, c->dim) +
+                 T * D * (c->q8act ? 34.0 / 32 : 4) + T * c->rows * 4 * (c->accumulate ? 2 : 1);
         *flops = 2 * T * D * c->rows;
         break;
     case DUET_OP_ROPE_KV: {
@@ -684,10 +706,12 @@ static inline void bo_case_cost(const bo_case *c, double *bytes, double *flops) 
         break;
     }
     case DUET_OP_ATTENTION: {
-        int32_t *pos = malloc(sizeof(int32_t) * (size_t)c->n_tokens), *seq = malloc(sizeof(int32_t) * (size_t)c->n_tokens);
+        int32_t *pos = malloc(sizeof(int32_t) * (size_t)c->n_tokens),
+                *seq = malloc(sizeof(int32_t) * (size_t)c->n_tokens);
         bo_positions(c, pos, seq);
         double ctx = 0;
-        for (int t = 0; t < c->n_tokens; t++) ctx += pos[t] + 1;
+        for (int t = 0; t < c->n_tokens; t++)
+            ctx += pos[t] + 1;
         free(pos);
         free(seq);
         /* bytes per K/V element (q8_0: 34 bytes per 32) */
@@ -711,7 +735,8 @@ static inline void bo_case_cost(const bo_case *c, double *bytes, double *flops) 
         *bytes = T * (D * 4 + 4);
         *flops = T * D;
         break;
-    default: *bytes = *flops = 0;
+    default:
+        *bytes = *flops = 0;
     }
 }
 

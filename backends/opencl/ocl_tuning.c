@@ -73,12 +73,19 @@ static const tune_entry tune_table[] = {
      "Portable Computing Language",
      NULL,
      DUET_DEVICE_CPU,
-     {"pocl-cpu",        .mv_r = 1,    .mv_nr = 2,    .mv_vw = 16,      .mv_wg = 8,
-      .mv_mt = 4,        .mv_qg = 8,   .norm_wg = 16, .att_wg = 1,      .att_g = 64,
-      .att_split = 1024, .att_occ = 2, .att_bq = 16,  .att_bk = 16,     .att_tpr = 1,
-      .att_pf_min = 0,   .rope_wg = 1, .dot = -1,     .mq_nr = 4,       .mm_tile_min = 0,
-      .q8_f32_min = 64,  .mm_bn = 32,  .mm_tr = 4,    .ew_wg = 0,       .clblast_min = 0,
-      .clblast_scratch = 64 * MiB}},
+     {"pocl-cpu",        .mv_r = 1,
+      .mv_nr = 2,        .mv_vw = 16,
+      .mv_wg = 8,        .mv_mt = 4,
+      .mv_qg = 8,        .norm_wg = 16,
+      .att_wg = 1,       .att_g = 64,
+      .att_split = 1024, .att_occ = 2,
+      .att_bq = 16,      .att_bk = 16,
+      .att_tpr = 1,      .att_pf_min = 0,
+      .rope_wg = 1,      .dot = -1,
+      .mq_nr = 4,        .mm_tile_min = 0,
+      .q8_f32_min = 64,  .mm_bn = 32,
+      .mm_tr = 4,        .ew_wg = 0,
+      .clblast_min = 0,  .clblast_scratch = 64 * MiB}},
     {NULL,
      NULL,
      "NVIDIA",
@@ -293,7 +300,8 @@ static duet_status apply_overrides(ocl_tuning *t, const char *spec) {
                 DUET_INVALID_ARGUMENT,
                 "DUET_OPENCL_TUNE: unknown knob '%s' (have mv_r, mv_nr, mv_vw, mv_wg, mv_mt, mv_qg, "
                 "norm_wg, att_wg, att_g, att_split, att_occ, att_bq, att_bk, att_tpr, att_pf_min, att_mode, "
-                "rope_wg, dot, mq_nr, mm_tile_min, q8_f32_min, mm_bn, mm_tr, ew_wg, clblast_min, clblast_scratch_mb)",
+                "rope_wg, dot, mq_nr, mm_tile_min, q8_f32_min, mm_bn, mm_tr, ew_wg, clblast_min, "
+                "clblast_scratch_mb)",
                 kv);
     }
     size_t n = strlen(t->entry);

@@ -44,6 +44,7 @@ typedef struct vk_tuning_entry {
  * attn_flash: 4 lanes per query row in prefill (registers for q and the
  * accumulator stay small), a subgroup per head in decode, and splits until
  * a few hundred workgroups are in flight. */
+// clang-format off
 static const vk_tuning_entry vk_table[] = {
     /* exact devices go first: none measured yet */
 
@@ -69,7 +70,9 @@ static const vk_tuning_entry vk_table[] = {
       .attn_wg = 64, .attn_c = 4, .attn_dc = 16, .attn_kt = 16, .attn_par = 128, .attn_chunk = 256,
       .norm_wg = 128, .ew_wg = 128}},
 };
+// clang-format on
 
+// clang-format off
 static const vk_tuning vk_default_gpu = {
     .matmul = VK_MATMUL_SUBGROUP, .tile_wg = 64, .tile_rows = 4, .tile_tokens = 4, .tile_rows_q8 = 4,
     .sg_wg = 64, .sg_rows = 1, .mm_min = 16, .mm_bm = 32, .mm_bn = 32,
@@ -80,8 +83,11 @@ static const vk_tuning vk_default_cpu = {
     .sg_wg = 64, .sg_rows = 1, .mm_min = 0, .mm_bm = 32, .mm_bn = 32,
     .attn_lane = true, .attn_wg = 8, .attn_c = 1, .attn_dc = 1, .attn_kt = 16, .attn_par = 8, .attn_chunk = 512,
     .norm_wg = 8, .ew_wg = 64};
+// clang-format on
 
-static bool pow2_in(long v, long lo, long hi) { return v >= lo && v <= hi && (v & (v - 1)) == 0; }
+static bool pow2_in(long v, long lo, long hi) {
+    return v >= lo && v <= hi && (v & (v - 1)) == 0;
+}
 
 /* Applies "key=value,key=value" overrides. */
 static duet_status apply_overrides(const vk_physical *p, vk_tuning *t, const char *spec) {
@@ -97,41 +103,67 @@ static duet_status apply_overrides(const vk_physical *p, vk_tuning *t, const cha
         long v = strtol(val, &end, 10);
         bool num = *val && !*end;
         if (strcmp(key, "matmul") == 0) {
-            if (strcmp(val, "tile") == 0) t->matmul = VK_MATMUL_TILE;
-            else if (strcmp(val, "subgroup") == 0) t->matmul = VK_MATMUL_SUBGROUP;
-            else return duet__error(DUET_INVALID_ARGUMENT, "DUET_VK_TUNE: matmul=%s (have: tile, subgroup)", val);
+            if (strcmp(val, "tile") == 0)
+                t->matmul = VK_MATMUL_TILE;
+            else if (strcmp(val, "subgroup") == 0)
+                t->matmul = VK_MATMUL_SUBGROUP;
+            else
+                return duet__error(DUET_INVALID_ARGUMENT, "DUET_VK_TUNE: matmul=%s (have: tile, subgroup)",
+                                   val);
         } else if (strcmp(key, "dot") == 0 && num && (v == 0 || v == 1)) {
             if (v && !p->int_dot)
                 return duet__error(DUET_UNSUPPORTED, "DUET_VK_TUNE: dot=1 but %s has no integer dot product",
                                    p->props.deviceName);
             t->int_dot = v;
         } else if (strcmp(key, "attn") == 0) {
-            if (strcmp(val, "lane") == 0) t->attn_lane = true;
-            else if (strcmp(val, "flash") == 0) t->attn_lane = false;
-            else return duet__error(DUET_INVALID_ARGUMENT, "DUET_VK_TUNE: attn=%s (have: lane, flash)", val);
+            if (strcmp(val, "lane") == 0)
+                t->attn_lane = true;
+            else if (strcmp(val, "flash") == 0)
+                t->attn_lane = false;
+            else
+                return duet__error(DUET_INVALID_ARGUMENT, "DUET_VK_TUNE: attn=%s (have: lane, flash)", val);
         } else if (strcmp(key, "shuffle") == 0 && num && (v == 0 || v == 1)) {
             t->no_shuffle = !v;
-        } else if (strcmp(key, "tile_rows") == 0 && num && pow2_in(v, 1, 16)) t->tile_rows = (int)v;
-        else if (strcmp(key, "tile_tokens") == 0 && num && pow2_in(v, 1, 8)) t->tile_tokens = (int)v;
-        else if (strcmp(key, "tile_rows_q8") == 0 && num && pow2_in(v, 1, 32)) t->tile_rows_q8 = (int)v;
-        else if (strcmp(key, "tile_wg") == 0 && num && pow2_in(v, 1, max_wg)) t->tile_wg = (int)v;
-        else if (strcmp(key, "sg_wg") == 0 && num && pow2_in(v, 1, max_wg)) t->sg_wg = (int)v;
-        else if (strcmp(key, "sg_rows") == 0 && num && pow2_in(v, 1, 8)) t->sg_rows = (int)v;
-        else if (strcmp(key, "mm_min") == 0 && num && v >= 0 && v <= 65536) t->mm_min = (int)v;
-        else if (strcmp(key, "mm_bm") == 0 && num && pow2_in(v, 8, 128)) t->mm_bm = (int)v;
-        else if (strcmp(key, "mm_bn") == 0 && num && pow2_in(v, 8, 128)) t->mm_bn = (int)v;
-        else if (strcmp(key, "attn_wg") == 0 && num && pow2_in(v, 1, max_wg < 1024 ? max_wg : 1024)) t->attn_wg = (int)v;
-        else if (strcmp(key, "attn_c") == 0 && num && pow2_in(v, 1, 128)) t->attn_c = (int)v;
-        else if (strcmp(key, "attn_dc") == 0 && num && (v == 0 || pow2_in(v, 1, 128))) t->attn_dc = (int)v;
-        else if (strcmp(key, "attn_kt") == 0 && num && pow2_in(v, 1, 64)) t->attn_kt = (int)v;
-        else if (strcmp(key, "attn_par") == 0 && num && v >= 1 && v <= 65536) t->attn_par = (int)v;
-        else if (strcmp(key, "attn_chunk") == 0 && num && v >= 1 && v <= (1 << 20)) t->attn_chunk = (int)v;
-        else if (strcmp(key, "norm_wg") == 0 && num && pow2_in(v, 1, max_wg)) t->norm_wg = (int)v;
-        else if (strcmp(key, "ew_wg") == 0 && num && pow2_in(v, 1, max_wg)) t->ew_wg = (int)v;
+        } else if (strcmp(key, "tile_rows") == 0 && num && pow2_in(v, 1, 16))
+            t->tile_rows = (int)v;
+        else if (strcmp(key, "tile_tokens") == 0 && num && pow2_in(v, 1, 8))
+            t->tile_tokens = (int)v;
+        else if (strcmp(key, "tile_rows_q8") == 0 && num && pow2_in(v, 1, 32))
+            t->tile_rows_q8 = (int)v;
+        else if (strcmp(key, "tile_wg") == 0 && num && pow2_in(v, 1, max_wg))
+            t->tile_wg = (int)v;
+        else if (strcmp(key, "sg_wg") == 0 && num && pow2_in(v, 1, max_wg))
+            t->sg_wg = (int)v;
+        else if (strcmp(key, "sg_rows") == 0 && num && pow2_in(v, 1, 8))
+            t->sg_rows = (int)v;
+        else if (strcmp(key, "mm_min") == 0 && num && v >= 0 && v <= 65536)
+            t->mm_min = (int)v;
+        else if (strcmp(key, "mm_bm") == 0 && num && pow2_in(v, 8, 128))
+            t->mm_bm = (int)v;
+        else if (strcmp(key, "mm_bn") == 0 && num && pow2_in(v, 8, 128))
+            t->mm_bn = (int)v;
+        else if (strcmp(key, "attn_wg") == 0 && num && pow2_in(v, 1, max_wg < 1024 ? max_wg : 1024))
+            t->attn_wg = (int)v;
+        else if (strcmp(key, "attn_c") == 0 && num && pow2_in(v, 1, 128))
+            t->attn_c = (int)v;
+        else if (strcmp(key, "attn_dc") == 0 && num && (v == 0 || pow2_in(v, 1, 128)))
+            t->attn_dc = (int)v;
+        else if (strcmp(key, "attn_kt") == 0 && num && pow2_in(v, 1, 64))
+            t->attn_kt = (int)v;
+        else if (strcmp(key, "attn_par") == 0 && num && v >= 1 && v <= 65536)
+            t->attn_par = (int)v;
+        else if (strcmp(key, "attn_chunk") == 0 && num && v >= 1 && v <= (1 << 20))
+            t->attn_chunk = (int)v;
+        else if (strcmp(key, "norm_wg") == 0 && num && pow2_in(v, 1, max_wg))
+            t->norm_wg = (int)v;
+        else if (strcmp(key, "ew_wg") == 0 && num && pow2_in(v, 1, max_wg))
+            t->ew_wg = (int)v;
         else
             return duet__error(DUET_INVALID_ARGUMENT,
-                               "DUET_VK_TUNE: bad '%s=%s' (keys: matmul=tile|subgroup, dot=0|1, attn=lane|flash, shuffle=0|1, tile_rows<=16, tile_rows_q8<=32, "
-                               "tile_tokens<=8, tile_wg, sg_wg, sg_rows<=8, mm_min (0: never), mm_bm, mm_bn (8..128), attn_wg, attn_c<=128, attn_dc<=128 (0: subgroup), "
+                               "DUET_VK_TUNE: bad '%s=%s' (keys: matmul=tile|subgroup, dot=0|1, "
+                               "attn=lane|flash, shuffle=0|1, tile_rows<=16, tile_rows_q8<=32, "
+                               "tile_tokens<=8, tile_wg, sg_wg, sg_rows<=8, mm_min (0: never), mm_bm, mm_bn "
+                               "(8..128), attn_wg, attn_c<=128, attn_dc<=128 (0: subgroup), "
                                "attn_kt<=64, attn_par, attn_chunk, norm_wg, ew_wg; sizes are powers of two)",
                                key, val);
     }
