@@ -183,7 +183,8 @@ typedef struct duet_op {
             /* Optional: max over the tokens of pos[t] + 1, which the caller
              * knows on the host (0: not given). Backends size key splits
              * from it instead of the table's capacity; a token past it is
-             * an error where the backend can see it, else gets zeros. */
+             * an error where the backend can see it, else gets zeros (or,
+             * from a kernel that does not split, the whole context). */
             int n_keys;
             duet_view out;    /* f32 [n_tokens][n_head*head_dim] */
             duet_view out_q8; /* optional q8_0 [n_tokens][n_head*head_dim/32] */

@@ -67,8 +67,9 @@ static const tune_entry tune_table[] = {
      * compute-bound once weights are reused across tokens: batches of 64
      * tokens or more (prompt chunks; speculative batches and a few
      * concurrent decodes stay below, on the int8 path) dequantise the
-     * activations and take the f32-activation kernel, 1.55x the 125m
-     * prefill (419 vs 270 tok/s, 256-token prompt, DUET_ACT_Q8=0 A/B). */
+     * activations and take the f32-activation kernel: 1.4-1.45x the 125m
+     * prefill of a 256-token prompt (bench/results/opencl-pocl-q8-prefill-
+     * xeon-2c.json). */
     {NULL,
      "Portable Computing Language",
      NULL,
