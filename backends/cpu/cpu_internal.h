@@ -40,9 +40,10 @@ typedef struct cpu_pool {
      * read them while the next task is written; it then fails to claim. */
     _Atomic(cpu_task_fn) fn;
     _Atomic(void *) ctx;
-    _Atomic int n_chunks;
-    /* (task sequence << 32) | next unclaimed chunk: claiming is one CAS
-     * that also proves the task is still the one whose fields were read. */
+    /* (task sequence << 32) | (chunk count << 16) | next unclaimed chunk:
+     * everything a worker needs to claim a chunk is in this one word, so a
+     * successful CAS proves the task it read is still running and the
+     * count it read is that task's own (no separate field to go stale). */
     _Atomic uint64_t claim;
     /* Futex words (32-bit): `gen` is the task sequence workers sleep on;
      * `done` counts the current task's finished chunks. */
@@ -55,6 +56,13 @@ typedef struct cpu_pool {
 
 duet_status duet__cpu_pool_init(cpu_pool *pool, int n_threads);
 void duet__cpu_pool_free(cpu_pool *pool);
+/* The most chunks one task is cut into (the claim word's 16-bit fields);
+ * duet__cpu_pool_run caps n_chunks here and passes fn the capped count. */
+#define CPU_POOL_MAX_CHUNKS 0xffff
+/* Test-only: when set, called at the points where a delay exposes a race
+ * (0: between publishing a task's fields and its claim word; 1: between a
+ * worker's read of the claim word and its CAS; 2: after a chunk runs). */
+extern void (*duet__cpu_pool_delay_hook)(int where);
 /* Runs fn on chunks 0..n_chunks-1 and returns when all are done. The caller
  * claims chunks too, so work never waits for a worker that the OS has not
  * scheduled; only a chunk a worker already started is waited for.

@@ -6,7 +6,7 @@
  * futex so an idle engine burns no CPU.
  *
  * A task is cut into chunks that every thread, the caller included, claims
- * with a CAS on one word holding (task sequence, next chunk). The caller
+ * with a CAS on one word holding (task sequence, chunk count, next chunk). The caller
  * never waits for a worker to show up: on a busy machine where a worker is
  * descheduled, the caller runs the remaining chunks itself, and the join
  * waits only for chunks already started. A late worker that read the fields
@@ -90,22 +90,35 @@ typedef struct worker_arg {
     int id;
 } worker_arg;
 
+void (*duet__cpu_pool_delay_hook)(int where);
+
+static inline void delay_point(int where) {
+    void (*hook)(int) = duet__cpu_pool_delay_hook;
+    if (hook) hook(where);
+}
+
+static inline uint64_t claim_word(uint32_t seq, int n_chunks, int next) {
+    return (uint64_t)seq << 32 | (uint64_t)(uint32_t)n_chunks << 16 | (uint32_t)next;
+}
+
 /* Claims and runs chunks of task `seq` until none is left. */
 static void run_chunks(cpu_pool *pool, uint32_t seq, int worker) {
     for (;;) {
         uint64_t c = atomic_load_explicit(&pool->claim, memory_order_acquire);
         if ((uint32_t)(c >> 32) != seq) return; /* a newer task: caller is done with ours */
-        int n = atomic_load_explicit(&pool->n_chunks, memory_order_relaxed);
+        const int n = (int)(c >> 16 & 0xffff), chunk = (int)(c & 0xffff);
+        if (chunk >= n) return;
         cpu_task_fn fn = atomic_load_explicit(&pool->fn, memory_order_relaxed);
         void *ctx = atomic_load_explicit(&pool->ctx, memory_order_relaxed);
-        int chunk = (int)(uint32_t)c;
-        if (chunk >= n) return;
-        /* Success proves claim was (seq, chunk) here, so task seq was still
-         * running and the fields read above were its own. */
+        delay_point(1);
+        /* Success proves the word was still (seq, n, chunk): chunk was
+         * unclaimed, so task seq could not have finished and the next task
+         * could not have been published; fn and ctx read above are seq's. */
         if (!atomic_compare_exchange_weak_explicit(&pool->claim, &c, c + 1, memory_order_acq_rel,
                                                    memory_order_relaxed))
             continue;
         fn(ctx, chunk, n, worker);
+        delay_point(2);
         /* seq_cst, like the caller's caller_waiting store then done load:
          * either it sees our increment or we see it waiting. */
         uint32_t done = atomic_fetch_add(&pool->done, 1) + 1;
@@ -175,14 +188,15 @@ void duet__cpu_pool_run(cpu_pool *pool, int n_chunks, cpu_task_fn fn, void *ctx)
             fn(ctx, c, n_chunks, 0);
         return;
     }
+    if (n_chunks > CPU_POOL_MAX_CHUNKS) n_chunks = CPU_POOL_MAX_CHUNKS;
     /* Publish the task: fields first, then the claim word (release), then
      * gen (seq_cst) for the workers that spin or sleep on it. */
     uint32_t seq = atomic_load_explicit(&pool->gen, memory_order_relaxed) + 1;
     atomic_store_explicit(&pool->fn, fn, memory_order_relaxed);
     atomic_store_explicit(&pool->ctx, ctx, memory_order_relaxed);
-    atomic_store_explicit(&pool->n_chunks, n_chunks, memory_order_relaxed);
     atomic_store_explicit(&pool->done, 0, memory_order_relaxed);
-    atomic_store_explicit(&pool->claim, (uint64_t)seq << 32, memory_order_release);
+    delay_point(0);
+    atomic_store_explicit(&pool->claim, claim_word(seq, n_chunks, 0), memory_order_release);
     atomic_store(&pool->gen, seq);
     if (atomic_load(&pool->sleepers) > 0) futex_wake(&pool->gen);
 
