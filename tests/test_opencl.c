@@ -181,6 +181,24 @@ START_TEST(test_program_cache) {
     unsetenv("DUET_KERNEL_DIR");
     duet_status st;
 
+    /* Left to itself, the cache is off on a driver that keeps its own
+     * (PoCL) and on elsewhere; DUET_OPENCL_CACHE=1 forces it on. */
+    ocl_backend *d = open_ocl();
+    const bool own = d->dev->own_kernel_cache;
+    ck_assert_msg(own == (strstr(d->dev->platform_name, "Portable Computing Language") != NULL),
+                  "own kernel cache %d on %s", own, d->dev->platform_name);
+    run_rmsnorm(&d->base, &st);
+    ck_assert_msg(st == DUET_OK, "run: %s", duet_last_error());
+    ck_assert_int_eq(d->stats.programs_cache_saved, own ? 0 : 1);
+    duet_backend_close(&d->base);
+    ck_assert_int_eq(count_files(dir, ".bin"), own ? 0 : 1);
+    if (!own) { /* start the checks below from an empty cache */
+        char rm[256];
+        snprintf(rm, sizeof rm, "rm -f %s/*.bin", dir);
+        ck_assert_int_eq(system(rm), 0);
+    }
+    setenv("DUET_OPENCL_CACHE", "1", 1);
+
     ocl_backend *a = open_ocl();
     float ya = run_rmsnorm(&a->base, &st);
     ck_assert_msg(st == DUET_OK, "run: %s", duet_last_error());
@@ -215,6 +233,9 @@ START_TEST(test_program_cache) {
     char path[256];
     duet__ocl_cache_dir(path, sizeof path);
     ck_assert_str_eq(path, "");
+    ocl_backend *e = open_ocl();
+    ck_assert(!duet__ocl_use_cache(e->dev));
+    duet_backend_close(&e->base);
     unsetenv("DUET_OPENCL_CACHE");
     unsetenv("DUET_OPENCL_CACHE_DIR");
     remove_tree(dir);
@@ -1165,6 +1186,7 @@ static int run_with_env(char *const argv[], const char *const env[], char **out)
         /* This test's own case selection must not reach the child. */
         unsetenv("CK_RUN_CASE");
         unsetenv("CK_RUN_SUITE");
+        unsetenv("DUET_TEST_BUDGET");
         for (int i = 0; env[i]; i++)
             putenv((char *)env[i]);
         execvp(argv[0], argv);
@@ -1216,7 +1238,8 @@ START_TEST(test_forced_paths) {
         "split=32,"
         "rope_wg=1,dot=0,mq_nr=8,ew_wg=0,clblast_min=0,q8_f32_min=2",
     };
-    for (int i = 0; i < 2; i++) {
+    {
+        const int i = _i; /* one tuning per loop index: each its own ctest case */
         /* The small cases: contexts up to 300 still cross every split
          * length forced here, and serial tunings on 4096-token cases would
          * take many minutes on a CPU device. */
@@ -1280,7 +1303,7 @@ START_TEST(test_oclgrind) {
     snprintf(log, sizeof log, "/tmp/duet-oclgrind-%ld-k.log", (long)getpid());
     snprintf(self, sizeof self, "%s/test_opencl", DUET_BINARY_DIR);
     remove(log);
-    const char *env[] = {"CK_RUN_CASE=kernels",
+    const char *env[] = {"CK_INCLUDE_TAGS=kernels",
                          "DUET_OCL_TEST_SMALL=1",
                          "DUET_OPENCL_CACHE=0",
                          "DUET_REQUIRE_BACKENDS=opencl",
@@ -1303,7 +1326,9 @@ END_TEST
 
 int main(void) {
     Suite *s = suite_create("opencl");
-    TCase *tc = tcase_create("opencl");
+    /* One ctest test per case (tests/check_tests.cmake): the API checks,
+     * each forced tuning, oclgrind, and the kernel checks in two halves. */
+    TCase *tc = tcase_create("api");
     tcase_set_timeout(tc, 1200);
     tcase_add_test(tc, test_device_info);
     tcase_add_test(tc, test_no_platform);
@@ -1313,18 +1338,34 @@ int main(void) {
     tcase_add_test(tc, test_tuning_override);
     tcase_add_test(tc, test_clblast_path);
     tcase_add_test(tc, test_profiling);
-    tcase_add_test(tc, test_forced_paths);
-    tcase_add_test(tc, test_oclgrind);
     suite_add_tcase(s, tc);
-    /* Kernel checks against host references (also rerun under oclgrind). */
-    TCase *tk = tcase_create("kernels");
+    TCase *tf = tcase_create("forced_gpu");
+    tcase_set_timeout(tf, 1200);
+    tcase_add_loop_test(tf, test_forced_paths, 0, 1);
+    suite_add_tcase(s, tf);
+    TCase *ts = tcase_create("forced_serial");
+    tcase_set_timeout(ts, 1200);
+    tcase_add_loop_test(ts, test_forced_paths, 1, 2);
+    suite_add_tcase(s, ts);
+    TCase *tg = tcase_create("oclgrind");
+    tcase_set_timeout(tg, 1200);
+    tcase_add_test(tg, test_oclgrind);
+    suite_add_tcase(s, tg);
+    /* Kernel checks against host references (also rerun under oclgrind,
+     * which selects both halves by their tag). */
+    TCase *ta = tcase_create("kernels_attention");
+    tcase_set_timeout(ta, 1200);
+    tcase_set_tags(ta, "kernels");
+    tcase_add_test(ta, test_attention_paged);
+    tcase_add_test(ta, test_attention_bad_table);
+    tcase_add_test(ta, test_scratch_bytes);
+    suite_add_tcase(s, ta);
+    TCase *tk = tcase_create("kernels_matmul");
     tcase_set_timeout(tk, 1200);
-    tcase_add_test(tk, test_attention_paged);
-    tcase_add_test(tk, test_attention_bad_table);
+    tcase_set_tags(tk, "kernels");
     tcase_add_test(tk, test_rope_kv_paged);
     tcase_add_test(tk, test_q8_outputs);
     tcase_add_test(tk, test_matmul_q8);
-    tcase_add_test(tk, test_scratch_bytes);
     suite_add_tcase(s, tk);
     return test_run_suite(s);
 }

@@ -16,7 +16,6 @@ if(DUET_TESTS AND TARGET test_server)
     ${CMAKE_SOURCE_DIR}/tools/server_chat.c)
   target_include_directories(test_server PRIVATE ${CMAKE_SOURCE_DIR}/tools)
   target_link_libraries(test_server PRIVATE PkgConfig::CURL)
-  # The live tests start the binary.
+  # The live tests start the binary (their timeout: tests/check_tests.cmake).
   add_dependencies(test_server duet)
-  set_tests_properties(test_server PROPERTIES TIMEOUT 900 ENVIRONMENT "CK_DEFAULT_TIMEOUT=600")
 endif()

@@ -143,6 +143,8 @@ static void fill_device(ocl_device *d, cl_platform_id p, cl_device_id id) {
     if (clGetPlatformInfo(p, CL_PLATFORM_NAME, sizeof d->platform_name, d->platform_name, NULL) != CL_SUCCESS)
         d->platform_name[0] = 0;
     d->platform_name[sizeof d->platform_name - 1] = 0;
+    /* PoCL keeps every build in its kcache ($POCL_CACHE_DIR, ~/.cache/pocl). */
+    d->own_kernel_cache = strstr(d->platform_name, "Portable Computing Language") != NULL;
     snprintf(info->driver, sizeof info->driver, "%s %s", d->platform_name, drv);
     get_str(id, CL_DEVICE_VERSION, d->version, sizeof d->version);
 

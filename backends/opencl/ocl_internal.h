@@ -44,19 +44,20 @@ typedef struct ocl_device {
     cl_device_id id;
     duet_device_info info;
     char platform_name[128];
-    char version[128];    /* CL_DEVICE_VERSION */
-    cl_ulong local_mem;   /* bytes of local memory per work-group */
-    cl_ulong max_alloc;   /* largest single buffer */
-    size_t max_wg;        /* largest work-group */
-    bool fp16;            /* cl_khr_fp16 */
-    bool fp64;            /* cl_khr_fp64 */
-    bool subgroups;       /* cl_khr_subgroups */
-    bool int_dot;         /* cl_khr_integer_dot_product with a 4x8-bit capability */
-    bool int_dot_packed;  /* ... including packed 4x8-bit words (dot_*_4x8packed_*) */
-    bool int_dot_accel;   /* the driver says signed 4x8 dot products are accelerated */
-    bool cl30;            /* OpenCL C 3.0 compiler (CL_DEVICE_OPENCL_C_ALL_VERSIONS) */
-    bool unified;         /* host-unified memory */
-    bool local_is_global; /* CL_GLOBAL local memory (CPU devices) */
+    char version[128];     /* CL_DEVICE_VERSION */
+    cl_ulong local_mem;    /* bytes of local memory per work-group */
+    cl_ulong max_alloc;    /* largest single buffer */
+    size_t max_wg;         /* largest work-group */
+    bool fp16;             /* cl_khr_fp16 */
+    bool fp64;             /* cl_khr_fp64 */
+    bool subgroups;        /* cl_khr_subgroups */
+    bool int_dot;          /* cl_khr_integer_dot_product with a 4x8-bit capability */
+    bool int_dot_packed;   /* ... including packed 4x8-bit words (dot_*_4x8packed_*) */
+    bool int_dot_accel;    /* the driver says signed 4x8 dot products are accelerated */
+    bool cl30;             /* OpenCL C 3.0 compiler (CL_DEVICE_OPENCL_C_ALL_VERSIONS) */
+    bool unified;          /* host-unified memory */
+    bool local_is_global;  /* CL_GLOBAL local memory (CPU devices) */
+    bool own_kernel_cache; /* the driver caches compiled kernels on disk itself (PoCL) */
 } ocl_device;
 
 /* Every OpenCL device of every platform, enumerated once per process. On
@@ -139,6 +140,12 @@ void duet__ocl_programs_free(ocl_backend *be);
  * $XDG_CACHE_HOME/duet/opencl, else ~/.cache/duet/opencl; "" when off
  * (DUET_OPENCL_CACHE=0). */
 void duet__ocl_cache_dir(char *out, size_t size);
+/* Whether programs built for `dev` go through that cache: DUET_OPENCL_CACHE=0
+ * never, =1 always, unset unless the driver keeps a kernel cache of its own
+ * (asking PoCL for a program binary makes it compile every kernel of the
+ * program, used or not, for any work-group size: three times the cold
+ * build time of the kernels a run uses, for nothing its own cache lacks). */
+bool duet__ocl_use_cache(const ocl_device *dev);
 
 /* ---- the instance (ocl_backend.c) ------------------------------------------- */
 

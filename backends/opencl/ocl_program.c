@@ -6,7 +6,8 @@
  * from the library (embedded at build time) or, when $DUET_KERNEL_DIR is
  * set, from .cl files in that directory (edit a kernel, rerun, no rebuild).
  *
- * Binaries are cached under duet__ocl_cache_dir(), one file per program,
+ * Binaries are cached under duet__ocl_cache_dir(), one file per program
+ * (unless the driver caches builds itself: duet__ocl_use_cache),
  * named by a 64-bit FNV-1a hash of the device name, driver version,
  * sources and options: a new driver or an edited kernel gets a new key. A
  * cached binary that fails to load is rebuilt from source and replaced. */
@@ -72,6 +73,13 @@ void duet__ocl_cache_dir(char *out, size_t size) {
         snprintf(out, size, "%s/duet/opencl", xdg);
     else if (home && *home)
         snprintf(out, size, "%s/.cache/duet/opencl", home);
+}
+
+bool duet__ocl_use_cache(const ocl_device *dev) {
+    const char *on = getenv("DUET_OPENCL_CACHE");
+    if (on && strcmp(on, "0") == 0) return false;
+    if (on && strcmp(on, "1") == 0) return true;
+    return !dev->own_kernel_cache;
 }
 
 static uint64_t fnv1a(uint64_t h, const void *data, size_t n) {
@@ -175,8 +183,8 @@ static duet_status build_program(ocl_backend *be, const char *family, const char
     h = fnv1a(h, common, strlen(common) + 1);
     h = fnv1a(h, body, strlen(body) + 1);
     h = fnv1a(h, opts, strlen(opts) + 1);
-    char dir[900], path[1024];
-    duet__ocl_cache_dir(dir, sizeof dir);
+    char dir[900] = "", path[1024];
+    if (duet__ocl_use_cache(be->dev)) duet__ocl_cache_dir(dir, sizeof dir);
     path[0] = 0;
     if (dir[0]) snprintf(path, sizeof path, "%s/%s-%016llx.bin", dir, family, (unsigned long long)h);
 

@@ -8,8 +8,9 @@
 # env: CC (default clang), DUET_SHARED (default <repo>/../shared),
 #      FUZZ_JOBS (build jobs, default 2), FUZZ_ARGS (extra libFuzzer flags).
 #
-# Seeds: every <shared>/models/*.gguf, a small hand-made GGUF with every
-# value type, and tests/fuzz/seeds/<target>/* when that folder exists. The
+# Seeds: for the GGUF targets (fuzz_gguf*), every <shared>/models/*.gguf and
+# a small hand-made GGUF with every value type; for every target,
+# tests/fuzz/seeds/<target>/* when that folder exists. The
 # corpus lives in a temporary folder, never in the repository.
 # Exits non-zero if a target fails to build or any input crashes; crash
 # inputs are kept and their paths printed.
@@ -89,7 +90,12 @@ status=0
 for t in "${targets[@]}"; do
     corpus="$work/corpus-$t"
     mkdir -p "$corpus" "$work/crash-$t"
-    cp "$seeds"/* "$corpus/" 2>/dev/null || true
+    # The GGUF seeds only where the input is a GGUF file: a text target
+    # given multi-megabyte files would size its inputs (-max_len) by them
+    # and spend its runs tokenizing megabytes.
+    case "$t" in
+    *gguf*) cp "$seeds"/* "$corpus/" 2>/dev/null || true ;;
+    esac
     if [ -d "$here/seeds/$t" ]; then cp -r "$here/seeds/$t/." "$corpus/"; fi
     echo "== $t: $runs runs"
     # shellcheck disable=SC2086
