@@ -17,7 +17,10 @@
 #include <fcntl.h>
 #include <math.h>
 #include <signal.h>
+#include <netinet/in.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -1190,6 +1193,175 @@ START_TEST(sigterm_drains_then_exits_0) {
 }
 END_TEST
 
+/* ======================= connections (hostile and idle clients) ========= */
+
+/* A TCP connection to the server, or -1. */
+static int tcp_connect(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Reads what the server sends until it closes or `timeout_s` passes; the
+ * bytes read (NUL-terminated) in buf, and whether the server closed. */
+static bool read_until_close(int fd, char *buf, size_t cap, double timeout_s) {
+    size_t len = 0;
+    buf[0] = 0;
+    struct timeval tv = {0, 100000};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    for (double t0 = now_s(); now_s() - t0 < timeout_s;) {
+        ssize_t n = recv(fd, buf + len, cap - 1 - len, 0);
+        if (n == 0) return true;
+        if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) return true; /* reset */
+        if (n > 0) {
+            len += (size_t)n;
+            buf[len] = 0;
+            if (len + 1 == cap) return false;
+        }
+    }
+    return false;
+}
+
+/* Raises this process's open-file limit to hold `n` sockets. */
+static void need_fds(rlim_t n) {
+    struct rlimit rl;
+    ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &rl), 0);
+    if (rl.rlim_cur >= n) return;
+    ck_assert_msg(rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= n,
+                  "the hard open-file limit %llu is below the %llu this test needs (ulimit -Hn)",
+                  (unsigned long long)rl.rlim_max, (unsigned long long)n);
+    rl.rlim_cur = n;
+    ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &rl), 0);
+}
+
+/* 1100 idle connections (more than select() can watch) and a slowloris of
+ * 200 more that send half a request each, all at default limits: a normal
+ * completion still gets its answer. */
+START_TEST(idle_and_slow_clients_do_not_lock_others_out) {
+    enum { IDLE = 1100, SLOW = 200 };
+    need_fds(IDLE + SLOW + 256);
+    server s;
+    server_start(&s, "crowd", NULL);
+    static int fds[IDLE + SLOW];
+    int opened = 0;
+    for (int i = 0; i < IDLE + SLOW; i++) {
+        fds[i] = tcp_connect(s.port);
+        ck_assert_msg(fds[i] >= 0, "connection %d refused: %s", i, strerror(errno));
+        opened++;
+        if (i >= IDLE) {
+            static const char half[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro";
+            ck_assert_int_eq(send(fds[i], half, sizeof half - 1, MSG_NOSIGNAL), (ssize_t)(sizeof half - 1));
+        }
+    }
+    sleep_ms(500);
+    xfer x;
+    xfer_init(&x, s.port, "POST", "/v1/completions", "{\"prompt\":\"Once\",\"max_tokens\":4,\"temperature\":0}");
+    curl_easy_setopt(x.h, CURLOPT_TIMEOUT, 60L);
+    x.res = curl_easy_perform(x.h);
+    xfer_finish(&x);
+    ck_assert_msg(x.res == CURLE_OK && x.code == 200, "with %d idle and %d slow connections open: %s, HTTP %ld %s",
+                  IDLE, SLOW, curl_easy_strerror(x.res), x.code, x.buf ? x.buf : "");
+    xfer_free(&x);
+    for (int i = 0; i < opened; i++) close(fds[i]);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
+/* Past --max-connections a request gets 503 (not silence), and the server
+ * serves again once connections close. */
+START_TEST(connection_cap_answers_503) {
+    enum { CAP = 20 };
+    server s;
+    const char *args[] = {"--max-connections", "20", NULL};
+    server_start(&s, "cap", args);
+    int fds[CAP];
+    for (int i = 0; i < CAP; i++) ck_assert_msg((fds[i] = tcp_connect(s.port)) >= 0, "connect %d", i);
+    sleep_ms(300);
+    int fd = tcp_connect(s.port);
+    ck_assert_msg(fd >= 0, "connection %d refused outright", CAP + 1);
+    static const char req[] = "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
+    ck_assert_int_eq(send(fd, req, sizeof req - 1, MSG_NOSIGNAL), (ssize_t)(sizeof req - 1));
+    char buf[4096];
+    bool closed = read_until_close(fd, buf, sizeof buf, 10);
+    close(fd);
+    ck_assert_msg(strncmp(buf, "HTTP/1.1 503", 12) == 0 && strstr(buf, "max-connections"),
+                  "over the cap: want 503 naming --max-connections, got (closed %d): %.300s", closed, buf);
+    for (int i = 0; i < CAP; i++) close(fds[i]);
+    sleep_ms(300);
+    xfer x;
+    long code = http(s.port, "GET", "/v1/models", NULL, &x);
+    ck_assert_msg(code == 200, "after the crowd left: HTTP %ld", code);
+    xfer_free(&x);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
+/* An idle connection is closed after --idle-timeout; so is one whose body
+ * stops short of its Content-Length. */
+START_TEST(idle_connections_time_out) {
+    server s;
+    const char *args[] = {"--idle-timeout", "1", NULL};
+    server_start(&s, "idle", args);
+    int quiet = tcp_connect(s.port), short_body = tcp_connect(s.port);
+    ck_assert(quiet >= 0 && short_body >= 0);
+    static const char half[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro";
+    ck_assert_int_eq(send(short_body, half, sizeof half - 1, MSG_NOSIGNAL), (ssize_t)(sizeof half - 1));
+    char buf[1024];
+    double t0 = now_s();
+    ck_assert_msg(read_until_close(quiet, buf, sizeof buf, 10), "an idle connection stayed open 10 s");
+    ck_assert_msg(read_until_close(short_body, buf, sizeof buf, 10), "a short body held its connection 10 s");
+    ck_assert_msg(now_s() - t0 < 8, "closed only after %.1f s", now_s() - t0);
+    close(quiet), close(short_body);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
+/* A second server on a port in use fails with a clear error instead of
+ * sharing the port (SO_REUSEPORT) and taking part of the first's traffic. */
+START_TEST(second_server_on_a_port_fails) {
+    server a;
+    server_start(&a, "first", NULL);
+    char port[16], log[512];
+    snprintf(port, sizeof port, "%d", a.port);
+    snprintf(log, sizeof log, "%s/test_server_second_%d.log", DUET_BINARY_DIR, (int)getpid());
+    pid_t pid = fork();
+    ck_assert_int_ge(pid, 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        dup2(fd, 1), dup2(fd, 2);
+        execl(duet_binary(), duet_binary(), "serve", "-m", test_shared_path("models/stories260K.gguf"), "--backend",
+              "cpu", "--port", port, "-c", "256", (char *)NULL);
+        _exit(127);
+    }
+    int status = 0;
+    bool exited = false;
+    for (double t0 = now_s(); now_s() - t0 < 60 && !exited; sleep_ms(50))
+        exited = waitpid(pid, &status, WNOHANG) == pid;
+    if (!exited) {
+        kill(pid, SIGKILL);
+        waitpid(pid, &status, 0);
+    }
+    char *text = test_read_file(log, NULL);
+    ck_assert_msg(exited && WIFEXITED(status) && WEXITSTATUS(status) != 0,
+                  "a second server on port %s started (exited %d):\n%s", port, exited, text ? text : "");
+    ck_assert_msg(text && strstr(text, "cannot listen") && strstr(text, "in use"), "unclear error:\n%s",
+                  text ? text : "");
+    free(text);
+    unlink(log);
+    xfer x;
+    ck_assert_int_eq(http(a.port, "GET", "/health", NULL, &x), 200);
+    xfer_free(&x);
+    ck_assert_int_eq(server_stop(&a, 60), 0);
+}
+END_TEST
+
 int main(void) {
     curl_global_init(CURL_GLOBAL_DEFAULT);
     signal(SIGPIPE, SIG_IGN);
@@ -1214,6 +1386,13 @@ int main(void) {
     tcase_add_test(live, config_file_and_command_line_knobs);
     tcase_add_test(live, sigterm_drains_then_exits_0);
     suite_add_tcase(su, live);
+    TCase *conns = tcase_create("connections");
+    tcase_set_timeout(conns, 300);
+    tcase_add_test(conns, idle_and_slow_clients_do_not_lock_others_out);
+    tcase_add_test(conns, connection_cap_answers_503);
+    tcase_add_test(conns, idle_connections_time_out);
+    tcase_add_test(conns, second_server_on_a_port_fails);
+    suite_add_tcase(su, conns);
     int rc = test_run_suite(su);
     curl_global_cleanup();
     return rc;

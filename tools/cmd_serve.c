@@ -41,7 +41,8 @@ static void usage(FILE *f) {
             "      --config FILE           JSON object with any of these options by name (\"max_batch_seqs\": 32);\n"
             "                              the command line overrides it\n"
             "      --drain-timeout S       on SIGTERM, seconds to let requests in flight finish (default 60)\n"
-            "      --max-connections N     concurrent HTTP connections (default 1024)\n"
+            "      --max-connections N     open HTTP connections; past it requests get 503 (default 4096)\n"
+            "      --idle-timeout S        close a connection idle this many seconds (default 30)\n"
             "  -v, --verbose               log one line per request\n"
             "\n"
             "endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics\n");
@@ -49,7 +50,7 @@ static void usage(FILE *f) {
 
 enum {
     O_HOST = 256, O_PORT, O_NAME, O_TEMPLATE, O_BACKEND, O_DEVICE, O_KV, O_MAX_SEQS, O_MAX_TOKENS, O_TIMEOUT,
-    O_CHUNK, O_MAX_WAITING, O_KV_BLOCKS, O_KV_BLOCK_SIZE, O_CONFIG, O_DRAIN, O_MAX_CONN
+    O_CHUNK, O_MAX_WAITING, O_KV_BLOCKS, O_KV_BLOCK_SIZE, O_CONFIG, O_DRAIN, O_MAX_CONN, O_IDLE
 };
 
 static const struct option opts[] = {
@@ -73,6 +74,7 @@ static const struct option opts[] = {
     {"config", required_argument, 0, O_CONFIG},
     {"drain-timeout", required_argument, 0, O_DRAIN},
     {"max-connections", required_argument, 0, O_MAX_CONN},
+    {"idle-timeout", required_argument, 0, O_IDLE},
     {"verbose", no_argument, 0, 'v'},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
@@ -120,6 +122,7 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         if (!cli_int("--max-connections", v, 1, 65536, &i)) return false;
         o->srv.max_connections = i;
         return true;
+    case O_IDLE: return cli_int("--idle-timeout", v, 1, 86400, &o->srv.idle_timeout_s);
     case 'v': o->srv.verbose = true; return true;
     default: return false;
     }

@@ -16,6 +16,13 @@
  * engine requests, whose KV blocks the engine frees at once. A stream whose
  * write fails is cancelled the same way from the request-completed callback.
  *
+ * Connections: poll(), not select(), so sockets past FD_SETSIZE (1024) are
+ * served (epoll would need suspend/resume around every blocking wait, which
+ * thread-per-connection does not have); an idle connection is closed after
+ * idle_timeout_s; past max_connections open connections a request gets 503
+ * with Connection: close (libmicrohttpd itself drops connections only
+ * beyond a margin above that, when even a 503 would cost too much).
+ *
  * Locks: the job mutex is never held while calling into the engine
  * (duet_engine_cancel is called after unlocking), so the engine may hold its
  * own lock while delivering events without risking a lock-order deadlock.
@@ -31,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -41,6 +49,7 @@
 #define WAIT_SLICE_MS 50        /* how often a waiting connection checks its client */
 #define STREAM_BLOCK (16 << 10) /* libmicrohttpd's buffer for a streamed response */
 #define CONN_STACK (2u << 20)   /* per connection thread: cJSON recursion up to its nesting limit fits */
+#define CONN_MARGIN 64          /* connections past max_connections that still get their 503 */
 
 enum { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, N_ROUTES };
 static const char *const route_paths[N_ROUTES] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
@@ -62,6 +71,8 @@ struct srv {
     uint64_t salt;
     atomic_uint_fast64_t counter;
     atomic_bool draining, cancel_all, stopping;
+    atomic_int open_conns; /* TCP connections libmicrohttpd holds open */
+    int max_conns;
 
     pthread_mutex_t mu; /* in_flight, stats */
     pthread_cond_t idle;
@@ -694,6 +705,14 @@ static int route_of(const char *url) {
     return R_OTHER;
 }
 
+static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
+                          enum MHD_ConnectionNotificationCode code) {
+    (void)c, (void)socket_context;
+    srv *s = cls;
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) atomic_fetch_add(&s->open_conns, 1);
+    else if (code == MHD_CONNECTION_NOTIFY_CLOSED) atomic_fetch_sub(&s->open_conns, 1);
+}
+
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload, size_t *upload_size, void **con_cls) {
     srv *s = cls;
@@ -714,6 +733,12 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     if (cn->code) return MHD_YES; /* already answered */
     bool post = !strcmp(method, MHD_HTTP_METHOD_POST), get = !strcmp(method, MHD_HTTP_METHOD_GET);
     srv_error err;
+    if (atomic_load(&s->open_conns) > s->max_conns) {
+        err = server_error(503, "server_error", "too_many_connections", "");
+        snprintf(err.message, sizeof err.message,
+                 "the server holds its limit of %d open connections (--max-connections); retry later", s->max_conns);
+        return send_error(s, cn, c, &err);
+    }
     switch (cn->route) {
     case R_COMPLETIONS:
     case R_CHAT:
@@ -817,6 +842,18 @@ static void srv_free(srv *s) {
     free(s);
 }
 
+/* Every connection holds a descriptor (and a thread): lift the soft limit
+ * toward `want` (the hard limit caps it), or say what the limit allows. */
+static void raise_fd_limit(rlim_t want) {
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= want) return;
+    rlim_t target = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= want ? want : rl.rlim_max;
+    rl.rlim_cur = target;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0 || target < want)
+        fprintf(stderr, "duet: the open-file limit (%llu) is below --max-connections + 256; raise it (ulimit -n)\n",
+                (unsigned long long)target);
+}
+
 int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     *out = NULL;
     srv *s = calloc(1, sizeof *s);
@@ -870,17 +907,24 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
         srv_free(s);
         return -1;
     }
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
+    s->max_conns = cfg->max_connections > 0 ? cfg->max_connections : SRV_DEFAULT_MAX_CONNECTIONS;
+    raise_fd_limit((rlim_t)s->max_conns + 256);
+    const unsigned idle_s = (unsigned)(cfg->idle_timeout_s > 0 ? cfg->idle_timeout_s : SRV_DEFAULT_IDLE_TIMEOUT_S);
+    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
+    /* No MHD_OPTION_LISTENING_ADDRESS_REUSE: it sets SO_REUSEPORT, and a
+     * second server on the port would start and take part of the traffic. */
+    errno = 0;
     s->d = MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, handle, s, MHD_OPTION_NOTIFY_COMPLETED, completed, s,
-                            MHD_OPTION_SOCK_ADDR, ai->ai_addr, MHD_OPTION_CONNECTION_LIMIT,
-                            (unsigned)(cfg->max_connections > 0 ? cfg->max_connections : 1024),
-                            MHD_OPTION_LISTENING_ADDRESS_REUSE, 1u, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
-                            MHD_OPTION_THREAD_STACK_SIZE, (size_t)CONN_STACK,
-                            MHD_OPTION_END);
+                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
+                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)s->max_conns + CONN_MARGIN,
+                            MHD_OPTION_CONNECTION_TIMEOUT, idle_s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
+                            MHD_OPTION_THREAD_STACK_SIZE, (size_t)CONN_STACK, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->d) {
-        fprintf(stderr, "duet: cannot listen on %s:%d: %s\n", cfg->host ? cfg->host : "*", cfg->port, strerror(errno));
+        const int e = errno;
+        fprintf(stderr, "duet: cannot listen on %s:%d: %s\n", cfg->host ? cfg->host : "*", cfg->port,
+                e == EADDRINUSE ? "the port is in use (another server?)" : e ? strerror(e) : "libmicrohttpd failed");
         srv_free(s);
         return -1;
     }

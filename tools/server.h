@@ -167,14 +167,18 @@ bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, c
 
 /* ---- the server ------------------------------------------------------ */
 
+#define SRV_DEFAULT_MAX_CONNECTIONS 4096
+#define SRV_DEFAULT_IDLE_TIMEOUT_S 30
+
 typedef struct srv_config {
     const char *host;          /* address to bind; "0.0.0.0" or "::" for all */
     int port;                  /* 0 = any free port (see srv_port) */
     const char *model_name;    /* served name (the `model` field) */
     const char *model_path;    /* also accepted as the model name */
     const char *chat_template; /* NULL or "auto": from the model; or a family name */
-    int max_connections;
-    bool verbose; /* log one line per request */
+    int max_connections; /* open connections; past it requests get 503 (0 = SRV_DEFAULT_MAX_CONNECTIONS) */
+    int idle_timeout_s;  /* an idle connection is closed after this (0 = SRV_DEFAULT_IDLE_TIMEOUT_S) */
+    bool verbose;        /* log one line per request */
 } srv_config;
 
 typedef struct srv srv;
