@@ -196,6 +196,7 @@ typedef struct duet_engine_params {
     int max_waiting;         /* queued requests beyond which submit says DUET_QUEUE_FULL; 0 = 256 */
     int kv_block_size;       /* tokens per KV block; 0 = 16 */
     int kv_blocks;           /* KV blocks in the pool; 0 = enough for every slot at full context */
+    const char *served_name; /* the metrics' model_name label; NULL = the model's general.name (copied) */
 } duet_engine_params;
 
 duet_engine_params duet_engine_params_default(void);

@@ -164,6 +164,9 @@ START_TEST(parse_rejects_bad_input) {
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"logprobs\":5}", "logprobs"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"echo\":true}", "echo"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"ignore_eos\":1}", "ignore_eos"},
+        {SRV_COMPLETION, "{\"prompt\":\"before\\u0000after\"}", ""},
+        {SRV_COMPLETION, "{\"prompt\":\"x\",\"stop\":[\"\\\\\\u0000\"]}", ""},
+        {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"hi\\u0000there\"}]}", ""},
         {SRV_CHAT, "{}", "messages"},
         {SRV_CHAT, "{\"messages\":[]}", "messages"},
         {SRV_CHAT, "{\"messages\":\"hi\"}", "messages"},
@@ -195,6 +198,12 @@ START_TEST(parse_rejects_bad_input) {
         cJSON_Delete(o);
         free(j);
     }
+    /* An escaped backslash followed by "u0000" is plain text, kept whole. */
+    srv_request r;
+    srv_error e;
+    ck_assert_msg(parse(SRV_COMPLETION, "{\"prompt\":\"a\\\\u0000b\"}", &r, &e), "%s", e.message);
+    ck_assert_str_eq(r.prompts[0].text, "a\\u0000b");
+    srv_request_free(&r);
 }
 END_TEST
 
@@ -1027,7 +1036,8 @@ END_TEST
 
 START_TEST(metrics_are_prometheus_text) {
     server s;
-    server_start(&s, "metrics", NULL);
+    const char *args[] = {"--served-model-name", "tiny-stories", NULL};
+    server_start(&s, "metrics", args);
     xfer x;
     ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"prompt\":\"The sun\",\"max_tokens\":12,\"temperature\":0,"
                                                             "\"ignore_eos\":true,\"priority\":\"batch\"}", &x), 200);
@@ -1051,6 +1061,11 @@ START_TEST(metrics_are_prometheus_text) {
     ck_assert_msg(v == 1, "the batch-priority request is not counted (%g)", v);
     prom_sum(&d, "vllm:generation_tokens_total", "", &v);
     ck_assert_msg(v == 12, "generation tokens %g, want 12", v);
+    /* The engine's metrics name the model as the API does (--served-model-name). */
+    prom_sum(&d, "vllm:generation_tokens_total", "model_name=\"tiny-stories\"", &v);
+    ck_assert_msg(v == 12, "generation tokens labelled model_name=\"tiny-stories\": %g, want 12", v);
+    ck_assert_msg(prom_sum(&d, "vllm:num_requests_running", "model_name=\"tiny-stories\"", &v) == 1,
+                  "vllm:num_requests_running is not labelled with the served name");
     prom_free(&d);
     xfer_free(&x);
     ck_assert_int_eq(server_stop(&s, 60), 0);
@@ -1322,6 +1337,29 @@ START_TEST(idle_connections_time_out) {
 }
 END_TEST
 
+/* Two Content-Length headers that disagree get 400 (a proxy in front may
+ * have framed the body by the other one), and the server keeps serving. */
+START_TEST(conflicting_content_length_gets_400) {
+    server s;
+    server_start(&s, "smuggle", NULL);
+    int fd = tcp_connect(s.port);
+    ck_assert(fd >= 0);
+    static const char req[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                              "Content-Length: 29\r\nContent-Length: 30\r\nConnection: close\r\n\r\n"
+                              "{\"prompt\":\"a\",\"max_tokens\":1} "; /* valid by either length */
+    ck_assert_int_eq(send(fd, req, sizeof req - 1, MSG_NOSIGNAL), (ssize_t)(sizeof req - 1));
+    char buf[4096];
+    read_until_close(fd, buf, sizeof buf, 10);
+    close(fd);
+    ck_assert_msg(strncmp(buf, "HTTP/1.1 400", 12) == 0 && strstr(buf, "Content-Length headers"),
+                  "conflicting Content-Length: want 400, got: %.300s", buf);
+    xfer x;
+    ck_assert_int_eq(http(s.port, "GET", "/health", NULL, &x), 200);
+    xfer_free(&x);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
 /* A second server on a port in use fails with a clear error instead of
  * sharing the port (SO_REUSEPORT) and taking part of the first's traffic. */
 START_TEST(second_server_on_a_port_fails) {
@@ -1392,6 +1430,7 @@ int main(void) {
     tcase_add_test(conns, connection_cap_answers_503);
     tcase_add_test(conns, idle_connections_time_out);
     tcase_add_test(conns, second_server_on_a_port_fails);
+    tcase_add_test(conns, conflicting_content_length_gets_400);
     suite_add_tcase(su, conns);
     int rc = test_run_suite(su);
     curl_global_cleanup();

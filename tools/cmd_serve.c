@@ -260,6 +260,7 @@ int cmd_serve(int argc, char **argv) {
     signal(SIGPIPE, SIG_IGN); /* a vanished client must not kill the server */
 
     duet_engine *e;
+    o.ep.served_name = o.srv.model_name; /* the metrics name the model as the API does */
     duet_status st = duet_engine_start(o.model, &o.ep, &e);
     if (st) {
         rc = cli_fail(o.model, st);

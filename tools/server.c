@@ -38,6 +38,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <time.h>
@@ -713,6 +714,16 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
     else if (code == MHD_CONNECTION_NOTIFY_CLOSED) atomic_fetch_sub(&s->open_conns, 1);
 }
 
+/* Counts Content-Length headers whose value differs from the first. */
+static enum MHD_Result content_length_seen(void *cls, enum MHD_ValueKind kind, const char *key, const char *value) {
+    (void)kind;
+    const char **first = ((const char **)cls);
+    if (strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH) != 0) return MHD_YES;
+    if (!first[0]) first[0] = value ? value : "";
+    else if (strcmp(first[0], value ? value : "") != 0) first[1] = value ? value : "";
+    return MHD_YES;
+}
+
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload, size_t *upload_size, void **con_cls) {
     srv *s = cls;
@@ -733,6 +744,16 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     if (cn->code) return MHD_YES; /* already answered */
     bool post = !strcmp(method, MHD_HTTP_METHOD_POST), get = !strcmp(method, MHD_HTTP_METHOD_GET);
     srv_error err;
+    /* Two Content-Length headers that disagree: a proxy in front may have
+     * framed the body by the other one (request smuggling). */
+    const char *lengths[2] = {NULL, NULL};
+    MHD_get_connection_values(c, MHD_HEADER_KIND, content_length_seen, lengths);
+    if (lengths[1]) {
+        err = server_error(400, "invalid_request_error", "conflicting_content_length", "");
+        snprintf(err.message, sizeof err.message, "conflicting Content-Length headers (%.40s and %.40s)", lengths[0],
+                 lengths[1]);
+        return send_error(s, cn, c, &err);
+    }
     if (atomic_load(&s->open_conns) > s->max_conns) {
         err = server_error(503, "server_error", "too_many_connections", "");
         snprintf(err.message, sizeof err.message,

@@ -362,6 +362,19 @@ static bool parse_fields(const cJSON *o, const srv_limits *lim, srv_request *r, 
     return parse_stop(o, r, err) && parse_priority(o, r, err);
 }
 
+/* True when a JSON string in body holds the escape \u0000. cJSON decodes
+ * it into a NUL that ends the C string, so the text after it would vanish
+ * without a word; escapes are skipped in pairs, so "\\u0000" (a
+ * backslash, then "u0000") is not one. */
+static bool has_nul_escape(const char *body, size_t len) {
+    for (size_t i = 0; i + 1 < len; i++) {
+        if (body[i] != '\\') continue;
+        if (body[i + 1] == 'u' && i + 5 < len && !memcmp(body + i + 2, "0000", 4)) return true;
+        i++; /* the escaped character */
+    }
+    return false;
+}
+
 bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_limits *lim, srv_request *out,
                        srv_error *err) {
     memset(out, 0, sizeof *out);
@@ -381,6 +394,8 @@ bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_li
     s->frequency_penalty = 0;
     s->penalty_last_n = 0;
 
+    if (has_nul_escape(body, len))
+        return srv_bad(err, NULL, "invalid_value", "a string in the request contains U+0000 (\\u0000), which duet does not accept");
     cJSON *o = cJSON_ParseWithLength(body, len);
     if (!o) return srv_bad(err, NULL, "invalid_json", "the request body is not valid JSON");
     bool ok = cJSON_IsObject(o) ? parse_fields(o, lim, out, err)
