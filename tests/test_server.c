@@ -1208,6 +1208,50 @@ START_TEST(sigterm_drains_then_exits_0) {
 }
 END_TEST
 
+/* Streams still generating when --drain-timeout passes are cancelled: each
+ * ends with its final event (finish_reason and [DONE]) at the deadline,
+ * not cut off when the server closes its connections. A few fast streams
+ * (tokens every few milliseconds) are the hard case: their connections
+ * are never idle long enough to look at the server's state. Drain 0: the
+ * deadline is the signal itself. */
+START_TEST(drain_timeout_ends_every_stream) {
+    server s;
+    const char *args[] = {"--drain-timeout", "0", NULL};
+    server_start(&s, "drain_deadline", args);
+    enum { N = 4 };
+    xfer xs[N];
+    for (int i = 0; i < N; i++)
+        xfer_init(&xs[i], s.port, "POST", "/v1/completions",
+                  "{\"prompt\":\"One day\",\"max_tokens\":1000,\"ignore_eos\":true,\"temperature\":0,\"stream\":true}");
+    drain_state st = {.s = &s, .xs = xs, .n = N};
+    run_multi(xs, N, drain_tick, &st);
+    const double ended = now_s() - st.t_signal;
+    ck_assert_msg(st.signalled, "the streams never started");
+    int aborted = 0;
+    for (int i = 0; i < N; i++) {
+        ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "stream %d: curl %d HTTP %ld", i, (int)xs[i].res,
+                      xs[i].code);
+        stream_result r;
+        parse_stream(xs[i].buf, false, &r);
+        ck_assert_msg(r.done_marker && (!strcmp(r.finish[0], "abort") || !strcmp(r.finish[0], "length")),
+                      "stream %d ended without its final event: done=%d finish='%s'", i, r.done_marker, r.finish[0]);
+        aborted += !strcmp(r.finish[0], "abort");
+        xfer_free(&xs[i]);
+    }
+    /* The cancel takes one engine step. */
+    ck_assert_msg(ended < 1.5, "the streams ended %.1f s after SIGTERM with --drain-timeout 0", ended);
+    printf("drain: streams ended %.3f s after SIGTERM, %d of %d aborted\n", ended, aborted, N);
+    ck_assert_msg(aborted > 0, "no stream was still running at the deadline: the test needs longer streams");
+    int status = 0;
+    for (double t0 = now_s(); now_s() - t0 < 30; sleep_ms(20))
+        if (waitpid(s.pid, &status, WNOHANG) == s.pid) break;
+    char *log = read_log(&s);
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "duet serve did not exit 0:\n%s", log);
+    free(log);
+    unlink(s.log);
+}
+END_TEST
+
 /* ======================= connections (hostile and idle clients) ========= */
 
 /* A TCP connection to the server, or -1. */
@@ -1423,6 +1467,7 @@ int main(void) {
     tcase_add_test(live, metrics_are_prometheus_text);
     tcase_add_test(live, config_file_and_command_line_knobs);
     tcase_add_test(live, sigterm_drains_then_exits_0);
+    tcase_add_test(live, drain_timeout_ends_every_stream);
     suite_add_tcase(su, live);
     TCase *conns = tcase_create("connections");
     tcase_set_timeout(conns, 300);

@@ -510,6 +510,9 @@ static void stream_fill(job *j) {
     srv *s = j->s;
     srv_request *r = &j->req;
     bool usage_null = r->include_usage;
+    /* A stream whose tokens keep coming never waits a whole slice, so it
+     * would never reach check_client: look at srv_cancel_all here too. */
+    if (atomic_load(&s->cancel_all) && !j->cancelled) job_cancel(j);
     if (!j->role_sent) {
         j->role_sent = true;
         if (r->kind == SRV_CHAT)
