@@ -10,7 +10,7 @@
 # holds "test[.case]=seconds" for every test that takes more than a few
 # seconds, as measured by `ctest -j2` on a 2-core machine with cold kernel
 # caches (PoCL, Mesa and duet compile every kernel variant on first use;
-# the table in tests/README.md). A test's timeout is three times that plus
+# bench/results/test-suite-cold.md). A test's timeout is three times that plus
 # a minute, at least DUET_TEST_MIN_TIMEOUT; 1.5x that under the sanitizers.
 # test_util.h prints a "SLOW:" line at 80% of the budget, so a test that
 # ends in a timeout has said which case it was and how long it had run.
@@ -20,12 +20,12 @@
 # a fresh build folder, it would run them in file order and finish on one).
 set(DUET_TEST_MIN_TIMEOUT 300)
 set(DUET_TEST_COLD_SECONDS
-  test_vulkan.attention_a=95
-  test_vulkan.attention_b=95
-  test_eval.py=91
-  test_opencl.oclgrind=76
-  test_opencl.kernels_attention=70
-  test_backend_ops=55
+  test_vulkan.attention_a=82
+  test_vulkan.attention_b=86
+  test_eval.py=96
+  test_opencl.oclgrind=87
+  test_opencl.kernels_attention=46
+  test_backend_ops=39
   test_vulkan.attention=30
   test_vulkan.matmul=31
   test_opencl.kernels_matmul=30
