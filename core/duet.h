@@ -205,6 +205,9 @@ duet_status duet_engine_start(const char *model_path, const duet_engine_params *
 /* Stops accepting; with drain, finishes in-flight requests first, otherwise
  * cancels them (each gets its final event). Then joins the thread and frees. */
 void duet_engine_stop(duet_engine *e, bool drain);
+/* Tokens (prompt + generated) one request can ever hold: the context, or
+ * less when the KV pool (kv_blocks) is smaller than one full context. */
+int duet_engine_max_sequence_tokens(const duet_engine *e);
 /* The engine's model, for tokenizing and describing (read-only use). */
 const duet_model *duet_engine_model(const duet_engine *e);
 

@@ -43,6 +43,7 @@ typedef struct engine_req {
 } engine_req;
 
 struct duet_engine {
+    int seq_capacity; /* tokens (prompt + generated) one request can ever hold */
     duet_model *model;
     duet_sched *sched;
     duet_metrics *metrics;
@@ -88,6 +89,8 @@ duet_engine_params duet_engine_params_default(void) {
                                 .max_waiting = 256,
                                 .kv_block_size = 16};
 }
+
+int duet_engine_max_sequence_tokens(const duet_engine *e) { return e->seq_capacity; }
 
 const duet_model *duet_engine_model(const duet_engine *e) {
     return e->model;
@@ -509,6 +512,9 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     const int blocks_per_seq = (n_ctx + p.kv_block_size - 1) / p.kv_block_size;
     const int kv_blocks = m->state->p.n_blocks; /* resolved: 0 became every slot at full context */
     e->max_blocks = blocks_per_seq;
+    /* The scheduler refuses a request whose prompt + max_tokens exceeds the
+     * context or the whole pool: the smaller of the two is what fits. */
+    e->seq_capacity = kv_blocks * p.kv_block_size < n_ctx ? kv_blocks * p.kv_block_size : n_ctx;
     duet_sched_config sc = {.max_seqs = p.max_batch_seqs,
                             .max_tokens = p.max_batch_tokens,
                             .max_waiting = p.max_waiting,

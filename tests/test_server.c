@@ -1208,6 +1208,32 @@ START_TEST(sigterm_drains_then_exits_0) {
 }
 END_TEST
 
+/* A KV pool smaller than one context (--kv-blocks): a request without
+ * max_tokens gets its default clamped to what the pool can hold, and one
+ * asking for more than that gets a 400 naming the real limit. */
+START_TEST(default_max_tokens_fits_a_small_pool) {
+    server s;
+    const char *args[] = {"--kv-blocks", "4", NULL}; /* 4 blocks of 16: 64 tokens */
+    server_start(&s, "small_pool", args);
+    xfer x;
+    ck_assert_int_eq(http(s.port, "GET", "/v1/models", NULL, &x), 200);
+    ck_assert_msg(strstr(x.buf, "\"max_model_len\":64"), "/v1/models: %s", x.buf);
+    xfer_free(&x);
+    long code = http(s.port, "POST", "/v1/chat/completions",
+                     "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"temperature\":0,\"ignore_eos\":true}", &x);
+    ck_assert_msg(code == 200, "chat without max_tokens on a 64-token pool: HTTP %ld %s", code, x.buf);
+    cJSON *o = cJSON_Parse(x.buf), *u = cJSON_GetObjectItem(o, "usage");
+    const int total = cJSON_GetObjectItem(u, "total_tokens")->valueint;
+    ck_assert_msg(total == 64, "prompt + completion = %d tokens, want the pool's 64: %s", total, x.buf);
+    cJSON_Delete(o);
+    xfer_free(&x);
+    code = http(s.port, "POST", "/v1/completions", "{\"prompt\":\"Hi\",\"max_tokens\":100}", &x);
+    ck_assert_msg(code == 400 && strstr(x.buf, "64"), "max_tokens past the pool: HTTP %ld %s", code, x.buf);
+    xfer_free(&x);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
 /* Streams still generating when --drain-timeout passes are cancelled: each
  * ends with its final event (finish_reason and [DONE]) at the deadline,
  * not cut off when the server closes its connections. A few fast streams
@@ -1468,6 +1494,7 @@ int main(void) {
     tcase_add_test(live, config_file_and_command_line_knobs);
     tcase_add_test(live, sigterm_drains_then_exits_0);
     tcase_add_test(live, drain_timeout_ends_every_stream);
+    tcase_add_test(live, default_max_tokens_fits_a_small_pool);
     suite_add_tcase(su, live);
     TCase *conns = tcase_create("connections");
     tcase_set_timeout(conns, 300);

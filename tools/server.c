@@ -895,7 +895,10 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     }
     duet_model_desc d;
     duet_model_describe(s->model, &d);
-    s->n_ctx = d.n_ctx;
+    /* What one request can hold: a --kv-blocks pool smaller than a context
+     * lowers it, so a default max_tokens is clamped to what fits and an
+     * explicit one gets a 400 that says the real limit. */
+    s->n_ctx = duet_engine_max_sequence_tokens(e) < d.n_ctx ? duet_engine_max_sequence_tokens(e) : d.n_ctx;
     s->lim = (srv_limits){.model_name = s->name, .model_alias = s->path[0] ? s->path : NULL, .n_vocab = d.n_vocab};
     s->verbose = cfg->verbose;
     s->started = (long)time(NULL);
