@@ -218,13 +218,19 @@ typedef struct duet_request {
     duet_sampling sampling;
     duet_priority priority;
     bool ignore_eos;
+    /* Stop strings (copied at submit; at most DUET_MAX_STOP, none empty):
+     * generation ends before the first one the text contains, with finish
+     * STOP, and none of its text is delivered. */
+    const char *const *stop;
+    int n_stop;
 } duet_request;
+#define DUET_MAX_STOP 32
 
 typedef enum duet_event_kind { DUET_EVENT_TOKEN, DUET_EVENT_DONE } duet_event_kind;
 
 typedef enum duet_finish {
     DUET_FINISH_NONE = 0,
-    DUET_FINISH_STOP,      /* end-of-generation token */
+    DUET_FINISH_STOP,      /* end-of-generation token or a stop string */
     DUET_FINISH_LENGTH,    /* max_tokens or context reached */
     DUET_FINISH_CANCELLED, /* duet_engine_cancel or engine stop without drain */
     DUET_FINISH_ERROR,     /* see message */

@@ -21,6 +21,7 @@
 #include "metrics.h"
 #include "sampler.h"
 #include "scheduler.h"
+#include "stop_strings.h"
 
 /* Request ids carry their table index in the low bits: O(1) look-up. */
 #define ID_INDEX_BITS 20
@@ -40,6 +41,13 @@ typedef struct engine_req {
     int64_t t_arrival, t_first_sched, t_first_token, t_last_token;
     _Atomic bool cancelled; /* DONE(CANCELLED) is owed; read unlocked during a step */
     duet_finish finish;     /* set under the lock when the engine decides it is done */
+    /* Stop strings (one allocation with their text) and the text held back
+     * because it may begin one (sized at submit: never grows in a step). */
+    char **stops;
+    int n_stops;
+    char *pend;
+    size_t pend_len;
+    bool stop_hit; /* the text reached a stop string: nothing more is delivered */
 } engine_req;
 
 struct duet_engine {
@@ -104,6 +112,10 @@ static engine_req *find_req(duet_engine *e, uint64_t id) {
 static void release_req(engine_req *r) {
     duet_sampler_free(r->smp);
     r->smp = NULL;
+    free(r->stops);
+    free(r->pend);
+    r->stops = NULL, r->pend = NULL;
+    r->n_stops = 0, r->pend_len = 0;
     r->id = 0;
 }
 
@@ -115,12 +127,38 @@ static void emit_token(engine_req *r, int32_t token, const char *text, size_t le
     r->fn(&ev, r->user);
 }
 
+/* Delivers a token's text; with stop strings, holds back what may begin
+ * one and cuts the text before the first one found. True on a stop string
+ * (the request ends there). */
+static bool deliver(engine_req *r, int32_t token, const char *text, size_t len) {
+    if (!r->n_stops) {
+        emit_token(r, token, text, len);
+        return false;
+    }
+    memcpy(r->pend + r->pend_len, text, len);
+    r->pend_len += len;
+    bool hit;
+    size_t safe = duet__stop_scan(r->pend, r->pend_len, (const char *const *)r->stops, r->n_stops, &hit);
+    emit_token(r, token, r->pend, safe);
+    if (hit) {
+        r->stop_hit = true;
+        r->pend_len = 0;
+        return true;
+    }
+    memmove(r->pend, r->pend + safe, r->pend_len - safe);
+    r->pend_len -= safe;
+    return false;
+}
+
 static void emit_done(duet_engine *e, engine_req *r, duet_finish finish, const char *message) {
     int64_t now = now_ns();
-    /* An unfinished UTF-8 character at the end is delivered as U+FFFD. */
+    /* An unfinished UTF-8 character at the end is delivered as U+FFFD; the
+     * text held back for the stop strings goes out unless one was hit. */
     char tail[16];
-    int n = finish != DUET_FINISH_ERROR ? duet_detok_flush(&r->detok, tail, sizeof tail) : 0;
-    if (n > 0) emit_token(r, -1, tail, (size_t)n);
+    int n = finish != DUET_FINISH_ERROR && !r->stop_hit ? duet_detok_flush(&r->detok, tail, sizeof tail) : 0;
+    if (n > 0 && deliver(r, -1, tail, (size_t)n) && finish != DUET_FINISH_ERROR) finish = DUET_FINISH_STOP;
+    if (!r->stop_hit && r->pend_len) emit_token(r, -1, r->pend, r->pend_len);
+    r->pend_len = 0;
     duet_event ev = {.kind = DUET_EVENT_DONE,
                      .request_id = r->id,
                      .token = -1,
@@ -165,12 +203,44 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
         return duet__error(DUET_CONTEXT_FULL, "the prompt has %d tokens; the context holds %d", q->n_prompt,
                            m->n_ctx);
     }
+    if (q->n_stop < 0 || q->n_stop > DUET_MAX_STOP || (q->n_stop && !q->stop)) {
+        duet__metrics_request_refused(e->metrics, prio, "invalid");
+        return duet__error(DUET_BAD_REQUEST, "n_stop %d: 0 to %d stop strings", q->n_stop, DUET_MAX_STOP);
+    }
+    size_t stop_bytes = 0, stop_max = 0;
+    for (int i = 0; i < q->n_stop; i++) {
+        size_t n = q->stop[i] ? strlen(q->stop[i]) : 0;
+        if (n == 0) {
+            duet__metrics_request_refused(e->metrics, prio, "invalid");
+            return duet__error(DUET_BAD_REQUEST, "stop string %d is empty", i);
+        }
+        stop_bytes += n + 1;
+        if (n > stop_max) stop_max = n;
+    }
+    char **stops = NULL, *pend = NULL;
+    if (q->n_stop) {
+        /* pend holds at most a stop string's prefix plus one token's text. */
+        stops = malloc((size_t)q->n_stop * sizeof *stops + stop_bytes);
+        pend = malloc(stop_max + m->detok_size + 16);
+        if (!stops || !pend) {
+            free(stops), free(pend);
+            return duet__error(DUET_OUT_OF_MEMORY, "submit: stop strings");
+        }
+        char *at = (char *)(stops + q->n_stop);
+        for (int i = 0; i < q->n_stop; i++) {
+            size_t n = strlen(q->stop[i]) + 1;
+            memcpy(at, q->stop[i], n);
+            stops[i] = at;
+            at += n;
+        }
+    }
     /* Generation stops at the context's end: clamp rather than refuse. */
     int max_tokens = q->max_tokens;
     if (max_tokens > m->n_ctx - q->n_prompt) max_tokens = m->n_ctx - q->n_prompt;
     duet_sampler *smp;
     duet_status st = duet_sampler_new(&q->sampling, m->hp.n_vocab, &smp);
     if (st) {
+        free(stops), free(pend);
         duet__metrics_request_refused(e->metrics, prio, "invalid");
         return DUET_BAD_REQUEST;
     }
@@ -180,6 +250,7 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     pthread_mutex_lock(&e->mu);
     if (e->stopping) {
         pthread_mutex_unlock(&e->mu);
+        free(stops), free(pend);
         duet_sampler_free(smp);
         return duet__error(DUET_CANCELLED, "the engine is shutting down");
     }
@@ -197,6 +268,7 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
                              : duet__sched_arrival(e->sched, now_ns(), rid, q->n_prompt, max_tokens, prio);
     if (a != DUET_SCHED_ADMITTED) {
         pthread_mutex_unlock(&e->mu);
+        free(stops), free(pend);
         duet_sampler_free(smp);
         if (a == DUET_SCHED_QUEUE_FULL) {
             duet__metrics_request_refused(e->metrics, prio, "rejected");
@@ -225,6 +297,9 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     r->t_first_sched = r->t_first_token = r->t_last_token = 0;
     r->cancelled = false;
     r->finish = DUET_FINISH_NONE;
+    r->stops = stops, r->n_stops = q->n_stop;
+    r->pend = pend, r->pend_len = 0;
+    r->stop_hit = false;
     if (id) *id = rid;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
@@ -334,7 +409,10 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
         res->finished = e->step_finish[i] != DUET_FINISH_NONE;
         if (r->cancelled) continue; /* its DONE is owed; no more tokens */
         int len = eog ? 0 : duet_detok_push(&r->detok, id, e->text, m->detok_size);
-        emit_token(r, id, e->text, (size_t)(len > 0 ? len : 0));
+        if (deliver(r, id, e->text, (size_t)(len > 0 ? len : 0))) {
+            e->step_finish[i] = DUET_FINISH_STOP; /* a stop string */
+            res->finished = true;
+        }
     }
     return DUET_OK;
 }

@@ -25,6 +25,7 @@
 #include <sys/wait.h>
 #include <time.h>
 
+#include "../core/stop_strings.h"
 #include "prom_check.h"
 #include "server.h"
 #include "test_util.h"
@@ -305,7 +306,7 @@ START_TEST(chat_template_rendering) {
 END_TEST
 
 START_TEST(stop_string_scanning) {
-    char *stops[] = {"END", "\n\n", "abcd"};
+    const char *stops[] = {"END", "\n\n", "abcd"};
     static const struct {
         const char *text;
         size_t safe;
@@ -326,12 +327,12 @@ START_TEST(stop_string_scanning) {
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         bool hit;
-        size_t safe = srv_stop_scan(cases[i].text, strlen(cases[i].text), stops, 3, &hit);
+        size_t safe = duet__stop_scan(cases[i].text, strlen(cases[i].text), stops, 3, &hit);
         ck_assert_msg(safe == cases[i].safe && hit == cases[i].hit, "scan(%s): safe %zu hit %d, want %zu %d",
                       cases[i].text, safe, hit, cases[i].safe, cases[i].hit);
     }
     bool hit;
-    ck_assert_msg(srv_stop_scan("anything", 8, stops, 0, &hit) == 8 && !hit, "no stop strings: all safe");
+    ck_assert_msg(duet__stop_scan("anything", 8, stops, 0, &hit) == 8 && !hit, "no stop strings: all safe");
 }
 END_TEST
 
@@ -1208,6 +1209,58 @@ START_TEST(sigterm_drains_then_exits_0) {
 }
 END_TEST
 
+/* A request ended by a stop string is counted as "stop", once, by the
+ * engine (it used to be cancelled from the HTTP layer and counted as
+ * "cancelled" / "abort"), streamed or not, and its text ends before the
+ * stop string. */
+START_TEST(stop_strings_count_as_stop) {
+    server s;
+    server_start(&s, "stop_count", NULL);
+    xfer x;
+    const char *plain = "{\"prompt\":\"Once upon a time\",\"max_tokens\":48,\"temperature\":0,\"ignore_eos\":true}";
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", plain, &x), 200);
+    cJSON *o = cJSON_Parse(x.buf);
+    const char *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "text")->valuestring;
+    ck_assert_msg(strlen(text) > 24, "greedy text too short: '%s'", text);
+    /* A stop string taken from the text itself: it must hit. */
+    char stop[8], want[64];
+    snprintf(stop, sizeof stop, "%.5s", text + 16);
+    const char *first = strstr(text, stop);
+    snprintf(want, sizeof want, "%.*s", (int)(first - text), text);
+    cJSON_Delete(o);
+    xfer_free(&x);
+    for (int streamed = 0; streamed < 2; streamed++) {
+        char body[512];
+        snprintf(body, sizeof body,
+                 "{\"prompt\":\"Once upon a time\",\"max_tokens\":48,\"temperature\":0,\"ignore_eos\":true,"
+                 "\"stop\":[\"%s\"],\"stream\":%s}",
+                 stop, streamed ? "true" : "false");
+        ck_assert_int_eq(http(s.port, "POST", "/v1/completions", body, &x), 200);
+        if (streamed) {
+            stream_result r;
+            parse_stream(x.buf, false, &r);
+            ck_assert_msg(r.done_marker && !strcmp(r.finish[0], "stop") && !strcmp(r.text[0], want),
+                          "streamed with stop '%s': finish '%s' text '%s', want '%s'", stop, r.finish[0], r.text[0], want);
+        } else {
+            o = cJSON_Parse(x.buf);
+            cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
+            ck_assert_msg(!strcmp(cJSON_GetObjectItem(c, "finish_reason")->valuestring, "stop") &&
+                              !strcmp(cJSON_GetObjectItem(c, "text")->valuestring, want),
+                          "stop '%s': %s, want text '%s'", stop, x.buf, want);
+            cJSON_Delete(o);
+        }
+        xfer_free(&x);
+    }
+    /* One request ran to its length, two ended on the stop string; none was cancelled. */
+    ck_assert_int_eq((int)await_metric(s.port, "duet_requests_total", "status=\"stop\"", 2, 10), 2);
+    ck_assert_int_eq((int)scrape(s.port, "duet_requests_total", "status=\"length\""), 1);
+    ck_assert_int_eq((int)scrape(s.port, "duet_requests_total", "status=\"cancelled\""), 0);
+    ck_assert_int_eq((int)scrape(s.port, "vllm:request_success_total", "finished_reason=\"stop\""), 2);
+    ck_assert_int_eq((int)scrape(s.port, "vllm:request_success_total", "finished_reason=\"abort\""), 0);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
 /* A KV pool smaller than one context (--kv-blocks): a request without
  * max_tokens gets its default clamped to what the pool can hold, and one
  * asking for more than that gets a 400 naming the real limit. */
@@ -1495,6 +1548,7 @@ int main(void) {
     tcase_add_test(live, sigterm_drains_then_exits_0);
     tcase_add_test(live, drain_timeout_ends_every_stream);
     tcase_add_test(live, default_max_tokens_fits_a_small_pool);
+    tcase_add_test(live, stop_strings_count_as_stop);
     suite_add_tcase(su, live);
     TCase *conns = tcase_create("connections");
     tcase_set_timeout(conns, 300);

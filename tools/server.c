@@ -88,9 +88,8 @@ typedef struct slot {
     int index;  /* the choice index in the response */
     int prompt; /* which prompt it answers */
     uint64_t id;
-    bool submitted, done, stopped;
-    srv_text text; /* text released to the client (no stop string in it) */
-    srv_text pend; /* text held back: it could be the start of a stop string */
+    bool submitted, done, failed;
+    srv_text text; /* the generated text (the engine cuts it at a stop string) */
     int tokens, prompt_tokens;
     duet_finish finish;
     char error[256];
@@ -155,7 +154,7 @@ static uint64_t fresh_u64(srv *s) { return splitmix64(s->salt ^ atomic_fetch_add
 /* ---- jobs --------------------------------------------------------------- */
 
 static void job_free(job *j) {
-    for (int i = 0; i < j->n_slots; i++) srv_text_free(&j->slots[i].text), srv_text_free(&j->slots[i].pend);
+    for (int i = 0; i < j->n_slots; i++) srv_text_free(&j->slots[i].text);
     free(j->slots);
     free(j->ev);
     free(j->sent_end);
@@ -186,48 +185,29 @@ static void push_event(job *j, int slot_i, size_t end, bool finish) {
     j->ev[j->n_ev++] = (sse_ev){slot_i, end, finish};
 }
 
-/* Under j->mu: moves pend[0..n) to the released text. */
-static bool release(job *j, slot *sl, size_t n) {
-    if (n == 0) return true;
-    if (!srv_text_append(&sl->text, sl->pend.p, n)) return false;
-    memmove(sl->pend.p, sl->pend.p + n, sl->pend.len - n + 1);
-    sl->pend.len -= n;
-    push_event(j, sl->index, sl->text.len, false);
-    return true;
-}
-
 /* The engine's event callback: runs on the engine thread, so it only
- * appends and signals. */
+ * appends and signals. Stop strings are the engine's: the text it sends
+ * never holds one, and a request cut by one ends as STOP. */
 static void on_event(const duet_event *ev, void *user) {
     slot *sl = user;
     job *j = sl->j;
     bool cancel = false, last = false;
     pthread_mutex_lock(&j->mu);
     if (ev->kind == DUET_EVENT_TOKEN) {
-        if (!sl->stopped && !sl->done) {
+        if (!sl->failed && !sl->done) {
             if (ev->token >= 0) sl->tokens++;
-            bool ok = !ev->text_len || srv_text_append(&sl->pend, ev->text, ev->text_len);
-            bool hit = false;
-            size_t safe = ok ? srv_stop_scan(sl->pend.p, sl->pend.len, j->stops, j->n_stops, &hit) : 0;
-            ok = ok && release(j, sl, safe);
-            if (!ok) snprintf(sl->error, sizeof sl->error, "out of memory for the generated text");
-            if (hit || !ok) {
-                /* A stop string (or no memory): end here and free the sequence. */
-                sl->stopped = hit;
-                if (sl->pend.p) sl->pend.p[0] = 0;
-                sl->pend.len = 0;
-                cancel = true;
+            if (ev->text_len && !srv_text_append(&sl->text, ev->text, ev->text_len)) {
+                snprintf(sl->error, sizeof sl->error, "out of memory for the generated text");
+                sl->failed = cancel = true; /* end here and free the sequence */
+            } else if (ev->text_len) {
+                push_event(j, sl->index, sl->text.len, false);
             }
         }
     } else {
-        if (!sl->stopped) release(j, sl, sl->pend.len);
         sl->done = true;
         j->n_done++;
-        sl->finish = sl->stopped ? DUET_FINISH_STOP : ev->finish;
-        if (sl->error[0]) sl->finish = DUET_FINISH_ERROR;
-        /* The engine's count is the truth, except after a stop string, when
-         * tokens sampled past it do not belong to the answer. */
-        if (!sl->stopped) sl->tokens = ev->generated_tokens;
+        sl->finish = sl->error[0] ? DUET_FINISH_ERROR : ev->finish;
+        sl->tokens = ev->generated_tokens;
         sl->prompt_tokens = ev->prompt_tokens;
         if (ev->finish == DUET_FINISH_ERROR && !sl->error[0])
             snprintf(sl->error, sizeof sl->error, "%s", ev->message && ev->message[0] ? ev->message : "engine error");
@@ -475,7 +455,7 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
         slot *sl = &j->slots[i];
         int p = sl->prompt;
         duet_request q = {.prompt = ids[p], .n_prompt = n_ids[p], .sampling = r->sampling, .priority = r->priority,
-                          .ignore_eos = r->ignore_eos};
+                          .ignore_eos = r->ignore_eos, .stop = (const char *const *)j->stops, .n_stop = j->n_stops};
         /* Default length: OpenAI's 16 for completions, the rest of the
          * context for chat. */
         int room = s->n_ctx - n_ids[p];

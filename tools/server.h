@@ -136,10 +136,6 @@ void srv_request_free(srv_request *r);
 
 /* ---- stop strings ----------------------------------------------------- */
 
-/* How many leading bytes of text[0..len) are safe to send: with a stop
- * string in the text, the bytes before the earliest one (*hit = true);
- * otherwise all but the longest tail that could begin a stop string. */
-size_t srv_stop_scan(const char *text, size_t len, char *const *stop, int n_stop, bool *hit);
 
 /* ---- responses ------------------------------------------------------- */
 
