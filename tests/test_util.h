@@ -3,7 +3,7 @@
 #define DUET_TEST_UTIL_H
 
 #include <check.h>
-#include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,22 +41,48 @@ static inline char *test_read_file(const char *path, size_t *len) {
     return b;
 }
 
-/* The slow-test watchdog: ctest sets DUET_TEST_BUDGET (its timeout, in
- * seconds) and DUET_TEST_NAME; at 80% of the budget this thread prints one
- * line naming the test, so a timeout never comes bare. It lives in the
- * Check runner's process only (fork copies just the forking thread). */
-static void *test_watchdog(void *arg) {
-    const double budget = *(const double *)arg;
+/* The slow-test warning: ctest sets DUET_TEST_BUDGET (its timeout, in
+ * seconds) and DUET_TEST_NAME; at 80% of the budget a one-shot timer's
+ * signal writes one line naming the test, so a timeout never comes bare.
+ * A timer, not a thread: Check forks a child per test, and a fork taken
+ * while another thread holds a lock (malloc's, ASan's) leaves the child
+ * waiting for it forever. Timers are not inherited by fork; SA_RESTART
+ * keeps the interrupted system calls going. */
+static char test_slow_line[512];
+static size_t test_slow_len;
+
+static void test_slow_signal(int sig) {
+    (void)sig;
+    ssize_t w = write(2, test_slow_line, test_slow_len);
+    (void)w;
+}
+
+static void test_arm_slow_warning(void) {
+    const char *b = getenv("DUET_TEST_BUDGET"), *name = getenv("DUET_TEST_NAME");
+    const double budget = b ? atof(b) : 0;
+    if (budget <= 0) return;
     const double warn = budget * 0.8;
-    struct timespec ts = {(time_t)warn, (long)((warn - (double)(time_t)warn) * 1e9)};
-    while (nanosleep(&ts, &ts) != 0) {
-    }
-    const char *name = getenv("DUET_TEST_NAME");
-    fprintf(stderr,
-            "SLOW: %s still running after %.0f s of its %.0f s ctest timeout (on a cold machine, PoCL, "
-            "Mesa and duet compile every kernel variant on first use; see tests/README.md)\n",
-            name ? name : "this test", warn, budget);
-    return NULL;
+    int n = snprintf(test_slow_line, sizeof test_slow_line,
+                     "SLOW: %s still running after %.0f s of its %.0f s ctest timeout (on a cold machine, PoCL, "
+                     "Mesa and duet compile every kernel variant on first use; see tests/README.md)\n",
+                     name ? name : "this test", warn, budget);
+    test_slow_len = n > 0 && (size_t)n < sizeof test_slow_line ? (size_t)n : 0;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = test_slow_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    struct sigevent sev;
+    memset(&sev, 0, sizeof sev);
+    sev.sigev_notify = SIGEV_SIGNAL;
+    sev.sigev_signo = SIGUSR2;
+    timer_t timer;
+    if (sigaction(SIGUSR2, &sa, NULL) != 0 || timer_create(CLOCK_MONOTONIC, &sev, &timer) != 0) return;
+    struct itimerspec its;
+    memset(&its, 0, sizeof its);
+    its.it_value.tv_sec = (time_t)warn;
+    its.it_value.tv_nsec = (long)((warn - (double)(time_t)warn) * 1e9);
+    timer_settime(timer, 0, &its, NULL);
 }
 
 /* Runs a suite and returns the process exit code. Each test's result is
@@ -64,11 +90,7 @@ static void *test_watchdog(void *arg) {
  * out shows how far it got. A run that selects no test (CK_RUN_CASE names
  * no case) fails rather than passing with nothing checked. */
 static inline int test_run_suite(Suite *s) {
-    static double budget;
-    const char *b = getenv("DUET_TEST_BUDGET");
-    budget = b ? atof(b) : 0;
-    pthread_t watchdog;
-    if (budget > 0 && pthread_create(&watchdog, NULL, test_watchdog, &budget) == 0) pthread_detach(watchdog);
+    test_arm_slow_warning();
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_VERBOSE);
     const int ran = srunner_ntests_run(sr), failed = srunner_ntests_failed(sr);
