@@ -85,10 +85,9 @@ static void test_arm_slow_warning(void) {
     timer_settime(timer, 0, &its, NULL);
 }
 
-/* Runs a suite and returns the process exit code. Each test's result is
- * printed as it finishes (CK_VERBOSE), so the output of a test that timed
- * out shows how far it got. A run that selects no test (CK_RUN_CASE names
- * no case) fails rather than passing with nothing checked. */
+/* Runs a suite and returns the process exit code, listing every test's
+ * result (CK_VERBOSE). A run that selects no test (CK_RUN_CASE names no
+ * case) fails rather than passing with nothing checked. */
 static inline int test_run_suite(Suite *s) {
     test_arm_slow_warning();
     SRunner *sr = srunner_create(s);
