@@ -98,7 +98,9 @@ duet_engine_params duet_engine_params_default(void) {
                                 .kv_block_size = 16};
 }
 
-int duet_engine_max_sequence_tokens(const duet_engine *e) { return e->seq_capacity; }
+int duet_engine_max_sequence_tokens(const duet_engine *e) {
+    return e->seq_capacity;
+}
 
 const duet_model *duet_engine_model(const duet_engine *e) {
     return e->model;
@@ -606,8 +608,10 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
                                       .batch_timeout_ns = (int64_t)(p.batch_timeout_ms * 1e6)}};
     if ((st = duet__sched_new(&sc, &e->sched))) goto fail;
     char name[256] = "";
-    if (p.served_name && *p.served_name) snprintf(name, sizeof name, "%s", p.served_name);
-    else if (duet_model_meta(m, "general.name", name, sizeof name) < 0) snprintf(name, sizeof name, "%s", path);
+    if (p.served_name && *p.served_name)
+        snprintf(name, sizeof name, "%s", p.served_name);
+    else if (duet_model_meta(m, "general.name", name, sizeof name) < 0)
+        snprintf(name, sizeof name, "%s", path);
     e->metrics = duet__metrics_new(name);
     /* Requests in flight at most: every waiting one plus every running one. */
     e->cap = p.max_waiting + p.max_batch_seqs + 1;

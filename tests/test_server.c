@@ -123,7 +123,8 @@ START_TEST(parse_rejects_bad_input) {
         {SRV_COMPLETION, "{\"prompt\":[1,\"a\"]}", "prompt"},
         {SRV_COMPLETION, "{\"prompt\":[1,512]}", "prompt"},
         {SRV_COMPLETION, "{\"prompt\":[-1]}", "prompt"},
-        {SRV_COMPLETION, "{\"prompt\":[[1],[2],[3],[4],[5],[6],[7],[8],[9],[10],[11],[12],[13],[14],[15],[16],[17]]}",
+        {SRV_COMPLETION,
+         "{\"prompt\":[[1],[2],[3],[4],[5],[6],[7],[8],[9],[10],[11],[12],[13],[14],[15],[16],[17]]}",
          "prompt"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"max_tokens\":-1}", "max_tokens"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"max_tokens\":0}", "max_tokens"},
@@ -151,7 +152,8 @@ START_TEST(parse_rejects_bad_input) {
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"stop\":[\"\"]}", "stop"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"stop\":[\"a\",7]}", "stop"},
         {SRV_COMPLETION,
-         "{\"prompt\":\"x\",\"stop\":[\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\",\"10\",\"11\",\"12\","
+         "{\"prompt\":\"x\",\"stop\":[\"1\",\"2\",\"3\",\"4\",\"5\",\"6\",\"7\",\"8\",\"9\",\"10\",\"11\","
+         "\"12\","
          "\"13\",\"14\",\"15\",\"16\",\"17\"]}",
          "stop"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"stream\":\"yes\"}", "stream"},
@@ -1217,10 +1219,12 @@ START_TEST(stop_strings_count_as_stop) {
     server s;
     server_start(&s, "stop_count", NULL);
     xfer x;
-    const char *plain = "{\"prompt\":\"Once upon a time\",\"max_tokens\":48,\"temperature\":0,\"ignore_eos\":true}";
+    const char *plain =
+        "{\"prompt\":\"Once upon a time\",\"max_tokens\":48,\"temperature\":0,\"ignore_eos\":true}";
     ck_assert_int_eq(http(s.port, "POST", "/v1/completions", plain, &x), 200);
     cJSON *o = cJSON_Parse(x.buf);
-    const char *text = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "text")->valuestring;
+    const char *text =
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "text")->valuestring;
     ck_assert_msg(strlen(text) > 24, "greedy text too short: '%s'", text);
     /* A stop string taken from the text itself: it must hit. */
     char stop[8], want[64];
@@ -1240,7 +1244,8 @@ START_TEST(stop_strings_count_as_stop) {
             stream_result r;
             parse_stream(x.buf, false, &r);
             ck_assert_msg(r.done_marker && !strcmp(r.finish[0], "stop") && !strcmp(r.text[0], want),
-                          "streamed with stop '%s': finish '%s' text '%s', want '%s'", stop, r.finish[0], r.text[0], want);
+                          "streamed with stop '%s': finish '%s' text '%s', want '%s'", stop, r.finish[0],
+                          r.text[0], want);
         } else {
             o = cJSON_Parse(x.buf);
             cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0);
@@ -1272,8 +1277,9 @@ START_TEST(default_max_tokens_fits_a_small_pool) {
     ck_assert_int_eq(http(s.port, "GET", "/v1/models", NULL, &x), 200);
     ck_assert_msg(strstr(x.buf, "\"max_model_len\":64"), "/v1/models: %s", x.buf);
     xfer_free(&x);
-    long code = http(s.port, "POST", "/v1/chat/completions",
-                     "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"temperature\":0,\"ignore_eos\":true}", &x);
+    long code = http(
+        s.port, "POST", "/v1/chat/completions",
+        "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"temperature\":0,\"ignore_eos\":true}", &x);
     ck_assert_msg(code == 200, "chat without max_tokens on a 64-token pool: HTTP %ld %s", code, x.buf);
     cJSON *o = cJSON_Parse(x.buf), *u = cJSON_GetObjectItem(o, "usage");
     const int total = cJSON_GetObjectItem(u, "total_tokens")->valueint;
@@ -1301,19 +1307,21 @@ START_TEST(drain_timeout_ends_every_stream) {
     xfer xs[N];
     for (int i = 0; i < N; i++)
         xfer_init(&xs[i], s.port, "POST", "/v1/completions",
-                  "{\"prompt\":\"One day\",\"max_tokens\":1000,\"ignore_eos\":true,\"temperature\":0,\"stream\":true}");
+                  "{\"prompt\":\"One "
+                  "day\",\"max_tokens\":1000,\"ignore_eos\":true,\"temperature\":0,\"stream\":true}");
     drain_state st = {.s = &s, .xs = xs, .n = N};
     run_multi(xs, N, drain_tick, &st);
     const double ended = now_s() - st.t_signal;
     ck_assert_msg(st.signalled, "the streams never started");
     int aborted = 0;
     for (int i = 0; i < N; i++) {
-        ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "stream %d: curl %d HTTP %ld", i, (int)xs[i].res,
-                      xs[i].code);
+        ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "stream %d: curl %d HTTP %ld", i,
+                      (int)xs[i].res, xs[i].code);
         stream_result r;
         parse_stream(xs[i].buf, false, &r);
         ck_assert_msg(r.done_marker && (!strcmp(r.finish[0], "abort") || !strcmp(r.finish[0], "length")),
-                      "stream %d ended without its final event: done=%d finish='%s'", i, r.done_marker, r.finish[0]);
+                      "stream %d ended without its final event: done=%d finish='%s'", i, r.done_marker,
+                      r.finish[0]);
         aborted += !strcmp(r.finish[0], "abort");
         xfer_free(&xs[i]);
     }
@@ -1393,20 +1401,24 @@ START_TEST(idle_and_slow_clients_do_not_lock_others_out) {
         ck_assert_msg(fds[i] >= 0, "connection %d refused: %s", i, strerror(errno));
         opened++;
         if (i >= IDLE) {
-            static const char half[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro";
+            static const char half[] =
+                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro";
             ck_assert_int_eq(send(fds[i], half, sizeof half - 1, MSG_NOSIGNAL), (ssize_t)(sizeof half - 1));
         }
     }
     sleep_ms(500);
     xfer x;
-    xfer_init(&x, s.port, "POST", "/v1/completions", "{\"prompt\":\"Once\",\"max_tokens\":4,\"temperature\":0}");
+    xfer_init(&x, s.port, "POST", "/v1/completions",
+              "{\"prompt\":\"Once\",\"max_tokens\":4,\"temperature\":0}");
     curl_easy_setopt(x.h, CURLOPT_TIMEOUT, 60L);
     x.res = curl_easy_perform(x.h);
     xfer_finish(&x);
-    ck_assert_msg(x.res == CURLE_OK && x.code == 200, "with %d idle and %d slow connections open: %s, HTTP %ld %s",
-                  IDLE, SLOW, curl_easy_strerror(x.res), x.code, x.buf ? x.buf : "");
+    ck_assert_msg(x.res == CURLE_OK && x.code == 200,
+                  "with %d idle and %d slow connections open: %s, HTTP %ld %s", IDLE, SLOW,
+                  curl_easy_strerror(x.res), x.code, x.buf ? x.buf : "");
     xfer_free(&x);
-    for (int i = 0; i < opened; i++) close(fds[i]);
+    for (int i = 0; i < opened; i++)
+        close(fds[i]);
     ck_assert_int_eq(server_stop(&s, 60), 0);
 }
 END_TEST
@@ -1419,7 +1431,8 @@ START_TEST(connection_cap_answers_503) {
     const char *args[] = {"--max-connections", "20", NULL};
     server_start(&s, "cap", args);
     int fds[CAP];
-    for (int i = 0; i < CAP; i++) ck_assert_msg((fds[i] = tcp_connect(s.port)) >= 0, "connect %d", i);
+    for (int i = 0; i < CAP; i++)
+        ck_assert_msg((fds[i] = tcp_connect(s.port)) >= 0, "connect %d", i);
     sleep_ms(300);
     int fd = tcp_connect(s.port);
     ck_assert_msg(fd >= 0, "connection %d refused outright", CAP + 1);
@@ -1430,7 +1443,8 @@ START_TEST(connection_cap_answers_503) {
     close(fd);
     ck_assert_msg(strncmp(buf, "HTTP/1.1 503", 12) == 0 && strstr(buf, "max-connections"),
                   "over the cap: want 503 naming --max-connections, got (closed %d): %.300s", closed, buf);
-    for (int i = 0; i < CAP; i++) close(fds[i]);
+    for (int i = 0; i < CAP; i++)
+        close(fds[i]);
     sleep_ms(300);
     xfer x;
     long code = http(s.port, "GET", "/v1/models", NULL, &x);
@@ -1448,7 +1462,8 @@ START_TEST(idle_connections_time_out) {
     server_start(&s, "idle", args);
     int quiet = tcp_connect(s.port), short_body = tcp_connect(s.port);
     ck_assert(quiet >= 0 && short_body >= 0);
-    static const char half[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro";
+    static const char half[] =
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro";
     ck_assert_int_eq(send(short_body, half, sizeof half - 1, MSG_NOSIGNAL), (ssize_t)(sizeof half - 1));
     char buf[1024];
     double t0 = now_s();
@@ -1497,8 +1512,8 @@ START_TEST(second_server_on_a_port_fails) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
         int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
         dup2(fd, 1), dup2(fd, 2);
-        execl(duet_binary(), duet_binary(), "serve", "-m", test_shared_path("models/stories260K.gguf"), "--backend",
-              "cpu", "--port", port, "-c", "256", (char *)NULL);
+        execl(duet_binary(), duet_binary(), "serve", "-m", test_shared_path("models/stories260K.gguf"),
+              "--backend", "cpu", "--port", port, "-c", "256", (char *)NULL);
         _exit(127);
     }
     int status = 0;

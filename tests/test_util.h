@@ -62,10 +62,11 @@ static void test_arm_slow_warning(void) {
     const double budget = b ? atof(b) : 0;
     if (budget <= 0) return;
     const double warn = budget * 0.8;
-    int n = snprintf(test_slow_line, sizeof test_slow_line,
-                     "SLOW: %s still running after %.0f s of its %.0f s ctest timeout (on a cold machine, PoCL, "
-                     "Mesa and duet compile every kernel variant on first use; see tests/README.md)\n",
-                     name ? name : "this test", warn, budget);
+    int n =
+        snprintf(test_slow_line, sizeof test_slow_line,
+                 "SLOW: %s still running after %.0f s of its %.0f s ctest timeout (on a cold machine, PoCL, "
+                 "Mesa and duet compile every kernel variant on first use; see tests/README.md)\n",
+                 name ? name : "this test", warn, budget);
     test_slow_len = n > 0 && (size_t)n < sizeof test_slow_line ? (size_t)n : 0;
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);

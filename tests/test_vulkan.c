@@ -1691,10 +1691,10 @@ START_TEST(no_driver) {
 END_TEST
 
 /* DUET_VK_TEST=substring runs only the tests whose name contains it. */
-#define ADD(tc, fn)                                                  \
-    do {                                                             \
-        const char *only_ = getenv("DUET_VK_TEST");                  \
-        if (!only_ || strstr(#fn, only_)) tcase_add_test(tc, fn);    \
+#define ADD(tc, fn)                                                                                          \
+    do {                                                                                                     \
+        const char *only_ = getenv("DUET_VK_TEST");                                                          \
+        if (!only_ || strstr(#fn, only_)) tcase_add_test(tc, fn);                                            \
     } while (0)
 
 int main(void) {

@@ -154,7 +154,8 @@ static uint64_t fresh_u64(srv *s) { return splitmix64(s->salt ^ atomic_fetch_add
 /* ---- jobs --------------------------------------------------------------- */
 
 static void job_free(job *j) {
-    for (int i = 0; i < j->n_slots; i++) srv_text_free(&j->slots[i].text);
+    for (int i = 0; i < j->n_slots; i++)
+        srv_text_free(&j->slots[i].text);
     free(j->slots);
     free(j->ev);
     free(j->sent_end);
@@ -454,8 +455,13 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
     for (int i = 0; i < j->n_slots; i++) {
         slot *sl = &j->slots[i];
         int p = sl->prompt;
-        duet_request q = {.prompt = ids[p], .n_prompt = n_ids[p], .sampling = r->sampling, .priority = r->priority,
-                          .ignore_eos = r->ignore_eos, .stop = (const char *const *)j->stops, .n_stop = j->n_stops};
+        duet_request q = {.prompt = ids[p],
+                          .n_prompt = n_ids[p],
+                          .sampling = r->sampling,
+                          .priority = r->priority,
+                          .ignore_eos = r->ignore_eos,
+                          .stop = (const char *const *)j->stops,
+                          .n_stop = j->n_stops};
         /* Default length: OpenAI's 16 for completions, the rest of the
          * context for chat. */
         int room = s->n_ctx - n_ids[p];
@@ -693,17 +699,22 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
                           enum MHD_ConnectionNotificationCode code) {
     (void)c, (void)socket_context;
     srv *s = cls;
-    if (code == MHD_CONNECTION_NOTIFY_STARTED) atomic_fetch_add(&s->open_conns, 1);
-    else if (code == MHD_CONNECTION_NOTIFY_CLOSED) atomic_fetch_sub(&s->open_conns, 1);
+    if (code == MHD_CONNECTION_NOTIFY_STARTED)
+        atomic_fetch_add(&s->open_conns, 1);
+    else if (code == MHD_CONNECTION_NOTIFY_CLOSED)
+        atomic_fetch_sub(&s->open_conns, 1);
 }
 
 /* Counts Content-Length headers whose value differs from the first. */
-static enum MHD_Result content_length_seen(void *cls, enum MHD_ValueKind kind, const char *key, const char *value) {
+static enum MHD_Result content_length_seen(void *cls, enum MHD_ValueKind kind, const char *key,
+                                           const char *value) {
     (void)kind;
     const char **first = ((const char **)cls);
     if (strcasecmp(key, MHD_HTTP_HEADER_CONTENT_LENGTH) != 0) return MHD_YES;
-    if (!first[0]) first[0] = value ? value : "";
-    else if (strcmp(first[0], value ? value : "") != 0) first[1] = value ? value : "";
+    if (!first[0])
+        first[0] = value ? value : "";
+    else if (strcmp(first[0], value ? value : "") != 0)
+        first[1] = value ? value : "";
     return MHD_YES;
 }
 
@@ -733,14 +744,15 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     MHD_get_connection_values(c, MHD_HEADER_KIND, content_length_seen, lengths);
     if (lengths[1]) {
         err = server_error(400, "invalid_request_error", "conflicting_content_length", "");
-        snprintf(err.message, sizeof err.message, "conflicting Content-Length headers (%.40s and %.40s)", lengths[0],
-                 lengths[1]);
+        snprintf(err.message, sizeof err.message, "conflicting Content-Length headers (%.40s and %.40s)",
+                 lengths[0], lengths[1]);
         return send_error(s, cn, c, &err);
     }
     if (atomic_load(&s->open_conns) > s->max_conns) {
         err = server_error(503, "server_error", "too_many_connections", "");
         snprintf(err.message, sizeof err.message,
-                 "the server holds its limit of %d open connections (--max-connections); retry later", s->max_conns);
+                 "the server holds its limit of %d open connections (--max-connections); retry later",
+                 s->max_conns);
         return send_error(s, cn, c, &err);
     }
     switch (cn->route) {
@@ -854,7 +866,8 @@ static void raise_fd_limit(rlim_t want) {
     rlim_t target = rl.rlim_max == RLIM_INFINITY || rl.rlim_max >= want ? want : rl.rlim_max;
     rl.rlim_cur = target;
     if (setrlimit(RLIMIT_NOFILE, &rl) != 0 || target < want)
-        fprintf(stderr, "duet: the open-file limit (%llu) is below --max-connections + 256; raise it (ulimit -n)\n",
+        fprintf(stderr,
+                "duet: the open-file limit (%llu) is below --max-connections + 256; raise it (ulimit -n)\n",
                 (unsigned long long)target);
 }
 
@@ -878,7 +891,7 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     /* What one request can hold: a --kv-blocks pool smaller than a context
      * lowers it, so a default max_tokens is clamped to what fits and an
      * explicit one gets a 400 that says the real limit. */
-    s->n_ctx = duet_engine_max_sequence_tokens(e) < d.n_ctx ? duet_engine_max_sequence_tokens(e) : d.n_ctx;
+    s->n_ctx = duet_engine_max_sequence_tokens(e); /* at most d.n_ctx */
     s->lim = (srv_limits){.model_name = s->name, .model_alias = s->path[0] ? s->path : NULL, .n_vocab = d.n_vocab};
     s->verbose = cfg->verbose;
     s->started = (long)time(NULL);
@@ -916,22 +929,27 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     }
     s->max_conns = cfg->max_connections > 0 ? cfg->max_connections : SRV_DEFAULT_MAX_CONNECTIONS;
     raise_fd_limit((rlim_t)s->max_conns + 256);
-    const unsigned idle_s = (unsigned)(cfg->idle_timeout_s > 0 ? cfg->idle_timeout_s : SRV_DEFAULT_IDLE_TIMEOUT_S);
-    unsigned flags = MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
+    const unsigned idle_s =
+        (unsigned)(cfg->idle_timeout_s > 0 ? cfg->idle_timeout_s : SRV_DEFAULT_IDLE_TIMEOUT_S);
+    unsigned flags =
+        MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
     /* No MHD_OPTION_LISTENING_ADDRESS_REUSE: it sets SO_REUSEPORT, and a
      * second server on the port would start and take part of the traffic. */
     errno = 0;
-    s->d = MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, handle, s, MHD_OPTION_NOTIFY_COMPLETED, completed, s,
-                            MHD_OPTION_NOTIFY_CONNECTION, on_connection, s, MHD_OPTION_SOCK_ADDR, ai->ai_addr,
-                            MHD_OPTION_CONNECTION_LIMIT, (unsigned)s->max_conns + CONN_MARGIN,
-                            MHD_OPTION_CONNECTION_TIMEOUT, idle_s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
-                            MHD_OPTION_THREAD_STACK_SIZE, (size_t)CONN_STACK, MHD_OPTION_END);
+    s->d =
+        MHD_start_daemon(flags, (uint16_t)cfg->port, NULL, NULL, handle, s, MHD_OPTION_NOTIFY_COMPLETED,
+                         completed, s, MHD_OPTION_NOTIFY_CONNECTION, on_connection, s, MHD_OPTION_SOCK_ADDR,
+                         ai->ai_addr, MHD_OPTION_CONNECTION_LIMIT, (unsigned)s->max_conns + CONN_MARGIN,
+                         MHD_OPTION_CONNECTION_TIMEOUT, idle_s, MHD_OPTION_EXTERNAL_LOGGER, mhd_log, s,
+                         MHD_OPTION_THREAD_STACK_SIZE, (size_t)CONN_STACK, MHD_OPTION_END);
     freeaddrinfo(ai);
     if (!s->d) {
         const int e = errno;
         fprintf(stderr, "duet: cannot listen on %s:%d: %s\n", cfg->host ? cfg->host : "*", cfg->port,
-                e == EADDRINUSE ? "the port is in use (another server?)" : e ? strerror(e) : "libmicrohttpd failed");
+                e == EADDRINUSE ? "the port is in use (another server?)"
+                : e             ? strerror(e)
+                                : "libmicrohttpd failed");
         srv_free(s);
         return -1;
     }

@@ -134,9 +134,6 @@ bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_li
                        srv_error *err);
 void srv_request_free(srv_request *r);
 
-/* ---- stop strings ----------------------------------------------------- */
-
-
 /* ---- responses ------------------------------------------------------- */
 
 typedef struct srv_choice_result {
