@@ -158,7 +158,8 @@ static void emit_done(duet_engine *e, engine_req *r, duet_finish finish, const c
      * text held back for the stop strings goes out unless one was hit. */
     char tail[16];
     int n = finish != DUET_FINISH_ERROR && !r->stop_hit ? duet_detok_flush(&r->detok, tail, sizeof tail) : 0;
-    if (n > 0 && deliver(r, -1, tail, (size_t)n) && finish != DUET_FINISH_ERROR) finish = DUET_FINISH_STOP;
+    /* A stop string completed by the tail ends a request that ran to its length as STOP. */
+    if (n > 0 && deliver(r, -1, tail, (size_t)n) && finish == DUET_FINISH_LENGTH) finish = DUET_FINISH_STOP;
     if (!r->stop_hit && r->pend_len) emit_token(r, -1, r->pend, r->pend_len);
     r->pend_len = 0;
     duet_event ev = {.kind = DUET_EVENT_DONE,
