@@ -43,6 +43,15 @@ static void usage(FILE *f) {
             "      --drain-timeout S       on SIGTERM, seconds to let requests in flight finish (default 60)\n"
             "      --max-connections N     open HTTP connections; past it requests get 503 (default 4096)\n"
             "      --idle-timeout S        close a connection idle this many seconds (default 30)\n"
+            "      --read-timeout S        a request (headers and body) must arrive within this (default 30)\n"
+            "      --request-timeout S     cancel a request still generating after S seconds and answer it with\n"
+            "                              408 (default: none; a request's \"timeout\" field may ask for less)\n"
+            "  security:\n"
+            "      --api-key KEY           require Authorization: Bearer KEY on every endpoint but /health\n"
+            "                              (default: $DUET_API_KEY; none when unset)\n"
+            "      --metrics-public        serve /metrics without the API key\n"
+            "      --allowed-origins LIST  CORS: web origins allowed to call the API, comma-separated, or '*'\n"
+            "                              (default: none; requests from other origins get 403)\n"
             "  -v, --verbose               log one line per request\n"
             "\n"
             "endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics\n");
@@ -50,7 +59,8 @@ static void usage(FILE *f) {
 
 enum {
     O_HOST = 256, O_PORT, O_NAME, O_TEMPLATE, O_BACKEND, O_DEVICE, O_KV, O_MAX_SEQS, O_MAX_TOKENS, O_TIMEOUT,
-    O_CHUNK, O_MAX_WAITING, O_KV_BLOCKS, O_KV_BLOCK_SIZE, O_CONFIG, O_DRAIN, O_MAX_CONN, O_IDLE
+    O_CHUNK, O_MAX_WAITING, O_KV_BLOCKS, O_KV_BLOCK_SIZE, O_CONFIG, O_DRAIN, O_MAX_CONN, O_IDLE,
+    O_READ_TIMEOUT, O_REQUEST_TIMEOUT, O_API_KEY, O_METRICS_PUBLIC, O_ORIGINS
 };
 
 static const struct option opts[] = {
@@ -75,6 +85,11 @@ static const struct option opts[] = {
     {"drain-timeout", required_argument, 0, O_DRAIN},
     {"max-connections", required_argument, 0, O_MAX_CONN},
     {"idle-timeout", required_argument, 0, O_IDLE},
+    {"read-timeout", required_argument, 0, O_READ_TIMEOUT},
+    {"request-timeout", required_argument, 0, O_REQUEST_TIMEOUT},
+    {"api-key", required_argument, 0, O_API_KEY},
+    {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
+    {"allowed-origins", required_argument, 0, O_ORIGINS},
     {"verbose", no_argument, 0, 'v'},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
@@ -123,6 +138,17 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         o->srv.max_connections = i;
         return true;
     case O_IDLE: return cli_int("--idle-timeout", v, 1, 86400, &o->srv.idle_timeout_s);
+    case O_READ_TIMEOUT: return cli_int("--read-timeout", v, 1, 86400, &o->srv.read_timeout_s);
+    case O_REQUEST_TIMEOUT:
+        if (!cli_float("--request-timeout", v, 0, 86400 * 7, &f)) return false;
+        o->srv.request_timeout_s = f;
+        return true;
+    case O_API_KEY:
+        if (!*v) return fprintf(stderr, "duet: --api-key must not be empty\n"), false;
+        o->srv.api_key = v;
+        return true;
+    case O_METRICS_PUBLIC: o->srv.metrics_public = true; return true;
+    case O_ORIGINS: o->srv.allowed_origins = v; return true;
     case 'v': o->srv.verbose = true; return true;
     default: return false;
     }
@@ -242,6 +268,7 @@ int cmd_serve(int argc, char **argv) {
         usage(stderr);
         goto out;
     }
+    if (!o.srv.api_key && getenv("DUET_API_KEY") && *getenv("DUET_API_KEY")) o.srv.api_key = getenv("DUET_API_KEY");
     rc = 1;
     if (!o.model && !(o.model = cli_default_model())) goto out;
     if (!o.srv.model_name) {

@@ -56,8 +56,26 @@ enum { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, N_ROUTES }
 static const char *const route_paths[N_ROUTES] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
                                                   "/health", "/metrics", "other"};
 
-#define N_CODES 10
-static const int tracked_codes[N_CODES] = {200, 400, 404, 405, 413, 429, 500, 503, 0, 0};
+/* Status codes counted per endpoint; the last column counts every other one. */
+static const int tracked_codes[] = {200, 204, 400, 401, 403, 404, 405, 408, 413, 415, 429, 499, 500, 503};
+#define N_CODES ((int)(sizeof tracked_codes / sizeof *tracked_codes) + 1)
+
+/* How a generation request ended: each one the server receives is counted
+ * once, by one of these, when its connection is done with it. */
+enum { OUT_STOP, OUT_LENGTH, OUT_CANCELLED, OUT_FAILED, OUT_REJECTED, OUT_INVALID, N_OUTCOMES };
+static const char *const outcome_names[N_OUTCOMES] = {"stop", "length", "cancelled", "failed", "rejected", "invalid"};
+
+/* One open TCP connection, for the request-read deadline: `reading` while a
+ * request is on its way in (from the connection's start, or from the last
+ * response), so a client that trickles its request is cut off. */
+typedef struct conn_rec {
+    struct conn_rec *prev, *next;
+    int fd;
+    struct sockaddr_storage peer; /* to recognise the socket before shutting it */
+    socklen_t peer_len;
+    double read_since;
+    bool reading;
+} conn_rec;
 
 struct srv {
     struct MHD_Daemon *d;
@@ -66,6 +84,7 @@ struct srv {
     char *name, *path, *name_label;
     srv_limits lim;
     int n_ctx, port;
+    size_t fit_bytes; /* prompts longer than this may be refused early (prompt_may_fit) */
     srv_chat_family chat;
     bool verbose;
     long started;
@@ -74,11 +93,24 @@ struct srv {
     atomic_bool draining, cancel_all, stopping;
     atomic_int open_conns; /* TCP connections libmicrohttpd holds open */
     int max_conns;
+    double read_timeout_s, request_timeout_s;
+    char *api_key;          /* NULL: no authentication */
+    bool metrics_public;    /* /metrics without the key */
+    char **origins;         /* allowed CORS origins (NULL-terminated), or NULL */
+    bool any_origin;        /* --allowed-origins '*' */
 
-    pthread_mutex_t mu; /* in_flight, stats */
+    pthread_mutex_t mu; /* in_flight, stats, outcomes */
     pthread_cond_t idle;
     int in_flight;
     uint64_t stats[N_ROUTES][N_CODES]; /* the last code column counts "other" codes */
+    uint64_t received, outcomes[N_OUTCOMES], read_timeouts;
+
+    /* Open connections, for the request-read deadline (the sweeper thread). */
+    pthread_mutex_t conns_mu;
+    pthread_cond_t sweep_cv;
+    conn_rec *conns;
+    pthread_t sweeper;
+    bool sweeper_started, sweeper_stop;
 };
 
 typedef struct job job;
@@ -116,6 +148,8 @@ struct job {
     int n_slots, n_done;
     int prompt_tokens; /* the prompts' tokens, each prompt once */
     bool cancelled;
+    bool timed_out; /* cancelled by its deadline */
+    bool peer_eof;  /* the client half-closed (or closed: writes will tell) */
     sse_ev *ev; /* appended by the engine thread */
     int n_ev, cap_ev;
 
@@ -126,13 +160,17 @@ struct job {
     bool role_sent, stream_done;
     srv_text out;
     size_t out_off;
-    double t0;
+    double t0, deadline; /* deadline: monotonic seconds, 0 = none */
+    bool timeout_sent;   /* the stream's timeout error event went out */
 };
 
 typedef struct conn {
     srv_text body;
     bool too_big, counted;
     int route, code;
+    bool generation;  /* a POST to a generation endpoint: counted in received/outcomes */
+    bool received;    /* ... and it arrived whole */
+    int outcome;      /* -1 until an error response decides it; else from the job */
     job *j;
 } conn;
 
@@ -233,13 +271,19 @@ static void job_cancel(job *j) {
     for (int i = 0; i < n; i++) duet_engine_cancel(j->s->e, ids[i]);
 }
 
-/* Has the client closed its end (or reset the connection)? */
-static bool peer_gone(int fd) {
-    if (fd < 0) return false;
+/* What the client's side of the socket says. An orderly close (EOF) may be
+ * a half-close by a client still waiting for its answer, so only a reset or
+ * an error means it is gone; a closed client is found by the next write
+ * (its kernel answers with a reset), which the waits below provoke with
+ * keepalive bytes once they have seen the EOF. */
+typedef enum { PEER_OK, PEER_EOF, PEER_GONE } peer_state;
+
+static peer_state peer_check(int fd) {
+    if (fd < 0) return PEER_OK;
     char b;
     ssize_t n = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (n == 0) return true;
-    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR;
+    if (n == 0) return PEER_EOF;
+    return n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR ? PEER_GONE : PEER_OK;
 }
 
 /* Waits on j->cv (held) for one slice. */
@@ -251,12 +295,24 @@ static void wait_slice(job *j) {
     pthread_cond_timedwait(&j->cv, &j->mu, &ts);
 }
 
+/* Cancels the job once its deadline has passed. */
+static void check_deadline(job *j) {
+    if (j->deadline > 0 && !j->cancelled && mono_now() > j->deadline) {
+        j->timed_out = true;
+        job_cancel(j);
+    }
+}
+
 /* Between slices (j->mu not held): cancels on a vanished client, a server
- * shutting down, or srv_cancel_all. Returns true when the client is gone. */
+ * shutting down, srv_cancel_all or the deadline. Returns true when the
+ * client is gone; notes a half-close in j->peer_eof. */
 static bool check_client(job *j) {
     srv *s = j->s;
-    bool gone = peer_gone(j->fd) || atomic_load(&s->stopping);
+    peer_state p = peer_check(j->fd);
+    if (p == PEER_EOF) j->peer_eof = true;
+    bool gone = p == PEER_GONE || atomic_load(&s->stopping);
     if ((gone || atomic_load(&s->cancel_all)) && !j->cancelled) job_cancel(j);
+    check_deadline(j);
     return gone;
 }
 
@@ -287,6 +343,21 @@ static void count_response(srv *s, conn *cn, int code) {
     cn->code = code;
 }
 
+/* CORS: only for an allowed Origin, and only when --allowed-origins asks. */
+static bool origin_allowed(const srv *s, const char *origin) {
+    if (s->any_origin) return true;
+    for (char **o = s->origins; o && *o; o++)
+        if (!strcmp(*o, origin)) return true;
+    return false;
+}
+
+static void add_cors(srv *s, struct MHD_Connection *c, struct MHD_Response *r) {
+    const char *origin = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Origin");
+    if (!origin || !origin_allowed(s, origin)) return;
+    MHD_add_response_header(r, "Access-Control-Allow-Origin", s->any_origin ? "*" : origin);
+    if (!s->any_origin) MHD_add_response_header(r, MHD_HTTP_HEADER_VARY, "Origin");
+}
+
 static enum MHD_Result send_body(srv *s, conn *cn, struct MHD_Connection *c, int code, const char *ctype,
                                  char *body, const char *retry_after) {
     if (!body) {
@@ -302,9 +373,14 @@ static enum MHD_Result send_body(srv *s, conn *cn, struct MHD_Connection *c, int
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, ctype);
     if (retry_after) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, retry_after);
     if (atomic_load(&s->draining)) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
+    if (code == 401) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    add_cors(s, c, r);
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)code, r);
     MHD_destroy_response(r);
     count_response(s, cn, code);
+    /* A refused generation request: its outcome is the refusal's. */
+    if (cn->generation && cn->outcome < 0 && code >= 300)
+        cn->outcome = code == 429 || code == 503 ? OUT_REJECTED : code >= 500 ? OUT_FAILED : OUT_INVALID;
     return ret;
 }
 
@@ -320,6 +396,18 @@ static enum MHD_Result send_error(srv *s, conn *cn, struct MHD_Connection *c, co
 static srv_error server_error(int http, const char *type, const char *code, const char *msg) {
     srv_error e = {.http = http, .type = type, .code = code};
     snprintf(e.message, sizeof e.message, "%s", msg);
+    return e;
+}
+
+/* The error of a request cut by its deadline (408, request_timeout). */
+static srv_error timeout_error(job *j) {
+    srv_error e = server_error(408, "invalid_request_error", "request_timeout", "");
+    pthread_mutex_lock(&j->mu);
+    int generated = job_usage(j).completion_tokens;
+    pthread_mutex_unlock(&j->mu);
+    snprintf(e.message, sizeof e.message,
+             "the request did not finish within its timeout of %.3g s (%d tokens generated); it was cancelled",
+             j->deadline - j->t0, generated);
     return e;
 }
 
@@ -357,13 +445,31 @@ static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
     pthread_mutex_lock(&s->mu);
     for (int r = 0; r < N_ROUTES; r++)
         for (int k = 0; k < N_CODES; k++) {
-            if (k == N_CODES - 2) continue; /* unused column */
             char code[8];
             if (k == N_CODES - 1) snprintf(code, sizeof code, "other");
             else snprintf(code, sizeof code, "%d", tracked_codes[k]);
             ok = ok && srv_text_printf(&t, "duet_http_requests_total{model_name=\"%s\",path=\"%s\",code=\"%s\"} %llu\n",
                                        s->name_label, route_paths[r], code, (unsigned long long)s->stats[r][k]);
         }
+    /* The accounting identity: once idle, received = the sum of finished. */
+    ok = ok && srv_text_printf(&t,
+                               "# HELP duet_server_requests_received_total Generation requests (POST /v1/completions, "
+                               "/v1/chat/completions) received whole.\n"
+                               "# TYPE duet_server_requests_received_total counter\n"
+                               "duet_server_requests_received_total{model_name=\"%s\"} %llu\n"
+                               "# HELP duet_server_requests_finished_total Generation requests by outcome (rejected: "
+                               "429/503; invalid: refused 4xx); each received request is counted once when it ends.\n"
+                               "# TYPE duet_server_requests_finished_total counter\n",
+                               s->name_label, (unsigned long long)s->received);
+    for (int o = 0; o < N_OUTCOMES; o++)
+        ok = ok && srv_text_printf(&t, "duet_server_requests_finished_total{model_name=\"%s\",outcome=\"%s\"} %llu\n",
+                                   s->name_label, outcome_names[o], (unsigned long long)s->outcomes[o]);
+    ok = ok && srv_text_printf(&t,
+                               "# HELP duet_server_read_timeouts_total Connections shut because no whole request "
+                               "arrived within --read-timeout (slow clients; keep-alive connections idle that long).\n"
+                               "# TYPE duet_server_read_timeouts_total counter\n"
+                               "duet_server_read_timeouts_total{model_name=\"%s\"} %llu\n",
+                               s->name_label, (unsigned long long)s->read_timeouts);
     pthread_mutex_unlock(&s->mu);
     if (!ok) {
         srv_text_free(&t);
@@ -375,8 +481,7 @@ static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
 /* ---- generation ------------------------------------------------------ */
 
 /* Tokenizes text into a malloc'd array; returns the count or a negative status. */
-static int tokenize(const duet_model *m, const char *text, int32_t **out) {
-    size_t len = strlen(text);
+static int tokenize(const duet_model *m, const char *text, size_t len, int32_t **out) {
     int cap = (int)(len < (1u << 24) ? len : (1u << 24)) + 16;
     for (;;) {
         int32_t *ids = malloc((size_t)cap * sizeof *ids);
@@ -390,6 +495,21 @@ static int tokenize(const duet_model *m, const char *text, int32_t **out) {
         if (n < 0) return n;
         cap = n;
     }
+}
+
+/* A prompt far longer in bytes than a context can hold is refused without
+ * tokenizing all of it (megabytes cost seconds of a core): its first
+ * `fit_bytes` bytes, which are enough for a context's worth of tokens, are
+ * tokenized instead, and if they alone fill the context it cannot fit. */
+static bool prompt_may_fit(srv *s, const char *text) {
+    size_t len = strlen(text);
+    if (len <= s->fit_bytes) return true;
+    size_t cut = s->fit_bytes;
+    while (cut > 0 && ((unsigned char)text[cut] & 0xC0) == 0x80) cut--; /* at a character boundary */
+    int32_t *ids = NULL;
+    int n = tokenize(s->model, text, cut, &ids);
+    free(ids);
+    return n < s->n_ctx; /* a tokenizer error is left to the full tokenization to report */
 }
 
 /* Builds the job's slots and prompts; on failure fills err. */
@@ -408,8 +528,14 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
         } else {
             text = r->prompts[p].text;
         }
+        if (text && !prompt_may_fit(s, text)) {
+            srv_text_free(&chat);
+            return srv_bad(err, r->kind == SRV_CHAT ? "messages" : "prompt", "context_length_exceeded",
+                           "This model's maximum context length is %d tokens; the prompt has more (%zu bytes)",
+                           s->n_ctx, strlen(text));
+        }
         if (text) {
-            int n = tokenize(s->model, text, &ids[p]);
+            int n = tokenize(s->model, text, strlen(text), &ids[p]);
             srv_text_free(&chat);
             if (n < 0) return srv_bad(err, r->kind == SRV_CHAT ? "messages" : "prompt", NULL, "cannot tokenize: %s",
                                       duet_last_error()[0] ? duet_last_error() : duet_status_str((duet_status)n));
@@ -499,6 +625,7 @@ static void stream_fill(job *j) {
     /* A stream whose tokens keep coming never waits a whole slice, so it
      * would never reach check_client: look at srv_cancel_all here too. */
     if (atomic_load(&s->cancel_all) && !j->cancelled) job_cancel(j);
+    check_deadline(j);
     if (!j->role_sent) {
         j->role_sent = true;
         if (r->kind == SRV_CHAT)
@@ -517,6 +644,13 @@ static void stream_fill(job *j) {
                 pthread_mutex_unlock(&j->mu);
                 j->stream_done = true; /* the reader ends the response with an error */
                 j->out.len = j->out_off = 0;
+                return;
+            }
+            if (j->peer_eof && j->ev_sent == j->n_ev) {
+                /* An SSE comment, which clients ignore: a closed client's
+                 * socket fails the write and the stream ends. */
+                pthread_mutex_unlock(&j->mu);
+                srv_text_printf(&j->out, ": keepalive\n\n");
                 return;
             }
         }
@@ -547,8 +681,10 @@ static void stream_fill(job *j) {
             if (texts[k].len)
                 srv_chunk_sse(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, texts[k].p, texts[k].len, NULL,
                               false, usage_null);
-        } else if (fin[k] == DUET_FINISH_ERROR) {
-            srv_error e = server_error(500, "server_error", NULL, errs[k]);
+        } else if (fin[k] == DUET_FINISH_ERROR || (j->timed_out && fin[k] == DUET_FINISH_CANCELLED)) {
+            if (fin[k] != DUET_FINISH_ERROR && j->timeout_sent) continue; /* one timeout event per stream */
+            srv_error e = fin[k] == DUET_FINISH_ERROR ? server_error(500, "server_error", NULL, errs[k]) : timeout_error(j);
+            j->timeout_sent |= fin[k] != DUET_FINISH_ERROR;
             char *ej = srv_error_json(&e);
             if (ej) srv_text_printf(&j->out, "data: %s\n\n", ej);
             free(ej);
@@ -591,6 +727,65 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
 
 static void stream_free(void *cls) { job_release(cls); }
 
+/* The finished job's answer: *code and a malloc'd JSON body. Call when
+ * every slot is done (the engine is done with them: no lock needed). */
+static char *plain_answer(srv *s, job *j, int *code) {
+    const char *error = NULL;
+    for (int i = 0; i < j->n_slots; i++)
+        if (j->slots[i].finish == DUET_FINISH_ERROR) error = j->slots[i].error;
+    srv_error e;
+    if (error) e = server_error(500, "server_error", NULL, error);
+    else if (j->timed_out) e = timeout_error(j);
+    if (error || j->timed_out) {
+        *code = e.http;
+        return srv_error_json(&e);
+    }
+    srv_choice_result *res = calloc((size_t)(j->n_slots > 0 ? j->n_slots : 1), sizeof *res);
+    for (int i = 0; res && i < j->n_slots; i++) {
+        slot *sl = &j->slots[i];
+        res[i] = (srv_choice_result){sl->text.p, sl->text.len, finish_name(sl->finish)};
+    }
+    char *body = res ? srv_response_json(j->req.kind, j->id, j->created, s->name, res, j->n_slots, job_usage(j)) : NULL;
+    free(res);
+    *code = 200;
+    return body;
+}
+
+/* The reader of a non-streamed answer whose client half-closed: status 200
+ * is sent at once, then a space (JSON allows leading whitespace) every
+ * slice until the answer is ready, so that a client that really closed is
+ * found by a failed write and its request cancelled (from `completed`). */
+static ssize_t plain_read(void *cls, uint64_t pos, char *buf, size_t max) {
+    (void)pos;
+    job *j = cls;
+    for (;;) {
+        if (j->out_off < j->out.len) {
+            size_t n = j->out.len - j->out_off < max ? j->out.len - j->out_off : max;
+            memcpy(buf, j->out.p + j->out_off, n);
+            j->out_off += n;
+            return (ssize_t)n;
+        }
+        if (j->stream_done) return MHD_CONTENT_READER_END_OF_STREAM;
+        pthread_mutex_lock(&j->mu);
+        if (j->n_done < j->n_slots) wait_slice(j);
+        bool done = j->n_done == j->n_slots;
+        pthread_mutex_unlock(&j->mu);
+        if (!done) {
+            if (check_client(j)) return MHD_CONTENT_READER_END_WITH_ERROR;
+            buf[0] = ' ';
+            return 1;
+        }
+        int code;
+        char *body = plain_answer(j->s, j, &code);
+        if (!body || !srv_text_append(&j->out, body, strlen(body))) {
+            free(body);
+            return MHD_CONTENT_READER_END_WITH_ERROR;
+        }
+        free(body);
+        j->stream_done = true;
+    }
+}
+
 static enum MHD_Result finish_plain(srv *s, conn *cn, struct MHD_Connection *c, job *j) {
     pthread_mutex_lock(&j->mu);
     while (j->n_done < j->n_slots) {
@@ -598,31 +793,35 @@ static enum MHD_Result finish_plain(srv *s, conn *cn, struct MHD_Connection *c, 
         if (j->n_done == j->n_slots) break;
         pthread_mutex_unlock(&j->mu);
         bool gone = check_client(j);
-        pthread_mutex_lock(&j->mu);
         if (gone) {
-            pthread_mutex_unlock(&j->mu);
             count_response(s, cn, 499); /* nginx's "client closed request" */
             return MHD_NO;
         }
+        if (j->peer_eof && !j->cancelled) {
+            /* Half-closed, or closed: answer through plain_read. */
+            pthread_mutex_lock(&j->mu);
+            j->refs++; /* the response's */
+            pthread_mutex_unlock(&j->mu);
+            struct MHD_Response *r =
+                MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, plain_read, j, stream_free);
+            if (!r) {
+                job_release(j);
+                return MHD_NO;
+            }
+            MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "application/json");
+            add_cors(s, c, r);
+            enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, r);
+            MHD_destroy_response(r);
+            count_response(s, cn, 200);
+            return ret;
+        }
+        pthread_mutex_lock(&j->mu);
     }
-    srv_choice_result *res = calloc((size_t)j->n_slots, sizeof *res);
-    const char *error = NULL;
-    for (int i = 0; res && i < j->n_slots; i++) {
-        slot *sl = &j->slots[i];
-        res[i] = (srv_choice_result){sl->text.p, sl->text.len, finish_name(sl->finish)};
-        if (sl->finish == DUET_FINISH_ERROR) error = sl->error;
-    }
-    srv_usage u = job_usage(j);
-    /* The engine thread is done with the slots: reading them unlocked is safe. */
     pthread_mutex_unlock(&j->mu);
-    if (error) {
-        srv_error e = server_error(500, "server_error", NULL, error);
-        free(res);
-        return send_error(s, cn, c, &e);
-    }
-    char *body = res ? srv_response_json(j->req.kind, j->id, j->created, s->name, res, j->n_slots, u) : NULL;
-    free(res);
-    return send_json(s, cn, c, 200, body);
+    int code;
+    char *body = plain_answer(s, j, &code);
+    if (j->timed_out && cn->generation) cn->outcome = OUT_CANCELLED;
+    return send_json(s, cn, c, code, body);
 }
 
 static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
@@ -648,6 +847,10 @@ static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
     j->s = s;
     j->fd = -1;
     j->t0 = mono_now();
+    /* The deadline: the request's "timeout", at most the server's. */
+    double timeout = j->req.timeout_s;
+    if (s->request_timeout_s > 0 && (timeout <= 0 || timeout > s->request_timeout_s)) timeout = s->request_timeout_s;
+    j->deadline = timeout > 0 ? j->t0 + timeout : 0;
     j->created = (long)time(NULL);
     snprintf(j->id, sizeof j->id, "%s%016llx", kind == SRV_CHAT ? "chatcmpl-" : "cmpl-",
              (unsigned long long)fresh_u64(s));
@@ -695,14 +898,73 @@ static int route_of(const char *url) {
     return R_OTHER;
 }
 
+/* Keeps the list of open connections for the sweeper. libmicrohttpd says
+ * CLOSED before it closes the socket, so a listed fd is still this one. */
 static void on_connection(void *cls, struct MHD_Connection *c, void **socket_context,
                           enum MHD_ConnectionNotificationCode code) {
-    (void)c, (void)socket_context;
     srv *s = cls;
-    if (code == MHD_CONNECTION_NOTIFY_STARTED)
+    if (code == MHD_CONNECTION_NOTIFY_STARTED) {
         atomic_fetch_add(&s->open_conns, 1);
-    else if (code == MHD_CONNECTION_NOTIFY_CLOSED)
+        conn_rec *rec = calloc(1, sizeof *rec);
+        const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_CONNECTION_FD);
+        if (!rec || !ci) {
+            free(rec);
+            return; /* no read deadline for this one */
+        }
+        rec->fd = ci->connect_fd;
+        rec->peer_len = sizeof rec->peer;
+        if (getpeername(rec->fd, (struct sockaddr *)&rec->peer, &rec->peer_len) != 0) rec->peer_len = 0;
+        rec->read_since = mono_now();
+        rec->reading = true;
+        pthread_mutex_lock(&s->conns_mu);
+        rec->next = s->conns;
+        if (s->conns) s->conns->prev = rec;
+        s->conns = rec;
+        pthread_mutex_unlock(&s->conns_mu);
+        *socket_context = rec;
+    } else if (code == MHD_CONNECTION_NOTIFY_CLOSED) {
         atomic_fetch_sub(&s->open_conns, 1);
+        conn_rec *rec = *socket_context;
+        if (!rec) return;
+        pthread_mutex_lock(&s->conns_mu);
+        if (rec->prev) rec->prev->next = rec->next;
+        else s->conns = rec->next;
+        if (rec->next) rec->next->prev = rec->prev;
+        pthread_mutex_unlock(&s->conns_mu);
+        free(rec);
+        *socket_context = NULL;
+    }
+}
+
+/* The request-read deadline: a connection whose request has been arriving
+ * for longer than read_timeout_s (headers or body, however slowly it
+ * trickles: the idle timeout alone restarts at every byte) is shut down,
+ * which ends its libmicrohttpd thread. */
+static void *sweep_main(void *arg) {
+    srv *s = arg;
+    pthread_mutex_lock(&s->conns_mu);
+    while (!s->sweeper_stop) {
+        double now = mono_now();
+        for (conn_rec *r = s->conns; r; r = r->next) {
+            if (!r->reading || now - r->read_since < s->read_timeout_s) continue;
+            struct sockaddr_storage peer;
+            socklen_t len = sizeof peer;
+            if (getpeername(r->fd, (struct sockaddr *)&peer, &len) == 0 && len == r->peer_len &&
+                !memcmp(&peer, &r->peer, len))
+                shutdown(r->fd, SHUT_RDWR);
+            r->reading = false;
+            pthread_mutex_lock(&s->mu);
+            s->read_timeouts++;
+            pthread_mutex_unlock(&s->mu);
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 250000000L;
+        if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
+        pthread_cond_timedwait(&s->sweep_cv, &s->conns_mu, &ts);
+    }
+    pthread_mutex_unlock(&s->conns_mu);
+    return NULL;
 }
 
 /* Counts Content-Length headers whose value differs from the first. */
@@ -718,6 +980,96 @@ static enum MHD_Result content_length_seen(void *cls, enum MHD_ValueKind kind, c
     return MHD_YES;
 }
 
+/* The answer to a CORS preflight from an allowed origin. */
+static enum MHD_Result send_preflight(srv *s, conn *cn, struct MHD_Connection *c) {
+    struct MHD_Response *r = MHD_create_response_from_buffer(0, NULL, MHD_RESPMEM_PERSISTENT);
+    if (!r) return MHD_NO;
+    add_cors(s, c, r);
+    MHD_add_response_header(r, "Access-Control-Allow-Methods", "GET, POST, OPTIONS");
+    MHD_add_response_header(r, "Access-Control-Allow-Headers", "Authorization, Content-Type");
+    MHD_add_response_header(r, "Access-Control-Max-Age", "600");
+    enum MHD_Result ret = MHD_queue_response(c, 204, r);
+    MHD_destroy_response(r);
+    count_response(s, cn, 204);
+    return ret;
+}
+
+/* The connection's record (its socket context). */
+static conn_rec *rec_of(struct MHD_Connection *c) {
+    const union MHD_ConnectionInfo *ci = MHD_get_connection_info(c, MHD_CONNECTION_INFO_SOCKET_CONTEXT);
+    return ci ? ci->socket_context : NULL;
+}
+
+/* The request is in whole: the read deadline stops, and a generation
+ * request is counted as received. */
+static void request_read(srv *s, struct MHD_Connection *c, conn *cn) {
+    conn_rec *rec = rec_of(c);
+    if (rec) {
+        pthread_mutex_lock(&s->conns_mu);
+        rec->reading = false;
+        pthread_mutex_unlock(&s->conns_mu);
+    }
+    if (cn->generation) {
+        cn->received = true;
+        pthread_mutex_lock(&s->mu);
+        s->received++;
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
+/* Compares in time that depends on the length of what the client sent,
+ * never on how much of the key it got right. */
+static bool key_matches(const char *key, const char *got) {
+    size_t nk = strlen(key), ng = strlen(got);
+    unsigned char diff = nk != ng;
+    for (size_t i = 0; i < ng; i++) diff |= (unsigned char)(got[i] ^ key[i % nk]);
+    return diff == 0;
+}
+
+/* Is the media type of the header value application/json (any parameters)? */
+static bool is_json_type(const char *v) {
+    if (!v) return false;
+    while (*v == ' ' || *v == '\t') v++;
+    size_t n = strlen("application/json");
+    if (strncasecmp(v, "application/json", n)) return false;
+    v += n;
+    while (*v == ' ' || *v == '\t') v++;
+    return *v == 0 || *v == ';';
+}
+
+/* The checks before any endpoint: CORS preflight (err->http 204 = answer
+ * it), the Origin, the API key, and JSON bodies on POST (a web page can
+ * send text/plain across origins without asking first; JSON it cannot). */
+static bool admit(srv *s, conn *cn, struct MHD_Connection *c, const char *method, srv_error *err) {
+    const char *origin = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "Origin");
+    if (origin && !origin_allowed(s, origin)) {
+        *err = server_error(403, "invalid_request_error", "origin_not_allowed", "");
+        snprintf(err->message, sizeof err->message,
+                 "requests from the web origin %.200s are not allowed (see --allowed-origins)", origin);
+        return false;
+    }
+    if (!strcmp(method, MHD_HTTP_METHOD_OPTIONS) && origin && cn->route != R_OTHER) {
+        *err = (srv_error){.http = 204};
+        return false;
+    }
+    bool open = cn->route == R_HEALTH || (cn->route == R_METRICS && s->metrics_public);
+    if (s->api_key && !open) {
+        const char *auth = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
+        if (!auth || strncasecmp(auth, "Bearer ", 7) || !key_matches(s->api_key, auth + 7)) {
+            *err = server_error(401, "invalid_request_error", "invalid_api_key",
+                                auth ? "Incorrect API key provided" : "An API key is required: Authorization: Bearer KEY");
+            return false;
+        }
+    }
+    if (!strcmp(method, MHD_HTTP_METHOD_POST) &&
+        !is_json_type(MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_TYPE))) {
+        *err = server_error(415, "invalid_request_error", "unsupported_media_type",
+                            "the request body must be JSON, sent with Content-Type: application/json");
+        return false;
+    }
+    return true;
+}
+
 static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *url, const char *method,
                               const char *version, const char *upload, size_t *upload_size, void **con_cls) {
     srv *s = cls;
@@ -726,6 +1078,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         if (!(cn = calloc(1, sizeof *cn))) return MHD_NO;
         cn->route = route_of(url);
         cn->code = 0;
+        cn->outcome = -1;
+        cn->generation = (cn->route == R_COMPLETIONS || cn->route == R_CHAT) && !strcmp(method, MHD_HTTP_METHOD_POST);
         *con_cls = cn;
         return MHD_YES;
     }
@@ -736,6 +1090,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return MHD_YES;
     }
     if (cn->code) return MHD_YES; /* already answered */
+    request_read(s, c, cn);
     bool post = !strcmp(method, MHD_HTTP_METHOD_POST), get = !strcmp(method, MHD_HTTP_METHOD_GET);
     srv_error err;
     /* Two Content-Length headers that disagree: a proxy in front may have
@@ -755,6 +1110,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
                  s->max_conns);
         return send_error(s, cn, c, &err);
     }
+    if (!admit(s, cn, c, method, &err)) return err.http == 204 ? send_preflight(s, cn, c) : send_error(s, cn, c, &err);
     switch (cn->route) {
     case R_COMPLETIONS:
     case R_CHAT:
@@ -783,10 +1139,42 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     return send_error(s, cn, c, &err);
 }
 
+/* A generation request's outcome, from its job (once its connection is
+ * done with it): failed, cancelled (client gone, deadline, shutdown),
+ * length, or stop. */
+static int job_outcome(job *j) {
+    int out = OUT_STOP;
+    pthread_mutex_lock(&j->mu);
+    bool unfinished = j->n_done < j->n_slots;
+    for (int i = 0; i < j->n_slots; i++) {
+        duet_finish f = j->slots[i].finish;
+        if (f == DUET_FINISH_ERROR) out = OUT_FAILED;
+        else if ((f == DUET_FINISH_CANCELLED || !j->slots[i].done) && out != OUT_FAILED) out = OUT_CANCELLED;
+        else if (f == DUET_FINISH_LENGTH && out == OUT_STOP) out = OUT_LENGTH;
+    }
+    if ((unfinished || j->cancelled) && out != OUT_FAILED) out = OUT_CANCELLED;
+    pthread_mutex_unlock(&j->mu);
+    return out;
+}
+
 static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+    (void)toe;
     srv *s = cls;
+    conn_rec *rec = rec_of(c);
+    if (rec) { /* a keep-alive connection's next request starts arriving now */
+        pthread_mutex_lock(&s->conns_mu);
+        rec->reading = true;
+        rec->read_since = mono_now();
+        pthread_mutex_unlock(&s->conns_mu);
+    }
     conn *cn = *con_cls;
     if (!cn) return;
+    if (cn->received) { /* counted once, by how it ended */
+        int out = cn->outcome >= 0 ? cn->outcome : cn->j ? job_outcome(cn->j) : OUT_FAILED;
+        pthread_mutex_lock(&s->mu);
+        s->outcomes[out]++;
+        pthread_mutex_unlock(&s->mu);
+    }
     if (cn->j) {
         /* A stream cut short (write error, client gone) leaves work behind. */
         pthread_mutex_lock(&cn->j->mu);
@@ -853,9 +1241,31 @@ static void srv_free(srv *s) {
     free(s->name);
     free(s->path);
     free(s->name_label);
+    free(s->api_key);
+    for (char **o = s->origins; o && *o; o++) free(*o);
+    free(s->origins);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->idle);
+    pthread_mutex_destroy(&s->conns_mu);
+    pthread_cond_destroy(&s->sweep_cv);
     free(s);
+}
+
+/* "a, b,c" -> {"a", "b", "c", NULL}; "*" sets any_origin. */
+static bool parse_origins(srv *s, const char *list) {
+    size_t n = 1;
+    for (const char *p = list; *p; p++) n += *p == ',';
+    if (!(s->origins = calloc(n + 1, sizeof *s->origins))) return false;
+    size_t k = 0;
+    for (const char *p = list; *p;) {
+        while (*p == ' ' || *p == ',') p++;
+        size_t len = strcspn(p, ", ");
+        if (!len) break;
+        if (len == 1 && *p == '*') s->any_origin = true;
+        else if (!(s->origins[k++] = strndup(p, len))) return false;
+        p += len;
+    }
+    return true;
 }
 
 /* Every connection holds a descriptor (and a thread): lift the soft limit
@@ -877,6 +1287,8 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     if (!s) return fprintf(stderr, "duet: out of memory\n"), -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->idle, NULL);
+    pthread_mutex_init(&s->conns_mu, NULL);
+    pthread_cond_init(&s->sweep_cv, NULL);
     s->e = e;
     s->model = duet_engine_model(e);
     s->name = strdup(cfg->model_name ? cfg->model_name : "duet");
@@ -892,8 +1304,25 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
      * lowers it, so a default max_tokens is clamped to what fits and an
      * explicit one gets a 400 that says the real limit. */
     s->n_ctx = duet_engine_max_sequence_tokens(e); /* at most d.n_ctx */
+    /* A context's worth of the longest tokens, with room for control tokens
+     * (which print nothing but match their text). */
+    int longest = 1;
+    for (int id = 0; id < d.n_vocab; id++) {
+        char piece[256];
+        int n = duet_token_piece(s->model, id, piece, sizeof piece);
+        if (n > longest) longest = n;
+    }
+    s->fit_bytes = (size_t)s->n_ctx * ((size_t)longest + 64);
     s->lim = (srv_limits){.model_name = s->name, .model_alias = s->path[0] ? s->path : NULL, .n_vocab = d.n_vocab};
     s->verbose = cfg->verbose;
+    s->read_timeout_s = cfg->read_timeout_s > 0 ? cfg->read_timeout_s : SRV_DEFAULT_READ_TIMEOUT_S;
+    s->request_timeout_s = cfg->request_timeout_s > 0 ? cfg->request_timeout_s : 0;
+    s->metrics_public = cfg->metrics_public;
+    if ((cfg->api_key && cfg->api_key[0] && !(s->api_key = strdup(cfg->api_key))) ||
+        (cfg->allowed_origins && !parse_origins(s, cfg->allowed_origins))) {
+        srv_free(s);
+        return fprintf(stderr, "duet: out of memory\n"), -1;
+    }
     s->started = (long)time(NULL);
     s->salt = os_random();
 
@@ -955,6 +1384,13 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
     s->port = di ? di->port : cfg->port;
+    if (pthread_create(&s->sweeper, NULL, sweep_main, s) != 0) {
+        fprintf(stderr, "duet: cannot start the connection sweeper thread\n");
+        MHD_stop_daemon(s->d);
+        srv_free(s);
+        return -1;
+    }
+    s->sweeper_started = true;
     *out = s;
     return 0;
 }
@@ -991,6 +1427,13 @@ void srv_stop(srv *s) {
     /* Waiting connections give up at their next slice, so MHD's joins end. */
     atomic_store(&s->cancel_all, true);
     atomic_store(&s->stopping, true);
+    if (s->sweeper_started) {
+        pthread_mutex_lock(&s->conns_mu);
+        s->sweeper_stop = true;
+        pthread_cond_signal(&s->sweep_cv);
+        pthread_mutex_unlock(&s->conns_mu);
+        pthread_join(s->sweeper, NULL);
+    }
     MHD_stop_daemon(s->d);
     srv_free(s);
 }

@@ -118,6 +118,7 @@ typedef struct srv_request {
     char *stop[SRV_MAX_STOP];
     int n_stop;
     duet_priority priority;
+    double timeout_s; /* "timeout": seconds until the server cancels and answers it; 0 = the server's default */
 } srv_request;
 
 /* What validation needs to know about the served model. */
@@ -162,6 +163,7 @@ bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, c
 
 #define SRV_DEFAULT_MAX_CONNECTIONS 4096
 #define SRV_DEFAULT_IDLE_TIMEOUT_S 30
+#define SRV_DEFAULT_READ_TIMEOUT_S 30
 
 typedef struct srv_config {
     const char *host;          /* address to bind; "0.0.0.0" or "::" for all */
@@ -171,7 +173,12 @@ typedef struct srv_config {
     const char *chat_template; /* NULL or "auto": from the model; or a family name */
     int max_connections; /* open connections; past it requests get 503 (0 = SRV_DEFAULT_MAX_CONNECTIONS) */
     int idle_timeout_s;  /* an idle connection is closed after this (0 = SRV_DEFAULT_IDLE_TIMEOUT_S) */
-    bool verbose;        /* log one line per request */
+    int read_timeout_s;  /* a request must arrive whole within this (0 = SRV_DEFAULT_READ_TIMEOUT_S) */
+    double request_timeout_s;    /* generation deadline per request; 0 = none (a request's "timeout" may set one) */
+    const char *api_key;         /* NULL or "": no authentication */
+    bool metrics_public;         /* /metrics without the API key */
+    const char *allowed_origins; /* NULL: no CORS; "*" or a comma-separated list of origins */
+    bool verbose;                /* log one line per request */
 } srv_config;
 
 typedef struct srv srv;

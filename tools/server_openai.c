@@ -359,6 +359,8 @@ static bool parse_fields(const cJSON *o, const srv_limits *lim, srv_request *r, 
             return srv_bad(err, "stream_options.include_usage", "invalid_type", "'include_usage' must be true or false");
         r->include_usage = cJSON_IsTrue(iu);
     }
+    /* timeout: duet's own field, seconds until the server gives up on it. */
+    if (!read_number(o, "timeout", 0, 86400 * 7, true, &r->timeout_s, err)) return false;
     return parse_stop(o, r, err) && parse_priority(o, r, err);
 }
 
@@ -394,6 +396,10 @@ bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_li
     s->frequency_penalty = 0;
     s->penalty_last_n = 0;
 
+    /* A raw NUL byte is not JSON anywhere (RFC 8259), and cJSON would end
+     * the string holding it there: "pres\0..." would drop the field. */
+    if (memchr(body, 0, len))
+        return srv_bad(err, NULL, "invalid_json", "the request body is not valid JSON (it holds a NUL byte)");
     if (has_nul_escape(body, len))
         return srv_bad(err, NULL, "invalid_value", "a string in the request contains U+0000 (\\u0000), which duet does not accept");
     cJSON *o = cJSON_ParseWithLength(body, len);
