@@ -63,7 +63,8 @@ static const int tracked_codes[] = {200, 204, 400, 401, 403, 404, 405, 408, 413,
 /* How a generation request ended: each one the server receives is counted
  * once, by one of these, when its connection is done with it. */
 enum { OUT_STOP, OUT_LENGTH, OUT_CANCELLED, OUT_FAILED, OUT_REJECTED, OUT_INVALID, N_OUTCOMES };
-static const char *const outcome_names[N_OUTCOMES] = {"stop", "length", "cancelled", "failed", "rejected", "invalid"};
+static const char *const outcome_names[N_OUTCOMES] = {"stop",   "length",   "cancelled",
+                                                      "failed", "rejected", "invalid"};
 
 /* One open TCP connection, for the request-read deadline: `reading` while a
  * request is on its way in (from the connection's start, or from the last
@@ -94,10 +95,10 @@ struct srv {
     atomic_int open_conns; /* TCP connections libmicrohttpd holds open */
     int max_conns;
     double read_timeout_s, request_timeout_s;
-    char *api_key;          /* NULL: no authentication */
-    bool metrics_public;    /* /metrics without the key */
-    char **origins;         /* allowed CORS origins (NULL-terminated), or NULL */
-    bool any_origin;        /* --allowed-origins '*' */
+    char *api_key;       /* NULL: no authentication */
+    bool metrics_public; /* /metrics without the key */
+    char **origins;      /* allowed CORS origins (NULL-terminated), or NULL */
+    bool any_origin;     /* --allowed-origins '*' */
 
     pthread_mutex_t mu; /* in_flight, stats, outcomes */
     pthread_cond_t idle;
@@ -168,9 +169,9 @@ typedef struct conn {
     srv_text body;
     bool too_big, counted;
     int route, code;
-    bool generation;  /* a POST to a generation endpoint: counted in received/outcomes */
-    bool received;    /* ... and it arrived whole */
-    int outcome;      /* -1 until an error response decides it; else from the job */
+    bool generation; /* a POST to a generation endpoint: counted in received/outcomes */
+    bool received;   /* ... and it arrived whole */
+    int outcome;     /* -1 until an error response decides it; else from the job */
     job *j;
 } conn;
 
@@ -405,9 +406,10 @@ static srv_error timeout_error(job *j) {
     pthread_mutex_lock(&j->mu);
     int generated = job_usage(j).completion_tokens;
     pthread_mutex_unlock(&j->mu);
-    snprintf(e.message, sizeof e.message,
-             "the request did not finish within its timeout of %.3g s (%d tokens generated); it was cancelled",
-             j->deadline - j->t0, generated);
+    snprintf(
+        e.message, sizeof e.message,
+        "the request did not finish within its timeout of %.3g s (%d tokens generated); it was cancelled",
+        j->deadline - j->t0, generated);
     return e;
 }
 
@@ -452,24 +454,27 @@ static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
                                        s->name_label, route_paths[r], code, (unsigned long long)s->stats[r][k]);
         }
     /* The accounting identity: once idle, received = the sum of finished. */
-    ok = ok && srv_text_printf(&t,
-                               "# HELP duet_server_requests_received_total Generation requests (POST /v1/completions, "
-                               "/v1/chat/completions) received whole.\n"
-                               "# TYPE duet_server_requests_received_total counter\n"
-                               "duet_server_requests_received_total{model_name=\"%s\"} %llu\n"
-                               "# HELP duet_server_requests_finished_total Generation requests by outcome (rejected: "
-                               "429/503; invalid: refused 4xx); each received request is counted once when it ends.\n"
-                               "# TYPE duet_server_requests_finished_total counter\n",
-                               s->name_label, (unsigned long long)s->received);
+    ok = ok && srv_text_printf(
+                   &t,
+                   "# HELP duet_server_requests_received_total Generation requests (POST /v1/completions, "
+                   "/v1/chat/completions) received whole.\n"
+                   "# TYPE duet_server_requests_received_total counter\n"
+                   "duet_server_requests_received_total{model_name=\"%s\"} %llu\n"
+                   "# HELP duet_server_requests_finished_total Generation requests by outcome (rejected: "
+                   "429/503; invalid: refused 4xx); each received request is counted once when it ends.\n"
+                   "# TYPE duet_server_requests_finished_total counter\n",
+                   s->name_label, (unsigned long long)s->received);
     for (int o = 0; o < N_OUTCOMES; o++)
-        ok = ok && srv_text_printf(&t, "duet_server_requests_finished_total{model_name=\"%s\",outcome=\"%s\"} %llu\n",
-                                   s->name_label, outcome_names[o], (unsigned long long)s->outcomes[o]);
-    ok = ok && srv_text_printf(&t,
-                               "# HELP duet_server_read_timeouts_total Connections shut because no whole request "
-                               "arrived within --read-timeout (slow clients; keep-alive connections idle that long).\n"
-                               "# TYPE duet_server_read_timeouts_total counter\n"
-                               "duet_server_read_timeouts_total{model_name=\"%s\"} %llu\n",
-                               s->name_label, (unsigned long long)s->read_timeouts);
+        ok = ok && srv_text_printf(
+                       &t, "duet_server_requests_finished_total{model_name=\"%s\",outcome=\"%s\"} %llu\n",
+                       s->name_label, outcome_names[o], (unsigned long long)s->outcomes[o]);
+    ok = ok && srv_text_printf(
+                   &t,
+                   "# HELP duet_server_read_timeouts_total Connections shut because no whole request "
+                   "arrived within --read-timeout (slow clients; keep-alive connections idle that long).\n"
+                   "# TYPE duet_server_read_timeouts_total counter\n"
+                   "duet_server_read_timeouts_total{model_name=\"%s\"} %llu\n",
+                   s->name_label, (unsigned long long)s->read_timeouts);
     pthread_mutex_unlock(&s->mu);
     if (!ok) {
         srv_text_free(&t);
@@ -505,7 +510,8 @@ static bool prompt_may_fit(srv *s, const char *text) {
     size_t len = strlen(text);
     if (len <= s->fit_bytes) return true;
     size_t cut = s->fit_bytes;
-    while (cut > 0 && ((unsigned char)text[cut] & 0xC0) == 0x80) cut--; /* at a character boundary */
+    while (cut > 0 && ((unsigned char)text[cut] & 0xC0) == 0x80)
+        cut--; /* at a character boundary */
     int32_t *ids = NULL;
     int n = tokenize(s->model, text, cut, &ids);
     free(ids);
@@ -530,9 +536,10 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
         }
         if (text && !prompt_may_fit(s, text)) {
             srv_text_free(&chat);
-            return srv_bad(err, r->kind == SRV_CHAT ? "messages" : "prompt", "context_length_exceeded",
-                           "This model's maximum context length is %d tokens; the prompt has more (%zu bytes)",
-                           s->n_ctx, strlen(text));
+            return srv_bad(
+                err, r->kind == SRV_CHAT ? "messages" : "prompt", "context_length_exceeded",
+                "This model's maximum context length is %d tokens; the prompt has more (%zu bytes)", s->n_ctx,
+                strlen(text));
         }
         if (text) {
             int n = tokenize(s->model, text, strlen(text), &ids[p]);
@@ -683,7 +690,8 @@ static void stream_fill(job *j) {
                               false, usage_null);
         } else if (fin[k] == DUET_FINISH_ERROR || (j->timed_out && fin[k] == DUET_FINISH_CANCELLED)) {
             if (fin[k] != DUET_FINISH_ERROR && j->timeout_sent) continue; /* one timeout event per stream */
-            srv_error e = fin[k] == DUET_FINISH_ERROR ? server_error(500, "server_error", NULL, errs[k]) : timeout_error(j);
+            srv_error e = fin[k] == DUET_FINISH_ERROR ? server_error(500, "server_error", NULL, errs[k])
+                                                      : timeout_error(j);
             j->timeout_sent |= fin[k] != DUET_FINISH_ERROR;
             char *ej = srv_error_json(&e);
             if (ej) srv_text_printf(&j->out, "data: %s\n\n", ej);
@@ -734,8 +742,10 @@ static char *plain_answer(srv *s, job *j, int *code) {
     for (int i = 0; i < j->n_slots; i++)
         if (j->slots[i].finish == DUET_FINISH_ERROR) error = j->slots[i].error;
     srv_error e;
-    if (error) e = server_error(500, "server_error", NULL, error);
-    else if (j->timed_out) e = timeout_error(j);
+    if (error)
+        e = server_error(500, "server_error", NULL, error);
+    else if (j->timed_out)
+        e = timeout_error(j);
     if (error || j->timed_out) {
         *code = e.http;
         return srv_error_json(&e);
@@ -745,7 +755,9 @@ static char *plain_answer(srv *s, job *j, int *code) {
         slot *sl = &j->slots[i];
         res[i] = (srv_choice_result){sl->text.p, sl->text.len, finish_name(sl->finish)};
     }
-    char *body = res ? srv_response_json(j->req.kind, j->id, j->created, s->name, res, j->n_slots, job_usage(j)) : NULL;
+    char *body =
+        res ? srv_response_json(j->req.kind, j->id, j->created, s->name, res, j->n_slots, job_usage(j))
+            : NULL;
     free(res);
     *code = 200;
     return body;
@@ -849,7 +861,8 @@ static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
     j->t0 = mono_now();
     /* The deadline: the request's "timeout", at most the server's. */
     double timeout = j->req.timeout_s;
-    if (s->request_timeout_s > 0 && (timeout <= 0 || timeout > s->request_timeout_s)) timeout = s->request_timeout_s;
+    if (s->request_timeout_s > 0 && (timeout <= 0 || timeout > s->request_timeout_s))
+        timeout = s->request_timeout_s;
     j->deadline = timeout > 0 ? j->t0 + timeout : 0;
     j->created = (long)time(NULL);
     snprintf(j->id, sizeof j->id, "%s%016llx", kind == SRV_CHAT ? "chatcmpl-" : "cmpl-",
@@ -927,8 +940,10 @@ static void on_connection(void *cls, struct MHD_Connection *c, void **socket_con
         conn_rec *rec = *socket_context;
         if (!rec) return;
         pthread_mutex_lock(&s->conns_mu);
-        if (rec->prev) rec->prev->next = rec->next;
-        else s->conns = rec->next;
+        if (rec->prev)
+            rec->prev->next = rec->next;
+        else
+            s->conns = rec->next;
         if (rec->next) rec->next->prev = rec->prev;
         pthread_mutex_unlock(&s->conns_mu);
         free(rec);
@@ -1022,18 +1037,21 @@ static void request_read(srv *s, struct MHD_Connection *c, conn *cn) {
 static bool key_matches(const char *key, const char *got) {
     size_t nk = strlen(key), ng = strlen(got);
     unsigned char diff = nk != ng;
-    for (size_t i = 0; i < ng; i++) diff |= (unsigned char)(got[i] ^ key[i % nk]);
+    for (size_t i = 0; i < ng; i++)
+        diff |= (unsigned char)(got[i] ^ key[i % nk]);
     return diff == 0;
 }
 
 /* Is the media type of the header value application/json (any parameters)? */
 static bool is_json_type(const char *v) {
     if (!v) return false;
-    while (*v == ' ' || *v == '\t') v++;
+    while (*v == ' ' || *v == '\t')
+        v++;
     size_t n = strlen("application/json");
     if (strncasecmp(v, "application/json", n)) return false;
     v += n;
-    while (*v == ' ' || *v == '\t') v++;
+    while (*v == ' ' || *v == '\t')
+        v++;
     return *v == 0 || *v == ';';
 }
 
@@ -1057,7 +1075,8 @@ static bool admit(srv *s, conn *cn, struct MHD_Connection *c, const char *method
         const char *auth = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
         if (!auth || strncasecmp(auth, "Bearer ", 7) || !key_matches(s->api_key, auth + 7)) {
             *err = server_error(401, "invalid_request_error", "invalid_api_key",
-                                auth ? "Incorrect API key provided" : "An API key is required: Authorization: Bearer KEY");
+                                auth ? "Incorrect API key provided"
+                                     : "An API key is required: Authorization: Bearer KEY");
             return false;
         }
     }
@@ -1079,7 +1098,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         cn->route = route_of(url);
         cn->code = 0;
         cn->outcome = -1;
-        cn->generation = (cn->route == R_COMPLETIONS || cn->route == R_CHAT) && !strcmp(method, MHD_HTTP_METHOD_POST);
+        cn->generation =
+            (cn->route == R_COMPLETIONS || cn->route == R_CHAT) && !strcmp(method, MHD_HTTP_METHOD_POST);
         *con_cls = cn;
         return MHD_YES;
     }
@@ -1110,7 +1130,8 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
                  s->max_conns);
         return send_error(s, cn, c, &err);
     }
-    if (!admit(s, cn, c, method, &err)) return err.http == 204 ? send_preflight(s, cn, c) : send_error(s, cn, c, &err);
+    if (!admit(s, cn, c, method, &err))
+        return err.http == 204 ? send_preflight(s, cn, c) : send_error(s, cn, c, &err);
     switch (cn->route) {
     case R_COMPLETIONS:
     case R_CHAT:
@@ -1148,9 +1169,12 @@ static int job_outcome(job *j) {
     bool unfinished = j->n_done < j->n_slots;
     for (int i = 0; i < j->n_slots; i++) {
         duet_finish f = j->slots[i].finish;
-        if (f == DUET_FINISH_ERROR) out = OUT_FAILED;
-        else if ((f == DUET_FINISH_CANCELLED || !j->slots[i].done) && out != OUT_FAILED) out = OUT_CANCELLED;
-        else if (f == DUET_FINISH_LENGTH && out == OUT_STOP) out = OUT_LENGTH;
+        if (f == DUET_FINISH_ERROR)
+            out = OUT_FAILED;
+        else if ((f == DUET_FINISH_CANCELLED || !j->slots[i].done) && out != OUT_FAILED)
+            out = OUT_CANCELLED;
+        else if (f == DUET_FINISH_LENGTH && out == OUT_STOP)
+            out = OUT_LENGTH;
     }
     if ((unfinished || j->cancelled) && out != OUT_FAILED) out = OUT_CANCELLED;
     pthread_mutex_unlock(&j->mu);
@@ -1242,7 +1266,8 @@ static void srv_free(srv *s) {
     free(s->path);
     free(s->name_label);
     free(s->api_key);
-    for (char **o = s->origins; o && *o; o++) free(*o);
+    for (char **o = s->origins; o && *o; o++)
+        free(*o);
     free(s->origins);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->idle);
@@ -1254,15 +1279,19 @@ static void srv_free(srv *s) {
 /* "a, b,c" -> {"a", "b", "c", NULL}; "*" sets any_origin. */
 static bool parse_origins(srv *s, const char *list) {
     size_t n = 1;
-    for (const char *p = list; *p; p++) n += *p == ',';
+    for (const char *p = list; *p; p++)
+        n += *p == ',';
     if (!(s->origins = calloc(n + 1, sizeof *s->origins))) return false;
     size_t k = 0;
     for (const char *p = list; *p;) {
-        while (*p == ' ' || *p == ',') p++;
+        while (*p == ' ' || *p == ',')
+            p++;
         size_t len = strcspn(p, ", ");
         if (!len) break;
-        if (len == 1 && *p == '*') s->any_origin = true;
-        else if (!(s->origins[k++] = strndup(p, len))) return false;
+        if (len == 1 && *p == '*')
+            s->any_origin = true;
+        else if (!(s->origins[k++] = strndup(p, len)))
+            return false;
         p += len;
     }
     return true;

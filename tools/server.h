@@ -118,7 +118,7 @@ typedef struct srv_request {
     char *stop[SRV_MAX_STOP];
     int n_stop;
     duet_priority priority;
-    double timeout_s; /* "timeout": seconds until the server cancels and answers it; 0 = the server's default */
+    double timeout_s; /* "timeout": seconds until it is cancelled and answered (0: the server's) */
 } srv_request;
 
 /* What validation needs to know about the served model. */
@@ -174,7 +174,7 @@ typedef struct srv_config {
     int max_connections; /* open connections; past it requests get 503 (0 = SRV_DEFAULT_MAX_CONNECTIONS) */
     int idle_timeout_s;  /* an idle connection is closed after this (0 = SRV_DEFAULT_IDLE_TIMEOUT_S) */
     int read_timeout_s;  /* a request must arrive whole within this (0 = SRV_DEFAULT_READ_TIMEOUT_S) */
-    double request_timeout_s;    /* generation deadline per request; 0 = none (a request's "timeout" may set one) */
+    double request_timeout_s;    /* generation deadline per request; 0 = none */
     const char *api_key;         /* NULL or "": no authentication */
     bool metrics_public;         /* /metrics without the API key */
     const char *allowed_origins; /* NULL: no CORS; "*" or a comma-separated list of origins */
