@@ -437,6 +437,8 @@ typedef struct xfer {
     size_t abort_after; /* > 0: hang up once this many body bytes arrived */
     char retry_after[32];
     char content_type[128];
+    char allow_origin[128]; /* Access-Control-Allow-Origin */
+    char allow_methods[128];
     struct curl_slist *hdrs;
     bool done;
 } xfer;
@@ -462,6 +464,10 @@ static size_t on_header(char *p, size_t sz, size_t n, void *user) {
                                                                  (int)strcspn(p + 13, "\r\n"), p + 13);
     if (k > 14 && !strncasecmp(p, "Content-Type: ", 14))
         snprintf(x->content_type, sizeof x->content_type, "%.*s", (int)strcspn(p + 14, "\r\n"), p + 14);
+    if (k > 29 && !strncasecmp(p, "Access-Control-Allow-Origin: ", 29))
+        snprintf(x->allow_origin, sizeof x->allow_origin, "%.*s", (int)strcspn(p + 29, "\r\n"), p + 29);
+    if (k > 30 && !strncasecmp(p, "Access-Control-Allow-Methods: ", 30))
+        snprintf(x->allow_methods, sizeof x->allow_methods, "%.*s", (int)strcspn(p + 30, "\r\n"), p + 30);
     return k;
 }
 
@@ -485,6 +491,19 @@ static void xfer_init(xfer *x, int port, const char *method, const char *path, c
     if (strcmp(method, body ? "POST" : "GET")) curl_easy_setopt(x->h, CURLOPT_CUSTOMREQUEST, method);
 }
 
+/* Replaces the request's headers (NULL-terminated list). */
+static void xfer_headers(xfer *x, const char *const *hdrs) {
+    curl_slist_free_all(x->hdrs);
+    x->hdrs = NULL;
+    for (; *hdrs; hdrs++)
+        x->hdrs = curl_slist_append(x->hdrs, *hdrs);
+    curl_easy_setopt(x->h, CURLOPT_HTTPHEADER, x->hdrs);
+}
+
+/* One blocking request with the given headers; returns the HTTP code. */
+static long http_with(int port, const char *method, const char *path, const char *body,
+                      const char *const *hdrs, xfer *x);
+
 static void xfer_finish(xfer *x) {
     curl_easy_getinfo(x->h, CURLINFO_RESPONSE_CODE, &x->code);
     x->done = true;
@@ -500,6 +519,15 @@ static void xfer_free(xfer *x) {
 /* One blocking request; returns the HTTP code (0 when it never connected). */
 static long http(int port, const char *method, const char *path, const char *body, xfer *x) {
     xfer_init(x, port, method, path, body);
+    x->res = curl_easy_perform(x->h);
+    xfer_finish(x);
+    return x->code;
+}
+
+static long http_with(int port, const char *method, const char *path, const char *body,
+                      const char *const *hdrs, xfer *x) {
+    xfer_init(x, port, method, path, body);
+    xfer_headers(x, hdrs);
     x->res = curl_easy_perform(x->h);
     xfer_finish(x);
     return x->code;
@@ -1538,6 +1566,353 @@ START_TEST(second_server_on_a_port_fails) {
 }
 END_TEST
 
+/* ======================= hardening (issue: hostile clients, accounting) === */
+
+/* Sends a raw request; with half_close, shuts the write side after it (the
+ * client still reads). Returns what the server sent until it closed. */
+static void raw_exchange(int port, const char *req, bool half_close, char *buf, size_t cap,
+                         double timeout_s) {
+    int fd = tcp_connect(port);
+    ck_assert_msg(fd >= 0, "connect: %s", strerror(errno));
+    size_t len = strlen(req);
+    ck_assert_int_eq(send(fd, req, len, MSG_NOSIGNAL), (ssize_t)len);
+    if (half_close) shutdown(fd, SHUT_WR);
+    bool closed = read_until_close(fd, buf, cap, timeout_s);
+    close(fd);
+    ck_assert_msg(closed, "the server did not close within %.0f s; got: %.300s", timeout_s, buf);
+}
+
+/* A client that half-closes after sending its request (shutdown SHUT_WR,
+ * as some HTTP/1.0 clients and scripts do) still gets the whole answer,
+ * streamed or not; its request is not counted as cancelled. */
+START_TEST(half_closed_clients_get_their_answer) {
+    server s;
+    server_start(&s, "half_close", NULL);
+    static char buf[1 << 20];
+    char req[1024];
+    const char *bodies[2] = {
+        "{\"prompt\":\"Once upon a time\",\"max_tokens\":900,\"ignore_eos\":true,\"temperature\":0}",
+        "{\"prompt\":\"Once upon a "
+        "time\",\"max_tokens\":900,\"ignore_eos\":true,\"temperature\":0,\"stream\":true}"};
+    for (int streamed = 0; streamed < 2; streamed++) {
+        snprintf(req, sizeof req,
+                 "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Content-Length: %zu\r\n\r\n%s",
+                 strlen(bodies[streamed]), bodies[streamed]);
+        raw_exchange(s.port, req, true, buf, sizeof buf, 120);
+        ck_assert_msg(!strncmp(buf, "HTTP/1.1 200", 12), "half-closed client (stream %d): %.300s", streamed,
+                      buf);
+        if (streamed) {
+            ck_assert_msg(strstr(buf, "data: [DONE]") && strstr(buf, "\"finish_reason\":\"length\""),
+                          "the half-closed stream was cut: %.300s",
+                          buf + (strlen(buf) > 300 ? strlen(buf) - 300 : 0));
+        } else {
+            const char *json = strstr(buf, "{\"id\"");
+            ck_assert_msg(json, "no answer in: %.300s", buf);
+            ck_assert_msg(strstr(json, "\"completion_tokens\":900") &&
+                              strstr(json, "\"finish_reason\":\"length\""),
+                          "the half-closed client's answer is not whole: %.400s", json);
+        }
+    }
+    ck_assert_int_eq((int)await_metric(s.port, "duet_requests_total", "status=\"length\"", 2, 10), 2);
+    ck_assert_int_eq((int)scrape(s.port, "duet_requests_total", "status=\"cancelled\""), 0);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
+/* Sends one byte every 200 ms until the server closes or `give_up_s`
+ * passes; returns the seconds it took the server to close (or -1). */
+static double drip(int port, const char *text, double give_up_s) {
+    int fd = tcp_connect(port);
+    ck_assert(fd >= 0);
+    struct timeval tv = {0, 200000};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    double t0 = now_s();
+    for (size_t i = 0; now_s() - t0 < give_up_s; i++) {
+        if (send(fd, text + i % strlen(text), 1, MSG_NOSIGNAL) != 1) break;
+        char b[256];
+        ssize_t n = recv(fd, b, sizeof b, 0);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) break;
+    }
+    double took = now_s() - t0;
+    close(fd);
+    return took < give_up_s ? took : -1;
+}
+
+/* A request that trickles in (headers or body, a byte every 200 ms: the
+ * idle timeout never fires) is cut at --read-timeout; others are served. */
+START_TEST(slow_requests_are_cut_at_the_read_timeout) {
+    server s;
+    const char *args[] = {"--read-timeout", "2", "--idle-timeout", "60", NULL};
+    server_start(&s, "read_timeout", args);
+    double headers =
+        drip(s.port, "POST /v1/completions HTTP/1.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", 20);
+    ck_assert_msg(headers > 0, "a client trickling its headers held the connection 20 s");
+    char body_req[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      "Content-Length: 100000\r\n\r\n";
+    int fd = tcp_connect(s.port);
+    ck_assert(fd >= 0);
+    ck_assert_int_eq(send(fd, body_req, strlen(body_req), MSG_NOSIGNAL), (ssize_t)strlen(body_req));
+    close(fd);
+    double body = drip(s.port, "{\"prompt\":\"aaaaaaaaaaaaaaaaaaaaaaaaaaaa", 20);
+    ck_assert_msg(body > 0, "a client trickling its body held the connection 20 s");
+    printf("read timeout 2 s: trickled headers cut after %.1f s, body after %.1f s\n", headers, body);
+    ck_assert_msg(headers >= 1.5 && body >= 1.5, "cut too early (%.1f s, %.1f s) for a 2 s deadline", headers,
+                  body);
+    xfer x;
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"prompt\":\"Once\",\"max_tokens\":4}", &x),
+                     200);
+    xfer_free(&x);
+    ck_assert_msg(scrape(s.port, "duet_server_read_timeouts_total", "") >= 2, "read timeouts not counted");
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
+/* --api-key: every endpoint but /health wants the key (401 otherwise, with
+ * WWW-Authenticate); --allowed-origins: CORS headers for listed origins,
+ * 403 for others, preflights answered; POST bodies must be JSON (415). */
+START_TEST(api_key_origins_and_json_only) {
+    server s;
+    const char *args[] = {"--api-key", "sekret", "--allowed-origins",
+                          "http://ok.example, http://also.example", NULL};
+    server_start(&s, "auth", args);
+    xfer x;
+    const char *none[] = {NULL}, *wrong[] = {"Authorization: Bearer sekreT", NULL},
+               *longer[] = {"Authorization: Bearer sekret2", NULL},
+               *key[] = {"Authorization: Bearer sekret", NULL};
+    ck_assert_int_eq(http_with(s.port, "GET", "/health", NULL, none, &x), 200);
+    xfer_free(&x);
+    const char *paths[] = {"/v1/models", "/metrics"};
+    for (int i = 0; i < 2; i++) {
+        ck_assert_int_eq(http_with(s.port, "GET", paths[i], NULL, none, &x), 401);
+        ck_assert_msg(strstr(x.buf, "invalid_api_key"), "%s without a key: %s", paths[i], x.buf);
+        xfer_free(&x);
+        ck_assert_int_eq(http_with(s.port, "GET", paths[i], NULL, wrong, &x), 401);
+        xfer_free(&x);
+        ck_assert_int_eq(http_with(s.port, "GET", paths[i], NULL, longer, &x), 401);
+        xfer_free(&x);
+        ck_assert_int_eq(http_with(s.port, "GET", paths[i], NULL, key, &x), 200);
+        xfer_free(&x);
+    }
+    const char *body = "{\"prompt\":\"Once\",\"max_tokens\":2}";
+    const char *json_nokey[] = {"Content-Type: application/json", NULL},
+               *json[] = {"Authorization: Bearer sekret", "Content-Type: application/json; charset=utf-8",
+                          NULL},
+               *text[] = {"Authorization: Bearer sekret", "Content-Type: text/plain", NULL},
+               *form[] = {"Authorization: Bearer sekret", "Content-Type: application/x-www-form-urlencoded",
+                          NULL},
+               *evil[] = {"Authorization: Bearer sekret", "Content-Type: application/json",
+                          "Origin: http://evil.example", NULL},
+               *ok[] = {"Authorization: Bearer sekret", "Content-Type: application/json",
+                        "Origin: http://also.example", NULL},
+               *preflight[] = {"Origin: http://ok.example", "Access-Control-Request-Method: POST",
+                               "Access-Control-Request-Headers: authorization, content-type", NULL};
+    ck_assert_int_eq(http_with(s.port, "POST", "/v1/completions", body, json_nokey, &x), 401);
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "POST", "/v1/completions", body, json, &x), 200);
+    ck_assert_msg(!x.allow_origin[0], "CORS header without an Origin: %s", x.allow_origin);
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "POST", "/v1/completions", body, text, &x), 415);
+    ck_assert_msg(strstr(x.buf, "application/json"), "415 body: %s", x.buf);
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "POST", "/v1/chat/completions", body, form, &x), 415);
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "POST", "/v1/completions", body, evil, &x), 403);
+    ck_assert_msg(!x.allow_origin[0], "CORS header for a refused origin");
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "POST", "/v1/completions", body, ok, &x), 200);
+    ck_assert_str_eq(x.allow_origin, "http://also.example");
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "OPTIONS", "/v1/chat/completions", NULL, preflight, &x), 204);
+    ck_assert_str_eq(x.allow_origin, "http://ok.example");
+    ck_assert_msg(strstr(x.allow_methods, "POST"), "preflight methods: '%s'", x.allow_methods);
+    xfer_free(&x);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+
+    /* The key from DUET_API_KEY, with /metrics left open; no CORS at all. */
+    setenv("DUET_API_KEY", "from-env", 1);
+    const char *args2[] = {"--metrics-public", NULL};
+    server_start(&s, "auth_env", args2);
+    unsetenv("DUET_API_KEY");
+    const char *env_key[] = {"Authorization: Bearer from-env", NULL},
+               *any_origin[] = {"Authorization: Bearer from-env", "Origin: http://ok.example", NULL};
+    ck_assert_int_eq(http_with(s.port, "GET", "/metrics", NULL, none, &x), 200);
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "GET", "/v1/models", NULL, none, &x), 401);
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "GET", "/v1/models", NULL, env_key, &x), 200);
+    xfer_free(&x);
+    ck_assert_int_eq(http_with(s.port, "GET", "/v1/models", NULL, any_origin, &x), 403);
+    xfer_free(&x);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
+/* A request past its deadline (the request's "timeout", at most the
+ * server's --request-timeout) is cancelled and answered: 408 with
+ * request_timeout, or an error event then [DONE] on a stream. */
+START_TEST(request_deadlines_answer_408) {
+    server s;
+    const char *args[] = {"--request-timeout", "0.2", NULL};
+    server_start(&s, "deadline", args);
+    xfer x;
+    const char *slow = "{\"prompt\":\"Once\",\"max_tokens\":1000,\"ignore_eos\":true}";
+    const char *slow_own = "{\"prompt\":\"Once\",\"max_tokens\":1000,\"ignore_eos\":true,\"timeout\":0.05}";
+    const char *asks_more =
+        "{\"prompt\":\"Once\",\"max_tokens\":1000,\"ignore_eos\":true,\"timeout\":1000,\"stream\":true}";
+    const char *bodies[] = {slow, slow_own};
+    for (int i = 0; i < 2; i++) {
+        long code = http(s.port, "POST", "/v1/completions", bodies[i], &x);
+        ck_assert_msg(code == 408 && strstr(x.buf, "request_timeout"), "%s: HTTP %ld %s", bodies[i], code,
+                      x.buf);
+        xfer_free(&x);
+    }
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", asks_more, &x), 200);
+    stream_result r;
+    parse_stream(x.buf, false, &r);
+    ck_assert_msg(r.done_marker && strstr(r.error, "timeout"), "stream past its deadline: error '%s' done %d",
+                  r.error, r.done_marker);
+    xfer_free(&x);
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"prompt\":\"Once\",\"max_tokens\":2}", &x),
+                     200);
+    xfer_free(&x);
+    ck_assert_int_eq(
+        (int)await_metric(s.port, "duet_server_requests_finished_total", "outcome=\"cancelled\"", 3, 10), 3);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
+typedef struct big_state {
+    xfer *small;
+    double t0, small_done;
+} big_state;
+
+static void note_small(void *arg) {
+    big_state *b = arg;
+    if (!b->small_done && b->small->done) b->small_done = now_s() - b->t0;
+}
+
+/* Four prompts of 7.8 MB (far past any context) are refused with 400
+ * without being tokenized whole, while a small request is served. */
+START_TEST(huge_prompts_are_refused_early) {
+    server s;
+    server_start(&s, "huge", NULL);
+    enum { BIG = 4, WORDS = 460000 };
+    static const char word[] = "Once upon a time ";
+    size_t cap = 64 + WORDS * (sizeof word - 1);
+    char *body = malloc(cap);
+    ck_assert(body);
+    size_t len = (size_t)snprintf(body, cap, "{\"max_tokens\":4,\"prompt\":\"");
+    for (int i = 0; i < WORDS; i++)
+        memcpy(body + len, word, sizeof word - 1), len += sizeof word - 1;
+    snprintf(body + len, cap - len, "\"}");
+    xfer xs[BIG + 1];
+    for (int i = 0; i < BIG; i++)
+        xfer_init(&xs[i], s.port, "POST", "/v1/completions", body);
+    xfer_init(&xs[BIG], s.port, "POST", "/v1/completions", "{\"prompt\":\"Once\",\"max_tokens\":4}");
+    big_state b = {.small = &xs[BIG], .t0 = now_s()};
+    run_multi(xs, BIG + 1, note_small, &b);
+    double all = now_s() - b.t0;
+    for (int i = 0; i < BIG; i++) {
+        /* "more (N bytes)": refused on its size, not after tokenizing it all. */
+        ck_assert_msg(xs[i].code == 400 && strstr(xs[i].buf, "context_length_exceeded") &&
+                          strstr(xs[i].buf, "bytes)"),
+                      "huge prompt %d: HTTP %ld %.200s", i, xs[i].code, xs[i].buf ? xs[i].buf : "");
+        xfer_free(&xs[i]);
+    }
+    ck_assert_int_eq(xs[BIG].code, 200);
+    xfer_free(&xs[BIG]);
+    printf("huge prompts: %d x %.1f MB refused in %.2f s in all; the small request took %.2f s\n", BIG,
+           (double)strlen(body) / 1e6, all, b.small_done);
+    free(body);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
+/* Every generation request the server receives is counted once by how it
+ * ended: received = stop + length + cancelled + failed + rejected + invalid,
+ * and each count is what the clients saw. */
+START_TEST(every_request_is_counted_once) {
+    server s;
+    const char *args[] = {"--max-batch-seqs", "1", "--max-waiting", "1", NULL};
+    server_start(&s, "accounting", args);
+    const char *json[] = {"Content-Type: application/json", NULL},
+               *text[] = {"Content-Type: text/plain", NULL};
+    enum { N = 14 };
+    xfer xs[N];
+    int want[6] = {0}; /* by outcome, as the clients see it: stop length cancelled failed rejected invalid */
+    int n = 0;
+    /* Phase 1, one at a time: length, stop, invalid (bad JSON, wrong type, wrong model, not JSON). */
+    xfer x;
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions",
+                          "{\"prompt\":\"Once\",\"max_tokens\":5,\"ignore_eos\":true}", &x),
+                     200);
+    xfer_free(&x), want[1]++, n++;
+    ck_assert_int_eq(http(s.port, "POST", "/v1/chat/completions",
+                          "{\"messages\":[{\"role\":\"user\",\"content\":\"Hi\"}],\"max_tokens\":50,\"stop\":"
+                          "[\" \",\"e\"]}",
+                          &x),
+                     200);
+    ck_assert_msg(strstr(x.buf, "\"finish_reason\":\"stop\""), "stop: %s", x.buf);
+    xfer_free(&x), want[0]++, n++;
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"prompt\":", &x), 400);
+    xfer_free(&x), want[5]++, n++;
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":\"x\"}", &x),
+                     400);
+    xfer_free(&x), want[5]++, n++;
+    ck_assert_int_eq(
+        http_with(s.port, "POST", "/v1/completions", "{\"prompt\":\"a\",\"model\":\"nope\"}", json, &x), 400);
+    xfer_free(&x), want[5]++, n++;
+    ck_assert_int_eq(http_with(s.port, "POST", "/v1/completions", "{\"prompt\":\"a\"}", text, &x), 415);
+    xfer_free(&x), want[5]++, n++;
+    /* Phase 2: two clients hang up mid-stream (cancelled); then long
+     * streams together on a one-sequence engine with one waiting place:
+     * two run, the rest are rejected (429). */
+    const char *stream = "{\"prompt\":\"Once\",\"max_tokens\":400,\"ignore_eos\":true,\"stream\":true}";
+    for (int i = 0; i < 2; i++) {
+        xfer_init(&xs[i], s.port, "POST", "/v1/completions", stream);
+        xs[i].abort_after = 400;
+    }
+    run_multi(xs, 2, NULL, NULL);
+    for (int i = 2; i < N; i++)
+        xfer_init(&xs[i], s.port, "POST", "/v1/completions", stream);
+    run_multi(xs + 2, N - 2, NULL, NULL);
+    for (int i = 0; i < N; i++, n++) {
+        if (xs[i].code == 429)
+            want[4]++;
+        else if (xs[i].res != CURLE_OK)
+            want[2]++;
+        else {
+            stream_result r;
+            parse_stream(xs[i].buf, false, &r);
+            ck_assert_msg(xs[i].code == 200 && !strcmp(r.finish[0], "length"),
+                          "stream %d: HTTP %ld finish '%s'", i, xs[i].code, r.finish[0]);
+            want[1]++;
+        }
+        xfer_free(&xs[i]);
+    }
+    ck_assert_msg(want[4] > 0 && want[2] == 2, "the mix did not happen: %d rejected, %d cancelled", want[4],
+                  want[2]);
+    double received = await_metric(s.port, "duet_server_requests_received_total", "", n, 10);
+    double finished = 0;
+    for (double t0 = now_s(); now_s() - t0 < 10; sleep_ms(50))
+        if ((finished = scrape(s.port, "duet_server_requests_finished_total", "")) == n) break;
+    ck_assert_msg(received == n && finished == n, "sent %d generation requests; received %g, finished %g", n,
+                  received, finished);
+    static const char *const names[6] = {"stop", "length", "cancelled", "failed", "rejected", "invalid"};
+    for (int o = 0; o < 6; o++) {
+        char filter[64];
+        snprintf(filter, sizeof filter, "outcome=\"%s\"", names[o]);
+        double got = scrape(s.port, "duet_server_requests_finished_total", filter);
+        ck_assert_msg(got == want[o], "%s: counted %g, the clients saw %d", names[o], got, want[o]);
+    }
+    printf("accounting: %d received = %d stop + %d length + %d cancelled + %d failed + %d rejected + %d "
+           "invalid\n",
+           n, want[0], want[1], want[2], want[3], want[4], want[5]);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+}
+END_TEST
+
 int main(void) {
     curl_global_init(CURL_GLOBAL_DEFAULT);
     signal(SIGPIPE, SIG_IGN);
@@ -1573,6 +1948,16 @@ int main(void) {
     tcase_add_test(conns, second_server_on_a_port_fails);
     tcase_add_test(conns, conflicting_content_length_gets_400);
     suite_add_tcase(su, conns);
+
+    TCase *hard = tcase_create("hardening");
+    tcase_set_timeout(hard, 300);
+    tcase_add_test(hard, half_closed_clients_get_their_answer);
+    tcase_add_test(hard, slow_requests_are_cut_at_the_read_timeout);
+    tcase_add_test(hard, api_key_origins_and_json_only);
+    tcase_add_test(hard, request_deadlines_answer_408);
+    tcase_add_test(hard, huge_prompts_are_refused_early);
+    tcase_add_test(hard, every_request_is_counted_once);
+    suite_add_tcase(su, hard);
     int rc = test_run_suite(su);
     curl_global_cleanup();
     return rc;
