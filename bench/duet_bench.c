@@ -19,6 +19,7 @@ static const char usage[] =
     "\n"
     "Target (one of):\n"
     "  --base-url URL             an OpenAI-compatible server (streams POST /v1/completions)\n"
+    "                             (with $DUET_API_KEY set, sent as Authorization: Bearer)\n"
     "  --host H --port P          the same as --base-url http://H:P\n"
     "  --in-process               run a duet engine in this process (needs -m)\n"
     "  --serve-cmd CMD            start a server per knob setting: CMD plus --host, --port and the knob "

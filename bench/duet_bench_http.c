@@ -258,6 +258,14 @@ static bool hc_start(CURLM *multi, hc_req *q, const db_http *h, const db_prompt 
     snprintf(url, sizeof url, "%s%s", h->base_url, h->endpoint);
     q->hdrs = curl_slist_append(NULL, "Content-Type: application/json");
     q->hdrs = curl_slist_append(q->hdrs, "Accept: text/event-stream");
+    /* A server started with --api-key: the key from the environment, as
+     * OpenAI's clients take OPENAI_API_KEY. */
+    const char *key = getenv("DUET_API_KEY");
+    if (key && *key) {
+        char auth[512];
+        snprintf(auth, sizeof auth, "Authorization: Bearer %s", key);
+        q->hdrs = curl_slist_append(q->hdrs, auth);
+    }
     curl_easy_setopt(q->easy, CURLOPT_URL, url);
     curl_easy_setopt(q->easy, CURLOPT_HTTPHEADER, q->hdrs);
     curl_easy_setopt(q->easy, CURLOPT_POSTFIELDS, q->body);
