@@ -40,7 +40,8 @@ extern "C" {
     X(CONTEXT_FULL, -9, "context length exceeded")                            \
     X(CANCELLED, -10, "cancelled")                                            \
     X(BAD_REQUEST, -11, "bad request")                                        \
-    X(QUEUE_FULL, -12, "queue full")
+    X(QUEUE_FULL, -12, "queue full")                                          \
+    X(DEVICE_LOST, -13, "device lost")
 
 typedef enum duet_status {
 #define DUET__STATUS_ENUM(name, value, desc) DUET_##name = value,
@@ -251,12 +252,22 @@ typedef struct duet_event {
 /* Called for every event of a request; DONE is always the last, exactly once. */
 typedef void (*duet_event_fn)(const duet_event *ev, void *user);
 
-/* Queues a request. Refusals: DUET_CONTEXT_FULL when the request can never fit, and DUET_BAD_REQUEST for invalid settings; when
- * the queue is full it returns DUET_QUEUE_FULL. On failure fn is never called. */
+/* Queues a request. Refusals: DUET_CONTEXT_FULL when the request can never fit, and DUET_BAD_REQUEST for
+ * invalid settings; when the queue is full it returns DUET_QUEUE_FULL; after the device was lost,
+ * DUET_DEVICE_LOST (see duet_engine_healthy). On failure fn is never called. */
 duet_status duet_engine_submit(duet_engine *e, const duet_request *req, duet_event_fn fn, void *user,
                                uint64_t *id);
 /* Cancels a request in any state; its DONE event (CANCELLED) follows soon. */
 duet_status duet_engine_cancel(duet_engine *e, uint64_t id);
+
+/* Whether the engine can serve. A failed step (a device error, out of
+ * memory) fails only that step's requests and the engine stays healthy. When
+ * the device is lost, every request in flight gets DONE(ERROR), submit
+ * refuses new ones with DUET_DEVICE_LOST, and the engine stays unhealthy
+ * until it is stopped (there is no recovery: start a new engine). Returns
+ * true when healthy (`why` then ""); false with the reason in `why` (e.g.
+ * "device lost: <the driver's message>"). `why` may be NULL. */
+bool duet_engine_healthy(duet_engine *e, char *why, size_t why_size);
 
 /* Prometheus text exposition of the engine's metrics (malloc'd; free()). */
 char *duet_engine_metrics(duet_engine *e);

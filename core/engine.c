@@ -7,6 +7,11 @@
  * step; the forward pass, sampling and every user callback run unlocked,
  * so submit/cancel from other threads never wait for the device and a
  * callback may call duet_engine_cancel.
+ *
+ * Faults: a step that fails (an op, submit, wait or allocation error) fails
+ * its own requests and the engine serves on. DUET_DEVICE_LOST is different:
+ * nothing that device holds can be trusted, so every request in flight fails
+ * and the engine refuses new ones, unhealthy, until it is stopped.
  */
 #include <errno.h>
 #include <stdatomic.h>
@@ -76,6 +81,9 @@ struct duet_engine {
     int max_tokens, max_seqs;
     char *text; /* [model->detok_size] a token's text, for the engine thread */
     char *err;  /* message of a failed step [ENGINE_ERR_SIZE] */
+    /* Set once, under the lock, when the device is lost: "device lost: <message>". */
+    bool lost;
+    char lost_why[ENGINE_ERR_SIZE];
 };
 
 static int64_t now_ns(void) {
@@ -257,6 +265,15 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
         duet_sampler_free(smp);
         return duet__error(DUET_CANCELLED, "the engine is shutting down");
     }
+    if (e->lost) {
+        char why[ENGINE_ERR_SIZE];
+        snprintf(why, sizeof why, "%s", e->lost_why);
+        pthread_mutex_unlock(&e->mu);
+        free(stops), free(pend);
+        duet_sampler_free(smp);
+        duet__metrics_request_refused(e->metrics, prio, "rejected");
+        return duet__error(DUET_DEVICE_LOST, "the engine cannot serve: %s", why);
+    }
     int slot = -1;
     for (int i = 0; i < e->cap; i++) {
         int j = (int)((e->next_seq + (uint64_t)i) % (uint64_t)e->cap);
@@ -325,6 +342,19 @@ duet_status duet_engine_cancel(duet_engine *e, uint64_t id) {
     return st;
 }
 
+bool duet_engine_healthy(duet_engine *e, char *why, size_t why_size) {
+    if (why && why_size) why[0] = 0;
+    if (!e) {
+        if (why && why_size) snprintf(why, why_size, "no engine");
+        return false;
+    }
+    pthread_mutex_lock(&e->mu);
+    bool healthy = !e->lost;
+    if (!healthy && why && why_size) snprintf(why, why_size, "%s", e->lost_why);
+    pthread_mutex_unlock(&e->mu);
+    return healthy;
+}
+
 /* ---- the engine thread ---------------------------------------------------- */
 
 /* Delivers DONE(CANCELLED) to every request on the cancel list. Called with
@@ -339,6 +369,19 @@ static void flush_cancels(duet_engine *e) {
         pthread_mutex_lock(&e->mu);
         release_req(r);
     }
+}
+
+/* Ends r with DONE(ERROR) and e->err (whatever its step decided: the
+ * step failed). Called with the lock held; drops it around the callback. A
+ * cancelled request gets its DONE(CANCELLED) from flush_cancels instead. */
+static void fail_request(duet_engine *e, engine_req *r) {
+    if (!r || r->cancelled) return;
+    duet__sched_cancel(e->sched, now_ns(), r->id);
+    r->finish = DUET_FINISH_ERROR; /* a cancel from now on is refused */
+    pthread_mutex_unlock(&e->mu);
+    emit_done(e, r, DUET_FINISH_ERROR, e->err);
+    pthread_mutex_lock(&e->mu);
+    release_req(r);
 }
 
 static void update_gauges(duet_engine *e) {
@@ -481,19 +524,21 @@ static void *engine_main(void *arg) {
                          duet_last_error());
         }
         if (st) {
-            /* A device error fails this step's requests; the engine keeps
-             * serving the others. */
+            /* A failed step fails its own requests and the engine keeps
+             * serving the others, unless the device is lost. */
             duet__sched_step_failed(e->sched, now_ns());
-            for (int i = 0; i < n_seqs; i++) {
-                engine_req *r = find_req(e, e->plan_seqs[i].id);
-                if (!r || r->cancelled) continue;
-                duet__sched_cancel(e->sched, now_ns(), r->id);
-                r->finish = DUET_FINISH_ERROR; /* a cancel from now on is refused */
-                pthread_mutex_unlock(&e->mu);
-                emit_done(e, r, DUET_FINISH_ERROR, e->err);
-                pthread_mutex_lock(&e->mu);
-                release_req(r);
+            if (st == DUET_DEVICE_LOST && !e->lost) {
+                /* Submit refuses from here on, so the table only shrinks. */
+                e->lost = true;
+                snprintf(e->lost_why, sizeof e->lost_why, "device lost: %s", e->err);
+                snprintf(e->err, ENGINE_ERR_SIZE, "%s", e->lost_why);
+                duet__metrics_set_healthy(e->metrics, false);
             }
+            for (int i = 0; i < n_seqs; i++)
+                fail_request(e, find_req(e, e->plan_seqs[i].id));
+            /* A lost device takes every other request with it, waiting or running. */
+            for (int i = 0; e->lost && i < e->cap; i++)
+                fail_request(e, e->reqs[i].id ? &e->reqs[i] : NULL);
             update_gauges(e);
             continue;
         }

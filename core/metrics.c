@@ -73,6 +73,7 @@ typedef struct counters {
     hist e2e[N_PRIO], ttft[N_PRIO], queue[N_PRIO];
     hist itl, tpot_req, batch_seqs, batch_tokens, prompt_len, gen_len;
     duet_metrics_gauges gauges;
+    bool unhealthy; /* stored inverted so that a fresh (zeroed) engine is healthy */
 } counters;
 
 /* A ring of the most recent (time, value) samples for the windowed view.
@@ -244,6 +245,12 @@ void duet__metrics_preempted(duet_metrics *m, duet_priority prio) {
 void duet__metrics_set_gauges(duet_metrics *m, const duet_metrics_gauges *g) {
     pthread_mutex_lock(&m->mu);
     m->c.gauges = *g;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void duet__metrics_set_healthy(duet_metrics *m, bool healthy) {
+    pthread_mutex_lock(&m->mu);
+    m->c.unhealthy = !healthy;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -493,6 +500,10 @@ char *duet__metrics_render(duet_metrics *m) {
     gauge_one(&w, m, "duet_device_busy_ratio", "Device busy time over wall time in the last 10 seconds (0..1).",
               busy_ratio);
     gauge_one(&w, m, "duet_uptime_seconds", "Seconds since the metrics were created.", now - m->t_start);
+    gauge_one(
+        &w, m, "duet_engine_healthy",
+        "1 while the engine serves; 0 once its device is lost (it refuses every request until restarted).",
+        c->unhealthy ? 0 : 1);
 
     /* ---- vLLM's names, same meaning ---- */
     int running = g->running[0] + g->running[1], waiting = g->waiting[0] + g->waiting[1];

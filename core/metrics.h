@@ -9,6 +9,7 @@
 #ifndef DUET_METRICS_H
 #define DUET_METRICS_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "duet.h"
@@ -38,6 +39,8 @@ typedef struct duet_metrics_gauges {
     double batch_timeout_s;
 } duet_metrics_gauges;
 void duet__metrics_set_gauges(duet_metrics *m, const duet_metrics_gauges *g);
+/* The engine's health (duet_engine_healthy); a new instance is healthy. */
+void duet__metrics_set_healthy(duet_metrics *m, bool healthy);
 
 /* Recent-window view for the adaptive controller and benchmarks. */
 typedef struct duet_metrics_window {

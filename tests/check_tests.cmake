@@ -34,6 +34,7 @@ set(DUET_TEST_COLD_SECONDS
   test_opencl.api=22
   test_long_context=17
   test_opencl.forced_serial=15
+  test_engine.faults=14
   test_cpu_ops.ops=10
   test_vulkan.validation=9
   test_reference=8

@@ -1,7 +1,9 @@
 /* test_engine.c — the serving engine end to end on stories260K: batching
  * does not change results, cancellation and preemption lose nothing, bad
  * requests are refused with clear errors, a device error fails only the
- * requests of its step, and the engine keeps serving. */
+ * requests of its step, and the engine keeps serving; a lost device fails
+ * every request and leaves the engine unhealthy (case "faults", on the cpu
+ * backend and on vulkan). */
 #include <pthread.h>
 #include <time.h>
 
@@ -401,6 +403,308 @@ START_TEST(cancel_racing_completion) {
 }
 END_TEST
 
+/* ---- faults: every kind the fault layer injects, requests in flight ------- */
+
+/* The cpu backend and one GPU backend: vulkan (lavapipe on the test
+ * machines), or DUET_TEST_GPU_BACKEND (e.g. opencl). */
+static const char *fault_backend(int i) {
+    const char *gpu = getenv("DUET_TEST_GPU_BACKEND");
+    return i == 0 ? "cpu" : gpu && *gpu ? gpu : "vulkan";
+}
+#define N_FAULT_BACKENDS 2
+
+typedef enum fault_case {
+    CASE_OP,
+    CASE_ALLOC,
+    CASE_SUBMIT,
+    CASE_WAIT,
+    CASE_LOST_DRAIN,    /* device lost, then duet_engine_stop(e, true) */
+    CASE_LOST_NO_DRAIN, /* device lost, then duet_engine_stop(e, false) */
+    N_FAULT_CASES
+} fault_case;
+static const char *const fault_case_names[N_FAULT_CASES] = {"op",   "alloc",      "submit",
+                                                            "wait", "lost/drain", "lost/no-drain"};
+/* What each case's DONE(ERROR) message must contain. */
+static const char *const fault_messages[N_FAULT_CASES] = {
+    "injected op failure",   "injected allocation failure", "injected submit failure",
+    "injected wait failure", "device lost: injected",       "device lost: injected"};
+
+#define FR_N 6 /* requests in flight: more than the 4 slots, so some wait */
+#define FR_SLOTS 4
+#define FR_MAX_TOKENS 48
+#define FR_ARM_AT 6 /* tokens delivered (over all requests) before the fault fires */
+#define FR_DEADLINE_S 120
+
+typedef struct fault_run {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool released; /* all requests submitted: the engine thread may go on */
+    int tokens;    /* delivered, over all requests */
+    fault_case kind;
+    int done[FR_N + 4], tokens_after_done[FR_N + 4];
+    duet_finish finish[FR_N + 4];
+    char message[FR_N + 4][256];
+    int n_done;
+} fault_run;
+
+typedef struct fault_ctx {
+    fault_run *f;
+    int i;
+} fault_ctx;
+
+static void arm_fault(fault_case kind) {
+    switch (kind) {
+    case CASE_OP:
+        fault_arm(FAULT_OP, 0, 1);
+        break;
+    case CASE_ALLOC:
+        fault_arm(FAULT_ALLOC, 0, 1);
+        break;
+    case CASE_SUBMIT:
+        fault_arm(FAULT_SUBMIT, 0, 1);
+        break;
+    case CASE_WAIT:
+        fault_arm(FAULT_WAIT, 0, 1);
+        break;
+    default:
+        fault_lose_device();
+        break;
+    }
+}
+
+/* Runs on the engine thread: arming here, between two steps, makes the
+ * very next step fail with every request still in flight. */
+static void fault_event(const duet_event *ev, void *user) {
+    fault_ctx *x = user;
+    fault_run *f = x->f;
+    pthread_mutex_lock(&f->mu);
+    /* Hold the first step back until every request is queued, so that
+     * none starts late and the fault meets all of them. */
+    while (!f->released)
+        pthread_cond_wait(&f->cv, &f->mu);
+    if (ev->kind == DUET_EVENT_TOKEN) {
+        if (f->done[x->i]) f->tokens_after_done[x->i]++;
+        if (ev->token >= 0 && ++f->tokens == FR_ARM_AT) arm_fault(f->kind);
+    } else {
+        f->done[x->i]++;
+        f->finish[x->i] = ev->finish;
+        snprintf(f->message[x->i], sizeof f->message[x->i], "%s", ev->message ? ev->message : "");
+        f->n_done++;
+        pthread_cond_broadcast(&f->cv);
+    }
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* Waits for n DONE events, at most FR_DEADLINE_S: a hang fails the test
+ * with what it saw rather than running into the ctest timeout. */
+static void fault_wait_done(fault_run *f, int n, const char *what) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += FR_DEADLINE_S;
+    pthread_mutex_lock(&f->mu);
+    int rc = 0;
+    while (f->n_done < n && rc == 0)
+        rc = pthread_cond_timedwait(&f->cv, &f->mu, &until);
+    int got = f->n_done;
+    pthread_mutex_unlock(&f->mu);
+    ck_assert_msg(got >= n, "%s: %d of %d requests ended within %d s (a request hangs)", what, got, n,
+                  FR_DEADLINE_S);
+}
+
+/* The value of the first sample `name{...filter...}` in Prometheus text. */
+static double metric_value(const char *text, const char *name, const char *filter) {
+    size_t len = strlen(name);
+    for (const char *line = text; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        const char *end = strchr(line, '\n');
+        if (strncmp(line, name, len) || line[len] != '{') continue;
+        const char *close = strchr(line, '}');
+        if (!close || (end && close > end)) continue;
+        char labels[512];
+        snprintf(labels, sizeof labels, "%.*s", (int)(close - line), line);
+        if (filter && !strstr(labels, filter)) continue;
+        return atof(close + 1);
+    }
+    ck_abort_msg("no sample %s{%s} in the metrics", name, filter ? filter : "");
+    return -1;
+}
+
+/* True when the backend runs here. Otherwise says SKIP with the reason and
+ * fails when DUET_REQUIRE_BACKENDS names it (the test command sets it: no
+ * backend may be skipped silently). */
+static bool backend_usable(const char *name) {
+    const duet_backend_iface *iface = duet_backend_find(name);
+    char why[256] = "not compiled in";
+    if (iface && iface->available(why, sizeof why)) return true;
+    printf("SKIP faults on %s: %s\n", name, why);
+    fflush(stdout);
+    char req[256];
+    snprintf(req, sizeof req, "%s", getenv("DUET_REQUIRE_BACKENDS") ? getenv("DUET_REQUIRE_BACKENDS") : "");
+    char *save = NULL;
+    for (char *t = strtok_r(req, ",", &save); t; t = strtok_r(NULL, ",", &save))
+        ck_assert_msg(strcmp(t, name), "%s is required (DUET_REQUIRE_BACKENDS) but unavailable: %s", name,
+                      why);
+    return false;
+}
+
+static duet_engine *start_on(const char *backend) {
+    duet_engine_params p = duet_engine_params_default();
+    p.open.backend = backend;
+    p.open.n_ctx = 256;
+    p.max_batch_seqs = FR_SLOTS;
+    p.max_batch_tokens = 64;
+    p.prefill_chunk = 8;
+    p.max_waiting = 16;
+    duet_engine *e;
+    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
+                  "start on %s: %s", backend, duet_last_error());
+    return e;
+}
+
+/* Each fault kind, injected while FR_N requests are in flight (FR_SLOTS
+ * running, the rest queued). Every request ends with exactly one DONE and
+ * nothing after it; a transient fault fails only its step's requests (the
+ * queued ones finish normally) and the engine then serves the next
+ * requests; a lost device fails all of them, the engine reports itself
+ * unhealthy, refuses new requests with DUET_DEVICE_LOST, and still stops. */
+START_TEST(fault_fails_in_flight_requests_cleanly) {
+    const char *backend = fault_backend(_i / N_FAULT_CASES);
+    const fault_case kind = (fault_case)(_i % N_FAULT_CASES);
+    const bool lost = kind == CASE_LOST_DRAIN || kind == CASE_LOST_NO_DRAIN;
+    if (!backend_usable(backend)) return;
+    char what[64];
+    snprintf(what, sizeof what, "%s fault on %s", fault_case_names[kind], backend);
+    duet_engine *e = start_on(backend);
+    duet_model *m = (duet_model *)duet_engine_model(e);
+    fault_install(m->be);
+
+    fault_run *f = calloc(1, sizeof *f);
+    pthread_mutex_init(&f->mu, NULL);
+    pthread_cond_init(&f->cv, NULL);
+    f->kind = kind;
+    fault_ctx xs[FR_N + 4];
+    for (int i = 0; i < FR_N; i++) {
+        int32_t ids[64];
+        int n = tokenize(m, i, ids);
+        xs[i] = (fault_ctx){f, i};
+        duet_request q = greedy_request(ids, n, FR_MAX_TOKENS, DUET_PRIORITY_INTERACTIVE);
+        ck_assert_msg(duet_engine_submit(e, &q, fault_event, &xs[i], NULL) == DUET_OK, "%s: submit %d: %s",
+                      what, i, duet_last_error());
+    }
+    pthread_mutex_lock(&f->mu);
+    f->released = true;
+    pthread_cond_broadcast(&f->cv);
+    pthread_mutex_unlock(&f->mu);
+    fault_wait_done(f, FR_N, what);
+
+    int n_error = 0, n_length = 0;
+    pthread_mutex_lock(&f->mu);
+    for (int i = 0; i < FR_N; i++) {
+        ck_assert_msg(f->done[i] == 1, "%s: request %d got %d DONE events", what, i, f->done[i]);
+        ck_assert_msg(f->tokens_after_done[i] == 0, "%s: request %d got tokens after DONE", what, i);
+        if (f->finish[i] == DUET_FINISH_ERROR) {
+            n_error++;
+            ck_assert_msg(strstr(f->message[i], fault_messages[kind]),
+                          "%s: request %d: message '%s' lacks '%s'", what, i, f->message[i],
+                          fault_messages[kind]);
+        } else {
+            ck_assert_msg(f->finish[i] == DUET_FINISH_LENGTH, "%s: request %d finished %d", what, i,
+                          f->finish[i]);
+            n_length++;
+        }
+    }
+    pthread_mutex_unlock(&f->mu);
+    fprintf(stderr, "faults: %s: %d requests failed, %d finished\n", what, n_error, n_length);
+    const int fired = lost ? atomic_load(&fault_lost_fired) : atomic_load(&fault_fired[kind]);
+    ck_assert_msg(lost ? fired >= 1 : fired == 1, "%s: the fault fired %d times", what, fired);
+    if (lost) {
+        /* The queued requests go down with the running ones. */
+        ck_assert_msg(n_error == FR_N, "%s: %d of %d requests failed", what, n_error, FR_N);
+    } else {
+        /* One step failed: at most its FR_SLOTS requests; the queued ones ran on. */
+        ck_assert_msg(n_error >= 1 && n_error <= FR_SLOTS && n_length >= FR_N - FR_SLOTS,
+                      "%s: %d failed, %d finished", what, n_error, n_length);
+    }
+
+    char why[256] = "untouched";
+    char *metrics = duet_engine_metrics(e);
+    ck_assert_ptr_nonnull(metrics);
+    ck_assert_msg(metric_value(metrics, "duet_requests_total", "priority=\"interactive\",status=\"error\"") ==
+                      n_error,
+                  "%s: metrics do not count %d errors:\n%s", what, n_error, metrics);
+    ck_assert_msg(metric_value(metrics, "duet_engine_healthy", NULL) == (lost ? 0 : 1),
+                  "%s: duet_engine_healthy is wrong:\n%s", what, metrics);
+    free(metrics);
+    if (!lost) {
+        ck_assert_msg(duet_engine_healthy(e, why, sizeof why) && !why[0], "%s: unhealthy: %s", what, why);
+        /* The engine serves the next requests as if nothing happened. */
+        collected *after = run_requests(e, false, 3);
+        for (int i = 0; i < 3; i++) {
+            ck_assert_int_eq(after->done[i], 1);
+            ck_assert_msg(after->finish[i] == DUET_FINISH_LENGTH,
+                          "%s: a request after the fault finished %d (%s)", what, after->finish[i],
+                          after->message[i]);
+        }
+        free(after);
+        duet_engine_stop(e, true);
+    } else {
+        ck_assert_msg(!duet_engine_healthy(e, why, sizeof why), "%s: still healthy", what);
+        ck_assert_msg(strstr(why, "device lost: injected device loss"), "%s: why = '%s'", what, why);
+        ck_assert(!duet_engine_healthy(e, NULL, 0));
+        /* Refused with a clear status; the callback is never called. */
+        int32_t ids[64];
+        int n = tokenize(m, 0, ids);
+        xs[FR_N] = (fault_ctx){f, FR_N};
+        duet_request q = greedy_request(ids, n, 4, DUET_PRIORITY_INTERACTIVE);
+        ck_assert_int_eq(duet_engine_submit(e, &q, fault_event, &xs[FR_N], NULL), DUET_DEVICE_LOST);
+        ck_assert_msg(strstr(duet_last_error(), "device lost"), "%s: submit says '%s'", what,
+                      duet_last_error());
+        ck_assert_str_eq(duet_status_str(DUET_DEVICE_LOST), "device lost");
+        duet_engine_stop(e, kind == CASE_LOST_DRAIN);
+        ck_assert_msg(f->n_done == FR_N && f->done[FR_N] == 0, "%s: a refused request was called back", what);
+    }
+    pthread_mutex_destroy(&f->mu);
+    pthread_cond_destroy(&f->cv);
+    free(f);
+}
+END_TEST
+
+/* An allocation that fails while the run state is built (activations, KV
+ * pools) fails the whole build with DUET_OUT_OF_MEMORY and frees what was
+ * allocated so far (the sanitizer build checks for leaks). */
+START_TEST(alloc_failure_building_the_run_state) {
+    const char *backend = fault_backend(_i);
+    if (!backend_usable(backend)) return;
+    duet_open_params op = duet_open_params_default();
+    op.backend = backend;
+    op.n_ctx = 64;
+    duet_model *m;
+    ck_assert_msg(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m) == DUET_OK,
+                  "open: %s", duet_last_error());
+    fault_install(m->be);
+    duet_state_params sp = {
+        .max_tokens = 8, .max_out = 2, .n_ctx = 64, .n_seqs = 2, .kv_type = DUET_DTYPE_F32};
+    int k = 0;
+    for (;; k++) {
+        ck_assert_msg(k < 1000, "%s: the run state never got built", backend);
+        fault_arm(FAULT_ALLOC, k, 1); /* the allocation after k good ones fails */
+        duet_state *s = (duet_state *)1;
+        duet_status st = duet__state_new(m->be, &m->hp, &m->w, &sp, &s);
+        if (st == DUET_OK) {
+            duet__state_free(s);
+            break;
+        }
+        ck_assert_msg(st == DUET_OUT_OF_MEMORY && !s, "%s, allocation %d: status %d", backend, k, st);
+        ck_assert_msg(strstr(duet_last_error(), "injected allocation failure"), "%s: message '%s'", backend,
+                      duet_last_error());
+    }
+    ck_assert_msg(k >= 15 && atomic_load(&fault_fired[FAULT_ALLOC]) == k,
+                  "%s: %d allocations, %d injected failures", backend, k,
+                  atomic_load(&fault_fired[FAULT_ALLOC]));
+    fault_remove(m->be);
+    duet_model_close(m);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("engine");
     TCase *tc = tcase_create("stories260K");
@@ -413,5 +717,10 @@ int main(void) {
     tcase_add_test(tc, device_error_fails_the_step_not_the_engine);
     tcase_add_test(tc, cancel_racing_completion);
     suite_add_tcase(s, tc);
+    TCase *faults = tcase_create("faults");
+    tcase_set_timeout(faults, 300);
+    tcase_add_loop_test(faults, fault_fails_in_flight_requests_cleanly, 0, N_FAULT_BACKENDS * N_FAULT_CASES);
+    tcase_add_loop_test(faults, alloc_failure_building_the_run_state, 0, N_FAULT_BACKENDS);
+    suite_add_tcase(s, faults);
     return test_run_suite(s);
 }

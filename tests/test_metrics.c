@@ -71,6 +71,7 @@ START_TEST(empty_render_has_every_family) {
         {"duet_generation_tokens_total", "counter"},
         {"duet_device_busy_seconds_total", "counter"},
         {"duet_device_busy_ratio", "gauge"},
+        {"duet_engine_healthy", "gauge"},
         {"vllm:num_requests_running", "gauge"},
         {"vllm:num_requests_waiting", "gauge"},
         {"vllm:kv_cache_usage_perc", "gauge"},
@@ -95,6 +96,7 @@ START_TEST(empty_render_has_every_family) {
                       "%s{%s} lacks the model_name label", d.s[i].name, d.s[i].labels);
     ck_assert_msg(value(&d, "duet_requests_total", "") == 0, "fresh counters must be 0");
     ck_assert_msg(value(&d, "vllm:e2e_request_latency_seconds_count", "") == 0, "fresh histogram count");
+    ck_assert_msg(value(&d, "duet_engine_healthy", "") == 1, "a fresh engine is healthy");
     prom_free(&d);
     duet__metrics_free(m);
 }
@@ -193,6 +195,12 @@ START_TEST(steps_gauges_and_aliases) {
     ck_assert_msg(value(&d, "duet_max_batch_tokens", "") == 256, "knob max_batch_tokens");
     ck_assert_msg(value(&d, "duet_prefill_chunk", "") == 128, "knob prefill_chunk");
     ck_assert_msg(value(&d, "duet_batch_timeout_seconds", "") == 0.002, "knob batch_timeout");
+    prom_free(&d);
+    /* Health is its own setting: new gauges leave it alone. */
+    duet__metrics_set_healthy(m, false);
+    duet__metrics_set_gauges(m, &g);
+    render_parse(m, &d);
+    ck_assert_msg(value(&d, "duet_engine_healthy", "") == 0, "unhealthy after the device was lost");
     prom_free(&d);
     duet__metrics_free(m);
 }

@@ -311,7 +311,16 @@ static duet_status ocl_submit(duet_backend *base) {
 
 static duet_status ocl_wait(duet_backend *base) {
     ocl_backend *be = (ocl_backend *)base;
-    CL_TRY(clFinish(be->queue));
+    cl_int err = clFinish(be->queue);
+    /* OpenCL has no device-lost code. clFinish allocates nothing, so these
+     * mean the queued work itself failed on the device (NVIDIA reports a
+     * kernel fault or an Xid this way, AMD a GPU reset) and the context
+     * does not recover. */
+    if (err == CL_OUT_OF_RESOURCES || err == CL_DEVICE_NOT_AVAILABLE)
+        return duet__error(DUET_DEVICE_LOST,
+                           "opencl: clFinish failed: %s (%d) on %s: the device lost the step",
+                           duet__ocl_error_name(err), (int)err, be->dev->info.name);
+    if (err != CL_SUCCESS) return duet__ocl_fail(err, "clFinish", __FILE__, __LINE__);
     collect_events(be);
     return DUET_OK;
 }

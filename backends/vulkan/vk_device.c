@@ -54,6 +54,8 @@ duet_status duet__vk_fail(VkResult r, const char *expr, const char *file, int li
         st = DUET_OUT_OF_MEMORY;
     else if (r == VK_ERROR_INCOMPATIBLE_DRIVER || r == VK_ERROR_INITIALIZATION_FAILED)
         st = DUET_NO_DEVICE;
+    else if (r == VK_ERROR_DEVICE_LOST)
+        st = DUET_DEVICE_LOST; /* the VkDevice is unusable from now on: the engine stops serving */
     const char *base = strrchr(file, '/');
     return duet__error(st, "vulkan: %s failed: %s (%d) at %s:%d", expr, duet__vk_result_str(r), (int)r,
                        base ? base + 1 : file, line);
