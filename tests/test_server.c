@@ -115,6 +115,10 @@ START_TEST(parse_rejects_bad_input) {
         const char *body, *param;
     } bad[] = {
         {SRV_COMPLETION, "{\"prompt\":\"x\"", ""},
+        {SRV_COMPLETION, "{\"prompt\":\"x\"}}", ""},
+        {SRV_COMPLETION, "{\"prompt\":\"x\"} {}", ""},
+        {SRV_COMPLETION, "{\"prompt\":\"x\",\"timeout\":0}", "timeout"},
+        {SRV_COMPLETION, "{\"prompt\":\"x\",\"timeout\":\"1\"}", "timeout"},
         {SRV_COMPLETION, "[1,2]", ""},
         {SRV_COMPLETION, "", ""},
         {SRV_COMPLETION, "{}", "prompt"},
@@ -1825,6 +1829,15 @@ START_TEST(huge_prompts_are_refused_early) {
     printf("huge prompts: %d x %.1f MB refused in %.2f s in all; the small request took %.2f s\n", BIG,
            (double)strlen(body) / 1e6, all, b.small_done);
     free(body);
+    /* A body declared past the 8 MB limit is refused at its headers, not
+     * read (and buffered) first. */
+    static char buf[4096];
+    raw_exchange(s.port,
+                 "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 "Content-Length: 9000000\r\n\r\n{\"prompt\":\"",
+                 false, buf, sizeof buf, 10);
+    ck_assert_msg(!strncmp(buf, "HTTP/1.1 413", 12) && strstr(buf, "9000000"), "declared 9 MB body: %.300s",
+                  buf);
     ck_assert_int_eq(server_stop(&s, 60), 0);
 }
 END_TEST

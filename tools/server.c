@@ -30,6 +30,7 @@
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
 #include <errno.h>
+#include <malloc.h>
 #include <microhttpd.h>
 #include <netdb.h>
 #include <pthread.h>
@@ -457,7 +458,7 @@ static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
     ok = ok && srv_text_printf(
                    &t,
                    "# HELP duet_server_requests_received_total Generation requests (POST /v1/completions, "
-                   "/v1/chat/completions) received whole.\n"
+                   "/v1/chat/completions) taken up: read whole, or refused on their headers.\n"
                    "# TYPE duet_server_requests_received_total counter\n"
                    "duet_server_requests_received_total{model_name=\"%s\"} %llu\n"
                    "# HELP duet_server_requests_finished_total Generation requests by outcome (rejected: "
@@ -481,6 +482,25 @@ static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
         t.p = NULL;
     }
     return send_body(s, cn, c, 200, "text/plain; version=0.0.4; charset=utf-8", t.p, NULL);
+}
+
+/* 200 {"status":"ok"}; 503 when draining, or when the engine cannot serve
+ * (its device was lost): {"status":"unhealthy","error":"..."}. */
+static enum MHD_Result get_health(srv *s, conn *cn, struct MHD_Connection *c) {
+    char why[512];
+    if (!duet_engine_healthy(s->e, why, sizeof why)) {
+        cJSON *o = cJSON_CreateObject();
+        cJSON_AddStringToObject(o, "status", "unhealthy");
+        cJSON_AddStringToObject(o, "error", why);
+        char *t = cJSON_PrintUnformatted(o);
+        char *body = t ? strdup(t) : NULL;
+        cJSON_free(t);
+        cJSON_Delete(o);
+        return send_json(s, cn, c, 503, body);
+    }
+    bool draining = atomic_load(&s->draining);
+    return send_json(s, cn, c, draining ? 503 : 200,
+                     strdup(draining ? "{\"status\":\"draining\"}" : "{\"status\":\"ok\"}"));
 }
 
 /* ---- generation ------------------------------------------------------ */
@@ -1101,6 +1121,17 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         cn->generation =
             (cn->route == R_COMPLETIONS || cn->route == R_CHAT) && !strcmp(method, MHD_HTTP_METHOD_POST);
         *con_cls = cn;
+        /* A declared body past the limit is refused before it is read (the
+         * connection then closes), rather than buffered and dropped. */
+        const char *declared =
+            MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_CONTENT_LENGTH);
+        if (declared && strtoull(declared, NULL, 10) > MAX_BODY) {
+            srv_error err = server_error(413, "invalid_request_error", "request_too_large", "");
+            snprintf(err.message, sizeof err.message,
+                     "the request body (%.30s bytes) is larger than the limit of %u", declared, MAX_BODY);
+            request_read(s, c, cn);
+            return send_error(s, cn, c, &err);
+        }
         return MHD_YES;
     }
     if (*upload_size) {
@@ -1141,11 +1172,7 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         if (get) return get_models(s, cn, c);
         break;
     case R_HEALTH:
-        if (get) {
-            bool draining = atomic_load(&s->draining);
-            return send_json(s, cn, c, draining ? 503 : 200,
-                             strdup(draining ? "{\"status\":\"draining\"}" : "{\"status\":\"ok\"}"));
-        }
+        if (get) return get_health(s, cn, c);
         break;
     case R_METRICS:
         if (get) return get_metrics(s, cn, c);
@@ -1387,6 +1414,10 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     }
     s->max_conns = cfg->max_connections > 0 ? cfg->max_connections : SRV_DEFAULT_MAX_CONNECTIONS;
     raise_fd_limit((rlim_t)s->max_conns + 256);
+    /* Request bodies of megabytes come and go: a fixed mmap threshold
+     * gives their memory back when they are freed (glibc's adaptive one
+     * rises past them and keeps them in its arenas for good). */
+    mallopt(M_MMAP_THRESHOLD, 1 << 20);
     const unsigned idle_s =
         (unsigned)(cfg->idle_timeout_s > 0 ? cfg->idle_timeout_s : SRV_DEFAULT_IDLE_TIMEOUT_S);
     unsigned flags =

@@ -402,7 +402,16 @@ bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_li
         return srv_bad(err, NULL, "invalid_json", "the request body is not valid JSON (it holds a NUL byte)");
     if (has_nul_escape(body, len))
         return srv_bad(err, NULL, "invalid_value", "a string in the request contains U+0000 (\\u0000), which duet does not accept");
-    cJSON *o = cJSON_ParseWithLength(body, len);
+    /* One JSON value and nothing after it but whitespace: cJSON stops at
+     * the value's end, and `{"prompt":"a"}}` must not pass as valid. */
+    const char *end = NULL;
+    cJSON *o = cJSON_ParseWithLengthOpts(body, len, &end, false);
+    while (o && end < body + len && (*end == ' ' || *end == '\t' || *end == '\n' || *end == '\r'))
+        end++;
+    if (o && end != body + len) {
+        cJSON_Delete(o);
+        return srv_bad(err, NULL, "invalid_json", "the request body has bytes after its JSON value");
+    }
     if (!o) return srv_bad(err, NULL, "invalid_json", "the request body is not valid JSON");
     bool ok = cJSON_IsObject(o) ? parse_fields(o, lim, out, err)
                                 : srv_bad(err, NULL, "invalid_json", "the request body must be a JSON object");
