@@ -30,6 +30,7 @@ set(DUET_TEST_COLD_SECONDS
   test_vulkan.attention=30
   test_vulkan.matmul=31
   test_opencl.kernels_matmul=30
+  test_server.hardening=30
   test_opencl.forced_gpu=26
   test_opencl.api=22
   test_long_context=17
