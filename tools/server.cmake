@@ -19,3 +19,12 @@ if(DUET_TESTS AND TARGET test_server)
   # The live tests start the binary (their timeout: tests/check_tests.cmake).
   add_dependencies(test_server duet)
 endif()
+
+# The request fuzzer (tests/fuzz/fuzz_request.c, DUET_FUZZ) drives the same
+# pure parts: request parsing, chat templates, response and stream JSON.
+if(TARGET fuzz_request)
+  target_sources(fuzz_request PRIVATE
+    ${CMAKE_SOURCE_DIR}/tools/server_openai.c
+    ${CMAKE_SOURCE_DIR}/tools/server_chat.c)
+  target_include_directories(fuzz_request PRIVATE ${CMAKE_SOURCE_DIR}/tools)
+endif()
