@@ -511,9 +511,50 @@ class Loop(threading.Thread):
             self.stats.note(f"{kind}: {e!r}")
             self.stats.add(kind, "transport_error")
 
+    def early_status(self, path, body):
+        """Sends a body past the server's limit over a raw socket: the server
+        may answer 413 at the headers and close while the body is still going
+        out (a broken pipe here), so the answer is read whatever the send did."""
+        sock = socket.create_connection((self.host, self.port), timeout=self.TIMEOUT)
+        try:
+            head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+            try:
+                sock.sendall(head + body)
+            except OSError:
+                pass  # refused early: the status is already in the receive buffer
+            data = b""
+            while b"\r\n" not in data:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+            line = data.split(b"\r\n", 1)[0].split()
+            return int(line[1]) if len(line) >= 2 and line[1].isdigit() else None
+        finally:
+            sock.close()
+
     def bad(self):
         kind, body, path = self.bad_body()
         self.drop()  # a fresh connection: the server may close it after an error
+        if kind == "bad_big":
+            try:
+                status = self.early_status(path, body)
+            except OSError as e:
+                status = None
+                self.stats.note(f"{kind}: {e!r}")
+            if status is None:
+                self.stats.add(kind, "transport_error")
+            elif status in (400, 404, 413, 429, 503):
+                self.stats.add(kind, "invalid" if status < 429 else "rejected", status)
+            else:
+                self.stats.add(kind, outcome_of_status(status), status)
+                with self.stats.mu:
+                    key = f"{kind} -> {status}"
+                    self.stats.bad_unexpected_by[key] = self.stats.bad_unexpected_by.get(key, 0) + 1
+                    if len(self.stats.bad_unexpected) < 20:
+                        self.stats.bad_unexpected.append(key)
+            return
         try:
             c = self.send(path, body)
             resp = c.getresponse()
@@ -858,10 +899,16 @@ def main():
         if not 0 <= missing <= client["cancel_unanswered"]:
             problems.append(f"received {rec:.0f} vs client sent {client['sent']} (of which "
                             f"{client['cancel_unanswered']} closed before any response)")
-        for k in ("invalid", "rejected", "failed"):
+        for k in ("invalid", "failed"):
             if fin[k] != co[k]:
                 problems.append(f"{k}: server {fin[k]:.0f} != client {co[k]}")
-        s_done = fin["stop"] + fin["length"] + fin["cancelled"]
+        # A client that closed before any response cannot know whether the
+        # server refused its request (429): it booked it as cancelled.
+        refused_unseen = fin["rejected"] - co["rejected"]
+        if not 0 <= refused_unseen <= client["cancel_unanswered"] - missing:
+            problems.append(f"rejected: server {fin['rejected']:.0f} != client {co['rejected']} (+ up to "
+                            f"{client['cancel_unanswered'] - missing:.0f} closed before any response)")
+        s_done = fin["stop"] + fin["length"] + fin["cancelled"] + refused_unseen
         c_done = co["stop"] + co["length"] + co["cancelled"]
         if s_done + missing != c_done:
             problems.append(f"stop+length+cancelled: server {s_done:.0f} (+{missing:.0f} never received) "
