@@ -48,6 +48,9 @@ size_t duet_dtype_block_bytes(duet_dtype t);
 size_t duet_dtype_row_bytes(duet_dtype t, int64_t n);
 const char *duet_dtype_name(duet_dtype t); /* "f32", ... or NULL if unknown */
 bool duet_dtype_is_weight(duet_dtype t);   /* a type a weight may have */
+/* Whether a matmul with these weights can read q8_0 activations (x_q8)
+ * and run integer dot products on them. */
+bool duet_dtype_takes_q8_activations(duet_dtype t);
 
 float duet_fp16_to_fp32(uint16_t h);
 uint16_t duet_fp32_to_fp16(float f); /* round to nearest even */
@@ -80,13 +83,31 @@ typedef struct duet_device_info {
     bool fp16;          /* fp16 arithmetic */
     bool int8_dot;      /* packed int8 dot products */
     bool coopmat;       /* cooperative matrix / matrix cores */
+    bool q8_activations; /* the fused int8 activation path: out_q8 outputs and x_q8 matmuls
+                            (DUET_ACT_Q8=0 turns it off on every device, for A/B runs) */
     int subgroup_size;  /* 0 if unknown */
     char features[512]; /* anything else, human readable */
 } duet_device_info;
 
 /* ---- buffers and tensors ------------------------------------------------ */
 
-typedef struct duet_buffer duet_buffer; /* backend-private */
+typedef struct duet_buffer duet_buffer; /* a backend's own, starting with a duet_buffer_head */
+
+typedef enum duet_buffer_kind {
+    DUET_BUFFER_DEVICE, /* device-local: reached through upload/download */
+    DUET_BUFFER_HOST,   /* host-visible: the host may read it (buffer_host_ptr) */
+} duet_buffer_kind;
+
+/* The public head every backend's buffer starts with, so the registry can
+ * check views against sizes without knowing the backend. */
+typedef struct duet_buffer_head {
+    size_t size;
+    duet_buffer_kind kind;
+} duet_buffer_head;
+
+static inline const duet_buffer_head *duet_buffer_head_of(const duet_buffer *b) {
+    return (const duet_buffer_head *)(const void *)b;
+}
 
 /* A view of a buffer: ops address data as buffer + byte offset. */
 typedef struct duet_view {
@@ -108,6 +129,9 @@ typedef enum duet_op_kind {
     DUET_OP_ARGMAX,      /* out[t] = argmax_j x[t][j] (lowest index wins ties), i32  */
     DUET_OP_COUNT
 } duet_op_kind;
+
+/* Its name ("matmul", ...), or "op?" for a kind out of range. */
+const char *duet_op_name(duet_op_kind kind);
 
 /* Paged KV cache (rope_kv, attention). Per layer one K pool and one V pool,
  * each n_blocks blocks x block_size tokens x kv width (n_head_kv*head_dim),
@@ -212,6 +236,41 @@ typedef struct duet_op {
     };
 } duet_op;
 
+/* ---- operands: every op's contract, described once (backends/operands.c) --
+
+   An op's operands are its views with the bytes each may touch, the
+   alignment its element needs and whether the op reads or writes it. The
+   registry checks every op against them (presence, alignment, bounds,
+   overlaps) before a backend sees it, so backends check only their own
+   device limits; Vulkan takes its barrier ranges from the same list. */
+
+typedef enum duet_access { DUET_READ = 1, DUET_WRITE = 2, DUET_READ_WRITE = 3 } duet_access;
+
+typedef struct duet_operand {
+    const char *name; /* "x", "w", "out", "k_pool", ... */
+    duet_view view;   /* buf NULL: absent (only when optional) */
+    uint64_t bytes;   /* the range [offset, offset + bytes) the op may touch; UINT64_MAX on overflow */
+    uint64_t need;    /* bytes that must fit (less than `bytes` for tables sized by their buffer) */
+    size_t align;     /* the offset's required alignment */
+    duet_access access;
+    bool optional;
+    uint32_t alias_ok; /* bit i: may be exactly operand i (same offset and size: in place) */
+} duet_operand;
+
+#define DUET_MAX_OPERANDS 10
+
+/* The shape rules of an op that do not depend on a device (positive
+ * dimensions, block multiples, head counts, paged-KV geometry, which
+ * optional outputs and inputs go together). */
+duet_status duet_op_check_shape(const duet_op *op);
+/* Fills ops' operand list (after duet_op_check_shape passed); returns its
+ * length. Tables sized by their buffer (embed's table, gather's x) extend
+ * to the last whole row that fits. */
+int duet_op_operands(const duet_op *op, duet_operand out[DUET_MAX_OPERANDS]);
+/* Shape, then every operand: present, aligned, inside its buffer, and no
+ * written range overlapping another operand except an allowed exact alias. */
+duet_status duet_op_check(const duet_op *op);
+
 /* ---- backend instance --------------------------------------------------- */
 
 typedef struct duet_backend duet_backend;
@@ -232,8 +291,10 @@ typedef struct duet_backend_iface {
     duet_status (*open)(int index, const duet_backend_params *params, duet_backend **out);
     void (*close)(duet_backend *be);
 
-    /* Which ops/dtypes this device runs; the wrapper refuses the rest. */
-    bool (*supports_op)(duet_backend *be, const duet_op *op);
+    /* Whether device `index` runs this op (its kinds, dtypes and shapes;
+     * views may be absent): asked without opening an instance, and by the
+     * registry before every op, which refuses the rest. */
+    bool (*supports_op)(int index, const duet_op *op);
 
     duet_status (*buffer_alloc)(duet_backend *be, size_t size, duet_buffer **out);
     void (*buffer_free)(duet_backend *be, duet_buffer *buf);
@@ -273,8 +334,8 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
                               duet_backend **out);
 void duet_backend_close(duet_backend *be);
 
-/* Checked wrappers: check the op kind, token count and support, then call
- * the backend; each backend checks views against its buffer sizes. */
+/* Checked wrappers: ops pass duet_op_check and the backend's supports_op
+ * before the backend records them. */
 duet_status duet_buffer_alloc(duet_backend *be, size_t size, duet_buffer **out);
 void duet_buffer_free(duet_backend *be, duet_buffer *buf);
 duet_status duet_buffer_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
@@ -284,6 +345,10 @@ duet_status duet_step_begin(duet_backend *be);
 duet_status duet_step_op(duet_backend *be, const duet_op *op);
 duet_status duet_step_submit(duet_backend *be);
 duet_status duet_step_wait(duet_backend *be);
+/* A device's answers without an instance (the device layer): its info
+ * (with the DUET_ACT_Q8 override applied) and whether it runs an op. */
+duet_status duet_device_info_get(const duet_backend_iface *iface, int index, duet_device_info *out);
+bool duet_device_supports_op(const duet_backend_iface *iface, int index, const duet_op *op);
 /* The backend's scratch_bytes high-water mark. */
 size_t duet_backend_scratch_bytes(duet_backend *be);
 

@@ -63,6 +63,10 @@ bool duet_dtype_is_weight(duet_dtype t) {
     return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0;
 }
 
+bool duet_dtype_takes_q8_activations(duet_dtype t) {
+    return t == DUET_DTYPE_Q8_0;
+}
+
 /* ---- fp16 / bf16 --------------------------------------------------------- */
 
 static inline uint32_t f32_bits(float f) {

@@ -1,6 +1,7 @@
 /* registry.c — the compiled-in backends, found by name, and the checked
  * wrappers around their interface (preconditions live here so backends stay
  * small). */
+#include <stdlib.h>
 #include <string.h>
 
 #include "backend.h"
@@ -60,6 +61,29 @@ static int duet__device_rank(duet_device_type t) {
     return 0;
 }
 
+/* Process-wide switches the HAL owns (so core never reads the environment). */
+static void apply_overrides(duet_device_info *info) {
+    const char *act = getenv("DUET_ACT_Q8");
+    if (act && strcmp(act, "0") == 0) info->q8_activations = false;
+}
+
+duet_status duet_device_info_get(const duet_backend_iface *iface, int index, duet_device_info *out) {
+    duet_status st = iface->device_info(index, out);
+    if (st == DUET_OK) apply_overrides(out);
+    return st;
+}
+
+bool duet_device_supports_op(const duet_backend_iface *iface, int index, const duet_op *op) {
+    return !iface->supports_op || iface->supports_op(index, op);
+}
+
+static duet_status open_device(const duet_backend_iface *iface, int device, const duet_backend_params *params,
+                               duet_backend **out) {
+    duet_status st = iface->open(device, params, out);
+    if (st == DUET_OK) apply_overrides(&(*out)->info);
+    return st;
+}
+
 duet_status duet_backend_open(const char *name, int device, const duet_backend_params *params,
                               duet_backend **out) {
     *out = NULL;
@@ -85,7 +109,7 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
         if (device >= n)
             return duet__error(DUET_NO_DEVICE, "%s: no device %d (it has %d; see `duet devices`)", be->name,
                                device, n);
-        return be->open(device, params, out);
+        return open_device(be, device, params, out);
     }
     /* auto: best-ranked device over every available backend. */
     const duet_backend_iface *best = NULL;
@@ -111,7 +135,7 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
                                best->name, device, n);
         best_dev = device;
     }
-    return best->open(best_dev, params, out);
+    return open_device(best, best_dev, params, out);
 }
 
 void duet_backend_close(duet_backend *be) {
@@ -128,15 +152,25 @@ void duet_buffer_free(duet_backend *be, duet_buffer *buf) {
     if (buf) be->iface->buffer_free(be, buf);
 }
 
+static duet_status check_range(const char *what, const duet_buffer *buf, size_t offset, size_t size) {
+    const size_t have = duet_buffer_head_of(buf)->size;
+    if (offset > have || size > have - offset)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: %zu bytes at offset %zu run past a %zu-byte buffer",
+                           what, size, offset, have);
+    return DUET_OK;
+}
+
 duet_status duet_buffer_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
                                size_t size) {
     if (!buf || (size && !src)) return duet__error(DUET_INVALID_ARGUMENT, "upload: null buffer or source");
+    CHECK(check_range("upload", buf, offset, size));
     if (size == 0) return DUET_OK;
     return be->iface->upload(be, buf, offset, src, size);
 }
 
 duet_status duet_buffer_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst, size_t size) {
     if (!buf || (size && !dst)) return duet__error(DUET_INVALID_ARGUMENT, "download: null buffer or target");
+    CHECK(check_range("download", buf, offset, size));
     if (size == 0) return DUET_OK;
     return be->iface->download(be, buf, offset, dst, size);
 }
@@ -145,17 +179,12 @@ duet_status duet_step_begin(duet_backend *be) {
     return be->iface->begin(be);
 }
 
-static duet_status check_shared(const duet_op *op);
-
 duet_status duet_step_op(duet_backend *be, const duet_op *op) {
-    if (op->kind < 0 || op->kind >= DUET_OP_COUNT)
-        return duet__error(DUET_INVALID_ARGUMENT, "op: unknown kind %d", (int)op->kind);
-    if (op->n_tokens <= 0) return duet__error(DUET_INVALID_ARGUMENT, "op: n_tokens %d", op->n_tokens);
-    duet_status st = check_shared(op);
+    duet_status st = duet_op_check(op);
     if (st) return st;
-    if (be->iface->supports_op && !be->iface->supports_op(be, op))
-        return duet__error(DUET_UNSUPPORTED, "%s: op %d is not supported on %s", be->iface->name,
-                           (int)op->kind, be->info.name);
+    if (!duet_device_supports_op(be->iface, be->device_index, op))
+        return duet__error(DUET_UNSUPPORTED, "%s: %s is not supported on %s (dtype or shape)",
+                           be->iface->name, duet_op_name(op->kind), be->info.name);
     return be->iface->op(be, op);
 }
 
@@ -167,64 +196,6 @@ size_t duet_kv_pool_bytes(const duet_kv_pages *kv, int kv_width) {
     const uint64_t b =
         mul3(duet_dtype_row_bytes(kv->dtype, kv_width), (uint64_t)kv->block_size, (uint64_t)kv->n_blocks);
     return b > SIZE_MAX ? SIZE_MAX : (size_t)b;
-}
-
-/* Shape rules every backend shares: paged-KV geometry and q8 widths. */
-static duet_status check_kv_pages(const char *op, const duet_kv_pages *kv, int head_dim, int n_head,
-                                  int n_head_kv) {
-    if (kv->dtype != DUET_DTYPE_F32 && kv->dtype != DUET_DTYPE_F16 && kv->dtype != DUET_DTYPE_Q8_0)
-        return duet__error(DUET_UNSUPPORTED, "%s: kv dtype %d (f32, f16 or q8_0)", op, (int)kv->dtype);
-    if (kv->block_size < 1 || kv->n_blocks < 1 || kv->n_seqs < 1 || kv->max_blocks < 1)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: kv pages %d blocks x %d tokens, table %d x %d", op,
-                           kv->n_blocks, kv->block_size, kv->n_seqs, kv->max_blocks);
-    if (!kv->k_pool.buf || !kv->v_pool.buf || !kv->block_table.buf)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: kv pools and block table are required", op);
-    if (head_dim < 1 || n_head < 1 || n_head_kv < 1 || n_head % n_head_kv)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: %d heads over %d kv heads of %d", op, n_head,
-                           n_head_kv, head_dim);
-    if (kv->dtype == DUET_DTYPE_Q8_0 && head_dim % DUET_QK8_0)
-        return duet__error(DUET_UNSUPPORTED, "%s: q8_0 kv needs head_dim %% 32 == 0 (got %d)", op, head_dim);
-    return DUET_OK;
-}
-
-static duet_status check_q8_out(const char *op, duet_view out, duet_view out_q8, int width) {
-    if (!out.buf && !out_q8.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: no output", op);
-    if (out_q8.buf && width % DUET_QK8_0)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: q8 output needs width %% 32 == 0 (got %d)", op, width);
-    return DUET_OK;
-}
-
-static duet_status check_shared(const duet_op *op) {
-    switch (op->kind) {
-    case DUET_OP_ROPE_KV:
-        return check_kv_pages("rope_kv", &op->rope_kv.kv, op->rope_kv.head_dim, op->rope_kv.n_head,
-                              op->rope_kv.n_head_kv);
-    case DUET_OP_ATTENTION: {
-        duet_status st = check_kv_pages("attention", &op->attention.kv, op->attention.head_dim,
-                                        op->attention.n_head, op->attention.n_head_kv);
-        const duet_kv_pages *kv = &op->attention.kv;
-        if (!st && (op->attention.n_keys < 0 ||
-                    (int64_t)op->attention.n_keys > (int64_t)kv->max_blocks * kv->block_size))
-            st = duet__error(DUET_INVALID_ARGUMENT,
-                             "attention: n_keys %d outside [0, %lld] (the table's capacity)",
-                             op->attention.n_keys, (long long)kv->max_blocks * kv->block_size);
-        return st ? st
-                  : check_q8_out("attention", op->attention.out, op->attention.out_q8,
-                                 op->attention.n_head * op->attention.head_dim);
-    }
-    case DUET_OP_RMSNORM:
-        return check_q8_out("rmsnorm", op->rmsnorm.out, op->rmsnorm.out_q8, op->rmsnorm.dim);
-    case DUET_OP_SWIGLU:
-        return check_q8_out("swiglu", op->swiglu.out, op->swiglu.out_q8, op->swiglu.dim);
-    case DUET_OP_MATMUL:
-        if (op->matmul.x_q8.buf && op->matmul.dtype != DUET_DTYPE_Q8_0)
-            return duet__error(DUET_INVALID_ARGUMENT, "matmul: q8 activations need q8_0 weights");
-        if (!op->matmul.x_q8.buf && !op->matmul.x.buf)
-            return duet__error(DUET_INVALID_ARGUMENT, "matmul: no input");
-        return DUET_OK;
-    default:
-        return DUET_OK;
-    }
 }
 
 duet_status duet_step_submit(duet_backend *be) {

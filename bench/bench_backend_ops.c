@@ -21,7 +21,6 @@
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "../tests/backend_ops_cases.h"
 #include "bench_util.h"
@@ -74,7 +73,7 @@ static void bench_case(duet_backend *be, int ci, const char *impl, const opts *o
     cJSON_AddStringToObject(r, "case", label);
     cJSON_AddStringToObject(r, "impl", impl);
     cJSON_AddNumberToObject(r, "n_tokens", c->n_tokens);
-    if (bo_dev_setup(be, &h, &d) != DUET_OK || (be->iface->supports_op && !be->iface->supports_op(be, &d.op))) {
+    if (bo_dev_setup(be, &h, &d) != DUET_OK || !duet_device_supports_op(be->iface, be->device_index, &d.op)) {
         cJSON_AddStringToObject(r, "error", duet_last_error());
     } else {
         double bytes, flops;
@@ -244,12 +243,9 @@ static void bench_device(const duet_backend_iface *iface, int dev, const opts *o
 /* ---- end to end ------------------------------------------------------------------ */
 
 static const char *synthetic(const char *shape, const char *type) {
-    static char path[256];
-    snprintf(path, sizeof path, "/tmp/duet-bench-%s-%s.gguf", shape, type);
-    struct stat sb;
-    if (stat(path, &sb) == 0) return path;
+    static char path[4096];
     duet_mkmodel_params p = {.shape = shape, .type = type, .seed = 1};
-    if (duet_mkmodel(&p, path)) {
+    if (duet_mkmodel_cached(&p, path, sizeof path, NULL)) {
         fprintf(stderr, "bench_backend_ops: mkmodel %s %s: %s\n", shape, type, duet_last_error());
         return NULL;
     }

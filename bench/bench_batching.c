@@ -13,7 +13,6 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "bench_util.h"
 #include "duet.h"
@@ -142,15 +141,12 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    static char path[256] = "/tmp/duet-bench-125m-q8_0.gguf";
+    static char path[4096];
     if (!model) {
-        struct stat sb;
-        if (stat(path, &sb) != 0) {
-            duet_mkmodel_params mp = {.shape = "125m", .type = "q8_0", .seed = 1};
-            if (duet_mkmodel(&mp, path)) {
-                fprintf(stderr, "bench_batching: %s\n", duet_last_error());
-                return 1;
-            }
+        duet_mkmodel_params mp = {.shape = "125m", .type = "q8_0", .seed = 1};
+        if (duet_mkmodel_cached(&mp, path, sizeof path, NULL)) {
+            fprintf(stderr, "bench_batching: %s\n", duet_last_error());
+            return 1;
         }
         model = path;
     }

@@ -22,7 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "bench_util.h"
 #include "duet.h"
@@ -118,12 +117,9 @@ static int bench_model(const char *name, const char *path, const opts *o, result
 }
 
 static const char *synthetic(const char *shape, const char *type) {
-    static char path[256];
-    snprintf(path, sizeof path, "/tmp/duet-bench-%s-%s.gguf", shape, type);
-    struct stat sb;
-    if (stat(path, &sb) == 0) return path;
+    static char path[4096];
     duet_mkmodel_params p = {.shape = shape, .type = type, .seed = 1};
-    if (duet_mkmodel(&p, path)) {
+    if (duet_mkmodel_cached(&p, path, sizeof path, NULL)) {
         fprintf(stderr, "bench_decode: mkmodel: %s\n", duet_last_error());
         return NULL;
     }
@@ -204,7 +200,7 @@ int main(int argc, char **argv) {
     }
     o.triad = bench_triad_gbs(o.threads, 5);
     /* The models' names and files, made once. */
-    char names[MAX_MODELS][64], paths[MAX_MODELS][512];
+    char names[MAX_MODELS][64], paths[MAX_MODELS][4096];
     int n = 0;
     char list[256];
     snprintf(list, sizeof list, "%s", models);

@@ -29,7 +29,6 @@
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <string.h>
-#include <sys/stat.h>
 
 #include "../tests/backend_ops_cases.h"
 #include "bench_util.h"
@@ -367,12 +366,9 @@ static void bench_attention(int device, double peak, cJSON *out) {
 /* ---- end to end ---------------------------------------------------------------------------- */
 
 static const char *synthetic(const char *shape, const char *type, int n_ctx) {
-    static char path[256];
-    snprintf(path, sizeof path, "/tmp/duet-bench-%s-%s-%d.gguf", shape, type, n_ctx);
-    struct stat sb;
-    if (stat(path, &sb) == 0) return path;
+    static char path[4096];
     duet_mkmodel_params p = {.shape = shape, .type = type, .seed = 1, .n_ctx = n_ctx};
-    if (duet_mkmodel(&p, path) != DUET_OK) {
+    if (duet_mkmodel_cached(&p, path, sizeof path, NULL) != DUET_OK) {
         fprintf(stderr, "bench_vulkan: mkmodel %s %s: %s\n", shape, type, duet_last_error());
         return NULL;
     }

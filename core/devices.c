@@ -46,7 +46,7 @@ size_t duet_devices_describe(char *buf, size_t size, bool json) {
         OUT("%s: %d device%s\n", be->name, nd, nd == 1 ? "" : "s");
         for (int d = 0; d < nd; d++) {
             duet_device_info info;
-            if (be->device_info(d, &info) != DUET_OK) {
+            if (duet_device_info_get(be, d, &info) != DUET_OK) {
                 /* Reported in both forms: JSON readers must not lose it. */
                 cJSON *e = cJSON_CreateObject();
                 cJSON_AddNumberToObject(e, "index", d);
@@ -66,6 +66,7 @@ size_t duet_devices_describe(char *buf, size_t size, bool json) {
             cJSON_AddBoolToObject(e, "fp16", info.fp16);
             cJSON_AddBoolToObject(e, "int8_dot", info.int8_dot);
             cJSON_AddBoolToObject(e, "coopmat", info.coopmat);
+            cJSON_AddBoolToObject(e, "q8_activations", info.q8_activations);
             cJSON_AddNumberToObject(e, "subgroup_size", info.subgroup_size);
             cJSON_AddStringToObject(e, "features", info.features);
             cJSON_AddItemToArray(devs, e);

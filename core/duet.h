@@ -123,6 +123,15 @@ typedef struct duet_mkmodel_params {
  * working SentencePiece-style tokenizer (same params, same bytes). */
 duet_status duet_mkmodel(const duet_mkmodel_params *params, const char *path);
 
+/* Bumped whenever duet_mkmodel writes different bytes for the same params. */
+#define DUET_MKMODEL_VERSION 1
+
+/* The model of these params in duet's cache ($XDG_CACHE_HOME/duet/models or
+ * ~/.cache/duet/models), generated there first when missing (written under
+ * a private name, then renamed). Its path goes to `path`; *generated (may be
+ * NULL) says whether this call made it. */
+duet_status duet_mkmodel_cached(const duet_mkmodel_params *params, char *path, size_t size, bool *generated);
+
 /* ---- tokens ----------------------------------------------------------- */
 
 /* Tokenizes `len` bytes of `text`. add_special adds BOS (and EOS) as the

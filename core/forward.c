@@ -21,28 +21,8 @@ static size_t q8_bytes(size_t rows, int width) {
     return rows * duet_dtype_row_bytes(DUET_DTYPE_Q8_0, width);
 }
 
-/* Whether the backend runs the fused int8 activation path: q8 outputs of
- * rmsnorm/swiglu/attention and q8 x q8 matmuls. Probed with real buffers
- * (supports_op looks at kinds and dtypes, not at contents). */
-static bool backend_has_q8_acts(duet_backend *be, duet_buffer *any, duet_dtype kv) {
-    if (!be->iface->supports_op) return true;
-    duet_op ops[4] = {{.kind = DUET_OP_RMSNORM, .n_tokens = 1},
-                      {.kind = DUET_OP_SWIGLU, .n_tokens = 1},
-                      {.kind = DUET_OP_ATTENTION, .n_tokens = 1},
-                      {.kind = DUET_OP_MATMUL, .n_tokens = 1}};
-    ops[0].rmsnorm.out_q8 = V(any);
-    ops[1].swiglu.out_q8 = V(any);
-    ops[2].attention.out_q8 = V(any);
-    ops[2].attention.kv.dtype = kv;
-    ops[3].matmul.x_q8 = V(any);
-    ops[3].matmul.dtype = DUET_DTYPE_Q8_0;
-    for (int i = 0; i < 4; i++)
-        if (!be->iface->supports_op(be, &ops[i])) return false;
-    return true;
-}
-
 static bool is_q8(const duet_weight *w) {
-    return w->type == DUET_DTYPE_Q8_0;
+    return duet_dtype_takes_q8_activations(w->type);
 }
 
 /* Whether any layer has a q8_0 consumer for each activation. */
@@ -104,13 +84,11 @@ duet_status duet__state_new(duet_backend *be, const duet_hparams *hp, const duet
         (st = duet_buffer_alloc(be, (size_t)full * 4, &s->block_table)))
         goto fail;
 
-    /* INT8 activations where a q8_0 matmul reads them and the width splits
-     * into 32-blocks; DUET_ACT_Q8=0 turns them off for A/B comparisons. */
-    const char *env = getenv("DUET_ACT_Q8");
+    /* INT8 activations where a q8_0 matmul reads them, the width splits
+     * into 32-blocks and the device runs the fused path. */
     bool want_xn, want_att, want_gate;
     q8_consumers(w, &want_xn, &want_att, &want_gate);
-    const bool q8_acts = !(env && strcmp(env, "0") == 0) && (want_xn || want_att || want_gate) &&
-                         backend_has_q8_acts(be, s->x, p.kv_type);
+    const bool q8_acts = be->info.q8_activations && (want_xn || want_att || want_gate);
     if (q8_acts) {
         if (want_xn && hp->n_embd % DUET_QK8_0 == 0 &&
             (st = duet_buffer_alloc(be, q8_bytes(T, hp->n_embd), &s->xn_q8)))

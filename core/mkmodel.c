@@ -1,10 +1,13 @@
 /* mkmodel.c — synthetic Llama-shaped models with deterministic random
  * weights and a working SentencePiece-style vocabulary, for tests, demos and
  * benchmarks (the project ships no third-party weights). */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "gguf.h"
 
@@ -242,4 +245,55 @@ duet_status duet_mkmodel(const duet_mkmodel_params *p, const char *path) {
     if (!st) st = duet_gguf_write(w, path);
     duet_gguf_writer_free(w);
     return st;
+}
+
+/* ---- the cache of generated models ---------------------------------------------------- */
+
+/* mkdir -p. */
+static void make_dirs(char *dir) {
+    for (char *q = dir + 1; *q; q++)
+        if (*q == '/') {
+            *q = 0;
+            mkdir(dir, 0755);
+            *q = '/';
+        }
+    mkdir(dir, 0755);
+}
+
+duet_status duet_mkmodel_cached(const duet_mkmodel_params *p, char *path, size_t size, bool *generated) {
+    if (generated) *generated = false;
+    if (!p || !p->shape || !p->type || !path || size == 0)
+        return duet__error(DUET_INVALID_ARGUMENT,
+                           "mkmodel_cached: shape, type and a path buffer are required");
+    const char *cache = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    char dir[2048];
+    if (cache && *cache)
+        snprintf(dir, sizeof dir, "%s/duet/models", cache);
+    else
+        snprintf(dir, sizeof dir, "%s/.cache/duet/models", home && *home ? home : "/tmp");
+    /* Every parameter and the generator's version name the file, so a
+     * model made by an older generator is never taken for today's. */
+    int n = snprintf(path, size, "%s/synthetic-v%d-%s-%s-ctx%d-seed%llu.gguf", dir, DUET_MKMODEL_VERSION,
+                     p->shape, p->type, p->n_ctx, (unsigned long long)p->seed);
+    if (n < 0 || (size_t)n >= size)
+        return duet__error(DUET_INVALID_ARGUMENT, "mkmodel_cached: path too long");
+    struct stat sb;
+    if (stat(path, &sb) == 0) return DUET_OK;
+    make_dirs(dir);
+    /* Written under a private name, then renamed: a concurrent run, or one
+     * after an interrupted write, never finds a partial file at `path`. */
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
+    duet_status st = duet_mkmodel(p, tmp);
+    if (st) {
+        remove(tmp);
+        return st;
+    }
+    if (rename(tmp, path) != 0) {
+        int e = errno;
+        remove(tmp);
+        return duet__error(DUET_IO, "mkmodel_cached: cannot move %s to %s: %s", tmp, path, strerror(e));
+    }
+    if (generated) *generated = true;
+    return DUET_OK;
 }

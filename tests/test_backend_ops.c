@@ -168,7 +168,7 @@ static case_result run_case(duet_backend *cpu, duet_backend *be, int ci, char *m
         return CASE_FAIL;
     }
     st = bo_dev_setup(be, &h, &got);
-    if (st == DUET_OK && be->iface->supports_op && !be->iface->supports_op(be, &got.op)) r = CASE_UNSUPPORTED;
+    if (st == DUET_OK && !duet_device_supports_op(be->iface, be->device_index, &got.op)) r = CASE_UNSUPPORTED;
     if (r == CASE_PASS && st == DUET_OK) st = bo_dev_run(&got, 1);
     if (r == CASE_PASS && st != DUET_OK) {
         snprintf(msg, msg_size, "%s: %s", duet_status_name(st), duet_last_error());

@@ -216,7 +216,9 @@ class Cli(unittest.TestCase):
         for p, (out, err) in zip(procs, outs):
             self.assertEqual(p.returncode, 0, err)
             self.assertEqual(len(json.loads(out)["tokens"]), 2)
-        self.assertIn("synthetic-125m-q8_0.gguf", os.listdir(os.path.join(cache, "duet")))
+        names = os.listdir(os.path.join(cache, "duet", "models"))
+        self.assertEqual([n for n in names if "125m-q8_0" in n], names, names)  # no temporary file left
+        self.assertEqual(len(names), 1, names)
 
 
 if __name__ == "__main__":

@@ -1482,14 +1482,15 @@ START_TEST(test_bounds) {
     /* rope_kv / attention: positions, sequences and pools outside the cache */
     enum { HD = 32, NH = 2, BS = 4, NB = 6, MB = 3 };
     int32_t pos[2] = {3, MB * BS}, seq[2] = {0, 0}, table[2 * MB] = {5, 0, 1, 2, 3, -1};
-    duet_buffer *q = mkbuf(be, NULL, 2 * NH * HD * 4), *k = mkbuf(be, NULL, 2 * NH * HD * 4);
+    duet_buffer *q = mkbuf(be, NULL, 2 * NH * HD * 4), *k = mkbuf(be, NULL, 2 * NH * HD * 4),
+                *v = mkbuf(be, NULL, 2 * NH * HD * 4);
     duet_buffer *pb = mkbuf(be, pos, sizeof pos), *sb = mkbuf(be, seq, sizeof seq), *tb = mkbuf(be, table, sizeof table);
     /* kc has room past the k pool for a v pool placed over it */
     duet_buffer *kc = mkbuf(be, NULL, 2 * NB * BS * NH * HD * 4), *vc = mkbuf(be, NULL, NB * BS * NH * HD * 4);
     duet_kv_pages kv = {.k_pool = {kc, 0}, .v_pool = {vc, 0}, .block_table = {tb, 0}, .dtype = DUET_DTYPE_F32,
                         .block_size = BS, .n_blocks = NB, .n_seqs = 2, .max_blocks = MB};
     duet_op rp = {.kind = DUET_OP_ROPE_KV, .n_tokens = 1};
-    rp.rope_kv.q = (duet_view){q, 0}, rp.rope_kv.k = (duet_view){k, 0}, rp.rope_kv.v = (duet_view){k, 0};
+    rp.rope_kv.q = (duet_view){q, 0}, rp.rope_kv.k = (duet_view){k, 0}, rp.rope_kv.v = (duet_view){v, 0};
     rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0}, rp.rope_kv.kv = kv;
     rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NH;
     rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD, rp.rope_kv.freq_base = 10000;
@@ -1590,7 +1591,7 @@ START_TEST(test_bounds) {
     ck_assert_int_eq(duet_step_submit(be), DUET_OK);
     ck_assert_int_eq(duet_step_submit(be), DUET_INVALID_ARGUMENT);
 
-    duet_buffer *all[] = {w, x, o, small, tk, tab, eo, q, k, pb, sb, tb, kc, vc, rb};
+    duet_buffer *all[] = {w, x, o, small, tk, tab, eo, q, k, v, pb, sb, tb, kc, vc, rb};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) duet_buffer_free(be, all[i]);
     duet_backend_close(be);
 }

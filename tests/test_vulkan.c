@@ -934,12 +934,12 @@ static void bad_table(bool staged) {
     paged_dev d = paged_upload(&s, &p);
     int32_t pos = 6, seq = 0;
     float *q = rand_f32(64);
-    int qi = solo_buf(&s, 64 * 4, q), ki = solo_buf(&s, 64 * 4, q), pi = solo_buf(&s, 4, &pos), si = solo_buf(&s, 4, &seq),
-        oi = solo_buf(&s, 64 * 4, NULL);
+    int qi = solo_buf(&s, 64 * 4, q), ki = solo_buf(&s, 64 * 4, q), vi = solo_buf(&s, 64 * 4, q),
+        pi = solo_buf(&s, 4, &pos), si = solo_buf(&s, 4, &seq), oi = solo_buf(&s, 64 * 4, NULL);
     free(q);
     duet_op ops[2] = {{.kind = DUET_OP_ROPE_KV, .n_tokens = 1}, {.kind = DUET_OP_ATTENTION, .n_tokens = 1}};
     ops[0].rope_kv.q = sv(&s, qi);
-    ops[0].rope_kv.k = ops[0].rope_kv.v = sv(&s, ki);
+    ops[0].rope_kv.k = sv(&s, ki), ops[0].rope_kv.v = sv(&s, vi);
     ops[0].rope_kv.pos = sv(&s, pi);
     ops[0].rope_kv.seq = sv(&s, si);
     ops[0].rope_kv.kv = paged_view(&s, &p, d);

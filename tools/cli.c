@@ -91,36 +91,13 @@ int cli_tokenize(const duet_model *m, const char *text, bool add_special, bool p
 
 const char *cli_default_model(void) {
     static char path[4096];
-    const char *cache = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
-    char dir[3072];
-    if (cache && *cache) snprintf(dir, sizeof dir, "%s/duet", cache);
-    else snprintf(dir, sizeof dir, "%s/.cache/duet", home && *home ? home : "/tmp");
-    snprintf(path, sizeof path, "%s/synthetic-125m-q8_0.gguf", dir);
-    struct stat sb;
-    if (stat(path, &sb) == 0) return path;
-    /* mkdir -p of the cache folder. */
-    for (char *q = dir + 1; *q; q++)
-        if (*q == '/') {
-            *q = 0;
-            mkdir(dir, 0755);
-            *q = '/';
-        }
-    mkdir(dir, 0755);
-    fprintf(stderr, "duet: generating the default model (synthetic 125m, q8_0) at %s\n", path);
-    /* Written under a private name, then renamed: a concurrent run, or one
-     * after an interrupted write, never finds a partial file at `path`. */
-    char tmp[sizeof path + 32];
-    snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
     duet_mkmodel_params p = {.shape = "125m", .type = "q8_0", .seed = 1};
-    duet_status st = duet_mkmodel(&p, tmp);
+    bool made = false;
+    duet_status st = duet_mkmodel_cached(&p, path, sizeof path, &made);
     if (st) {
         cli_fail("mkmodel", st);
         return NULL;
     }
-    if (rename(tmp, path) != 0) {
-        fprintf(stderr, "duet: cannot move %s to %s: %s\n", tmp, path, strerror(errno));
-        remove(tmp);
-        return NULL;
-    }
+    if (made) fprintf(stderr, "duet: generated the default model (synthetic 125m, q8_0) at %s\n", path);
     return path;
 }

@@ -130,6 +130,7 @@ static void cpu_fill_info(duet_device_info *info, cpu_isa isa, int threads) {
     info->fp16 = isa >= CPU_ISA_AVX2;       /* f16 weights/KV converted in hardware (f16c) */
     info->int8_dot = isa == CPU_ISA_AVX512; /* vpdpbusd */
     info->coopmat = false;
+    info->q8_activations = true;
     info->subgroup_size = 0;
     snprintf(info->features, sizeof info->features, "%s", cpu_isa_features(isa));
 }
@@ -216,7 +217,7 @@ static duet_status cpu_buffer_alloc(duet_backend *be, size_t size, duet_buffer *
 #ifdef MADV_HUGEPAGE
     if (align == CPU_HUGE_ALIGN) madvise(b->data, padded, MADV_HUGEPAGE); /* a hint; failure is fine */
 #endif
-    b->size = size;
+    b->head = (duet_buffer_head){.size = size, .kind = DUET_BUFFER_HOST};
     *out = b;
     return DUET_OK;
 }
@@ -227,25 +228,17 @@ static void cpu_buffer_free(duet_backend *be, duet_buffer *buf) {
     free(buf);
 }
 
-static duet_status cpu_check_range(const char *what, duet_buffer *buf, size_t offset, size_t size) {
-    if (offset > buf->size || size > buf->size - offset)
-        return duet__error(DUET_INVALID_ARGUMENT,
-                           "cpu %s: %zu bytes at offset %zu run past a %zu-byte buffer", what, size, offset,
-                           buf->size);
+static duet_status cpu_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
+                              size_t size) {
+    (void)be; /* the registry checked the range */
+    if (size) memcpy((char *)buf->data + offset, src, size);
     return DUET_OK;
 }
 
-static duet_status cpu_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
-                              size_t size) {
-    duet_status st = cpu_check_range("upload", buf, offset, size);
-    if (st == DUET_OK && size) memcpy((char *)buf->data + offset, src, size);
-    return st;
-}
-
 static duet_status cpu_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst, size_t size) {
-    duet_status st = cpu_check_range("download", buf, offset, size);
-    if (st == DUET_OK && size) memcpy(dst, (const char *)buf->data + offset, size);
-    return st;
+    (void)be; /* the registry checked the range */
+    if (size) memcpy(dst, (const char *)buf->data + offset, size);
+    return DUET_OK;
 }
 
 static void *cpu_buffer_host_ptr(duet_backend *be, duet_buffer *buf) {
@@ -275,77 +268,24 @@ static duet_status cpu_wait(duet_backend *base) {
 
 /* ---- op validation ------------------------------------------------------------- */
 
-static const char *const cpu_op_names[DUET_OP_COUNT] = {
-    [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",         [DUET_OP_MATMUL] = "matmul",
-    [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention",     [DUET_OP_SWIGLU] = "swiglu",
-    [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
-};
-
-/* Resolves a view that must hold `bytes` bytes, aligned for its element. */
-static duet_status view_ptr(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align,
-                            void **out) {
-    *out = NULL;
-    if (!v.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: %s has no buffer", op, name);
-    if (v.offset % align)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s offset %zu is not a multiple of %zu", op, name,
-                           v.offset, align);
-    if (v.offset > v.buf->size || bytes > (uint64_t)(v.buf->size - v.offset))
-        return duet__error(DUET_INVALID_ARGUMENT,
-                           "%s: %s needs %llu bytes at offset %zu but its buffer holds %zu", op, name,
-                           (unsigned long long)bytes, v.offset, v.buf->size);
-    *out = (char *)v.buf->data + v.offset;
-    return DUET_OK;
+/* The host address of a view, or NULL when it is absent. The registry
+ * checked every view against its buffer (duet_op_check) before the op gets
+ * here; what is left for this backend are the index values, which it can
+ * read: a bad one is an error rather than a clamp, and nothing has been
+ * written when it fails. */
+static void *at(duet_view v) {
+    return v.buf ? (char *)v.buf->data + v.offset : NULL;
 }
 
-/* Bytes a view has from its offset to the end of its buffer. */
-static uint64_t view_avail(duet_view v) {
-    return v.buf && v.offset <= v.buf->size ? v.buf->size - v.offset : 0;
+/* Whole rows of `row` bytes a view holds from its offset to its buffer's end. */
+static uint64_t rows_in(duet_view v, uint64_t row) {
+    return v.offset <= v.buf->head.size ? (v.buf->head.size - v.offset) / row : 0;
 }
 
-/* Whether [a, a+an) and [b, b+bn) share bytes of the same buffer. */
-static bool views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) {
-    return a.buf && a.buf == b.buf && a.offset < b.offset + bn && b.offset < a.offset + an;
-}
-
-/* Elementwise ops may write in place (out == input) but not over a shifted
- * copy of an input, which would read values already overwritten. */
-static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out,
-                                 uint64_t bytes) {
-    if (views_overlap(in, bytes, out, bytes) && in.offset != out.offset)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: out partly overlaps %s", op, name);
-    return DUET_OK;
-}
-
-/* The paged KV operands of rope_kv/attention: both pools, the block table,
- * and for every token its position, sequence slot and the table entries
- * covering positions 0..pos of its sequence (the rows it writes or reads).
- * The cpu backend can read the table, so a bad entry is an error here rather
- * than a clamp in the kernel, and nothing has been written when it fails. */
-typedef struct kv_operands {
-    void *k, *v;          /* pools */
-    const int32_t *table; /* [n_seqs][max_blocks] */
-    uint64_t pool_bytes;
-} kv_operands;
-
-/* (The registry checked the dtype, the geometry's signs and q8_0's
- * head_dim.) */
-static duet_status check_pages(const char *op, const duet_kv_pages *kv, int kv_width, const int32_t *pos,
-                               const int32_t *seq, int n_tokens, kv_operands *out) {
-    const duet_dtype dt = kv->dtype;
-    out->pool_bytes = duet_kv_pool_bytes(kv, kv_width);
-    size_t align = dt == DUET_DTYPE_F32 ? 4 : 2;
-    void *t = NULL;
-    CHECK(view_ptr(op, "k_pool", kv->k_pool, out->pool_bytes, align, &out->k));
-    CHECK(view_ptr(op, "v_pool", kv->v_pool, out->pool_bytes, align, &out->v));
-    CHECK(view_ptr(op, "block_table", kv->block_table,
-                   mul3((uint64_t)kv->n_seqs, (uint64_t)kv->max_blocks, 4), 4, &t));
-    out->table = t;
-    REQUIRE(!views_overlap(kv->k_pool, out->pool_bytes, kv->v_pool, out->pool_bytes),
-            "%s: k_pool overlaps v_pool", op);
-    const uint64_t table_bytes = (uint64_t)kv->n_seqs * (uint64_t)kv->max_blocks * 4;
-    REQUIRE(!views_overlap(kv->k_pool, out->pool_bytes, kv->block_table, table_bytes) &&
-                !views_overlap(kv->v_pool, out->pool_bytes, kv->block_table, table_bytes),
-            "%s: a kv pool overlaps the block table", op);
+/* Every token's position and sequence slot, and the block-table entries
+ * covering positions 0..pos of its sequence (the rows it writes or reads). */
+static duet_status check_pages(const char *op, const duet_kv_pages *kv, const int32_t *table,
+                               const int32_t *pos, const int32_t *seq, int n_tokens) {
     const int64_t n_pos = (int64_t)kv->max_blocks * kv->block_size;
     /* Tokens of one sequence usually come in a run of rising positions:
      * table entries already checked for the previous token are skipped. */
@@ -358,217 +298,74 @@ static duet_status check_pages(const char *op, const duet_kv_pages *kv, int kv_w
         REQUIRE(seq[i] >= 0 && seq[i] < kv->n_seqs, "%s: token %d has sequence slot %d outside [0, %d)", op,
                 i, seq[i], kv->n_seqs);
         if (seq[i] != last_seq) last_seq = seq[i], checked = 0;
-        const int32_t *entries = out->table + (size_t)seq[i] * (size_t)kv->max_blocks;
+        const int32_t *entries = table + (size_t)seq[i] * (size_t)kv->max_blocks;
         int64_t need = pos[i] / kv->block_size + 1;
         for (int64_t j = checked; j < need; j++)
             REQUIRE(entries[j] >= 0 && entries[j] < kv->n_blocks,
                     "%s: token %d (sequence %d, position %d) uses block table entry %lld = %d, outside the "
-                    "pool's "
-                    "%d blocks",
+                    "pool's %d blocks",
                     op, i, seq[i], pos[i], (long long)j, entries[j], kv->n_blocks);
         if (need > checked) checked = need;
     }
     return DUET_OK;
 }
 
-/* An optional q8_0 output of [n_tokens][width/32] blocks. */
-static duet_status q8_out_ptr(const char *op, duet_view v, uint64_t n_tokens, int width, uint64_t *bytes,
-                              void **out) {
-    *out = NULL;
-    *bytes = 0;
-    if (!v.buf) return DUET_OK;
-    REQUIRE(width % DUET_QK8_0 == 0, "%s: out_q8 needs a width that is a multiple of 32 (got %d)", op, width);
-    *bytes = mul3(n_tokens, (uint64_t)(width / DUET_QK8_0), sizeof(duet_block_q8_0));
-    return view_ptr(op, "out_q8", v, *bytes, 2, out);
-}
-
 static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
-    const char *name = cpu_op_names[op->kind];
-    const uint64_t nt = (uint64_t)op->n_tokens;
-    void *a = NULL, *b = NULL, *c = NULL, *d = NULL, *e = NULL, *f = NULL, *g = NULL;
     switch (op->kind) {
     case DUET_OP_EMBED: {
-        const duet_dtype dt = op->embed.dtype;
-        const int dim = op->embed.dim;
-        REQUIRE(dim > 0 && dim % duet_dtype_block(dt) == 0,
-                "embed: dim %d is not a positive multiple of %s's block", dim, duet_dtype_name(dt));
-        uint64_t row = duet_dtype_row_bytes(dt, dim);
-        CHECK(view_ptr(name, "tokens", op->embed.tokens, nt * 4, 4, &a));
-        CHECK(view_ptr(name, "table", op->embed.table, row, dt == DUET_DTYPE_F32 ? 4 : 2, &b));
-        CHECK(view_ptr(name, "out", op->embed.out, mul3(nt, (uint64_t)dim, 4), 4, &c));
-        uint64_t n_rows = view_avail(op->embed.table) / row;
-        const int32_t *tok = a;
+        const uint64_t n_rows =
+            rows_in(op->embed.table, duet_dtype_row_bytes(op->embed.dtype, op->embed.dim));
+        const int32_t *tok = at(op->embed.tokens);
         for (int t = 0; t < op->n_tokens; t++)
             REQUIRE(tok[t] >= 0 && (uint64_t)tok[t] < n_rows,
                     "embed: token %d is %d, outside the %llu-row table", t, tok[t],
                     (unsigned long long)n_rows);
-        return duet__cpu_embed(be, op, a, b, c);
+        return duet__cpu_embed(be, op, at(op->embed.tokens), at(op->embed.table), at(op->embed.out));
     }
-    case DUET_OP_RMSNORM: {
-        const int dim = op->rmsnorm.dim;
-        REQUIRE(dim > 0, "rmsnorm: dim %d", dim);
-        uint64_t bytes = mul3(nt, (uint64_t)dim, 4);
-        uint64_t qbytes;
-        REQUIRE(op->rmsnorm.out.buf || op->rmsnorm.out_q8.buf, "rmsnorm: neither out nor out_q8");
-        CHECK(view_ptr(name, "x", op->rmsnorm.x, bytes, 4, &a));
-        CHECK(view_ptr(name, "w", op->rmsnorm.w, (uint64_t)dim * 4, 4, &b));
-        if (op->rmsnorm.out.buf) CHECK(view_ptr(name, "out", op->rmsnorm.out, bytes, 4, &c));
-        CHECK(q8_out_ptr(name, op->rmsnorm.out_q8, nt, dim, &qbytes, &d));
-        CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
-        REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes),
-                "rmsnorm: out overlaps w");
-        /* Other threads still read x and w while a row's blocks are written. */
-        REQUIRE(!views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.x, bytes) &&
-                    !views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.w, (uint64_t)dim * 4) &&
-                    !views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.out, bytes),
-                "rmsnorm: out_q8 overlaps x, w or out");
-        return duet__cpu_rmsnorm(be, op, a, b, c, d);
-    }
+    case DUET_OP_RMSNORM:
+        return duet__cpu_rmsnorm(be, op, at(op->rmsnorm.x), at(op->rmsnorm.w), at(op->rmsnorm.out),
+                                 at(op->rmsnorm.out_q8));
     case DUET_OP_MATMUL: {
-        const duet_dtype dt = op->matmul.dtype;
-        const int n_in = op->matmul.n_in, n_out = op->matmul.n_out;
-        REQUIRE(n_in > 0 && n_out > 0, "matmul: n_in %d, n_out %d", n_in, n_out);
-        REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d",
-                n_in, duet_dtype_name(dt), duet_dtype_block(dt));
-        uint64_t wbytes = mul2((uint64_t)n_out, duet_dtype_row_bytes(dt, n_in));
-        uint64_t obytes = mul3(nt, (uint64_t)n_out, 4);
         /* Pre-quantised activations (x_q8) replace x when given. */
         const bool xq = op->matmul.x_q8.buf != NULL;
-        REQUIRE(!xq || dt == DUET_DTYPE_Q8_0, "matmul: x_q8 needs q8_0 weights (got %s)",
-                duet_dtype_name(dt));
-        duet_view xv = xq ? op->matmul.x_q8 : op->matmul.x;
-        uint64_t xbytes = xq ? mul3(nt, (uint64_t)(n_in / DUET_QK8_0), sizeof(duet_block_q8_0))
-                             : mul3(nt, (uint64_t)n_in, 4);
-        CHECK(view_ptr(name, "w", op->matmul.w, wbytes, dt == DUET_DTYPE_F32 ? 4 : 2, &a));
-        CHECK(view_ptr(name, xq ? "x_q8" : "x", xv, xbytes, xq ? 2 : 4, &b));
-        if (op->matmul.bias.buf) CHECK(view_ptr(name, "bias", op->matmul.bias, (uint64_t)n_out * 4, 4, &c));
-        CHECK(view_ptr(name, "out", op->matmul.out, obytes, 4, &d));
-        /* Threads write out while others still read x and W. */
-        REQUIRE(!views_overlap(op->matmul.out, obytes, xv, xbytes), "matmul: out overlaps %s",
-                xq ? "x_q8" : "x");
-        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.w, wbytes), "matmul: out overlaps w");
-        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.bias, (uint64_t)n_out * 4),
-                "matmul: out overlaps bias");
-        return duet__cpu_matmul(be, op, a, xq ? NULL : b, xq ? b : NULL, c, d);
+        return duet__cpu_matmul(be, op, at(op->matmul.w), xq ? NULL : at(op->matmul.x), at(op->matmul.x_q8),
+                                at(op->matmul.bias), at(op->matmul.out));
     }
     case DUET_OP_ROPE_KV: {
-        const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim;
-        const int n_rot = op->rope_kv.n_rot;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0, "rope_kv: n_head %d, n_head_kv %d, head_dim %d", nh, nkv, hd);
-        REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0,
-                "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot, hd);
-        REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
-                (double)op->rope_kv.freq_base);
-        REQUIRE((int64_t)nkv * hd <= INT32_MAX && (int64_t)nh * hd <= INT32_MAX,
-                "rope_kv: %d x %d heads too wide", nh, hd);
-        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4),
-                 kbytes = mul2(mul3(nt, (uint64_t)nkv, (uint64_t)hd), 4);
-        CHECK(view_ptr(name, "q", op->rope_kv.q, qbytes, 4, &a));
-        CHECK(view_ptr(name, "k", op->rope_kv.k, kbytes, 4, &b));
-        CHECK(view_ptr(name, "v", op->rope_kv.v, kbytes, 4, &c));
-        CHECK(view_ptr(name, "pos", op->rope_kv.pos, nt * 4, 4, &d));
-        CHECK(view_ptr(name, "seq", op->rope_kv.seq, nt * 4, 4, &e));
-        kv_operands kv;
-        CHECK(check_pages(name, &op->rope_kv.kv, nkv * hd, d, e, op->n_tokens, &kv));
-        REQUIRE(!views_overlap(op->rope_kv.q, qbytes, op->rope_kv.k, kbytes), "rope_kv: q overlaps k");
-        /* Pools are written while other threads read the activations. */
-        const duet_view ins[] = {op->rope_kv.q, op->rope_kv.k, op->rope_kv.v, op->rope_kv.pos,
-                                 op->rope_kv.seq};
-        const uint64_t in_bytes[] = {qbytes, kbytes, kbytes, nt * 4, nt * 4};
-        for (int i = 0; i < 5; i++)
-            REQUIRE(!views_overlap(op->rope_kv.kv.k_pool, kv.pool_bytes, ins[i], in_bytes[i]) &&
-                        !views_overlap(op->rope_kv.kv.v_pool, kv.pool_bytes, ins[i], in_bytes[i]),
-                    "rope_kv: a kv pool overlaps q, k, v, pos or seq");
-        return duet__cpu_rope_kv(be, op, a, b, c, d, e, kv.table, kv.k, kv.v);
+        const duet_kv_pages *kv = &op->rope_kv.kv;
+        CHECK(check_pages("rope_kv", kv, at(kv->block_table), at(op->rope_kv.pos), at(op->rope_kv.seq),
+                          op->n_tokens));
+        return duet__cpu_rope_kv(be, op, at(op->rope_kv.q), at(op->rope_kv.k), at(op->rope_kv.v),
+                                 at(op->rope_kv.pos), at(op->rope_kv.seq), at(kv->block_table),
+                                 at(kv->k_pool), at(kv->v_pool));
     }
     case DUET_OP_ATTENTION: {
-        const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0,
-                "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d", nh, nkv, hd);
-        REQUIRE((int64_t)nh * hd <= INT32_MAX, "attention: %d x %d heads too wide", nh, hd);
-        REQUIRE(op->attention.out.buf || op->attention.out_q8.buf, "attention: neither out nor out_q8");
-        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), q8bytes;
-        CHECK(view_ptr(name, "q", op->attention.q, qbytes, 4, &a));
-        CHECK(view_ptr(name, "pos", op->attention.pos, nt * 4, 4, &b));
-        CHECK(view_ptr(name, "seq", op->attention.seq, nt * 4, 4, &c));
-        if (op->attention.out.buf) CHECK(view_ptr(name, "out", op->attention.out, qbytes, 4, &f));
-        CHECK(q8_out_ptr(name, op->attention.out_q8, nt, nh * hd, &q8bytes, &g));
-        kv_operands kv;
-        CHECK(check_pages(name, &op->attention.kv, nkv * hd, b, c, op->n_tokens, &kv));
-        CHECK(check_inplace(name, "q", op->attention.q, op->attention.out, qbytes));
-        const duet_kv_pages *pg = &op->attention.kv;
-        const uint64_t table_bytes = (uint64_t)pg->n_seqs * (uint64_t)pg->max_blocks * 4;
-        /* Outputs are written while other threads read every input. */
-        const duet_view outs[] = {op->attention.out, op->attention.out_q8};
-        const uint64_t out_bytes[] = {qbytes, q8bytes};
-        for (int i = 0; i < 2; i++) {
-            REQUIRE(!views_overlap(outs[i], out_bytes[i], pg->k_pool, kv.pool_bytes) &&
-                        !views_overlap(outs[i], out_bytes[i], pg->v_pool, kv.pool_bytes) &&
-                        !views_overlap(outs[i], out_bytes[i], pg->block_table, table_bytes),
-                    "attention: %s overlaps the KV cache", i ? "out_q8" : "out");
-            REQUIRE(!views_overlap(outs[i], out_bytes[i], op->attention.pos, nt * 4) &&
-                        !views_overlap(outs[i], out_bytes[i], op->attention.seq, nt * 4),
-                    "attention: %s overlaps pos or seq", i ? "out_q8" : "out");
-        }
-        REQUIRE(!views_overlap(op->attention.out_q8, q8bytes, op->attention.q, qbytes) &&
-                    !views_overlap(op->attention.out_q8, q8bytes, op->attention.out, qbytes),
-                "attention: out_q8 overlaps q or out");
-        const int32_t *pos = b;
+        const duet_kv_pages *kv = &op->attention.kv;
+        const int32_t *pos = at(op->attention.pos);
+        CHECK(check_pages("attention", kv, at(kv->block_table), pos, at(op->attention.seq), op->n_tokens));
         for (int i = 0; i < op->n_tokens && op->attention.n_keys > 0; i++)
             REQUIRE(pos[i] < op->attention.n_keys, "attention: token %d has position %d past n_keys %d", i,
                     pos[i], op->attention.n_keys);
-        return duet__cpu_attention(be, op, a, b, c, kv.table, kv.k, kv.v, f, g);
+        return duet__cpu_attention(be, op, at(op->attention.q), pos, at(op->attention.seq),
+                                   at(kv->block_table), at(kv->k_pool), at(kv->v_pool), at(op->attention.out),
+                                   at(op->attention.out_q8));
     }
-    case DUET_OP_SWIGLU: {
-        REQUIRE(op->swiglu.dim > 0, "swiglu: dim %d", op->swiglu.dim);
-        uint64_t bytes = mul3(nt, (uint64_t)op->swiglu.dim, 4);
-        uint64_t qbytes;
-        REQUIRE(op->swiglu.out.buf || op->swiglu.out_q8.buf, "swiglu: neither out nor out_q8");
-        CHECK(view_ptr(name, "gate", op->swiglu.gate, bytes, 4, &a));
-        CHECK(view_ptr(name, "up", op->swiglu.up, bytes, 4, &b));
-        if (op->swiglu.out.buf) CHECK(view_ptr(name, "out", op->swiglu.out, bytes, 4, &c));
-        CHECK(q8_out_ptr(name, op->swiglu.out_q8, nt, op->swiglu.dim, &qbytes, &d));
-        CHECK(check_inplace(name, "gate", op->swiglu.gate, op->swiglu.out, bytes));
-        CHECK(check_inplace(name, "up", op->swiglu.up, op->swiglu.out, bytes));
-        REQUIRE(!views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.gate, bytes) &&
-                    !views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.up, bytes) &&
-                    !views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.out, bytes),
-                "swiglu: out_q8 overlaps gate, up or out");
-        return duet__cpu_swiglu(be, op, a, b, c, d);
-    }
-    case DUET_OP_ADD: {
-        REQUIRE(op->add.dim > 0, "add: dim %d", op->add.dim);
-        uint64_t bytes = mul3(nt, (uint64_t)op->add.dim, 4);
-        CHECK(view_ptr(name, "a", op->add.a, bytes, 4, &a));
-        CHECK(view_ptr(name, "b", op->add.b, bytes, 4, &b));
-        CHECK(view_ptr(name, "out", op->add.out, bytes, 4, &c));
-        CHECK(check_inplace(name, "a", op->add.a, op->add.out, bytes));
-        CHECK(check_inplace(name, "b", op->add.b, op->add.out, bytes));
-        return duet__cpu_add(be, op, a, b, c);
-    }
+    case DUET_OP_SWIGLU:
+        return duet__cpu_swiglu(be, op, at(op->swiglu.gate), at(op->swiglu.up), at(op->swiglu.out),
+                                at(op->swiglu.out_q8));
+    case DUET_OP_ADD:
+        return duet__cpu_add(be, op, at(op->add.a), at(op->add.b), at(op->add.out));
     case DUET_OP_GATHER_ROWS: {
-        const int dim = op->gather.dim;
-        REQUIRE(dim > 0, "gather_rows: dim %d", dim);
-        uint64_t row = (uint64_t)dim * 4, obytes = mul2(nt, row);
-        CHECK(view_ptr(name, "x", op->gather.x, row, 4, &a));
-        CHECK(view_ptr(name, "rows", op->gather.rows, nt * 4, 4, &b));
-        CHECK(view_ptr(name, "out", op->gather.out, obytes, 4, &c));
-        uint64_t n_rows = view_avail(op->gather.x) / row;
-        const int32_t *rows = b;
+        const uint64_t n_rows = rows_in(op->gather.x, (uint64_t)op->gather.dim * 4);
+        const int32_t *rows = at(op->gather.rows);
         for (int t = 0; t < op->n_tokens; t++)
             REQUIRE(rows[t] >= 0 && (uint64_t)rows[t] < n_rows,
                     "gather_rows: row %d is %d, outside the %llu rows of x", t, rows[t],
                     (unsigned long long)n_rows);
-        REQUIRE(!views_overlap(op->gather.out, obytes, op->gather.x, n_rows * row),
-                "gather_rows: out overlaps x");
-        return duet__cpu_gather(be, op, a, b, c);
+        return duet__cpu_gather(be, op, at(op->gather.x), rows, at(op->gather.out));
     }
-    case DUET_OP_ARGMAX: {
-        REQUIRE(op->argmax.dim > 0, "argmax: dim %d", op->argmax.dim);
-        CHECK(view_ptr(name, "x", op->argmax.x, mul3(nt, (uint64_t)op->argmax.dim, 4), 4, &a));
-        CHECK(view_ptr(name, "out", op->argmax.out, nt * 4, 4, &b));
-        return duet__cpu_argmax(be, op, a, b);
-    }
+    case DUET_OP_ARGMAX:
+        return duet__cpu_argmax(be, op, at(op->argmax.x), at(op->argmax.out));
     case DUET_OP_COUNT:
         break;
     }
@@ -580,7 +377,8 @@ static bool cpu_kv_dtype_ok(duet_dtype t) {
     return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_Q8_0;
 }
 
-static bool cpu_supports_op(duet_backend *be, const duet_op *op) {
+static bool cpu_supports_op(int index, const duet_op *op) {
+    (void)index;
     switch (op->kind) {
     case DUET_OP_EMBED:
         return duet_dtype_is_weight(op->embed.dtype);
@@ -605,13 +403,6 @@ static bool cpu_supports_op(duet_backend *be, const duet_op *op) {
 static duet_status cpu_op(duet_backend *base, const duet_op *op) {
     cpu_backend *be = (cpu_backend *)base;
     if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "cpu: op outside a step (call begin first)");
-    if ((unsigned)op->kind >= DUET_OP_COUNT)
-        return duet__error(DUET_INVALID_ARGUMENT, "cpu: unknown op kind %d", (int)op->kind);
-    if (op->n_tokens <= 0)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: n_tokens %d", cpu_op_names[op->kind], op->n_tokens);
-    if (!cpu_supports_op(base, op))
-        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype on the cpu backend",
-                           cpu_op_names[op->kind]);
     return cpu_run_op(be, op);
 }
 

@@ -87,8 +87,8 @@ static inline void cpu_split(int64_t n, int ith, int nth, int64_t align, int64_t
 /* ---- the backend ---------------------------------------------------------- */
 
 struct duet_buffer {
-    void *data; /* 64-byte aligned */
-    size_t size;
+    duet_buffer_head head; /* first: the registry reads it */
+    void *data;            /* 64-byte aligned */
 };
 
 typedef struct cpu_scratch {

@@ -52,19 +52,6 @@ static duet_status ocl_device_info(int index, duet_device_info *out) {
 
 /* ---- profiling ------------------------------------------------------------------- */
 
-static const char *const ocl_prof_names[OCL_PROF_KINDS] = {
-    [DUET_OP_EMBED] = "embed",
-    [DUET_OP_RMSNORM] = "rmsnorm",
-    [DUET_OP_MATMUL] = "matmul",
-    [DUET_OP_ROPE_KV] = "rope_kv",
-    [DUET_OP_ATTENTION] = "attention",
-    [DUET_OP_SWIGLU] = "swiglu",
-    [DUET_OP_ADD] = "add",
-    [DUET_OP_GATHER_ROWS] = "gather_rows",
-    [DUET_OP_ARGMAX] = "argmax",
-    [OCL_PROF_CLBLAST] = "matmul (clblast)",
-};
-
 cl_event *duet__ocl_event_slot(ocl_backend *be, int kind) {
     if (!be->profile) return NULL;
     if (be->n_events == be->cap_events) {
@@ -117,7 +104,8 @@ static void print_profile(const ocl_backend *be) {
     fprintf(stderr, "  %-18s %8s %12s %10s %7s\n", "op", "count", "total ms", "avg us", "share");
     for (int k = 0; k < OCL_PROF_KINDS; k++) {
         if (!be->prof_count[k]) continue;
-        fprintf(stderr, "  %-18s %8ld %12.3f %10.1f %6.1f%%\n", ocl_prof_names[k], be->prof_count[k],
+        fprintf(stderr, "  %-18s %8ld %12.3f %10.1f %6.1f%%\n",
+                k == OCL_PROF_CLBLAST ? "matmul (CLBlast)" : duet_op_name((duet_op_kind)k), be->prof_count[k],
                 be->prof_ms[k], 1e3 * be->prof_ms[k] / (double)be->prof_count[k],
                 total > 0 ? 100 * be->prof_ms[k] / total : 0.0);
     }
@@ -254,7 +242,7 @@ static duet_status ocl_buffer_alloc(duet_backend *base, size_t size, duet_buffer
         free(b);
         return duet__ocl_fail(err, "clCreateBuffer", __FILE__, __LINE__);
     }
-    b->size = size;
+    b->head = (duet_buffer_head){.size = size, .kind = DUET_BUFFER_DEVICE};
     *out = b;
     return DUET_OK;
 }
@@ -265,29 +253,19 @@ static void ocl_buffer_free(duet_backend *be, duet_buffer *buf) {
     free(buf);
 }
 
-static duet_status check_range(const char *what, duet_buffer *buf, size_t offset, size_t size) {
-    if (offset > buf->size || size > buf->size - offset)
-        return duet__error(DUET_INVALID_ARGUMENT,
-                           "opencl %s: %zu bytes at offset %zu run past a %zu-byte buffer", what, size,
-                           offset, buf->size);
-    return DUET_OK;
-}
-
 /* Blocking: the caller may reuse `src` at once, and in-order execution puts
  * the write after the ops already enqueued. */
 static duet_status ocl_upload(duet_backend *base, duet_buffer *buf, size_t offset, const void *src,
                               size_t size) {
     ocl_backend *be = (ocl_backend *)base;
-    duet_status st = check_range("upload", buf, offset, size);
-    if (st != DUET_OK || size == 0) return st;
+    if (size == 0) return DUET_OK; /* the registry checked the range */
     CL_TRY(clEnqueueWriteBuffer(be->queue, buf->mem, CL_TRUE, offset, size, src, 0, NULL, NULL));
     return DUET_OK;
 }
 
 static duet_status ocl_download(duet_backend *base, duet_buffer *buf, size_t offset, void *dst, size_t size) {
     ocl_backend *be = (ocl_backend *)base;
-    duet_status st = check_range("download", buf, offset, size);
-    if (st != DUET_OK || size == 0) return st;
+    if (size == 0) return DUET_OK; /* the registry checked the range */
     CL_TRY(clEnqueueReadBuffer(be->queue, buf->mem, CL_TRUE, offset, size, dst, 0, NULL, NULL));
     return DUET_OK;
 }
@@ -327,58 +305,12 @@ static duet_status ocl_wait(duet_backend *base) {
 
 /* ---- op validation ----------------------------------------------------------------------- */
 
-static const char *const ocl_op_names[DUET_OP_COUNT] = {
-    [DUET_OP_EMBED] = "embed",     [DUET_OP_RMSNORM] = "rmsnorm",         [DUET_OP_MATMUL] = "matmul",
-    [DUET_OP_ROPE_KV] = "rope_kv", [DUET_OP_ATTENTION] = "attention",     [DUET_OP_SWIGLU] = "swiglu",
-    [DUET_OP_ADD] = "add",         [DUET_OP_GATHER_ROWS] = "gather_rows", [DUET_OP_ARGMAX] = "argmax",
-};
-
-/* A view that must hold `bytes` bytes at an offset aligned for its element. */
-static duet_status view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align) {
-    if (!v.buf) return duet__error(DUET_INVALID_ARGUMENT, "%s: %s has no buffer", op, name);
-    if (v.offset % align)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: %s offset %zu is not a multiple of %zu", op, name,
-                           v.offset, align);
-    if (v.offset > v.buf->size || bytes > (uint64_t)(v.buf->size - v.offset))
-        return duet__error(DUET_INVALID_ARGUMENT,
-                           "%s: %s needs %llu bytes at offset %zu but its buffer holds %zu", op, name,
-                           (unsigned long long)bytes, v.offset, v.buf->size);
-    return DUET_OK;
-}
-
-static uint64_t view_avail(duet_view v) {
-    return v.buf && v.offset <= v.buf->size ? v.buf->size - v.offset : 0;
-}
-
-static bool views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn) {
-    return a.buf && a.buf == b.buf && a.offset < b.offset + bn && b.offset < a.offset + an;
-}
-
-/* Elementwise ops may write in place (out == input) but not over a shifted
- * copy of an input. */
-static duet_status check_inplace(const char *op, const char *name, duet_view in, duet_view out,
-                                 uint64_t bytes) {
-    if (views_overlap(in, bytes, out, bytes) && in.offset != out.offset)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: out partly overlaps %s", op, name);
-    return DUET_OK;
-}
-
-static size_t weight_align(duet_dtype t) {
-    return t == DUET_DTYPE_F32 ? 4 : 2;
-}
-
 /* Kernels index elements with 32-bit ints. */
 #define OCL_MAX_DIM (1 << 30)
 
-/* Bytes of n_tokens rows of width/32 q8_0 blocks. */
-static uint64_t q8_bytes(uint64_t nt, int width) {
-    return mul3(nt, (uint64_t)(width / DUET_QK8_0), sizeof(duet_block_q8_0));
-}
-
-/* The paged KV views (the registry checked the geometry's signs and the
- * dtype): pools of n_blocks x block_size rows, the table of n_seqs x
- * max_blocks i32, none overlapping another. */
-static duet_status kv_check(const char *op, const duet_kv_pages *kv, int kv_width) {
+/* What this device's kernels can address (the registry checked the views,
+ * their bounds and overlaps: duet_op_check). */
+static duet_status kv_limits(const char *op, const duet_kv_pages *kv) {
     /* Kernels split positions with mul24: block counts stay under 2^23. */
     REQUIRE(kv->block_size < (1 << 23) && kv->n_blocks < OCL_MAX_DIM && kv->max_blocks < (1 << 23) &&
                 kv->n_seqs < OCL_MAX_DIM &&
@@ -386,183 +318,44 @@ static duet_status kv_check(const char *op, const duet_kv_pages *kv, int kv_widt
                 mul2((uint64_t)kv->max_blocks, (uint64_t)kv->block_size) < OCL_MAX_DIM,
             "%s: kv pages of %d blocks x %d tokens, table %d x %d", op, kv->n_blocks, kv->block_size,
             kv->n_seqs, kv->max_blocks);
-    const uint64_t pool = duet_kv_pool_bytes(kv, kv_width);
-    const uint64_t table = mul3((uint64_t)kv->n_seqs, (uint64_t)kv->max_blocks, 4);
-    const size_t align = kv->dtype == DUET_DTYPE_F32 ? 4 : 2;
-    CHECK(view_check(op, "k_pool", kv->k_pool, pool, align));
-    CHECK(view_check(op, "v_pool", kv->v_pool, pool, align));
-    CHECK(view_check(op, "block_table", kv->block_table, table, 4));
-    REQUIRE(!views_overlap(kv->k_pool, pool, kv->v_pool, pool), "%s: k_pool overlaps v_pool", op);
-    REQUIRE(!views_overlap(kv->k_pool, pool, kv->block_table, table) &&
-                !views_overlap(kv->v_pool, pool, kv->block_table, table),
-            "%s: the block table overlaps a pool", op);
     return DUET_OK;
 }
 
-static duet_status validate(const duet_op *op) {
-    const char *name = ocl_op_names[op->kind];
+static duet_status device_limits(const duet_op *op) {
     const uint64_t nt = (uint64_t)op->n_tokens;
     switch (op->kind) {
-    case DUET_OP_EMBED: {
-        const duet_dtype dt = op->embed.dtype;
-        const int dim = op->embed.dim;
-        REQUIRE(dim > 0 && dim < OCL_MAX_DIM && dim % duet_dtype_block(dt) == 0,
-                "embed: dim %d is not a positive multiple of %s's block", dim, duet_dtype_name(dt));
-        CHECK(view_check(name, "tokens", op->embed.tokens, nt * 4, 4));
-        CHECK(view_check(name, "table", op->embed.table, duet_dtype_row_bytes(dt, dim), weight_align(dt)));
-        CHECK(view_check(name, "out", op->embed.out, mul3(nt, (uint64_t)dim, 4), 4));
+    case DUET_OP_EMBED:
+        REQUIRE(op->embed.dim < OCL_MAX_DIM, "embed: dim %d", op->embed.dim);
         return DUET_OK;
-    }
-    case DUET_OP_RMSNORM: {
-        const int dim = op->rmsnorm.dim;
-        REQUIRE(dim > 0 && dim < OCL_MAX_DIM, "rmsnorm: dim %d", dim);
-        uint64_t bytes = mul3(nt, (uint64_t)dim, 4), qbytes = q8_bytes(nt, dim);
-        CHECK(view_check(name, "x", op->rmsnorm.x, bytes, 4));
-        CHECK(view_check(name, "w", op->rmsnorm.w, (uint64_t)dim * 4, 4));
-        if (op->rmsnorm.out.buf) {
-            CHECK(view_check(name, "out", op->rmsnorm.out, bytes, 4));
-            CHECK(check_inplace(name, "x", op->rmsnorm.x, op->rmsnorm.out, bytes));
-            REQUIRE(!views_overlap(op->rmsnorm.w, (uint64_t)dim * 4, op->rmsnorm.out, bytes),
-                    "rmsnorm: out overlaps w");
-        }
-        if (op->rmsnorm.out_q8.buf) {
-            CHECK(view_check(name, "out_q8", op->rmsnorm.out_q8, qbytes, 2));
-            REQUIRE(!views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.x, bytes) &&
-                        !views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.w, (uint64_t)dim * 4) &&
-                        !views_overlap(op->rmsnorm.out_q8, qbytes, op->rmsnorm.out, bytes),
-                    "rmsnorm: out_q8 overlaps x, w or out");
-        }
+    case DUET_OP_RMSNORM:
+        REQUIRE(op->rmsnorm.dim < OCL_MAX_DIM, "rmsnorm: dim %d", op->rmsnorm.dim);
         return DUET_OK;
-    }
-    case DUET_OP_MATMUL: {
-        const duet_dtype dt = op->matmul.dtype;
-        const int n_in = op->matmul.n_in, n_out = op->matmul.n_out;
-        REQUIRE(n_in > 0 && n_out > 0 && n_in < OCL_MAX_DIM && n_out < OCL_MAX_DIM,
-                "matmul: n_in %d, n_out %d", n_in, n_out);
-        REQUIRE(n_in % duet_dtype_block(dt) == 0, "matmul: n_in %d is not a multiple of %s's block of %d",
-                n_in, duet_dtype_name(dt), duet_dtype_block(dt));
-        uint64_t wbytes = mul2((uint64_t)n_out, duet_dtype_row_bytes(dt, n_in));
-        uint64_t obytes = mul3(nt, (uint64_t)n_out, 4);
-        const bool q8x = op->matmul.x_q8.buf != NULL;
-        duet_view xv = q8x ? op->matmul.x_q8 : op->matmul.x;
-        uint64_t xbytes = q8x ? q8_bytes(nt, n_in) : mul3(nt, (uint64_t)n_in, 4);
-        CHECK(view_check(name, "w", op->matmul.w, wbytes, weight_align(dt)));
-        CHECK(view_check(name, q8x ? "x_q8" : "x", xv, xbytes, q8x ? 2 : 4));
-        if (op->matmul.bias.buf) CHECK(view_check(name, "bias", op->matmul.bias, (uint64_t)n_out * 4, 4));
-        CHECK(view_check(name, "out", op->matmul.out, obytes, 4));
-        /* Work-items write out while others still read x and W. */
-        REQUIRE(!views_overlap(op->matmul.out, obytes, xv, xbytes), "matmul: out overlaps x");
-        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.w, wbytes), "matmul: out overlaps w");
-        REQUIRE(!views_overlap(op->matmul.out, obytes, op->matmul.bias, (uint64_t)n_out * 4),
-                "matmul: out overlaps bias");
+    case DUET_OP_MATMUL:
+        REQUIRE(op->matmul.n_in < OCL_MAX_DIM && op->matmul.n_out < OCL_MAX_DIM, "matmul: n_in %d, n_out %d",
+                op->matmul.n_in, op->matmul.n_out);
         return DUET_OK;
-    }
     case DUET_OP_ROPE_KV: {
         const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim;
-        const int n_rot = op->rope_kv.n_rot;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && (uint64_t)(nh + nkv) * hd < OCL_MAX_DIM,
-                "rope_kv: n_head %d, n_head_kv %d, head_dim %d", nh, nkv, hd);
-        REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0,
-                "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot, hd);
-        REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
-                (double)op->rope_kv.freq_base);
-        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4);
-        uint64_t kbytes = mul2(mul3(nt, (uint64_t)nkv, (uint64_t)hd), 4);
-        CHECK(view_check(name, "q", op->rope_kv.q, qbytes, 4));
-        CHECK(view_check(name, "k", op->rope_kv.k, kbytes, 4));
-        CHECK(view_check(name, "v", op->rope_kv.v, kbytes, 4));
-        CHECK(view_check(name, "pos", op->rope_kv.pos, nt * 4, 4));
-        CHECK(view_check(name, "seq", op->rope_kv.seq, nt * 4, 4));
-        CHECK(kv_check(name, &op->rope_kv.kv, nkv * hd));
-        REQUIRE(!views_overlap(op->rope_kv.q, qbytes, op->rope_kv.k, kbytes), "rope_kv: q overlaps k");
-        const uint64_t pool = duet_kv_pool_bytes(&op->rope_kv.kv, nkv * hd);
-        const duet_view pools[2] = {op->rope_kv.kv.k_pool, op->rope_kv.kv.v_pool};
-        for (int i = 0; i < 2; i++)
-            REQUIRE(!views_overlap(pools[i], pool, op->rope_kv.q, qbytes) &&
-                        !views_overlap(pools[i], pool, op->rope_kv.k, kbytes) &&
-                        !views_overlap(pools[i], pool, op->rope_kv.v, kbytes) &&
-                        !views_overlap(pools[i], pool, op->rope_kv.pos, nt * 4) &&
-                        !views_overlap(pools[i], pool, op->rope_kv.seq, nt * 4),
-                    "rope_kv: a KV pool overlaps q, k, v, pos or seq");
-        return DUET_OK;
+        REQUIRE((uint64_t)(nh + nkv) * hd < OCL_MAX_DIM, "rope_kv: n_head %d, n_head_kv %d, head_dim %d", nh,
+                nkv, hd);
+        return kv_limits("rope_kv", &op->rope_kv.kv);
     }
     case DUET_OP_ATTENTION: {
         const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
-        REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0 && (uint64_t)nh * hd < OCL_MAX_DIM &&
-                    nt < (1 << 23),
+        REQUIRE((uint64_t)nh * hd < OCL_MAX_DIM && nt < (1 << 23),
                 "attention: n_head %d, n_head_kv %d, head_dim %d, %llu tokens", nh, nkv, hd,
                 (unsigned long long)nt);
-        uint64_t qbytes = mul2(mul3(nt, (uint64_t)nh, (uint64_t)hd), 4), q8b = q8_bytes(nt, nh * hd);
-        CHECK(view_check(name, "q", op->attention.q, qbytes, 4));
-        CHECK(view_check(name, "pos", op->attention.pos, nt * 4, 4));
-        CHECK(view_check(name, "seq", op->attention.seq, nt * 4, 4));
-        CHECK(kv_check(name, &op->attention.kv, nkv * hd));
-        const uint64_t pool = duet_kv_pool_bytes(&op->attention.kv, nkv * hd);
-        const duet_view kp = op->attention.kv.k_pool, vp = op->attention.kv.v_pool;
-        if (op->attention.out.buf) {
-            CHECK(view_check(name, "out", op->attention.out, qbytes, 4));
-            CHECK(check_inplace(name, "q", op->attention.q, op->attention.out, qbytes));
-            REQUIRE(!views_overlap(op->attention.out, qbytes, kp, pool) &&
-                        !views_overlap(op->attention.out, qbytes, vp, pool),
-                    "attention: out overlaps the KV pools");
-        }
-        if (op->attention.out_q8.buf) {
-            CHECK(view_check(name, "out_q8", op->attention.out_q8, q8b, 2));
-            REQUIRE(!views_overlap(op->attention.out_q8, q8b, op->attention.q, qbytes) &&
-                        !views_overlap(op->attention.out_q8, q8b, op->attention.out, qbytes) &&
-                        !views_overlap(op->attention.out_q8, q8b, kp, pool) &&
-                        !views_overlap(op->attention.out_q8, q8b, vp, pool),
-                    "attention: out_q8 overlaps q, out or the KV pools");
-        }
-        return DUET_OK;
+        return kv_limits("attention", &op->attention.kv);
     }
-    case DUET_OP_SWIGLU: {
-        const int dim = op->swiglu.dim;
-        REQUIRE(dim > 0, "swiglu: dim %d", dim);
-        uint64_t bytes = mul3(nt, (uint64_t)dim, 4), qbytes = q8_bytes(nt, dim);
-        CHECK(view_check(name, "gate", op->swiglu.gate, bytes, 4));
-        CHECK(view_check(name, "up", op->swiglu.up, bytes, 4));
-        if (op->swiglu.out.buf) {
-            CHECK(view_check(name, "out", op->swiglu.out, bytes, 4));
-            CHECK(check_inplace(name, "gate", op->swiglu.gate, op->swiglu.out, bytes));
-            CHECK(check_inplace(name, "up", op->swiglu.up, op->swiglu.out, bytes));
-        }
-        if (op->swiglu.out_q8.buf) {
-            CHECK(view_check(name, "out_q8", op->swiglu.out_q8, qbytes, 2));
-            REQUIRE(!views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.gate, bytes) &&
-                        !views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.up, bytes) &&
-                        !views_overlap(op->swiglu.out_q8, qbytes, op->swiglu.out, bytes),
-                    "swiglu: out_q8 overlaps gate, up or out");
-        }
+    case DUET_OP_SWIGLU:
+    case DUET_OP_ADD:
         return DUET_OK;
-    }
-    case DUET_OP_ADD: {
-        REQUIRE(op->add.dim > 0, "add: dim %d", op->add.dim);
-        uint64_t bytes = mul3(nt, (uint64_t)op->add.dim, 4);
-        CHECK(view_check(name, "a", op->add.a, bytes, 4));
-        CHECK(view_check(name, "b", op->add.b, bytes, 4));
-        CHECK(view_check(name, "out", op->add.out, bytes, 4));
-        CHECK(check_inplace(name, "a", op->add.a, op->add.out, bytes));
-        CHECK(check_inplace(name, "b", op->add.b, op->add.out, bytes));
+    case DUET_OP_GATHER_ROWS:
+        REQUIRE(op->gather.dim < OCL_MAX_DIM, "gather_rows: dim %d", op->gather.dim);
         return DUET_OK;
-    }
-    case DUET_OP_GATHER_ROWS: {
-        const int dim = op->gather.dim;
-        REQUIRE(dim > 0 && dim < OCL_MAX_DIM, "gather_rows: dim %d", dim);
-        uint64_t row = (uint64_t)dim * 4, obytes = mul2(nt, row);
-        CHECK(view_check(name, "x", op->gather.x, row, 4));
-        CHECK(view_check(name, "rows", op->gather.rows, nt * 4, 4));
-        CHECK(view_check(name, "out", op->gather.out, obytes, 4));
-        REQUIRE(!views_overlap(op->gather.out, obytes, op->gather.x, view_avail(op->gather.x) / row * row),
-                "gather_rows: out overlaps x");
+    case DUET_OP_ARGMAX:
+        REQUIRE(op->argmax.dim < OCL_MAX_DIM, "argmax: dim %d", op->argmax.dim);
         return DUET_OK;
-    }
-    case DUET_OP_ARGMAX: {
-        REQUIRE(op->argmax.dim > 0 && op->argmax.dim < OCL_MAX_DIM, "argmax: dim %d", op->argmax.dim);
-        CHECK(view_check(name, "x", op->argmax.x, mul3(nt, (uint64_t)op->argmax.dim, 4), 4));
-        CHECK(view_check(name, "out", op->argmax.out, nt * 4, 4));
-        return DUET_OK;
-    }
     case DUET_OP_COUNT:
         break;
     }
@@ -573,7 +366,8 @@ static bool kv_dtype_ok(duet_dtype t) {
     return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_Q8_0;
 }
 
-static bool ocl_supports_op(duet_backend *be, const duet_op *op) {
+static bool ocl_supports_op(int index, const duet_op *op) {
+    (void)index;
     switch (op->kind) {
     case DUET_OP_EMBED:
         return duet_dtype_is_weight(op->embed.dtype);
@@ -602,14 +396,7 @@ static duet_status ocl_op(duet_backend *base, const duet_op *op) {
     ocl_backend *be = (ocl_backend *)base;
     if (!be->in_step)
         return duet__error(DUET_INVALID_ARGUMENT, "opencl: op outside a step (call begin first)");
-    if ((unsigned)op->kind >= DUET_OP_COUNT)
-        return duet__error(DUET_INVALID_ARGUMENT, "opencl: unknown op kind %d", (int)op->kind);
-    if (op->n_tokens <= 0)
-        return duet__error(DUET_INVALID_ARGUMENT, "%s: n_tokens %d", ocl_op_names[op->kind], op->n_tokens);
-    if (!ocl_supports_op(base, op))
-        return duet__error(DUET_UNSUPPORTED, "%s: unsupported dtype or shape on opencl",
-                           ocl_op_names[op->kind]);
-    CHECK(validate(op));
+    CHECK(device_limits(op));
     return duet__ocl_enqueue(be, op);
 }
 

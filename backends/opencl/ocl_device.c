@@ -212,6 +212,7 @@ static void fill_device(ocl_device *d, cl_platform_id p, cl_device_id id) {
     info->fp16 = d->fp16;
     info->int8_dot = d->int_dot;
     info->coopmat = false;
+    info->q8_activations = true;
     info->subgroup_size = 0; /* OpenCL 1.2 has no query; cl_khr_subgroups sizes are per kernel */
     snprintf(
         info->features, sizeof info->features,

@@ -150,8 +150,8 @@ bool duet__ocl_use_cache(const ocl_device *dev);
 /* ---- the instance (ocl_backend.c) ------------------------------------------- */
 
 struct duet_buffer {
+    duet_buffer_head head; /* first: the registry reads it */
     cl_mem mem;
-    size_t size;
 };
 
 /* Profiling counters: every op kind, plus CLBlast's GEMMs apart. */

@@ -84,7 +84,7 @@ static duet_status launch(ocl_backend *be, cl_kernel k, int kind, cl_uint dims, 
     } while (0)
 
 static uint64_t view_avail(duet_view v) {
-    return v.buf && v.offset <= v.buf->size ? v.buf->size - v.offset : 0;
+    return v.buf && v.offset <= v.buf->head.size ? v.buf->head.size - v.offset : 0;
 }
 
 /* Elementwise work-group: the tuned size, or the driver's choice (NULL). */
@@ -320,7 +320,7 @@ static duet_status matmul_q8_as_f32(ocl_backend *be, const duet_op *op) {
     TRY(args_done(&a, "dequantize_rows"));
     size_t g[2] = {(size_t)n_in, (size_t)nt}, l[2];
     TRY(launch(be, k, DUET_OP_MATMUL, 2, g, ew_local(be, l)));
-    duet_buffer rows = {be->q8_rows, be->q8_rows_size};
+    duet_buffer rows = {.head = {.size = be->q8_rows_size, .kind = DUET_BUFFER_DEVICE}, .mem = be->q8_rows};
     duet_op f = *op;
     f.matmul.x = (duet_view){&rows, 0};
     f.matmul.x_q8 = (duet_view){0};

@@ -45,22 +45,13 @@ static uint32_t kv_code(duet_dtype t) {
     return t == DUET_DTYPE_Q8_0 ? 8u : t == DUET_DTYPE_F16 ? 1u : 0u;
 }
 
-/* The pools and the block table fit their buffers; *rb = bytes of a row. */
+/* A pool's row and pool bytes, within what the shaders address (the
+ * registry checked the views: duet_op_check); *rb = bytes of a row. */
 static duet_status kv_check(const char *op, const duet_kv_pages *kv, int n_head_kv, int head_dim,
                             uint64_t *rb, uint64_t *pool_bytes) {
-    /* The registry checked the dtype, the geometry's signs and q8_0's
-     * head_dim: the views against their buffers are left. */
-    const duet_dtype t = kv->dtype;
     const uint64_t kvw = (uint64_t)n_head_kv * (uint64_t)head_dim;
-    *rb = duet_dtype_row_bytes(t, (int64_t)kvw);
+    *rb = duet_dtype_row_bytes(kv->dtype, (int64_t)kvw);
     *pool_bytes = duet_kv_pool_bytes(kv, (int)kvw);
-    const size_t align = t == DUET_DTYPE_F32 ? 4 : 2;
-    CHECK(duet__vk_view_check(op, "k_pool", kv->k_pool, *pool_bytes, align));
-    CHECK(duet__vk_view_check(op, "v_pool", kv->v_pool, *pool_bytes, align));
-    CHECK(duet__vk_view_check(op, "block_table", kv->block_table,
-                              mul2(mul2((uint64_t)kv->n_seqs, (uint64_t)kv->max_blocks), 4), 4));
-    REQUIRE(!duet__vk_views_overlap(kv->k_pool, *pool_bytes, kv->v_pool, *pool_bytes),
-            "%s: k_pool overlaps v_pool", op);
     /* Shaders address pool bytes with 32-bit offsets. */
     REQUIRE(*pool_bytes < ((uint64_t)1 << 31), "%s: a pool of %llu bytes (at most 2 GiB)", op,
             (unsigned long long)*pool_bytes);
@@ -168,30 +159,14 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
               n_rot = op->rope_kv.n_rot;
     const duet_kv_pages *kv = &op->rope_kv.kv;
     const uint64_t nt = (uint64_t)op->n_tokens;
-    REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0, "rope_kv: n_head %d, n_head_kv %d, head_dim %d", nh,
-            nkv, hd);
-    REQUIRE(n_rot >= 0 && n_rot <= hd && n_rot % 2 == 0,
-            "rope_kv: n_rot %d must be even and at most head_dim %d", n_rot, hd);
-    REQUIRE(n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
-            (double)op->rope_kv.freq_base);
+    /* The shader maps query heads onto kv heads in groups. */
+    REQUIRE(nh % nkv == 0, "rope_kv: n_head %d is not a multiple of n_head_kv %d", nh, nkv);
     uint64_t rb, pool_bytes;
     CHECK(kv_check(name, kv, nkv, hd, &rb, &pool_bytes));
     const uint64_t kvw = (uint64_t)nkv * (uint64_t)hd;
     const uint64_t qbytes = mul2(mul2(nt, (uint64_t)nh * (uint64_t)hd), 4), kbytes = mul2(mul2(nt, kvw), 4);
     const duet_view q = op->rope_kv.q, k = op->rope_kv.k, v = op->rope_kv.v, pos = op->rope_kv.pos,
                     seq = op->rope_kv.seq;
-    CHECK(duet__vk_view_check(name, "q", q, qbytes, 4));
-    CHECK(duet__vk_view_check(name, "k", k, kbytes, 4));
-    CHECK(duet__vk_view_check(name, "v", v, kbytes, 4));
-    CHECK(duet__vk_view_check(name, "pos", pos, nt * 4, 4));
-    CHECK(duet__vk_view_check(name, "seq", seq, nt * 4, 4));
-    REQUIRE(!duet__vk_views_overlap(q, qbytes, k, kbytes), "rope_kv: q overlaps k");
-    const duet_view pools[2] = {kv->k_pool, kv->v_pool};
-    for (int i = 0; i < 2; i++)
-        REQUIRE(!duet__vk_views_overlap(pools[i], pool_bytes, q, qbytes) &&
-                    !duet__vk_views_overlap(pools[i], pool_bytes, k, kbytes) &&
-                    !duet__vk_views_overlap(pools[i], pool_bytes, v, kbytes),
-                "rope_kv: a kv pool overlaps q, k or v");
     REQUIRE(nt <= be->max_groups[1], "rope_kv: %d tokens exceed the grid limit", op->n_tokens);
     tok_info ti;
     CHECK(host_tokens(be, name, pos, seq, op->n_tokens, kv, false, &ti));
@@ -221,8 +196,8 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
     CHECK(duet__vk_tex_bind(be, name, "seq", seq.buf, seq.offset, nt * 4, &d.bind[1], &pc.seq_off));
     CHECK(duet__vk_tex_bind(be, name, "v", v.buf, v.offset, kbytes, &d.bind[2], &pc.v_off));
     if (n_rot > 0)
-        CHECK(duet__vk_tex_bind(be, name, "rope table", be->rope_table, 0, be->rope_table->size, &d.bind[3],
-                                &pc.tab_off));
+        CHECK(duet__vk_tex_bind(be, name, "rope table", be->rope_table, 0, be->rope_table->head.size,
+                                &d.bind[3], &pc.tab_off));
     else
         d.bind[3] = d.bind[0]; /* unread */
     CHECK(duet__vk_tex_bind(be, name, "block_table", kv->block_table.buf, kv->block_table.offset, bt_bytes,
@@ -263,7 +238,7 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
         d.reads[d.n_reads++] = vk_rng(seq.buf, seq.offset, nt * 4);
         d.reads[d.n_reads++] = vk_rng(v.buf, v.offset, kbytes);
         d.reads[d.n_reads++] = vk_rng(kv->block_table.buf, kv->block_table.offset, bt_bytes);
-        if (n_rot > 0) d.reads[d.n_reads++] = vk_rng(be->rope_table, 0, be->rope_table->size);
+        if (n_rot > 0) d.reads[d.n_reads++] = vk_rng(be->rope_table, 0, be->rope_table->head.size);
         d.writes[d.n_writes++] = vk_rng(q.buf, q.offset, qbytes);
         d.writes[d.n_writes++] = vk_rng(k.buf, k.offset, kbytes);
         d.writes[d.n_writes++] = vk_rng(kv->k_pool.buf, kv->k_pool.offset + b0 * blk_bytes, bytes);
@@ -416,8 +391,6 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
     const int nh = op->attention.n_head, nkv = op->attention.n_head_kv, hd = op->attention.head_dim;
     const duet_kv_pages *kv = &op->attention.kv;
     const uint64_t nt = (uint64_t)op->n_tokens;
-    REQUIRE(nh > 0 && nkv > 0 && hd > 0 && nh % nkv == 0,
-            "attention: n_head %d must be a positive multiple of n_head_kv %d; head_dim %d", nh, nkv, hd);
     if (hd > VK_MAX_HEAD_DIM)
         return duet__error(DUET_UNSUPPORTED, "attention: head_dim %d (the vulkan backend handles up to %d)",
                            hd, VK_MAX_HEAD_DIM);
@@ -427,26 +400,7 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
     const duet_view q = op->attention.q, pos = op->attention.pos, seq = op->attention.seq,
                     out = op->attention.out, oq = op->attention.out_q8;
     const bool has_out = out.buf != NULL, has_q8 = oq.buf != NULL;
-    REQUIRE(has_out || has_q8, "attention: no output");
-    CHECK(duet__vk_view_check(name, "q", q, qbytes, 4));
-    CHECK(duet__vk_view_check(name, "pos", pos, nt * 4, 4));
-    CHECK(duet__vk_view_check(name, "seq", seq, nt * 4, 4));
-    const duet_view pools[2] = {kv->k_pool, kv->v_pool};
-    if (has_out) {
-        CHECK(duet__vk_view_check(name, "out", out, qbytes, 4));
-        REQUIRE(!duet__vk_views_overlap(out, qbytes, q, qbytes) || out.offset == q.offset,
-                "attention: out partly overlaps q");
-        for (int i = 0; i < 2; i++)
-            REQUIRE(!duet__vk_views_overlap(out, qbytes, pools[i], pool_bytes),
-                    "attention: out overlaps the KV cache");
-    }
-    uint64_t oq_bytes = 0;
-    if (has_q8) {
-        const duet_view others[4] = {q, out, pools[0], pools[1]};
-        const uint64_t other_bytes[4] = {qbytes, has_out ? qbytes : 0, pool_bytes, pool_bytes};
-        CHECK(duet__vk_q8_out_check(name, oq, nt, width, others, other_bytes, 4));
-        oq_bytes = mul3(nt, width / DUET_QK8_0, sizeof(duet_block_q8_0));
-    }
+    const uint64_t oq_bytes = has_q8 ? mul3(nt, width / DUET_QK8_0, sizeof(duet_block_q8_0)) : 0;
     REQUIRE(nt <= be->max_groups[1], "attention: %d tokens exceed the grid limit", op->n_tokens);
     tok_info ti;
     CHECK(host_tokens(be, name, pos, seq, op->n_tokens, kv, true, &ti));

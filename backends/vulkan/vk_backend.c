@@ -98,7 +98,7 @@ duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visibl
             be->base.info.name, (uint64_t)be->max_alloc);
     duet_buffer *b = calloc(1, sizeof *b);
     if (!b) return duet__error(DUET_OUT_OF_MEMORY, "vulkan: buffer handle");
-    b->size = size;
+    b->head = (duet_buffer_head){.size = size, .kind = DUET_BUFFER_DEVICE};
     b->id = ++be->next_buffer_id;
     VkBufferCreateInfo bi = {
         .sType = VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO,
@@ -150,6 +150,7 @@ duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visibl
             st = duet__vk_fail(r, "vkMapMemory", __FILE__, __LINE__);
             goto fail;
         }
+        b->head.kind = DUET_BUFFER_HOST;
     }
     /* Texel views: one, or overlapping windows (each spanning at most the
      * device's texel limit, starting every half limit) so that any range of
@@ -263,7 +264,7 @@ duet_status duet__vk_write(vk_backend *be, duet_buffer *b, size_t off, const voi
         memcpy((char *)b->map + off, src, size);
         return DUET_OK;
     }
-    size_t cap = be->staging->size;
+    size_t cap = be->staging->head.size;
     for (size_t done = 0; done < size;) {
         size_t n = size - done < cap ? size - done : cap;
         memcpy(be->staging->map, (const char *)src + done, n);
@@ -274,19 +275,10 @@ duet_status duet__vk_write(vk_backend *be, duet_buffer *b, size_t off, const voi
     return DUET_OK;
 }
 
-static duet_status vk_check_range(const char *what, duet_buffer *buf, size_t offset, size_t size) {
-    if (offset > buf->size || size > buf->size - offset)
-        return duet__error(DUET_INVALID_ARGUMENT,
-                           "vulkan %s: %zu bytes at offset %zu run past a %zu-byte buffer", what, size,
-                           offset, buf->size);
-    return DUET_OK;
-}
-
 static duet_status vk_upload(duet_backend *base, duet_buffer *buf, size_t offset, const void *src,
                              size_t size) {
     vk_backend *be = (vk_backend *)base;
-    duet_status st = vk_check_range("upload", buf, offset, size);
-    if (st == DUET_OK) st = settle(be, "upload");
+    duet_status st = settle(be, "upload"); /* the registry checked the range */
     if (st != DUET_OK) return st;
     /* The bytes change under any cached quantization of them. */
     if (buf->id == be->xq_src_id) be->xq_src_id = 0;
@@ -295,14 +287,13 @@ static duet_status vk_upload(duet_backend *base, duet_buffer *buf, size_t offset
 
 static duet_status vk_download(duet_backend *base, duet_buffer *buf, size_t offset, void *dst, size_t size) {
     vk_backend *be = (vk_backend *)base;
-    duet_status st = vk_check_range("download", buf, offset, size);
-    if (st == DUET_OK) st = settle(be, "download");
+    duet_status st = settle(be, "download"); /* the registry checked the range */
     if (st != DUET_OK) return st;
     if (buf->map) {
         memcpy(dst, (const char *)buf->map + offset, size);
         return DUET_OK;
     }
-    size_t cap = be->staging->size;
+    size_t cap = be->staging->head.size;
     for (size_t done = 0; done < size;) {
         size_t n = size - done < cap ? size - done : cap;
         if ((st = staged_copy(be, buf, offset + done, n, false)) != DUET_OK) return st;
@@ -326,7 +317,7 @@ static void vk_buffer_free(duet_backend *base, duet_buffer *buf) {
 }
 
 duet_status duet__vk_scratch_reserve(vk_backend *be, duet_buffer **b, size_t size) {
-    if (*b && (*b)->size >= size) return DUET_OK;
+    if (*b && (*b)->head.size >= size) return DUET_OK;
     size_t want = size + size / 2; /* grow geometrically: rare reallocations */
     if (be->in_step && be->n_retired == (int)(sizeof be->retired / sizeof be->retired[0]))
         return duet__error(DUET_UNSUPPORTED, "vulkan: scratch regrown too often in one step");
@@ -377,9 +368,6 @@ static void vk_close(duet_backend *base) {
     if (be->dev) {
         vkDeviceWaitIdle(be->dev);
         if (be->profile && be->prof_steps > 0) {
-            static const char *const names[DUET_OP_COUNT] = {"embed",   "rmsnorm",     "matmul",
-                                                             "rope_kv", "attention",   "swiglu",
-                                                             "add",     "gather_rows", "argmax"};
             double total = 0;
             for (int k = 0; k < DUET_OP_COUNT; k++)
                 total += be->prof_ms[k];
@@ -387,8 +375,9 @@ static void vk_close(duet_backend *base) {
                     be->base.info.name, be->prof_steps, total);
             for (int k = 0; k < DUET_OP_COUNT; k++)
                 if (be->prof_n[k])
-                    fprintf(stderr, "  %-12s %8ld dispatches %10.3f ms %6.1f%%  %8.1f us each\n", names[k],
-                            be->prof_n[k], be->prof_ms[k], total > 0 ? 100.0 * be->prof_ms[k] / total : 0.0,
+                    fprintf(stderr, "  %-12s %8ld dispatches %10.3f ms %6.1f%%  %8.1f us each\n",
+                            duet_op_name((duet_op_kind)k), be->prof_n[k], be->prof_ms[k],
+                            total > 0 ? 100.0 * be->prof_ms[k] / total : 0.0,
                             1000.0 * be->prof_ms[k] / (double)be->prof_n[k]);
         }
         duet__vk_pipeline_cache_save(be);

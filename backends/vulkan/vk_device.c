@@ -272,6 +272,7 @@ static bool probe_device(VkPhysicalDevice pd, vk_physical *p, char *why, size_t 
     info->fp16 = p->fp16;
     info->int8_dot = p->int_dot;
     info->coopmat = p->coopmat;
+    info->q8_activations = true;
     info->subgroup_size = (int)p->subgroup_size;
     char *f = info->features;
     f[0] = 0;

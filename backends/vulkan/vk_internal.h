@@ -166,10 +166,10 @@ duet_status duet__vk_tuning_select(const vk_physical *phys, vk_tuning *out);
 #define VK_MAX_VIEWS 8
 
 struct duet_buffer {
+    duet_buffer_head head; /* first: the registry reads it */
     VkBuffer buf;
     VkDeviceMemory mem;
-    void *map; /* host pointer when the memory is host-visible */
-    size_t size;
+    void *map;          /* host pointer when the memory is host-visible */
     uint64_t id;        /* unique per instance, never reused: descriptor-cache key */
     size_t alloc_bytes; /* device memory behind it */
     bool own;           /* the backend's own (scratch_bytes counts it) */
@@ -350,17 +350,10 @@ void duet__vk_descriptors_trim(vk_backend *be);
 void duet__vk_descriptors_destroy(vk_backend *be);
 
 /* vk_ops.c */
-bool duet__vk_supports_op(duet_backend *be, const duet_op *op);
+bool duet__vk_supports_op(int index, const duet_op *op);
 duet_status duet__vk_record_op(vk_backend *be, const duet_op *op);
 
 /* Helpers of the op recorders (vk_ops.c), shared with vk_attention.c. */
-duet_status duet__vk_view_check(const char *op, const char *name, duet_view v, uint64_t bytes, size_t align);
-uint64_t duet__vk_view_avail(duet_view v);
-bool duet__vk_views_overlap(duet_view a, uint64_t an, duet_view b, uint64_t bn);
-/* An op's q8_0 output (out_q8, nt rows of width / 32 blocks): width a
- * multiple of 32, in bounds, apart from the other operands. */
-duet_status duet__vk_q8_out_check(const char *op, duet_view oq, uint64_t nt, uint64_t width,
-                                  const duet_view *others, const uint64_t *other_bytes, int n_others);
 /* The i32 data of a view when the host can read its final value now
  * (mapped, and no dispatch of this step writes it), else NULL. */
 const int32_t *duet__vk_host_indices(const vk_backend *be, duet_view v);
