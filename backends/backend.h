@@ -15,6 +15,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "../core/duet.h"
 
@@ -275,6 +276,14 @@ duet_status duet_op_check(const duet_op *op);
 
 typedef struct duet_backend duet_backend;
 
+/* Where an instance's device time went, per op kind. */
+typedef struct duet_profile {
+    bool enabled;                  /* false: the instance does not profile (the rest is zero) */
+    uint64_t count[DUET_OP_COUNT]; /* dispatches or kernel launches */
+    double ms[DUET_OP_COUNT];      /* device time */
+    int steps;                     /* steps submitted while profiling */
+} duet_profile;
+
 typedef struct duet_backend_params {
     int n_threads; /* cpu: worker threads, 0 = all cores */
 } duet_backend_params;
@@ -308,6 +317,11 @@ typedef struct duet_backend_iface {
 
     /* Optional: a host pointer to the buffer's memory (cpu backend), or NULL. */
     void *(*buffer_host_ptr)(duet_backend *be, duet_buffer *buf);
+
+    /* Optional: per-op-kind device time since open, when profiling is on
+     * ($DUET_PROFILE=1; GPU backends time with device timestamps or
+     * events, which cost a little). */
+    void (*profile)(duet_backend *be, duet_profile *out);
 
     /* Bytes of device memory the backend holds besides the caller's
      * buffers (scratch of attention splits, quantised activations, staging),
@@ -349,6 +363,10 @@ duet_status duet_step_wait(duet_backend *be);
  * (with the DUET_ACT_Q8 override applied) and whether it runs an op. */
 duet_status duet_device_info_get(const duet_backend_iface *iface, int index, duet_device_info *out);
 bool duet_device_supports_op(const duet_backend_iface *iface, int index, const duet_op *op);
+/* The instance's profile (enabled false when it keeps none); and the same
+ * as a table on `f`, which close prints when $DUET_PROFILE is set. */
+void duet_backend_profile(duet_backend *be, duet_profile *out);
+void duet_profile_print(const duet_profile *p, const char *who, FILE *f);
 /* The backend's scratch_bytes high-water mark. */
 size_t duet_backend_scratch_bytes(duet_backend *be);
 

@@ -138,8 +138,35 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
     return open_device(best, best_dev, params, out);
 }
 
+void duet_backend_profile(duet_backend *be, duet_profile *out) {
+    memset(out, 0, sizeof *out);
+    if (be && be->iface->profile) be->iface->profile(be, out);
+}
+
+void duet_profile_print(const duet_profile *p, const char *who, FILE *f) {
+    double total = 0;
+    for (int k = 0; k < DUET_OP_COUNT; k++)
+        total += p->ms[k];
+    fprintf(f, "duet profile (%s, %d steps, %.3f ms of device time):\n", who, p->steps, total);
+    fprintf(f, "  %-12s %10s %12s %10s %7s\n", "op", "count", "total ms", "avg us", "share");
+    for (int k = 0; k < DUET_OP_COUNT; k++)
+        if (p->count[k])
+            fprintf(f, "  %-12s %10llu %12.3f %10.1f %6.1f%%\n", duet_op_name((duet_op_kind)k),
+                    (unsigned long long)p->count[k], p->ms[k], 1e3 * p->ms[k] / (double)p->count[k],
+                    total > 0 ? 100 * p->ms[k] / total : 0.0);
+}
+
 void duet_backend_close(duet_backend *be) {
-    if (be) be->iface->close(be);
+    if (!be) return;
+    duet_profile p;
+    duet_backend_profile(be, &p);
+    const char *env = getenv("DUET_PROFILE");
+    if (p.enabled && env && *env && strcmp(env, "0") != 0) {
+        char who[320];
+        snprintf(who, sizeof who, "%s on %s", be->iface->name, be->info.name);
+        duet_profile_print(&p, who, stderr);
+    }
+    be->iface->close(be);
 }
 
 duet_status duet_buffer_alloc(duet_backend *be, size_t size, duet_buffer **out) {

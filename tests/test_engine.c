@@ -705,6 +705,42 @@ START_TEST(alloc_failure_building_the_run_state) {
 }
 END_TEST
 
+/* ---- profiling: the HAL's profile slot on every backend ------------------- */
+
+/* With $DUET_PROFILE set at open, each backend's instance accounts device
+ * time to every op kind a forward step records, through the one interface
+ * slot (duet_backend_profile), whatever it measures with. */
+START_TEST(profile_accounts_every_op_kind) {
+    static const char *const backends[3] = {"cpu", "vulkan", "opencl"};
+    const char *backend = backends[_i];
+    if (!backend_usable(backend)) return;
+    setenv("DUET_PROFILE", "1", 1);
+    duet_engine *e = start_on(backend);
+    unsetenv("DUET_PROFILE");
+    collected *c = run_requests(e, false, 2);
+    free(c);
+    duet_model *m = (duet_model *)duet_engine_model(e);
+    duet_profile p;
+    duet_backend_profile(m->be, &p);
+    ck_assert_msg(p.enabled, "%s: no profile with DUET_PROFILE=1", backend);
+    ck_assert_msg(p.steps > 0, "%s: %d steps profiled", backend, p.steps);
+    /* The ops of a forward step (residual adds are fused into the matmuls). */
+    static const duet_op_kind used[] = {DUET_OP_EMBED,   DUET_OP_RMSNORM,   DUET_OP_MATMUL,
+                                        DUET_OP_ROPE_KV, DUET_OP_ATTENTION, DUET_OP_SWIGLU};
+    for (size_t k = 0; k < sizeof used / sizeof used[0]; k++)
+        ck_assert_msg(p.count[used[k]] > 0 && p.ms[used[k]] >= 0, "%s: %s: count %llu, %.3f ms", backend,
+                      duet_op_name(used[k]), (unsigned long long)p.count[used[k]], p.ms[used[k]]);
+    duet_profile_print(&p, backend, stderr);
+    duet_engine_stop(e, true);
+    /* Without the variable, no profile is kept. */
+    e = start_on(backend);
+    m = (duet_model *)duet_engine_model(e);
+    duet_backend_profile(m->be, &p);
+    ck_assert_msg(!p.enabled, "%s: profiling without DUET_PROFILE", backend);
+    duet_engine_stop(e, true);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("engine");
     TCase *tc = tcase_create("stories260K");
@@ -717,6 +753,10 @@ int main(void) {
     tcase_add_test(tc, device_error_fails_the_step_not_the_engine);
     tcase_add_test(tc, cancel_racing_completion);
     suite_add_tcase(s, tc);
+    TCase *hal = tcase_create("profile");
+    tcase_set_timeout(hal, 600);
+    tcase_add_loop_test(hal, profile_accounts_every_op_kind, 0, 3);
+    suite_add_tcase(s, hal);
     TCase *faults = tcase_create("faults");
     tcase_set_timeout(faults, 300);
     tcase_add_loop_test(faults, fault_fails_in_flight_requests_cleanly, 0, N_FAULT_BACKENDS * N_FAULT_CASES);

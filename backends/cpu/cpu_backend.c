@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -188,6 +189,8 @@ static duet_status cpu_open(int index, const duet_backend_params *params, duet_b
     be->base.device_index = 0;
     be->isa = duet__cpu_isa_detect();
     cpu_fill_info(&be->base.info, be->isa, n);
+    const char *prof = getenv("DUET_PROFILE");
+    be->profile = prof && *prof && strcmp(prof, "0") != 0;
     duet_status st = duet__cpu_pool_init(&be->pool, n);
     if (st != DUET_OK) {
         free(be);
@@ -258,6 +261,7 @@ static duet_status cpu_submit(duet_backend *base) {
     cpu_backend *be = (cpu_backend *)base;
     if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "cpu: submit without begin");
     be->in_step = false;
+    be->prof_steps += be->profile;
     return DUET_OK;
 }
 
@@ -403,7 +407,25 @@ static bool cpu_supports_op(int index, const duet_op *op) {
 static duet_status cpu_op(duet_backend *base, const duet_op *op) {
     cpu_backend *be = (cpu_backend *)base;
     if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "cpu: op outside a step (call begin first)");
-    return cpu_run_op(be, op);
+    if (!be->profile) return cpu_run_op(be, op);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    duet_status st = cpu_run_op(be, op);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    be->prof_n[op->kind]++;
+    be->prof_ms[op->kind] += (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-6;
+    return st;
+}
+
+static void cpu_profile(duet_backend *base, duet_profile *out) {
+    const cpu_backend *be = (const cpu_backend *)base;
+    if (!be->profile) return;
+    out->enabled = true;
+    out->steps = be->prof_steps;
+    for (int k = 0; k < DUET_OP_COUNT; k++) {
+        out->count[k] = be->prof_n[k];
+        out->ms[k] = be->prof_ms[k];
+    }
 }
 
 /* Every allocation the backend makes for itself: scratch only grows until
@@ -422,6 +444,7 @@ const duet_backend_iface duet_cpu_backend_iface = {
     .open = cpu_open,
     .close = cpu_close,
     .supports_op = cpu_supports_op,
+    .profile = cpu_profile,
     .buffer_alloc = cpu_buffer_alloc,
     .buffer_free = cpu_buffer_free,
     .upload = cpu_upload,

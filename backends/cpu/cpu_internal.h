@@ -109,6 +109,11 @@ typedef struct cpu_backend {
     double *rope_freq; /* inverse frequencies for (rope_base, rope_n_rot) */
     float rope_base;
     int rope_n_rot;
+    /* $DUET_PROFILE: wall time of each op (ops run when recorded). */
+    bool profile;
+    int prof_steps;
+    uint64_t prof_n[DUET_OP_COUNT];
+    double prof_ms[DUET_OP_COUNT];
 } cpu_backend;
 
 /* Grows s to at least `size` bytes (64-byte aligned); contents are lost. */

@@ -89,25 +89,28 @@ static void collect_events(ocl_backend *be) {
     be->n_events = 0;
 }
 
+/* CLBlast's GEMMs count as matmul (they also have a counter of their
+ * own, for tests). */
+static void ocl_profile(duet_backend *base, duet_profile *out) {
+    ocl_backend *be = (ocl_backend *)base;
+    if (!be->profile) return;
+    if (be->queue && !be->in_step) { /* finished work only: a step in flight is counted at its wait */
+        clFinish(be->queue);
+        collect_events(be);
+    }
+    out->enabled = true;
+    out->steps = be->prof_steps;
+    for (int k = 0; k < OCL_PROF_KINDS; k++) {
+        const int op = k == OCL_PROF_CLBLAST ? DUET_OP_MATMUL : k;
+        out->count[op] += (uint64_t)be->prof_count[k];
+        out->ms[op] += be->prof_ms[k];
+    }
+}
+
 void duet__ocl_profile(const ocl_backend *be, double *ms, long *count) {
     for (int k = 0; k < OCL_PROF_KINDS; k++) {
         ms[k] = be->prof_ms[k];
         count[k] = be->prof_count[k];
-    }
-}
-
-static void print_profile(const ocl_backend *be) {
-    double total = 0;
-    for (int k = 0; k < OCL_PROF_KINDS; k++)
-        total += be->prof_ms[k];
-    fprintf(stderr, "opencl profile (%s): device time per op kind\n", be->dev->info.name);
-    fprintf(stderr, "  %-18s %8s %12s %10s %7s\n", "op", "count", "total ms", "avg us", "share");
-    for (int k = 0; k < OCL_PROF_KINDS; k++) {
-        if (!be->prof_count[k]) continue;
-        fprintf(stderr, "  %-18s %8ld %12.3f %10.1f %6.1f%%\n",
-                k == OCL_PROF_CLBLAST ? "matmul (CLBlast)" : duet_op_name((duet_op_kind)k), be->prof_count[k],
-                be->prof_ms[k], 1e3 * be->prof_ms[k] / (double)be->prof_count[k],
-                total > 0 ? 100 * be->prof_ms[k] / total : 0.0);
     }
 }
 
@@ -119,7 +122,6 @@ static void ocl_close(duet_backend *base) {
     if (be->queue) {
         clFinish(be->queue);
         collect_events(be);
-        if (be->profile) print_profile(be);
     }
     duet__ocl_programs_free(be);
     if (be->scratch) clReleaseMemObject(be->scratch);
@@ -283,6 +285,7 @@ static duet_status ocl_submit(duet_backend *base) {
     ocl_backend *be = (ocl_backend *)base;
     if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "opencl: submit without begin");
     be->in_step = false;
+    be->prof_steps += be->profile;
     CL_TRY(clFlush(be->queue));
     return DUET_OK;
 }
@@ -417,5 +420,6 @@ const duet_backend_iface duet_opencl_backend_iface = {
     .submit = ocl_submit,
     .wait = ocl_wait,
     .buffer_host_ptr = NULL,
+    .profile = ocl_profile,
     .scratch_bytes = ocl_scratch_bytes,
 };

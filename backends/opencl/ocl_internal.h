@@ -190,6 +190,7 @@ struct ocl_backend {
 
     /* Profiling ($DUET_PROFILE=1): an event per enqueue, read at wait. */
     bool profile;
+    int prof_steps;
     cl_event *events;
     int *event_kinds;
     int n_events, cap_events;

@@ -362,24 +362,22 @@ static duet_status apply_limits(vk_backend *be) {
     return DUET_OK;
 }
 
+static void vk_profile(duet_backend *base, duet_profile *out) {
+    const vk_backend *be = (const vk_backend *)base;
+    if (!be->profile) return;
+    out->enabled = true;
+    out->steps = be->prof_steps;
+    for (int k = 0; k < DUET_OP_COUNT; k++) {
+        out->count[k] = (uint64_t)be->prof_n[k];
+        out->ms[k] = be->prof_ms[k];
+    }
+}
+
 static void vk_close(duet_backend *base) {
     vk_backend *be = (vk_backend *)base;
     if (!be) return;
     if (be->dev) {
         vkDeviceWaitIdle(be->dev);
-        if (be->profile && be->prof_steps > 0) {
-            double total = 0;
-            for (int k = 0; k < DUET_OP_COUNT; k++)
-                total += be->prof_ms[k];
-            fprintf(stderr, "duet vulkan profile (%s, %d steps, %.3f ms of dispatches):\n",
-                    be->base.info.name, be->prof_steps, total);
-            for (int k = 0; k < DUET_OP_COUNT; k++)
-                if (be->prof_n[k])
-                    fprintf(stderr, "  %-12s %8ld dispatches %10.3f ms %6.1f%%  %8.1f us each\n",
-                            duet_op_name((duet_op_kind)k), be->prof_n[k], be->prof_ms[k],
-                            total > 0 ? 100.0 * be->prof_ms[k] / total : 0.0,
-                            1000.0 * be->prof_ms[k] / (double)be->prof_n[k]);
-        }
         duet__vk_pipeline_cache_save(be);
         duet__vk_buffer_destroy(be, be->xq);
         duet__vk_buffer_destroy(be, be->rope_table);
@@ -728,6 +726,7 @@ const duet_backend_iface duet_vulkan_backend_iface = {
     .open = vk_open,
     .close = vk_close,
     .supports_op = duet__vk_supports_op,
+    .profile = vk_profile,
     .buffer_alloc = vk_buffer_alloc,
     .buffer_free = vk_buffer_free,
     .upload = vk_upload,
