@@ -7,31 +7,90 @@
 
 #include "backend.h"
 
-int duet_dtype_block(duet_dtype t) {
-    switch (t) {
-    case DUET_DTYPE_F32:
-    case DUET_DTYPE_F16:
-    case DUET_DTYPE_BF16:
-    case DUET_DTYPE_I32:
-        return 1;
-    case DUET_DTYPE_Q8_0:
-        return DUET_QK8_0;
+/* Row converters of the type table (n elements, a multiple of the block). */
+static void f32_to_f32(const void *x, float *y, int64_t n) {
+    memmove(y, x, (size_t)n * sizeof(float));
+}
+static void f16_to_f32(const void *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        y[i] = duet_fp16_to_fp32(((const uint16_t *)x)[i]);
+}
+static void bf16_to_f32(const void *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        y[i] = duet_bf16_to_fp32(((const uint16_t *)x)[i]);
+}
+static void q8_0_to_f32(const void *x, float *y, int64_t n) {
+    for (int64_t b = 0; b < n / DUET_QK8_0; b++) {
+        const duet_block_q8_0 *blk = (const duet_block_q8_0 *)x + b;
+        const float d = duet_fp16_to_fp32(blk->d);
+        for (int j = 0; j < DUET_QK8_0; j++)
+            y[b * DUET_QK8_0 + j] = d * (float)blk->qs[j];
     }
-    return 0;
+}
+static void i32_to_f32(const void *x, float *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        y[i] = (float)((const int32_t *)x)[i];
+}
+static void f32_from_f32(const float *x, void *y, int64_t n) {
+    memmove(y, x, (size_t)n * sizeof(float));
+}
+static void f16_from_f32(const float *x, void *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        ((uint16_t *)y)[i] = duet_fp32_to_fp16(x[i]);
+}
+static void bf16_from_f32(const float *x, void *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++)
+        ((uint16_t *)y)[i] = duet_fp32_to_bf16(x[i]);
+}
+static void q8_0_from_f32(const float *x, void *y, int64_t n) {
+    duet_quantize_row_q8_0(x, y, n);
+}
+/* Not a conversion target (the header lists f32, f16, bf16, q8_0); kept
+ * defined: truncation toward zero, saturated. */
+static void i32_from_f32(const float *x, void *y, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float v = x[i];
+        ((int32_t *)y)[i] = v != v                ? 0
+                            : v >= 2147483520.0f  ? INT32_MAX
+                            : v <= -2147483648.0f ? INT32_MIN
+                                                  : (int32_t)v;
+    }
+}
+
+/* The type table: everything the HAL knows about an element type is one
+ * row here, so a new weight type is a row, its two converters, and each
+ * backend's kernels. */
+typedef struct dtype_traits {
+    const char *name;
+    int block;           /* elements per block */
+    size_t block_bytes;  /* bytes per block */
+    bool weight;         /* a type a weight may have */
+    bool q8_activations; /* its matmuls can read q8_0 activations (x_q8) */
+    void (*to_f32)(const void *x, float *y, int64_t n);
+    void (*from_f32)(const float *x, void *y, int64_t n);
+} dtype_traits;
+
+static const dtype_traits traits[] = {
+    [DUET_DTYPE_F32] = {"f32", 1, 4, true, false, f32_to_f32, f32_from_f32},
+    [DUET_DTYPE_F16] = {"f16", 1, 2, true, false, f16_to_f32, f16_from_f32},
+    [DUET_DTYPE_Q8_0] = {"q8_0", DUET_QK8_0, sizeof(duet_block_q8_0), true, true, q8_0_to_f32, q8_0_from_f32},
+    [DUET_DTYPE_I32] = {"i32", 1, 4, false, false, i32_to_f32, i32_from_f32},
+    [DUET_DTYPE_BF16] = {"bf16", 1, 2, true, false, bf16_to_f32, bf16_from_f32},
+};
+
+/* The row of t, or NULL for a type the table does not have. */
+static const dtype_traits *traits_of(duet_dtype t) {
+    return (unsigned)t < sizeof traits / sizeof traits[0] && traits[t].name ? &traits[t] : NULL;
+}
+
+int duet_dtype_block(duet_dtype t) {
+    const dtype_traits *tr = traits_of(t);
+    return tr ? tr->block : 0;
 }
 
 size_t duet_dtype_block_bytes(duet_dtype t) {
-    switch (t) {
-    case DUET_DTYPE_F32:
-    case DUET_DTYPE_I32:
-        return 4;
-    case DUET_DTYPE_F16:
-    case DUET_DTYPE_BF16:
-        return 2;
-    case DUET_DTYPE_Q8_0:
-        return sizeof(duet_block_q8_0);
-    }
-    return 0;
+    const dtype_traits *tr = traits_of(t);
+    return tr ? tr->block_bytes : 0;
 }
 
 /* 0 for an unknown type, a negative n or n not a multiple of the block: a
@@ -44,27 +103,18 @@ size_t duet_dtype_row_bytes(duet_dtype t, int64_t n) {
 }
 
 const char *duet_dtype_name(duet_dtype t) {
-    switch (t) {
-    case DUET_DTYPE_F32:
-        return "f32";
-    case DUET_DTYPE_F16:
-        return "f16";
-    case DUET_DTYPE_Q8_0:
-        return "q8_0";
-    case DUET_DTYPE_I32:
-        return "i32";
-    case DUET_DTYPE_BF16:
-        return "bf16";
-    }
-    return NULL;
+    const dtype_traits *tr = traits_of(t);
+    return tr ? tr->name : NULL;
 }
 
 bool duet_dtype_is_weight(duet_dtype t) {
-    return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0;
+    const dtype_traits *tr = traits_of(t);
+    return tr && tr->weight;
 }
 
 bool duet_dtype_takes_q8_activations(duet_dtype t) {
-    return t == DUET_DTYPE_Q8_0;
+    const dtype_traits *tr = traits_of(t);
+    return tr && tr->q8_activations;
 }
 
 /* ---- fp16 / bf16 --------------------------------------------------------- */
@@ -163,60 +213,11 @@ void duet_quantize_row_q8_0(const float *x, duet_block_q8_0 *y, int64_t n) {
 }
 
 void duet_dequantize_row(duet_dtype t, const void *x, float *y, int64_t n) {
-    switch (t) {
-    case DUET_DTYPE_F32:
-        memmove(y, x, (size_t)n * sizeof(float));
-        break;
-    case DUET_DTYPE_F16:
-        for (int64_t i = 0; i < n; i++)
-            y[i] = duet_fp16_to_fp32(((const uint16_t *)x)[i]);
-        break;
-    case DUET_DTYPE_BF16:
-        for (int64_t i = 0; i < n; i++)
-            y[i] = duet_bf16_to_fp32(((const uint16_t *)x)[i]);
-        break;
-    case DUET_DTYPE_Q8_0:
-        for (int64_t b = 0; b < n / DUET_QK8_0; b++) {
-            const duet_block_q8_0 *blk = (const duet_block_q8_0 *)x + b;
-            float d = duet_fp16_to_fp32(blk->d);
-            for (int j = 0; j < DUET_QK8_0; j++)
-                y[b * DUET_QK8_0 + j] = d * (float)blk->qs[j];
-        }
-        break;
-    case DUET_DTYPE_I32:
-        for (int64_t i = 0; i < n; i++)
-            y[i] = (float)((const int32_t *)x)[i];
-        break;
-    }
+    const dtype_traits *tr = traits_of(t);
+    if (tr) tr->to_f32(x, y, n);
 }
 
 void duet_convert_row(duet_dtype t, const float *x, void *y, int64_t n) {
-    switch (t) {
-    case DUET_DTYPE_F32:
-        memmove(y, x, (size_t)n * sizeof(float));
-        break;
-    case DUET_DTYPE_F16:
-        for (int64_t i = 0; i < n; i++)
-            ((uint16_t *)y)[i] = duet_fp32_to_fp16(x[i]);
-        break;
-    case DUET_DTYPE_BF16:
-        for (int64_t i = 0; i < n; i++)
-            ((uint16_t *)y)[i] = duet_fp32_to_bf16(x[i]);
-        break;
-    case DUET_DTYPE_Q8_0:
-        duet_quantize_row_q8_0(x, y, n);
-        break;
-    case DUET_DTYPE_I32:
-        /* Not a conversion target (the header lists f32, f16, bf16, q8_0);
-         * kept defined: truncation toward zero, saturated. */
-        for (int64_t i = 0; i < n; i++) {
-            float v = x[i];
-            int32_t r = v != v                ? 0
-                        : v >= 2147483520.0f  ? INT32_MAX
-                        : v <= -2147483648.0f ? INT32_MIN
-                                              : (int32_t)v;
-            ((int32_t *)y)[i] = r;
-        }
-        break;
-    }
+    const dtype_traits *tr = traits_of(t);
+    if (tr) tr->from_f32(x, y, n);
 }
