@@ -7,8 +7,8 @@
  *                     [--ctx 128,1024,4096] [--kv f16|q8_0|f32] [--json]
  *                     [--shared DIR] [--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16]
  *                     [--repeat N]
- * Models: stories260K (from ../shared), and synthetic ones made with
- * duet_mkmodel into /tmp. At context C the cache first holds C prompt
+ * Models: stories260K (from ../shared), and synthetic ones made once by
+ * duet_mkmodel_cached (~/.cache/duet/models). At context C the cache first holds C prompt
  * tokens (a real prefill), then --tokens tokens are decoded one per step.
  * Issue 5's floor reads off the 125m-q8_0 rows (decode at 4096 over 128);
  * issue 6's off 1b-q8_0 over 1b-f16.
