@@ -18,33 +18,13 @@
 #include <math.h>
 
 #include "backend_ops_cases.h"
+#include "test_backends.h"
 #include "test_util.h"
 
 /* Leaks inside GPU drivers and their compilers (PoCL's and lavapipe's
  * LLVM, the loaders) are theirs, not ours: LeakSanitizer ignores them. */
 const char *__lsan_default_suppressions(void) {
     return "leak:libpocl\nleak:libLLVM\nleak:libOpenCL\nleak:libclblast\nleak:liboclgrind\nleak:libvulkan\n";
-}
-
-static bool list_has(const char *list, const char *name) {
-    if (!list || !*list) return false;
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s", list);
-    char *save = NULL;
-    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
-        if (strcmp(t, name) == 0) return true;
-    return false;
-}
-
-/* True when iface can run here. Otherwise says SKIP with the reason, and
- * fails when DUET_REQUIRE_BACKENDS names it (CI: every backend must run). */
-static bool usable(const duet_backend_iface *iface, const char *what) {
-    char why[256] = "";
-    if (iface->available(why, sizeof why)) return true;
-    printf("SKIP %s on %s: %s\n", what, iface->name, why);
-    ck_assert_msg(!list_has(getenv("DUET_REQUIRE_BACKENDS"), iface->name),
-                  "%s is required (DUET_REQUIRE_BACKENDS) but unavailable: %s", iface->name, why);
-    return false;
 }
 
 static bool verbose(void) {
@@ -237,8 +217,8 @@ START_TEST(test_backend_parity) {
     ck_assert_ptr_nonnull(iface);
     if (strcmp(iface->name, "cpu") == 0) return;
     const char *only = getenv("DUET_OPS_BACKENDS");
-    if (only && *only && !list_has(only, iface->name)) return;
-    if (!usable(iface, "parity")) return;
+    if (only && *only && !test_list_has(only, iface->name)) return;
+    if (!test_backend_usable(iface->name, "parity")) return;
     duet_backend *cpu;
     ck_assert_msg(duet_backend_open("cpu", 0, &(duet_backend_params){.n_threads = 2}, &cpu) == DUET_OK,
                   "cpu backend: %s", duet_last_error());
@@ -303,9 +283,9 @@ static void ref_attention(const bo_host *h, float *out) {
  * every attention case (contexts 1 to 4096, ragged mixes, f16/q8_0 KV). */
 START_TEST(test_attention_reference) {
     const duet_backend_iface *iface = duet_backend_get(_i);
-    if (!usable(iface, "attention reference")) return;
+    if (!test_backend_usable(iface->name, "attention reference")) return;
     const char *only = getenv("DUET_OPS_BACKENDS");
-    if (only && *only && !list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
+    if (only && *only && !test_list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
     const unsigned mask = case_mask();
     int checked = 0, failures = 0;
     char first[600] = "";
@@ -379,7 +359,7 @@ END_TEST
  * split (OpenCL's prefill kernel, forced) attends over the whole context. */
 START_TEST(test_attention_past_n_keys) {
     const duet_backend_iface *iface = duet_backend_get(_i);
-    if (!usable(iface, "attention past n_keys")) return;
+    if (!test_backend_usable(iface->name, "attention past n_keys")) return;
     int ci = 0;
     while (ci < BO_N_CASES && !(bo_cases[ci].kind == DUET_OP_ATTENTION && !strcmp(bo_cases[ci].shape, "ctx1000") &&
                                 bo_cases[ci].dtype == DUET_DTYPE_F16))
@@ -458,9 +438,9 @@ static size_t attention_scratch(const duet_backend_iface *iface, int n_ctx, int 
  * below one 8192 x 8192 f32 score matrix per head (256 MiB). */
 START_TEST(test_attention_memory_linear) {
     const duet_backend_iface *iface = duet_backend_get(_i);
-    if (!usable(iface, "attention memory")) return;
+    if (!test_backend_usable(iface->name, "attention memory")) return;
     const char *only = getenv("DUET_OPS_BACKENDS");
-    if (only && *only && !list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
+    if (only && *only && !test_list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
     ck_assert_msg(iface->scratch_bytes != NULL, "%s does not report its scratch memory", iface->name);
     if (case_mask() == BO_SMALL) {
         /* Simulators and forced serial tunings: 8192-token contexts take minutes there. */
@@ -504,7 +484,7 @@ START_TEST(test_bounds_refused) {
     char why[256];
     if (!iface->available(why, sizeof why)) return;
     const char *only = getenv("DUET_OPS_BACKENDS");
-    if (only && *only && !list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
+    if (only && *only && !test_list_has(only, iface->name) && strcmp(iface->name, "cpu") != 0) return;
     duet_backend *be;
     ck_assert_msg(iface->open(0, &(duet_backend_params){0}, &be) == DUET_OK, "%s: %s", iface->name, duet_last_error());
     duet_buffer *w, *x, *out;

@@ -10,6 +10,7 @@
 #include "duet.h"
 #include "duet_internal.h"
 #include "fault_backend.h"
+#include "test_backends.h"
 #include "test_util.h"
 
 #define N_REQ 24
@@ -528,24 +529,6 @@ static double metric_value(const char *text, const char *name, const char *filte
     return -1;
 }
 
-/* True when the backend runs here. Otherwise says SKIP with the reason and
- * fails when DUET_REQUIRE_BACKENDS names it (the test command sets it: no
- * backend may be skipped silently). */
-static bool backend_usable(const char *name) {
-    const duet_backend_iface *iface = duet_backend_find(name);
-    char why[256] = "not compiled in";
-    if (iface && iface->available(why, sizeof why)) return true;
-    printf("SKIP faults on %s: %s\n", name, why);
-    fflush(stdout);
-    char req[256];
-    snprintf(req, sizeof req, "%s", getenv("DUET_REQUIRE_BACKENDS") ? getenv("DUET_REQUIRE_BACKENDS") : "");
-    char *save = NULL;
-    for (char *t = strtok_r(req, ",", &save); t; t = strtok_r(NULL, ",", &save))
-        ck_assert_msg(strcmp(t, name), "%s is required (DUET_REQUIRE_BACKENDS) but unavailable: %s", name,
-                      why);
-    return false;
-}
-
 static duet_engine *start_on(const char *backend) {
     duet_engine_params p = duet_engine_params_default();
     p.open.backend = backend;
@@ -570,7 +553,7 @@ START_TEST(fault_fails_in_flight_requests_cleanly) {
     const char *backend = fault_backend(_i / N_FAULT_CASES);
     const fault_case kind = (fault_case)(_i % N_FAULT_CASES);
     const bool lost = kind == CASE_LOST_DRAIN || kind == CASE_LOST_NO_DRAIN;
-    if (!backend_usable(backend)) return;
+    if (!test_backend_usable(backend, "faults")) return;
     char what[64];
     snprintf(what, sizeof what, "%s fault on %s", fault_case_names[kind], backend);
     duet_engine *e = start_on(backend);
@@ -673,7 +656,7 @@ END_TEST
  * allocated so far (the sanitizer build checks for leaks). */
 START_TEST(alloc_failure_building_the_run_state) {
     const char *backend = fault_backend(_i);
-    if (!backend_usable(backend)) return;
+    if (!test_backend_usable(backend, "alloc faults")) return;
     duet_open_params op = duet_open_params_default();
     op.backend = backend;
     op.n_ctx = 64;
@@ -713,7 +696,7 @@ END_TEST
 START_TEST(profile_accounts_every_op_kind) {
     static const char *const backends[3] = {"cpu", "vulkan", "opencl"};
     const char *backend = backends[_i];
-    if (!backend_usable(backend)) return;
+    if (!test_backend_usable(backend, "profile")) return;
     setenv("DUET_PROFILE", "1", 1);
     duet_engine *e = start_on(backend);
     unsetenv("DUET_PROFILE");

@@ -11,6 +11,7 @@
 
 #include "backend.h"
 #include "duet.h"
+#include "test_backends.h"
 #include "test_util.h"
 
 #define N_CTX 4096
@@ -77,13 +78,7 @@ static void check_kv(const char *kv) {
     for (int b = 0; b < duet_backend_count(); b++) {
         const duet_backend_iface *iface = duet_backend_get(b);
         if (strcmp(iface->name, "cpu") == 0) continue;
-        char why[256] = "";
-        if (!iface->available(why, sizeof why) || iface->device_count() < 1) {
-            printf("SKIP %s (kv %s): unavailable (%s)\n", iface->name, kv, why);
-            const char *req = getenv("DUET_REQUIRE_BACKENDS");
-            ck_assert_msg(!(req && strstr(req, iface->name)), "%s is required but unavailable: %s", iface->name, why);
-            continue;
-        }
+        if (!test_backend_usable(iface->name, "long context")) continue;
         greedy(iface->name, kv, &got);
         int same = 0;
         /* Streams stay identical while tokens match; the first mismatch is

@@ -733,16 +733,19 @@ static void stream_fill(job *j) {
     }
 }
 
+/* Hands libmicrohttpd the next bytes of j->out (formatted, not yet sent). */
+static ssize_t copy_out(job *j, char *buf, size_t max) {
+    size_t n = j->out.len - j->out_off < max ? j->out.len - j->out_off : max;
+    memcpy(buf, j->out.p + j->out_off, n);
+    j->out_off += n;
+    if (j->out_off == j->out.len) j->out.len = j->out_off = 0;
+    return (ssize_t)n;
+}
+
 static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     job *j = cls;
     for (;;) {
-        if (j->out_off < j->out.len) {
-            size_t n = j->out.len - j->out_off < max ? j->out.len - j->out_off : max;
-            memcpy(buf, j->out.p + j->out_off, n);
-            j->out_off += n;
-            if (j->out_off == j->out.len) j->out.len = j->out_off = 0;
-            return (ssize_t)n;
-        }
+        if (j->out_off < j->out.len) return copy_out(j, buf, max);
         if (j->stream_done) {
             pthread_mutex_lock(&j->mu);
             bool finished = j->n_done == j->n_slots;
@@ -791,12 +794,7 @@ static ssize_t plain_read(void *cls, uint64_t pos, char *buf, size_t max) {
     (void)pos;
     job *j = cls;
     for (;;) {
-        if (j->out_off < j->out.len) {
-            size_t n = j->out.len - j->out_off < max ? j->out.len - j->out_off : max;
-            memcpy(buf, j->out.p + j->out_off, n);
-            j->out_off += n;
-            return (ssize_t)n;
-        }
+        if (j->out_off < j->out.len) return copy_out(j, buf, max);
         if (j->stream_done) return MHD_CONTENT_READER_END_OF_STREAM;
         pthread_mutex_lock(&j->mu);
         if (j->n_done < j->n_slots) wait_slice(j);
