@@ -1,10 +1,12 @@
 /* backend_ops_cases.h — the one case table of the backend op tests.
  *
  * Each case is an op x dtype x shape class. tests/test_backend_ops.c runs
- * the BO_TEST cases on every non-cpu device against the cpu backend (the
- * oracle); bench/bench_backend_ops.c times the BO_PERF cases. Both build
- * the operands here, from the same deterministic data, so a benchmark
- * number always belongs to a shape the parity test covers.
+ * the BO_TEST cases on every device of every backend, under each of the
+ * backend's tuning variants (bo_variants below: every forced path),
+ * against the oracle (tests/op_oracle.h); bench/bench_backend_ops.c times
+ * the BO_PERF cases. Both build the operands here, from the same
+ * deterministic data, so a benchmark number always belongs to a shape the
+ * parity test covers.
  *
  * Shapes include ragged sizes (not a multiple of any tile: 7, 37, 100,
  * 129...), single-token and multi-token batches, GQA, several sequences in
@@ -12,7 +14,8 @@
  * non-zero offset inside a larger buffer: the bytes around it are guard
  * bytes that the test checks after the op (an out-of-bounds write shows).
  *
- * Backend-agnostic: only backends/backend.h. */
+ * Backend-agnostic: only backends/backend.h (and the oracle's declarations:
+ * bo_host_oracle needs tests/op_oracle.c linked). */
 #ifndef DUET_BACKEND_OPS_CASES_H
 #define DUET_BACKEND_OPS_CASES_H
 
@@ -24,11 +27,13 @@
 #include <string.h>
 
 #include "backend.h"
+#include "op_oracle.h"
 
 enum {
     BO_TEST = 1,  /* parity test */
     BO_PERF = 2,  /* benchmark */
     BO_SMALL = 4, /* small enough for a simulator (oclgrind) */
+    BO_PATHS = 8, /* with the small ones, what a forced attention path runs (tuning variants below) */
 };
 
 typedef struct bo_case {
@@ -55,6 +60,7 @@ typedef struct bo_case {
 #define T BO_TEST
 #define P BO_PERF
 #define S BO_SMALL
+#define PA BO_PATHS
 
 /* Trailing fields (q8act, block, lens) default to 0 where a row stops. */
 #pragma GCC diagnostic push
@@ -129,10 +135,11 @@ static const bo_case bo_cases[] = {
     {"ctx1",        DUET_OP_ATTENTION,   Q8,    1, 64,       1,  4, 2, 1, 0,   0, false, false, false, false, T|S, 0, 16, {1}},
     {"ctx7",        DUET_OP_ATTENTION,   F16,   7, 64,       7,  4, 1, 1, 0,   0, false, false, false, false, T|S, 0, 16, {7}},
     {"ctx7",        DUET_OP_ATTENTION,   Q8,    7, 32,       7,  4, 4, 1, 0,   0, false, false, false, false, T|S, 0, 32, {7}},
-    {"ctx64",       DUET_OP_ATTENTION,   F16,  64, 64,      64,  8, 2, 1, 0,   0, false, false, false, false, T, 0, 16, {64}},
-    {"ctx64",       DUET_OP_ATTENTION,   Q8,   64, 64,      64,  8, 2, 1, 0,   0, false, false, false, false, T, 0, 32, {64}},
+    {"ctx64",       DUET_OP_ATTENTION,   F16,  64, 64,      64,  8, 2, 1, 0,   0, false, false, false, false, T|PA, 0, 16, {64}},
+    {"ctx64",       DUET_OP_ATTENTION,   Q8,   64, 64,      64,  8, 2, 1, 0,   0, false, false, false, false, T|PA, 0, 32, {64}},
     {"ctx1000",     DUET_OP_ATTENTION,   F16,   1, 64,    1000, 12, 12, 1, 0,  0, false, false, false, false, T, 0, 16, {1000}},
     {"ctx1000",     DUET_OP_ATTENTION,   Q8,    1, 64,    1000, 12, 12, 1, 0,  0, false, false, false, false, T, 0, 16, {1000}},
+    {"ctx600",      DUET_OP_ATTENTION,   Q8,    1, 64,     600,  2, 1, 1, 0,   0, false, false, false, false, T|PA, 0, 16, {600}},
     {"ctx1000-pf",  DUET_OP_ATTENTION,   F16,  37, 128,   1000,  4, 1, 1, 0,   0, false, false, false, false, T, 0, 32, {1000}},
     {"ctx4096",     DUET_OP_ATTENTION,   F16,   1, 64,    4096, 12, 12, 1, 0,  0, false, false, false, false, T, 0, 16, {4096}},
     {"ctx4096",     DUET_OP_ATTENTION,   Q8,    1, 64,    4096, 12, 12, 1, 0,  0, false, false, false, false, T, 0, 16, {4096}},
@@ -142,6 +149,8 @@ static const bo_case bo_cases[] = {
     {"mix-decode",  DUET_OP_ATTENTION,   Q8,    5, 64,    4096,  4, 2, 5, 0,   0, false, false, false, false, T, 0, 16, {7, 64, 1000, 4096, 1}},
     {"mix-chunks",  DUET_OP_ATTENTION,   F16,  20, 64,    4096,  4, 4, 4, 0,   0, false, false, false, false, T, 0, 32, {7, 64, 1000, 4096}},
     {"mix-chunks",  DUET_OP_ATTENTION,   Q8,   20, 32,    4096,  4, 1, 4, 0,   0, false, false, false, false, T, 0, 16, {7, 64, 1000, 4096}},
+    /* MQA, a head of 15 (rows not texel-aligned), a 17-token prefill */
+    {"odd-mqa",     DUET_OP_ATTENTION,   F16,  17, 15,      40,  3, 1, 1, 20,  0, false, false, false, false, T|S},
     {"out-q8",      DUET_OP_ATTENTION,   F16,   9, 64,     200,  4, 2, 3, 50,  0, false, false, false, false, T|S, 1},
     {"out-q8-only", DUET_OP_ATTENTION,   Q8,    3, 64,     100,  2, 1, 3, 20,  0, false, false, false, false, T|S, 2},
     {"125m",        DUET_OP_ATTENTION,   F16,   1, 64,     512, 12, 12, 1, 255, 0, false, false, false, false, P},
@@ -197,11 +206,114 @@ static const bo_case bo_cases[] = {
 #undef T
 #undef P
 #undef S
+#undef PA
 
 #define BO_N_CASES ((int)(sizeof bo_cases / sizeof bo_cases[0]))
 #define BO_GUARD 256 /* guard bytes before and after every operand */
 #define BO_GUARD_BYTE 0xA5
 #define BO_MAX_OPERANDS 10
+
+/* ---- tuning variants: every forced path on every backend that has it ---------------- */
+
+/* A backend opened with one forced setting. Each backend reads its
+ * variable once, when an instance opens (DUET_CPU_ISA in cpu_backend.c's
+ * open, DUET_VK_TUNE in vk_tuning.c's duet__vk_tuning_select,
+ * DUET_OPENCL_TUNE in ocl_tuning.c's duet__ocl_tuning_for), so the runner
+ * sets it, opens an instance, runs the cases and closes it. A variant runs
+ * only the op kinds its setting changes, on the cases of `modes`: every
+ * forced path runs, without multiplying shapes (and cold kernel compiles)
+ * that the setting does not touch. Forced attention kernels run the
+ * BO_SMALL | BO_PATHS cases: decode and prefill, splits, GQA and MQA, each
+ * KV type and output form, at head sizes 8, 15, 32 and 64 (every head size
+ * is a pipeline of its own to compile, and a GPU-style kernel on a CPU
+ * device is at its slowest on the long contexts); the backend's own
+ * choice (the default variant) runs every case. */
+typedef struct bo_variant {
+    const char *backend; /* registry name */
+    const char *env;     /* the variable it sets, NULL: the backend as the environment leaves it */
+    const char *value;
+    int n_threads;     /* duet_backend_params.n_threads (cpu), 0: the default */
+    unsigned kinds;    /* op kinds it runs (BO_KIND bits), 0: every op */
+    unsigned modes;    /* the cases it runs: BO_TEST; BO_SMALL for slow serial settings;
+                        * BO_SMALL | BO_PATHS for forced attention kernels */
+    bool int8_dot;     /* needs the device's int8 dot product (else: not on this device) */
+    const char *proof; /* a substring of the instance's driver string that shows the path was
+                        * taken (else: not on this device, e.g. avx512 on an avx2 CPU) */
+} bo_variant;
+
+#define BO_KIND(k) (1u << (k))
+#define BO_MM BO_KIND(DUET_OP_MATMUL)
+#define BO_ATT BO_KIND(DUET_OP_ATTENTION)
+
+// clang-format off
+static const bo_variant bo_variants[] = {
+    /* cpu: each SIMD path the CPU has, on 1, 2 and 3 threads */
+    {"cpu",    NULL,           NULL,     2, 0, BO_TEST, false, NULL},
+    {"cpu",    "DUET_CPU_ISA", "scalar", 1, 0, BO_TEST, false, "duet-cpu/scalar"},
+    {"cpu",    "DUET_CPU_ISA", "avx2",   3, 0, BO_TEST, false, "duet-cpu/avx2"},
+    {"cpu",    "DUET_CPU_ISA", "avx512", 2, 0, BO_TEST, false, "duet-cpu/avx512"},
+
+    /* vulkan: the tuning table's entry, then the matmul paths (tile and
+     * subgroup GEMV, the tiled GEMM at three tile shapes; Q8_0 through the
+     * packed-integer fallback and through integer dot products) and the
+     * attention kernels (lane, flash; split into many key ranges and
+     * reduced; GPU-like lanes per row and subgroups per head; no shuffles) */
+    {"vulkan", NULL,           NULL, 0, 0, BO_TEST, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "matmul=tile,dot=0", 0, BO_MM, BO_TEST, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "matmul=subgroup,dot=0,mm_min=0", 0, BO_MM, BO_TEST, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "matmul=subgroup,dot=0,mm_min=4", 0, BO_MM, BO_TEST, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "matmul=subgroup,dot=0,mm_min=2,mm_bm=16,mm_bn=8", 0, BO_MM, BO_TEST, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "matmul=tile,dot=1", 0, BO_MM, BO_TEST, true, NULL},
+    {"vulkan", "DUET_VK_TUNE", "matmul=subgroup,dot=1,mm_min=0", 0, BO_MM, BO_TEST, true, NULL},
+    {"vulkan", "DUET_VK_TUNE", "matmul=subgroup,dot=1,mm_min=2,mm_bm=32,mm_bn=16", 0, BO_MM, BO_TEST, true, NULL},
+    {"vulkan", "DUET_VK_TUNE", "attn=lane,attn_par=65536,attn_chunk=16", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "attn=flash", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "attn=flash,attn_wg=32,attn_c=4,attn_dc=4,attn_kt=8", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "attn=flash,attn_par=65536,attn_chunk=16,attn_kt=8", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"vulkan", "DUET_VK_TUNE", "attn=flash,shuffle=0,attn_wg=16,attn_kt=4", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+
+    /* opencl: the tuning table's entry; attention forced to flash-decoding
+     * (one work-item, GPU-sized groups, key groups) or to the prefill tiles;
+     * q8 x q8 matmuls through the portable and the (emulated) extension
+     * int8 dot products, vector and word matvec loops, the tiled GEMM;
+     * CLBlast for F32/F16 batches (its scratch chunked); and every kernel at
+     * once GPU-style (work-group reductions) and serial (one work-item) */
+    {"opencl", NULL,               NULL, 0, 0, BO_TEST, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "att_mode=1,att_wg=1,att_split=16,att_g=64", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "att_mode=1,att_wg=16,att_split=32,att_g=0", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "att_mode=1,att_wg=128,att_split=256,att_g=8", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "att_mode=2,att_bq=8,att_bk=8,att_tpr=4", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "att_mode=2,att_bq=3,att_bk=5,att_tpr=1", 0, BO_ATT, BO_SMALL | BO_PATHS, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "dot=0,mv_r=1,mv_wg=4,mv_nr=2,mv_mt=4", 0, BO_MM, BO_TEST, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "dot=0,mv_r=8,mv_wg=16,mv_nr=2,mv_mt=3", 0, BO_MM, BO_TEST, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "dot=2,mv_r=4,mv_wg=8,mv_nr=1,mv_mt=2", 0, BO_MM, BO_TEST, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "dot=2,mv_r=1,mv_wg=4,mv_nr=4,mv_mt=4", 0, BO_MM, BO_TEST, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "dot=0,mm_tile_min=1,mm_bn=8,mm_tr=2", 0, BO_MM, BO_TEST, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "dot=2,mm_tile_min=2,mm_bn=16,mm_tr=4", 0, BO_MM, BO_TEST, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "clblast_min=2,clblast_scratch_mb=1", 0, BO_MM, BO_TEST, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE",
+     "mv_r=16,mv_wg=64,mv_nr=4,mv_vw=4,mv_mt=3,mv_qg=8,norm_wg=64,att_wg=32,att_split=64,att_mode=2,att_bq=8,"
+     "att_bk=16,att_tpr=4,rope_wg=16,dot=2,mq_nr=2,mm_tile_min=4,mm_bn=16,mm_tr=4,ew_wg=64,clblast_min=8,"
+     "clblast_scratch_mb=1", 0, 0, BO_SMALL, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE",
+     "mv_r=1,mv_wg=1,mv_nr=1,mv_vw=8,mv_mt=8,mv_qg=1,norm_wg=1,att_wg=1,att_mode=1,att_split=32,rope_wg=1,"
+     "dot=0,mq_nr=8,ew_wg=0,clblast_min=0,q8_f32_min=2", 0, 0, BO_SMALL, false, NULL},
+};
+// clang-format on
+#define BO_N_VARIANTS ((int)(sizeof bo_variants / sizeof bo_variants[0]))
+
+/* "DUET_VK_TUNE=attn=flash", or "default" (and the thread count where set). */
+static inline void bo_variant_label(const bo_variant *v, char *buf, size_t size) {
+    int n = snprintf(buf, size, "%s%s%s", v->env ? v->env : "default", v->env ? "=" : "",
+                     v->value ? v->value : "");
+    if (v->n_threads && n >= 0 && (size_t)n < size)
+        snprintf(buf + n, size - (size_t)n, " (%d threads)", v->n_threads);
+}
+
+/* Whether variant v runs case c. */
+static inline bool bo_variant_runs(const bo_variant *v, const bo_case *c) {
+    return (c->modes & v->modes) && (!v->kinds || (v->kinds & BO_KIND(c->kind)));
+}
 
 static inline const char *bo_op_name(duet_op_kind k) {
     static const char *const names[DUET_OP_COUNT] = {
@@ -252,9 +364,7 @@ typedef struct bo_host {
     const bo_case *c;
     int n;
     bo_operand ops[BO_MAX_OPERANDS];
-    int32_t *pos, *seq; /* rope/attention: per-token position and sequence (in ops too) */
-    int32_t *table;     /* rope/attention: block tables [n_seqs][max_blocks] (in ops too) */
-    int block_size, max_blocks, n_blocks;
+    int block_size, max_blocks, n_blocks; /* rope/attention: the KV cache's shape */
 } bo_host;
 
 /* Deterministic data: a 64-bit LCG per (case, operand). */
@@ -406,11 +516,8 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
     case DUET_OP_ROPE_KV:
     case DUET_OP_ATTENTION: {
         const size_t qw = (size_t)c->n_head * D, kvw = (size_t)c->n_head_kv * D;
-        h->pos = bo_ints(T);
-        h->seq = bo_ints(T);
-        bo_positions(c, h->pos, h->seq);
         h->block_size = bo_block_size(c);
-        h->table = bo_block_tables(c, &h->max_blocks, &h->n_blocks);
+        int32_t *table = bo_block_tables(c, &h->max_blocks, &h->n_blocks);
         const size_t pool_rows = (size_t)h->n_blocks * (size_t)h->block_size;
         const bool rope = c->kind == DUET_OP_ROPE_KV;
         bo_add(h, "q", T * qw * 4, bo_fill_f32(T * qw, seed + 1, 1.0f), BO_ELEM_F32, rope || c->inplace);
@@ -419,14 +526,10 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
             bo_add(h, "v", T * kvw * 4, bo_fill_f32(T * kvw, seed + 3, 1.0f), BO_ELEM_F32, false);
         }
         int32_t *pos = bo_ints(T), *seq = bo_ints(T);
-        memcpy(pos, h->pos, T * 4);
-        memcpy(seq, h->seq, T * 4);
+        bo_positions(c, pos, seq);
         bo_add(h, "pos", T * 4, pos, BO_ELEM_I32, false);
         bo_add(h, "seq", T * 4, seq, BO_ELEM_I32, false);
-        const size_t table_bytes = (size_t)c->n_seqs * (size_t)h->max_blocks * 4;
-        int32_t *table = bo_ints((size_t)c->n_seqs * (size_t)h->max_blocks);
-        memcpy(table, h->table, table_bytes);
-        bo_add(h, "block_table", table_bytes, table, BO_ELEM_I32, false);
+        bo_add(h, "block_table", (size_t)c->n_seqs * (size_t)h->max_blocks * 4, table, BO_ELEM_I32, false);
         /* Pools start full of random rows: attention reads them, rope_kv
          * must change exactly the rows it stores (compared whole). */
         size_t pool_bytes = pool_rows * duet_dtype_row_bytes(c->dtype, (int64_t)kvw);
@@ -494,9 +597,6 @@ static inline void bo_host_build(int ci, bo_host *h) {
 static inline void bo_host_free(bo_host *h) {
     for (int i = 0; i < h->n; i++)
         free(h->ops[i].host);
-    free(h->pos);
-    free(h->seq);
-    free(h->table);
     memset(h, 0, sizeof *h);
 }
 
@@ -508,11 +608,6 @@ typedef struct bo_dev {
     duet_op op;
 } bo_dev;
 
-static inline duet_view bo_view(const bo_dev *d, const bo_host *h, int i) {
-    int j = h->ops[i].alias >= 0 ? h->ops[i].alias : i;
-    return (duet_view){d->buf[j], BO_GUARD};
-}
-
 /* The operand called `name`, or -1. */
 static inline int bo_find(const bo_host *h, const char *name) {
     for (int i = 0; i < h->n; i++)
@@ -520,11 +615,24 @@ static inline int bo_find(const bo_host *h, const char *name) {
     return -1;
 }
 
-/* The view of operand `name`; an empty view when the case has none. */
-static inline duet_view bo_view_named(const bo_dev *d, const bo_host *h, const char *name) {
+/* The view of operand `name` (its alias's in place) among views[] (one per
+ * operand); an empty view when the case has none. */
+static inline duet_view bo_view_named(const bo_host *h, const duet_view *views, const char *name) {
     int i = bo_find(h, name);
-    return i < 0 ? (duet_view){NULL, 0} : bo_view(d, h, i);
+    if (i < 0) return (duet_view){NULL, 0};
+    return views[h->ops[i].alias >= 0 ? h->ops[i].alias : i];
 }
+
+/* The largest position + 1 of a rope/attention case's tokens (its n_keys). */
+static inline int bo_n_keys(const bo_host *h) {
+    const int32_t *pos = (const int32_t *)h->ops[bo_find(h, "pos")].host;
+    int n = 0;
+    for (int t = 0; t < h->c->n_tokens; t++)
+        if (pos[t] + 1 > n) n = pos[t] + 1;
+    return n;
+}
+
+static inline void bo_op_build(const bo_host *h, const duet_view *views, duet_op *op);
 
 /* Allocates every operand as [guard][data][guard], uploads it and builds
  * the op. Returns the first failure. */
@@ -543,12 +651,20 @@ static inline duet_status bo_dev_setup(duet_backend *be, const bo_host *h, bo_de
         free(img);
     }
     if (st != DUET_OK) return st;
+    duet_view views[BO_MAX_OPERANDS];
+    for (int i = 0; i < h->n; i++)
+        views[i] = (duet_view){d->buf[i], BO_GUARD};
+    bo_op_build(h, views, &d->op);
+    return DUET_OK;
+}
+
+/* The op of case h with operand i at views[i]. */
+static inline void bo_op_build(const bo_host *h, const duet_view *views, duet_op *op) {
     const bo_case *c = h->c;
-    duet_op *op = &d->op;
     memset(op, 0, sizeof *op);
     op->kind = c->kind;
     op->n_tokens = c->n_tokens;
-#define VW(name) bo_view_named(d, h, name)
+#define VW(name) bo_view_named(h, views, name)
     duet_kv_pages kv = {0};
     if (c->kind == DUET_OP_ROPE_KV || c->kind == DUET_OP_ATTENTION)
         kv = (duet_kv_pages){.k_pool = VW("k_pool"),
@@ -613,13 +729,7 @@ static inline duet_status bo_dev_setup(duet_backend *be, const bo_host *h, bo_de
         op->attention.scale = 1.0f / sqrtf((float)c->dim);
         /* n_keys as the forward pass gives it: the largest position + 1
          * (splits then cover the keys in use, not the table's capacity). */
-        {
-            int32_t *pos = bo_ints((size_t)c->n_tokens), *seq = bo_ints((size_t)c->n_tokens);
-            bo_positions(c, pos, seq);
-            for (int t = 0; t < c->n_tokens; t++)
-                if (pos[t] + 1 > op->attention.n_keys) op->attention.n_keys = pos[t] + 1;
-            free(pos), free(seq);
-        }
+        op->attention.n_keys = bo_n_keys(h);
         break;
     case DUET_OP_SWIGLU:
         op->swiglu.gate = VW("gate");
@@ -649,7 +759,27 @@ static inline duet_status bo_dev_setup(duet_backend *be, const bo_host *h, bo_de
         break;
     }
 #undef VW
-    return DUET_OK;
+}
+
+/* ---- the oracle's answer ------------------------------------------------------------- */
+
+/* Host operands as views: buf holds the operand's index + 1 (a handle, not
+ * a device buffer), resolved by bo_host_map. */
+static inline uint8_t *bo_host_map(void *ctx, duet_view v) {
+    if (!v.buf) return NULL;
+    const bo_host *h = (const bo_host *)ctx;
+    return (uint8_t *)h->ops[(uintptr_t)v.buf - 1].host + v.offset;
+}
+
+/* Runs the oracle (tests/op_oracle.c, which the caller links) on h's host
+ * operands, in place: the outputs then hold the reference. */
+static inline void bo_host_oracle(bo_host *h) {
+    duet_view views[BO_MAX_OPERANDS];
+    for (int i = 0; i < h->n; i++)
+        views[i] = (duet_view){(duet_buffer *)(uintptr_t)(i + 1), 0};
+    duet_op op;
+    bo_op_build(h, views, &op);
+    oracle_run(&op, bo_host_map, h);
 }
 
 /* One step with the op, `reps` times. */
