@@ -1,16 +1,22 @@
-/* test_cpu_ops.c — the cpu backend against naive references.
+/* test_cpu_ops.c — the cpu backend's own shapes against the oracle.
  *
- * Every op x dtype x shape class runs on every SIMD path this machine has
- * (forced with $DUET_CPU_ISA) and on 1, 2 and 3 threads, and is compared
- * with a scalar reference in double precision here, by normalised mean
- * squared error with a per-type bound. Outputs live between guard bytes
- * that must come back untouched; non-finite values fail unless expected.
- * The dtype helpers are checked exhaustively where the domain is 2^16. */
+ * The shared case table (test_backend_ops) runs the cpu backend on every
+ * SIMD path too; here are the shapes the cpu kernels are built around:
+ * widths around the 8- and 16-wide SIMD steps and the 4-row/4-token tiles,
+ * block counts the avx512 kernel pairs, token counts that cross the thread
+ * splits, attention batches that cross tiles and splits at large scales,
+ * and bit-for-bit batch invariance. Each runs on every SIMD path this
+ * machine has (forced with $DUET_CPU_ISA) and on 1, 2 and 3 threads, and is
+ * compared with the oracle (op_oracle.h) by normalised mean squared error
+ * with a per-type bound. Outputs live between guard bytes that must come
+ * back untouched; non-finite values fail unless expected. The dtype helpers
+ * are checked exhaustively where the domain is 2^16. */
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
 
 #include "../backends/backend.h"
+#include "op_oracle.h"
 #include "test_util.h"
 
 /* ---- helpers ------------------------------------------------------------- */
@@ -140,13 +146,11 @@ static void check_nmse(const float *got, const double *ref, size_t n, double tol
     ck_assert_msg(nmse <= tol, "%s: NMSE %.3g exceeds %.1g", what, nmse, tol);
 }
 
-/* A fused q8_0 output against duet_quantize_row_q8_0 of the f32 values it
- * was made from: scales and quants may differ by one step (a kernel may
- * round its own f32 row a hair differently), no more. */
-static void check_q8(const duet_block_q8_0 *got, const float *f32, int64_t n, const char *what) {
-    int64_t nb = n / 32;
-    duet_block_q8_0 *want = malloc(sizeof *want * (size_t)nb);
-    duet_quantize_row_q8_0(f32, want, n);
+/* q8_0 blocks against the blocks they should be: scales and quants may
+ * differ by one step (a kernel may round its own f32 row a hair
+ * differently), no more. */
+static void check_q8_blocks(const duet_block_q8_0 *got, const duet_block_q8_0 *want, int64_t nb,
+                            const char *what) {
     for (int64_t b = 0; b < nb; b++) {
         if (abs((int)got[b].d - (int)want[b].d) > 1)
             ck_abort_msg("%s: block %lld scale %04x, want %04x", what, (long long)b, got[b].d, want[b].d);
@@ -155,6 +159,14 @@ static void check_q8(const duet_block_q8_0 *got, const float *f32, int64_t n, co
                 ck_abort_msg("%s: block %lld quant %d is %d, want %d", what, (long long)b, j, got[b].qs[j],
                              want[b].qs[j]);
     }
+}
+
+/* A fused q8_0 output against duet_quantize_row_q8_0 of the f32 values it
+ * was made from (the definition in backend.h). */
+static void check_q8(const duet_block_q8_0 *got, const float *f32, int64_t n, const char *what) {
+    duet_block_q8_0 *want = malloc(sizeof *want * (size_t)(n / 32));
+    duet_quantize_row_q8_0(f32, want, n);
+    check_q8_blocks(got, want, n / 32, what);
     free(want);
 }
 
@@ -378,8 +390,9 @@ typedef struct mm_case {
     int n_in, n_out, n_tokens;
 } mm_case;
 
-/* xq8: the activations go in as q8_0 blocks (x_q8) instead of f32 x, and the
- * reference uses exactly their dequantised values. */
+/* xq8: the activations go in as q8_0 blocks (x_q8) instead of f32 x. The
+ * reference is the oracle's; the per-output bound allows for the rounding of
+ * the activations to q8_0 when the backend quantises them itself. */
 static void run_matmul_case_x(duet_backend *be, cfg c, duet_dtype dt, mm_case mc, bool bias, bool accumulate,
                               bool xq8) {
     const int n_in = mc.n_in, n_out = mc.n_out, nt = mc.n_tokens;
@@ -390,6 +403,7 @@ static void run_matmul_case_x(duet_backend *be, cfg c, duet_dtype dt, mm_case mc
     for (int o = 0; o < n_out; o++) to_dtype_and_back(dt, w + (size_t)o * n_in, wp + o * row, wref + (size_t)o * n_in, n_in);
     float *x = malloc(sizeof(float) * n_in * nt), *b = malloc(sizeof(float) * n_out);
     float *init = malloc(sizeof(float) * n_out * nt), *got = malloc(sizeof(float) * n_out * nt);
+    float *want = malloc(sizeof(float) * n_out * nt);
     double *ref = malloc(sizeof(double) * n_out * nt), *bound = malloc(sizeof(double) * n_out * nt);
     fill_uniform(x, (size_t)n_in * nt, -2, 2);
     fill_uniform(b, n_out, -1, 1);
@@ -400,12 +414,13 @@ static void run_matmul_case_x(duet_backend *be, cfg c, duet_dtype dt, mm_case mc
         for (int t = 0; t < nt; t++)
             to_dtype_and_back(DUET_DTYPE_Q8_0, x + (size_t)t * n_in, xq + (size_t)t * (n_in / 32), x + (size_t)t * n_in, n_in);
     }
+    memcpy(want, init, sizeof(float) * n_out * nt);
+    oracle_matmul(wp, dt, xq8 ? NULL : x, xq, bias ? b : NULL, accumulate, nt, n_in, n_out, want);
     for (int t = 0; t < nt; t++)
         for (int o = 0; o < n_out; o++) {
-            double s = 0, q8err = 0, mag = 0;
+            double q8err = 0, mag = 0, s = want[(size_t)t * n_out + o];
             for (int i = 0; i < n_in; i++) {
                 double wi = wref[(size_t)o * n_in + i], xi = x[(size_t)t * n_in + i];
-                s += wi * xi;
                 mag += fabs(wi * xi);
                 if (i % 32 == 0) { /* x is quantized per 32: error <= amax/127/2 each */
                     double amax = 0;
@@ -413,8 +428,6 @@ static void run_matmul_case_x(duet_backend *be, cfg c, duet_dtype dt, mm_case mc
                     for (int j = i; j < i + 32 && j < n_in; j++) q8err += fabs(wref[(size_t)o * n_in + j]) * amax / 254;
                 }
             }
-            if (bias) s += b[o];
-            if (accumulate) s += init[(size_t)t * n_out + o];
             ref[(size_t)t * n_out + o] = s;
             /* Hard per-output bound: activation rounding (q8_0) plus f32 sums. */
             bound[(size_t)t * n_out + o] = (dt == DUET_DTYPE_Q8_0 && !xq8 ? q8err * 1.001 : 0) + 1e-5 * (mag + fabs(s)) + 1e-6;
@@ -453,7 +466,8 @@ static void run_matmul_case_x(duet_backend *be, cfg c, duet_dtype dt, mm_case mc
     duet_buffer_free(be, xb);
     duet_buffer_free(be, bb);
     duet_buffer_free(be, out.buf);
-    free(w), free(wref), free(wp), free(x), free(b), free(init), free(got), free(ref), free(bound), free(xq);
+    free(w), free(wref), free(wp), free(x), free(b), free(init), free(got), free(want), free(ref),
+        free(bound), free(xq);
 }
 
 static void run_matmul_case(duet_backend *be, cfg c, duet_dtype dt, mm_case mc, bool bias, bool accumulate) {
@@ -518,22 +532,18 @@ END_TEST
 START_TEST(test_matmul_q8_0_extremes) {
     enum { N_IN = 96, N_OUT = 5, NT = 3 };
     duet_block_q8_0 w[N_OUT * N_IN / 32];
-    float wref[N_OUT * N_IN], x[NT * N_IN], got[NT * N_OUT];
+    float x[NT * N_IN], got[NT * N_OUT], want[NT * N_OUT];
     double ref[NT * N_OUT];
     for (int i = 0; i < N_OUT * N_IN / 32; i++) {
         w[i].d = duet_fp32_to_fp16(0.01f * (float)(i + 1));
         for (int j = 0; j < 32; j++) w[i].qs[j] = (int8_t)(j % 3 == 0 ? -128 : (j * 37 % 255) - 127);
     }
-    for (int o = 0; o < N_OUT; o++) duet_dequantize_row(DUET_DTYPE_Q8_0, w + o * (N_IN / 32), wref + o * N_IN, N_IN);
     fill_uniform(x, NT * N_IN, -1, 1);
     x[10] = 50.0f;
     x[N_IN + 3] = -80.0f;
-    for (int t = 0; t < NT; t++)
-        for (int o = 0; o < N_OUT; o++) {
-            double s = 0;
-            for (int i = 0; i < N_IN; i++) s += (double)wref[o * N_IN + i] * x[t * N_IN + i];
-            ref[t * N_OUT + o] = s;
-        }
+    oracle_matmul(w, DUET_DTYPE_Q8_0, x, NULL, NULL, false, NT, N_IN, N_OUT, want);
+    for (int i = 0; i < NT * N_OUT; i++)
+        ref[i] = want[i];
     for (int ci = 0; ci < N_CONFIGS; ci++) {
         duet_backend *be;
         if (!open_cfg(CONFIGS[ci], &be)) continue;
@@ -569,12 +579,14 @@ START_TEST(test_embed) {
                 int dim = dims[k], n_vocab = 37, nt = k == 3 ? 20 : 6;
                 if (dim % duet_dtype_block(dt)) continue;
                 size_t row = duet_dtype_row_bytes(dt, dim);
-                float *tab = malloc(sizeof(float) * dim * n_vocab), *tref = malloc(sizeof(float) * dim * n_vocab);
+                float *tab = malloc(sizeof(float) * dim * n_vocab), *want = malloc(sizeof(float) * dim * nt);
                 uint8_t *tp = malloc(row * n_vocab);
                 fill_uniform(tab, (size_t)dim * n_vocab, -1, 1);
-                for (int v = 0; v < n_vocab; v++) to_dtype_and_back(dt, tab + (size_t)v * dim, tp + v * row, tref + (size_t)v * dim, dim);
+                for (int v = 0; v < n_vocab; v++)
+                    duet_convert_row(dt, tab + (size_t)v * dim, tp + v * row, dim);
                 int32_t tok[20];
                 for (int t = 0; t < nt; t++) tok[t] = t == 0 ? 0 : t == 1 ? n_vocab - 1 : rng_int(n_vocab);
+                oracle_embed(tok, nt, tp, dt, dim, want);
                 duet_buffer *tb = mkbuf(be, tp, row * n_vocab), *kb = mkbuf(be, tok, sizeof(int32_t) * nt);
                 gbuf out = gbuf_new(be, sizeof(float) * dim * nt, NULL);
                 duet_op op = {.kind = DUET_OP_EMBED, .n_tokens = nt};
@@ -587,11 +599,12 @@ START_TEST(test_embed) {
                 float *got = malloc(sizeof(float) * dim * nt);
                 gbuf_read(be, out, got, "embed");
                 for (int t = 0; t < nt; t++)
-                    ck_assert_msg(memcmp(got + (size_t)t * dim, tref + (size_t)tok[t] * dim, sizeof(float) * dim) == 0,
-                                  "embed %s dim %d token %d: row differs [%s]", duet_dtype_name(dt), dim, t,
-                                  CONFIGS[ci].isa);
+                    ck_assert_msg(
+                        memcmp(got + (size_t)t * dim, want + (size_t)t * dim, sizeof(float) * dim) == 0,
+                        "embed %s dim %d token %d: row differs [%s]", duet_dtype_name(dt), dim, t,
+                        CONFIGS[ci].isa);
                 duet_buffer_free(be, tb), duet_buffer_free(be, kb), duet_buffer_free(be, out.buf);
-                free(tab), free(tref), free(tp), free(got);
+                free(tab), free(want), free(tp), free(got);
             }
         duet_backend_close(be);
     }
@@ -612,12 +625,9 @@ START_TEST(test_rmsnorm) {
                 double *ref = malloc(sizeof(double) * dim * nt);
                 fill_uniform(x, (size_t)dim * nt, -3, 3);
                 fill_uniform(w, dim, 0.5f, 1.5f);
-                for (int t = 0; t < nt; t++) {
-                    double ss = 0;
-                    for (int i = 0; i < dim; i++) ss += (double)x[t * dim + i] * x[t * dim + i];
-                    double s = 1.0 / sqrt(ss / dim + eps);
-                    for (int i = 0; i < dim; i++) ref[t * dim + i] = x[t * dim + i] * s * w[i];
-                }
+                oracle_rmsnorm(x, w, nt, dim, eps, got, NULL);
+                for (int i = 0; i < dim * nt; i++)
+                    ref[i] = got[i];
                 gbuf out = gbuf_new(be, sizeof(float) * dim * nt, inplace ? x : NULL);
                 duet_buffer *xb = inplace ? NULL : mkbuf(be, x, sizeof(float) * dim * nt), *wb = mkbuf(be, w, sizeof(float) * dim);
                 duet_op op = {.kind = DUET_OP_RMSNORM, .n_tokens = nt};
@@ -648,21 +658,17 @@ static void run_q8_out_case(duet_backend *be, cfg c, duet_op_kind kind, int dim,
     float *a = malloc(sizeof(float) * n), *b = malloc(sizeof(float) * n), *w = malloc(sizeof(float) * dim);
     float *got = malloc(sizeof(float) * n), *reff = malloc(sizeof(float) * n);
     double *ref = malloc(sizeof(double) * n);
-    duet_block_q8_0 *gq = malloc(sizeof *gq * nb);
+    duet_block_q8_0 *gq = malloc(sizeof *gq * nb), *wq = malloc(sizeof *wq * nb);
     fill_uniform(a, n, -3, 3);
     fill_uniform(b, n, -2, 2);
     fill_uniform(w, dim, 0.5f, 1.5f);
     if (nt > 1) memset(a + dim, 0, sizeof(float) * 32); /* an all-zero block: d = 0 */
-    for (int t = 0; t < nt; t++) {
-        double ss = 0;
-        for (int i = 0; i < dim; i++) ss += (double)a[t * dim + i] * a[t * dim + i];
-        double sc = 1.0 / sqrt(ss / dim + 1e-5);
-        for (int i = 0; i < dim; i++) {
-            size_t k = (size_t)t * dim + i;
-            ref[k] = kind == DUET_OP_RMSNORM ? a[k] * sc * w[i] : (double)a[k] / (1.0 + exp(-(double)a[k])) * b[k];
-            reff[k] = (float)ref[k];
-        }
-    }
+    if (kind == DUET_OP_RMSNORM)
+        oracle_rmsnorm(a, w, nt, dim, 1e-5f, reff, wq);
+    else
+        oracle_swiglu(a, b, nt, dim, reff, wq);
+    for (size_t i = 0; i < n; i++)
+        ref[i] = reff[i];
     duet_buffer *ab = mkbuf(be, a, sizeof(float) * n), *bb = mkbuf(be, b, sizeof(float) * n);
     duet_buffer *wb = mkbuf(be, w, sizeof(float) * dim);
     gbuf out = gbuf_new(be, sizeof(float) * n, NULL), q8 = gbuf_new(be, sizeof *gq * nb, NULL);
@@ -687,11 +693,11 @@ static void run_q8_out_case(duet_backend *be, cfg c, duet_op_kind kind, int dim,
     } else {
         for (size_t i = 0; i < n * 4; i++)
             if (((uint8_t *)got)[i] != 0xa5) ck_abort_msg("%s: the absent out was written (byte %zu)", what, i);
-        check_q8(gq, reff, (int64_t)n, what);
+        check_q8_blocks(gq, wq, (int64_t)nb, what);
     }
     duet_buffer_free(be, ab), duet_buffer_free(be, bb), duet_buffer_free(be, wb);
     duet_buffer_free(be, out.buf), duet_buffer_free(be, q8.buf);
-    free(a), free(b), free(w), free(got), free(reff), free(ref), free(gq);
+    free(a), free(b), free(w), free(got), free(reff), free(ref), free(gq), free(wq);
 }
 
 START_TEST(test_q8_outputs) {
@@ -718,8 +724,14 @@ static void run_elementwise(duet_backend *be, cfg c, duet_op_kind kind, int dim,
     fill_uniform(a, n, -8, 8);
     fill_uniform(b, n, -2, 2);
     if (n > 4) a[0] = 100.0f, a[1] = -100.0f, a[2] = -1000.0f, a[3] = 88.9f; /* exp far out of range */
+    float *want = malloc(sizeof(float) * n);
+    if (kind == DUET_OP_ADD)
+        oracle_add(a, b, nt, dim, want);
+    else
+        oracle_swiglu(a, b, nt, dim, want, NULL);
     for (size_t i = 0; i < n; i++)
-        ref[i] = kind == DUET_OP_ADD ? (double)a[i] + b[i] : (double)a[i] / (1.0 + exp(-(double)a[i])) * b[i];
+        ref[i] = want[i];
+    free(want);
     gbuf out = gbuf_new(be, sizeof(float) * n, inplace == 1 ? a : inplace == 2 ? b : NULL);
     duet_buffer *ab = mkbuf(be, a, sizeof(float) * n), *bb = mkbuf(be, b, sizeof(float) * n);
     duet_view av = inplace == 1 ? gview(out) : (duet_view){ab, 0}, bv = inplace == 2 ? gview(out) : (duet_view){bb, 0};
@@ -770,11 +782,13 @@ START_TEST(test_gather_argmax) {
             op.gather.dim = dim;
             RUN_OK(be, &op, "gather dim %d", dim);
             gbuf_read(be, out, got, "gather");
+            float *want = malloc(sizeof(float) * dim * nt);
+            oracle_gather_rows(x, rows, nt, dim, want);
             for (int t = 0; t < nt; t++)
-                ck_assert_msg(memcmp(got + (size_t)t * dim, x + (size_t)rows[t] * dim, sizeof(float) * dim) == 0,
+                ck_assert_msg(memcmp(got + (size_t)t * dim, want + (size_t)t * dim, sizeof(float) * dim) == 0,
                               "gather row %d differs [%s]", t, CONFIGS[ci].isa);
             duet_buffer_free(be, xb), duet_buffer_free(be, rb), duet_buffer_free(be, out.buf);
-            free(x), free(got);
+            free(x), free(got), free(want);
         }
         /* argmax: ties go to the lowest index, NaN never wins, -inf rows */
         enum { DIM = 32000, NT = 5 };
@@ -785,7 +799,11 @@ START_TEST(test_gather_argmax) {
         for (int j = 0; j < DIM; j++) x[2 * DIM + j] = -INFINITY; /* all -inf: 0 */
         x[3 * DIM + 31999] = 6.0f;                            /* last element */
         x[4 * DIM + 4] = 6.0f, x[4 * DIM + 5] = 6.0f;
-        int32_t want[NT] = {777, 12345, 0, 31999, 4}, got[NT];
+        int32_t want[NT], got[NT];
+        oracle_argmax(x, NT, DIM, want);
+        /* What each row is there for (the oracle must say so too). */
+        static const int32_t meant[NT] = {777, 12345, 0, 31999, 4};
+        ck_assert_msg(memcmp(want, meant, sizeof want) == 0, "the oracle's argmax misreads the rows");
         for (int nt = 1; nt <= NT; nt += 4) {
             duet_buffer *xb = mkbuf(be, x, sizeof(float) * DIM * nt);
             gbuf out = gbuf_new(be, sizeof(int32_t) * nt, NULL);
@@ -807,61 +825,29 @@ END_TEST
 
 /* ---- paged KV: rope_kv and attention -------------------------------------- */
 
-/* Host model of a paged KV cache: blocks handed to sequences in a shuffled
- * order with unused blocks mixed in, so a kernel that ignores the table (or
- * reads a neighbour block) gets different values. Table entries past a
- * sequence's blocks are -1: only entries covering 0..pos may be read. */
-typedef struct paged_kv {
-    duet_dtype dt;
-    int bs, n_blocks, n_seqs, max_blocks, kw;
-    size_t row_bytes, pool_bytes;
-    uint8_t *k, *v; /* the pools as stored */
-    float *kf, *vf; /* the same values in f32: [n_blocks * bs][kw] */
-    int32_t *table; /* [n_seqs][max_blocks] */
-} paged_kv;
-
-static paged_kv paged_new(duet_dtype dt, int bs, int kw, int n_seqs, const int *lens, int spare) {
-    paged_kv p = {.dt = dt, .bs = bs, .n_seqs = n_seqs, .kw = kw};
+/* The paged KV cache: the oracle's host model (op_oracle.h), its blocks
+ * handed to sequences in a shuffled order with unused blocks mixed in, so a
+ * kernel that ignores the table (or reads a neighbour block) gets different
+ * values. Table entries past a sequence's blocks are -1: only entries
+ * covering 0..pos may be read. Values uniform in [-1, 1). */
+static oracle_kv paged_new(duet_dtype dt, int bs, int kw, int n_seqs, const int *lens, int spare) {
     int max_len = 1, need = 0;
     for (int s = 0; s < n_seqs; s++) {
         max_len = lens[s] > max_len ? lens[s] : max_len;
         need += (lens[s] + bs - 1) / bs;
     }
-    p.max_blocks = (max_len + bs - 1) / bs + 1;
-    p.n_blocks = need + spare;
-    int32_t *perm = malloc(sizeof(int32_t) * p.n_blocks);
-    for (int i = 0; i < p.n_blocks; i++) perm[i] = i;
-    for (int i = p.n_blocks - 1; i > 0; i--) {
-        int j = rng_int(i + 1);
-        int32_t t = perm[i];
-        perm[i] = perm[j], perm[j] = t;
-    }
-    p.table = malloc(sizeof(int32_t) * n_seqs * p.max_blocks);
-    for (int i = 0; i < n_seqs * p.max_blocks; i++) p.table[i] = -1;
-    for (int s = 0, k = 0; s < n_seqs; s++)
-        for (int b = 0; b < (lens[s] + bs - 1) / bs; b++) p.table[s * p.max_blocks + b] = perm[k++];
-    free(perm);
-    p.row_bytes = duet_dtype_row_bytes(dt, kw);
-    size_t rows = (size_t)p.n_blocks * bs;
-    p.pool_bytes = p.row_bytes * rows;
-    p.k = malloc(p.pool_bytes), p.v = malloc(p.pool_bytes);
-    p.kf = malloc(sizeof(float) * rows * kw), p.vf = malloc(sizeof(float) * rows * kw);
-    fill_uniform(p.kf, rows * kw, -1, 1);
-    fill_uniform(p.vf, rows * kw, -1, 1);
-    for (size_t r = 0; r < rows; r++) {
-        to_dtype_and_back(dt, p.kf + r * kw, p.k + r * p.row_bytes, p.kf + r * kw, kw);
-        to_dtype_and_back(dt, p.vf + r * kw, p.v + r * p.row_bytes, p.vf + r * kw, kw);
-    }
+    oracle_kv p;
+    oracle_kv_alloc(&p, dt, kw, bs, need + spare, n_seqs, (max_len + bs - 1) / bs + 1);
+    oracle_kv_scatter(&p, lens, -1, rng_next());
+    oracle_kv_fill(&p, rng_next(), 1.0f, 1.0f);
     return p;
 }
 
-static void paged_free(paged_kv *p) {
-    free(p->k), free(p->v), free(p->kf), free(p->vf), free(p->table);
-}
-
 /* The pool row of (sequence, position). */
-static size_t paged_row(const paged_kv *p, int seq, int pos) {
-    return (size_t)p->table[seq * p->max_blocks + pos / p->bs] * p->bs + pos % p->bs;
+static size_t paged_row(const oracle_kv *p, int seq, int pos) {
+    int64_t r = oracle_kv_row(p, seq, pos);
+    ck_assert_msg(r >= 0, "test bug: sequence %d position %d has no block", seq, pos);
+    return (size_t)r;
 }
 
 /* Device copies; the k pool and the table sit at non-zero offsets. */
@@ -871,12 +857,12 @@ typedef struct paged_dev {
 #define KPOOL_OFF 128
 #define TABLE_OFF 12
 
-static paged_dev paged_upload(duet_backend *be, const paged_kv *p) {
+static paged_dev paged_upload(duet_backend *be, const oracle_kv *p) {
     paged_dev d;
-    size_t tb = sizeof(int32_t) * p->n_seqs * p->max_blocks;
-    d.k = mkbuf(be, NULL, p->pool_bytes + KPOOL_OFF);
-    ck_assert(duet_buffer_upload(be, d.k, KPOOL_OFF, p->k, p->pool_bytes) == DUET_OK);
-    d.v = mkbuf(be, p->v, p->pool_bytes);
+    size_t tb = oracle_kv_table_bytes(p), pb = oracle_kv_pool_bytes(p);
+    d.k = mkbuf(be, NULL, pb + KPOOL_OFF);
+    ck_assert(duet_buffer_upload(be, d.k, KPOOL_OFF, p->k, pb) == DUET_OK);
+    d.v = mkbuf(be, p->v, pb);
     d.table = mkbuf(be, NULL, tb + TABLE_OFF);
     ck_assert(duet_buffer_upload(be, d.table, TABLE_OFF, p->table, tb) == DUET_OK);
     return d;
@@ -886,45 +872,20 @@ static void paged_dev_free(duet_backend *be, paged_dev d) {
     duet_buffer_free(be, d.k), duet_buffer_free(be, d.v), duet_buffer_free(be, d.table);
 }
 
-static duet_kv_pages paged_view(const paged_kv *p, paged_dev d) {
-    return (duet_kv_pages){.k_pool = {d.k, KPOOL_OFF}, .v_pool = {d.v, 0}, .block_table = {d.table, TABLE_OFF},
-                           .dtype = p->dt, .block_size = p->bs, .n_blocks = p->n_blocks, .n_seqs = p->n_seqs,
-                           .max_blocks = p->max_blocks};
+static duet_kv_pages paged_view(const oracle_kv *p, paged_dev d) {
+    return oracle_kv_pages(p, (duet_view){d.k, KPOOL_OFF}, (duet_view){d.v, 0},
+                           (duet_view){d.table, TABLE_OFF});
 }
 
-/* Attention in double over the dequantised pools, read through the table. */
-static void ref_attention(const paged_kv *p, const float *q, const int32_t *pos, const int32_t *seq, int nt, int nh,
-                          int nkv, int hd, float scale, double *out) {
-    int max_pos = 0;
-    for (int t = 0; t < nt; t++) max_pos = pos[t] > max_pos ? pos[t] : max_pos;
-    double *sc = malloc(sizeof(double) * (max_pos + 1));
-    size_t *rows = malloc(sizeof(size_t) * (max_pos + 1));
-    const int group = nh / nkv, qw = nh * hd;
-    for (int t = 0; t < nt; t++) {
-        int n = pos[t] + 1;
-        for (int i = 0; i < n; i++) rows[i] = paged_row(p, seq[t], i);
-        for (int h = 0; h < nh; h++) {
-            const float *qh = q + (size_t)t * qw + h * hd;
-            const size_t col = (size_t)(h / group) * hd;
-            double mx = -INFINITY, sum = 0;
-            for (int i = 0; i < n; i++) {
-                const float *kr = p->kf + rows[i] * p->kw + col;
-                double s = 0;
-                for (int d = 0; d < hd; d++) s += (double)qh[d] * kr[d];
-                sc[i] = s * scale;
-                mx = fmax(mx, sc[i]);
-            }
-            for (int i = 0; i < n; i++) sum += sc[i] = exp(sc[i] - mx);
-            double *o = out + (size_t)t * qw + h * hd;
-            for (int d = 0; d < hd; d++) o[d] = 0;
-            for (int i = 0; i < n; i++) {
-                const float *vr = p->vf + rows[i] * p->kw + col;
-                for (int d = 0; d < hd; d++) o[d] += sc[i] * vr[d];
-            }
-            for (int d = 0; d < hd; d++) o[d] /= sum;
-        }
-    }
-    free(sc), free(rows);
+/* The oracle's attention over the cache, as doubles for check_nmse. */
+static void ref_attention(const oracle_kv *p, const float *q, const int32_t *pos, const int32_t *seq, int nt,
+                          int nh, int nkv, int hd, float scale, double *out) {
+    const size_t n = (size_t)nt * nh * hd;
+    float *f = malloc(sizeof(float) * n);
+    oracle_attention(q, pos, seq, nt, nh, nkv, hd, scale, p, f, NULL);
+    for (size_t i = 0; i < n; i++)
+        out[i] = f[i];
+    free(f);
 }
 
 typedef struct att_shape {
@@ -937,7 +898,7 @@ static const char *const OUT_NAMES[OUT_MODES] = {"out", "out+out_q8", "out_q8", 
 
 /* One attention op on a prepared cache, checked against ref (the double
  * reference for these q, pos, seq). */
-static void check_attention(duet_backend *be, cfg c, const paged_kv *p, paged_dev dev, att_shape sh,
+static void check_attention(duet_backend *be, cfg c, const oracle_kv *p, paged_dev dev, att_shape sh,
                             const float *q, const int32_t *pos, const int32_t *seq, int nt, float scale,
                             const double *ref, int mode, double tol, const char *name) {
     const int qw = sh.n_head * sh.hd;
@@ -959,7 +920,8 @@ static void check_attention(duet_backend *be, cfg c, const paged_kv *p, paged_de
     if (q8) op.attention.out_q8 = gview(oq);
     char what[256];
     snprintf(what, sizeof what, "attention %s heads %d/%d hd %d %s bs %d tokens %d %s [%s, %d threads]", name,
-             sh.n_head, sh.n_head_kv, sh.hd, duet_dtype_name(p->dt), p->bs, nt, OUT_NAMES[mode], c.isa, c.threads);
+             sh.n_head, sh.n_head_kv, sh.hd, duet_dtype_name(p->dtype), p->block_size, nt, OUT_NAMES[mode],
+             c.isa, c.threads);
     RUN_OK(be, &op, "%s", what);
     float *got = malloc(qbytes);
     gbuf_read(be, out, got, what);
@@ -1029,7 +991,7 @@ static int make_batches(att_batch *b, bool long_prefill) {
  * and thread count; the reference is computed once per case. */
 static void run_attention_shape(att_shape sh, duet_dtype dt, int bs, bool long_prefill) {
     const int kw = sh.n_head_kv * sh.hd, qw = sh.n_head * sh.hd;
-    paged_kv p = paged_new(dt, bs, kw, ATT_NSEQ, ATT_LENS, 5);
+    oracle_kv p = paged_new(dt, bs, kw, ATT_NSEQ, ATT_LENS, 5);
     att_batch batches[16];
     int nb = make_batches(batches, long_prefill);
     float *q[16];
@@ -1054,17 +1016,17 @@ static void run_attention_shape(att_shape sh, duet_dtype dt, int bs, bool long_p
                             ref[i], (i + ci) % OUT_MODES, tol, batches[i].name);
         }
         /* The cache is an input: not one byte of it may change. */
-        uint8_t *back = malloc(p.pool_bytes);
-        ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, back, p.pool_bytes) == DUET_OK);
-        ck_assert_msg(memcmp(back, p.k, p.pool_bytes) == 0, "attention wrote to the k pool");
-        ck_assert(duet_buffer_download(be, dev.v, 0, back, p.pool_bytes) == DUET_OK);
-        ck_assert_msg(memcmp(back, p.v, p.pool_bytes) == 0, "attention wrote to the v pool");
+        uint8_t *back = malloc(oracle_kv_pool_bytes(&p));
+        ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, back, oracle_kv_pool_bytes(&p)) == DUET_OK);
+        ck_assert_msg(memcmp(back, p.k, oracle_kv_pool_bytes(&p)) == 0, "attention wrote to the k pool");
+        ck_assert(duet_buffer_download(be, dev.v, 0, back, oracle_kv_pool_bytes(&p)) == DUET_OK);
+        ck_assert_msg(memcmp(back, p.v, oracle_kv_pool_bytes(&p)) == 0, "attention wrote to the v pool");
         free(back);
         paged_dev_free(be, dev);
         duet_backend_close(be);
     }
     for (int i = 0; i < nb; i++) free(q[i]), free(ref[i]);
-    paged_free(&p);
+    oracle_kv_free(&p);
 }
 
 /* MHA (the 125m shape), GQA, MQA; head_dim 64 and 128 take the SIMD
@@ -1106,7 +1068,7 @@ END_TEST
  * whole ragged batch (prefill tiles, no splits), on 1, 2 and 3 threads. */
 static void run_invariance(att_shape sh, duet_dtype dt) {
     const int qw = sh.n_head * sh.hd;
-    paged_kv p = paged_new(dt, 16, sh.n_head_kv * sh.hd, ATT_NSEQ, ATT_LENS, 3);
+    oracle_kv p = paged_new(dt, 16, sh.n_head_kv * sh.hd, ATT_NSEQ, ATT_LENS, 3);
     att_batch b[16];
     make_batches(b, false);
     att_batch *mix = &b[7]; /* ragged */
@@ -1145,7 +1107,7 @@ static void run_invariance(att_shape sh, duet_dtype dt) {
             duet_backend_close(be);
         }
     free(q), free(first), free(got);
-    paged_free(&p);
+    oracle_kv_free(&p);
 }
 
 START_TEST(test_attention_batch_invariance) {
@@ -1189,29 +1151,23 @@ static void rope_positions(int nt, int32_t *pos, int32_t *seq) {
     }
 }
 
-static void ref_rope(float *x, int n_heads, int hd, int n_rot, bool neox, int pos, float base) {
-    for (int h = 0; h < n_heads; h++) {
-        float *v = x + h * hd;
-        for (int i = 0; i < n_rot / 2; i++) {
-            double th = pos * pow(base, -2.0 * i / n_rot);
-            int a = neox ? i : 2 * i, b = neox ? i + n_rot / 2 : 2 * i + 1;
-            double x0 = v[a], x1 = v[b];
-            v[a] = (float)(x0 * cos(th) - x1 * sin(th));
-            v[b] = (float)(x0 * sin(th) + x1 * cos(th));
+/* The pools after rope_kv against `want` (the oracle's store of the
+ * device's own rotated k and the input v): rows written exactly for f32,
+ * the correctly rounded fp16 for f16, within a step of the q8_0 rule for
+ * q8_0; every other row keeps its bytes. */
+static void check_pools(const oracle_kv *want, const uint8_t *kc, const uint8_t *vc, const uint8_t *written,
+                        const char *what) {
+    const size_t rb = want->row_bytes, n_rows = (size_t)want->n_blocks * want->block_size;
+    for (size_t r = 0; r < n_rows; r++)
+        for (int which = 0; which < 2; which++) {
+            const uint8_t *got = (which ? vc : kc) + r * rb, *w = (which ? want->v : want->k) + r * rb;
+            if (written[r] && want->dtype == DUET_DTYPE_Q8_0)
+                check_q8_blocks((const duet_block_q8_0 *)got, (const duet_block_q8_0 *)w, want->width / 32,
+                                what);
+            else if (memcmp(got, w, rb) != 0)
+                ck_abort_msg("%s: %s pool row %zu %s", what, which ? "v" : "k", r,
+                             written[r] ? "differs" : "changed but no token maps to it");
         }
-    }
-}
-
-/* A pool row as written from f32 values x: exact for f32, the correctly
- * rounded fp16 for f16, the q8_0 rule (one step of slack) for q8_0. */
-static void check_pool_row(duet_dtype dt, const uint8_t *row, const float *x, int kw, const char *what) {
-    if (dt == DUET_DTYPE_Q8_0) {
-        check_q8((const duet_block_q8_0 *)row, x, kw, what);
-        return;
-    }
-    uint8_t want[4096];
-    duet_convert_row(dt, x, want, kw);
-    ck_assert_msg(memcmp(row, want, duet_dtype_row_bytes(dt, kw)) == 0, "%s: pool row differs", what);
 }
 
 START_TEST(test_rope_kv) {
@@ -1221,7 +1177,7 @@ START_TEST(test_rope_kv) {
         for (size_t k = 0; k < sizeof ROPE_CASES / sizeof ROPE_CASES[0]; k++) {
             rope_case rc = ROPE_CASES[k];
             int nt = rc.n_tokens, qw = rc.n_head * rc.head_dim, kw = rc.n_head_kv * rc.head_dim;
-            paged_kv p = paged_new(rc.kvt, k % 2 ? 32 : 16, kw, 3, ROPE_LENS, 3);
+            oracle_kv p = paged_new(rc.kvt, k % 2 ? 32 : 16, kw, 3, ROPE_LENS, 3);
             float *q = malloc(sizeof(float) * qw * nt), *kk = malloc(sizeof(float) * kw * nt), *v = malloc(sizeof(float) * kw * nt);
             float *qg = malloc(sizeof(float) * qw * nt), *kg = malloc(sizeof(float) * kw * nt);
             double *qr = malloc(sizeof(double) * qw * nt), *kr = malloc(sizeof(double) * kw * nt);
@@ -1235,8 +1191,8 @@ START_TEST(test_rope_kv) {
             memcpy(qt, q, sizeof(float) * qw * nt);
             memcpy(kt, kk, sizeof(float) * kw * nt);
             for (int t = 0; t < nt; t++) {
-                ref_rope(qt + t * qw, rc.n_head, rc.head_dim, rc.n_rot, rc.neox, pos[t], base);
-                ref_rope(kt + t * kw, rc.n_head_kv, rc.head_dim, rc.n_rot, rc.neox, pos[t], base);
+                oracle_rope(qt + t * qw, rc.n_head, rc.head_dim, rc.n_rot, base, rc.neox, pos[t]);
+                oracle_rope(kt + t * kw, rc.n_head_kv, rc.head_dim, rc.n_rot, base, rc.neox, pos[t]);
             }
             for (int i = 0; i < qw * nt; i++) qr[i] = qt[i];
             for (int i = 0; i < kw * nt; i++) kr[i] = kt[i];
@@ -1251,8 +1207,8 @@ START_TEST(test_rope_kv) {
             op.rope_kv.n_head = rc.n_head, op.rope_kv.n_head_kv = rc.n_head_kv, op.rope_kv.head_dim = rc.head_dim;
             op.rope_kv.n_rot = rc.n_rot, op.rope_kv.freq_base = base, op.rope_kv.neox = rc.neox;
             char what[128];
-            snprintf(what, sizeof what, "rope_kv case %zu %s bs %d [%s, %d threads]", k, duet_dtype_name(rc.kvt), p.bs,
-                     CONFIGS[ci].isa, CONFIGS[ci].threads);
+            snprintf(what, sizeof what, "rope_kv case %zu %s bs %d [%s, %d threads]", k,
+                     duet_dtype_name(rc.kvt), p.block_size, CONFIGS[ci].isa, CONFIGS[ci].threads);
             RUN_OK(be, &op, "%s", what);
             gbuf_read(be, qb, qg, what);
             gbuf_read(be, kb, kg, what);
@@ -1260,27 +1216,24 @@ START_TEST(test_rope_kv) {
             check_nmse(kg, kr, (size_t)kw * nt, 1e-12, what);
             /* The pools hold rotated k and plain v at the table's rows for
              * (seq, pos); every other row keeps its bytes. */
-            uint8_t *kc = malloc(p.pool_bytes), *vc = malloc(p.pool_bytes);
-            ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, kc, p.pool_bytes) == DUET_OK);
-            ck_assert(duet_buffer_download(be, dev.v, 0, vc, p.pool_bytes) == DUET_OK);
-            size_t n_rows = (size_t)p.n_blocks * p.bs;
-            uint8_t *mark = calloc(n_rows, 1);
+            uint8_t *kc = malloc(oracle_kv_pool_bytes(&p)), *vc = malloc(oracle_kv_pool_bytes(&p));
+            ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, kc, oracle_kv_pool_bytes(&p)) == DUET_OK);
+            ck_assert(duet_buffer_download(be, dev.v, 0, vc, oracle_kv_pool_bytes(&p)) == DUET_OK);
+            uint8_t *mark = calloc((size_t)p.n_blocks * p.block_size, 1);
+            oracle_kv want;
+            oracle_kv_clone(&want, &p);
             for (int t = 0; t < nt; t++) {
-                size_t r = paged_row(&p, seq[t], pos[t]);
-                mark[r] = 1;
-                check_pool_row(rc.kvt, kc + r * p.row_bytes, kg + (size_t)t * kw, kw, what);
-                check_pool_row(rc.kvt, vc + r * p.row_bytes, v + (size_t)t * kw, kw, what);
+                mark[paged_row(&p, seq[t], pos[t])] = 1;
+                oracle_kv_store(&want, seq[t], pos[t], kg + (size_t)t * kw, v + (size_t)t * kw);
             }
-            for (size_t r = 0; r < n_rows; r++)
-                if (!mark[r] && (memcmp(kc + r * p.row_bytes, p.k + r * p.row_bytes, p.row_bytes) != 0 ||
-                                 memcmp(vc + r * p.row_bytes, p.v + r * p.row_bytes, p.row_bytes) != 0))
-                    ck_abort_msg("%s: pool row %zu changed", what, r);
+            check_pools(&want, kc, vc, mark, what);
+            oracle_kv_free(&want);
             free(mark), free(kc), free(vc);
             paged_dev_free(be, dev);
             duet_buffer_free(be, qb.buf), duet_buffer_free(be, kb.buf), duet_buffer_free(be, vb);
             duet_buffer_free(be, pb), duet_buffer_free(be, sb);
             free(q), free(kk), free(v), free(qg), free(kg), free(qr), free(kr), free(qt), free(kt);
-            paged_free(&p);
+            oracle_kv_free(&p);
         }
         duet_backend_close(be);
     }
@@ -1295,7 +1248,7 @@ START_TEST(test_rope_then_attention) {
     for (int ci = 0; ci < N_CONFIGS; ci++) {
         duet_backend *be;
         if (!open_cfg(CONFIGS[ci], &be)) continue;
-        paged_kv p = paged_new(DUET_DTYPE_Q8_0, 16, NKV * HD, 2, lens, 2);
+        oracle_kv p = paged_new(DUET_DTYPE_Q8_0, 16, NKV * HD, 2, lens, 2);
         float q[NT * NH * HD], k[NT * NKV * HD], v[NT * NKV * HD], got[NT * NH * HD];
         int32_t pos[NT], seq[NT];
         for (int t = 0; t < NT; t++) pos[t] = t, seq[t] = 0;
@@ -1320,24 +1273,22 @@ START_TEST(test_rope_then_attention) {
         ck_assert(duet_step_submit(be) == DUET_OK && duet_step_wait(be) == DUET_OK);
         /* Reference: the rotated q from the device, the pools as stored. */
         ck_assert(duet_buffer_download(be, qb, 0, q, sizeof q) == DUET_OK);
-        ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, p.k, p.pool_bytes) == DUET_OK);
-        ck_assert(duet_buffer_download(be, dev.v, 0, p.v, p.pool_bytes) == DUET_OK);
-        for (size_t r = 0; r < (size_t)p.n_blocks * p.bs; r++) {
-            duet_dequantize_row(DUET_DTYPE_Q8_0, p.k + r * p.row_bytes, p.kf + r * p.kw, p.kw);
-            duet_dequantize_row(DUET_DTYPE_Q8_0, p.v + r * p.row_bytes, p.vf + r * p.kw, p.kw);
-        }
+        ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, p.k, oracle_kv_pool_bytes(&p)) == DUET_OK);
+        ck_assert(duet_buffer_download(be, dev.v, 0, p.v, oracle_kv_pool_bytes(&p)) == DUET_OK);
         double ref[NT * NH * HD];
         ref_attention(&p, q, pos, seq, NT, NH, NKV, HD, 0.125f, ref);
         ck_assert(duet_buffer_download(be, ob, 0, got, sizeof got) == DUET_OK);
         check_nmse(got, ref, NT * NH * HD, 1e-10, CONFIGS[ci].isa);
         /* The values in the cache are within q8_0 error of the rotated k/v. */
+        float vrow[NKV * HD];
         double vref[NKV * HD];
+        oracle_kv_load(&p, p.v, (int64_t)paged_row(&p, 0, NT - 1), vrow);
         for (int i = 0; i < NKV * HD; i++) vref[i] = v[(NT - 1) * NKV * HD + i];
-        check_nmse(p.vf + paged_row(&p, 0, NT - 1) * p.kw, vref, NKV * HD, 1e-4, "v row in q8_0");
+        check_nmse(vrow, vref, NKV * HD, 1e-4, "v row in q8_0");
         paged_dev_free(be, dev);
         duet_buffer *all[] = {qb, kb, vb, pb, sb, ob};
         for (int i = 0; i < 6; i++) duet_buffer_free(be, all[i]);
-        paged_free(&p);
+        oracle_kv_free(&p);
         duet_backend_close(be);
     }
 }
@@ -1350,7 +1301,7 @@ END_TEST
 static size_t attention_scratch_at(att_shape sh, int ctx) {
     const int kw = sh.n_head_kv * sh.hd, qw = sh.n_head * sh.hd;
     int len = ctx;
-    paged_kv p = paged_new(DUET_DTYPE_F16, 16, kw, 1, &len, 0);
+    oracle_kv p = paged_new(DUET_DTYPE_F16, 16, kw, 1, &len, 0);
     duet_backend *be;
     duet_backend_params prm = {.n_threads = 2};
     ck_assert(duet_backend_open("cpu", 0, &prm, &be) == DUET_OK);
@@ -1395,7 +1346,7 @@ static size_t attention_scratch_at(att_shape sh, int ctx) {
     paged_dev_free(be, dev);
     duet_backend_close(be);
     free(q), free(ref);
-    paged_free(&p);
+    oracle_kv_free(&p);
     return scratch;
 }
 
@@ -1606,7 +1557,7 @@ START_TEST(test_bad_block_table) {
     for (int ci = 0; ci < N_CONFIGS; ci += 2) {
         duet_backend *be;
         if (!open_cfg(CONFIGS[ci], &be)) continue;
-        paged_kv p = paged_new(DUET_DTYPE_Q8_0, 16, W, 2, lens, 2);
+        oracle_kv p = paged_new(DUET_DTYPE_Q8_0, 16, W, 2, lens, 2);
         int32_t pos[NT] = {19, 35, 5}, seq[NT] = {1, 0, 0};
         float q[NT * W], k[NT * W], v[NT * W];
         fill_uniform(q, NT * W, -1, 1), fill_uniform(k, NT * W, -1, 1), fill_uniform(v, NT * W, -1, 1);
@@ -1651,18 +1602,19 @@ START_TEST(test_bad_block_table) {
                 ck_assert_msg(memcmp(back, q, sizeof q) == 0, "%s: q changed", what);
                 gbuf_read(be, kb, back, what);
                 ck_assert_msg(memcmp(back, k, sizeof k) == 0, "%s: k changed", what);
-                uint8_t *pool = malloc(p.pool_bytes);
-                ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, pool, p.pool_bytes) == DUET_OK);
-                ck_assert_msg(memcmp(pool, p.k, p.pool_bytes) == 0, "%s: k pool changed", what);
-                ck_assert(duet_buffer_download(be, dev.v, 0, pool, p.pool_bytes) == DUET_OK);
-                ck_assert_msg(memcmp(pool, p.v, p.pool_bytes) == 0, "%s: v pool changed", what);
+                uint8_t *pool = malloc(oracle_kv_pool_bytes(&p));
+                ck_assert(duet_buffer_download(be, dev.k, KPOOL_OFF, pool, oracle_kv_pool_bytes(&p)) ==
+                          DUET_OK);
+                ck_assert_msg(memcmp(pool, p.k, oracle_kv_pool_bytes(&p)) == 0, "%s: k pool changed", what);
+                ck_assert(duet_buffer_download(be, dev.v, 0, pool, oracle_kv_pool_bytes(&p)) == DUET_OK);
+                ck_assert_msg(memcmp(pool, p.v, oracle_kv_pool_bytes(&p)) == 0, "%s: v pool changed", what);
                 free(pool), free(h);
                 paged_dev_free(be, dev);
             }
             duet_buffer_free(be, qb.buf), duet_buffer_free(be, kb.buf), duet_buffer_free(be, out.buf);
             duet_buffer_free(be, o8.buf), duet_buffer_free(be, vb), duet_buffer_free(be, pb), duet_buffer_free(be, sb);
         }
-        paged_free(&p);
+        oracle_kv_free(&p);
         duet_backend_close(be);
     }
 }
