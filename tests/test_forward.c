@@ -1,5 +1,5 @@
-/* test_forward.c — the forward pass against a naive double-precision
- * transformer written here, on small models the test writes itself: llama
+/* test_forward.c — the forward pass against the oracle's ops (op_oracle.h)
+ * run in the same order, on small models the test writes itself: llama
  * (adjacent-pair RoPE, GQA), qwen2 (q/k/v biases, NeoX RoPE, own rope base),
  * tied and separate outputs, and every weight type (f32, f16, bf16, q8_0).
  * Also: a token's logits do not depend on the rest of its batch (bit for
@@ -13,6 +13,7 @@
 #include "duet_internal.h"
 #include "fault_backend.h"
 #include "gguf.h"
+#include "op_oracle.h"
 #include "test_util.h"
 
 typedef struct cfg {
@@ -29,11 +30,12 @@ static float frand(float scale) {
     return scale * ((float)((rng_state >> 40) & 0xFFFFFF) / 16777216.0f * 2.0f - 1.0f);
 }
 
-/* Stores every tensor as written (after the round trip through its dtype),
- * so the reference sees exactly the weights the engine sees. */
+/* Keeps every tensor as written (in its dtype), so the reference reads
+ * exactly the weights the engine reads. */
 typedef struct ref_tensor {
     char name[64];
-    float *data;
+    duet_dtype type;
+    void *data; /* [rows][cols] in type */
     int64_t rows, cols;
 } ref_tensor;
 
@@ -42,9 +44,9 @@ static int n_tensors;
 /* When set, the vocabulary's last token has this text. */
 static const char *last_token_text;
 
-static const float *T(const char *name) {
+static const ref_tensor *T(const char *name) {
     for (int i = 0; i < n_tensors; i++)
-        if (!strcmp(tensors[i].name, name)) return tensors[i].data;
+        if (!strcmp(tensors[i].name, name)) return &tensors[i];
     return NULL;
 }
 
@@ -52,19 +54,18 @@ static void add(duet_gguf_writer *w, const char *name, duet_dtype type, int64_t 
                 float mean) {
     ref_tensor *t = &tensors[n_tensors++];
     snprintf(t->name, sizeof t->name, "%s", name);
-    t->rows = rows, t->cols = cols;
-    t->data = malloc(sizeof(float) * cols * rows);
+    t->type = type, t->rows = rows, t->cols = cols;
     size_t rb = duet_dtype_row_bytes(type, cols);
     uint8_t *q = malloc(rb * rows);
+    float *row = malloc(sizeof(float) * cols);
     for (int64_t r = 0; r < rows; r++) {
-        float *row = t->data + r * cols;
         for (int64_t c = 0; c < cols; c++) row[c] = mean + frand(scale);
         duet_convert_row(type, row, q + r * rb, cols);
-        duet_dequantize_row(type, q + r * rb, row, cols);
     }
+    free(row);
+    t->data = q;
     int64_t ne[2] = {cols, rows};
     duet_gguf_add_tensor(w, name, type, rows > 1 ? 2 : 1, ne, q, false);
-    free(q);
 }
 
 static void write_model(const cfg *c, const char *path) {
@@ -163,87 +164,59 @@ static void rewrite_model(const char *in, const char *out, const rewrite *rw) {
     duet_gguf_close(g);
 }
 
-/* ---- the naive reference (double precision, whole sequence) ------------- */
+/* ---- the reference: the oracle's ops in the forward pass's order -------- */
 
-static void rmsnorm(double *out, const double *x, const float *w, int n) {
-    double ss = 0;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    double s = 1.0 / sqrt(ss / n + 1e-6);
-    for (int i = 0; i < n; i++) out[i] = x[i] * s * w[i];
+/* out[n][rows] = W x (+ bias) for W = tensor `w` ([rows][cols] in its dtype). */
+static void ref_matmul(const ref_tensor *w, const ref_tensor *bias, const float *x, int n, bool accumulate,
+                       float *out) {
+    oracle_matmul(w->data, w->type, x, NULL, bias ? bias->data : NULL, accumulate, n, (int)w->cols,
+                  (int)w->rows, out);
 }
 
-static void matvec(double *out, const float *W, const double *x, int rows, int cols, const float *bias) {
-    for (int r = 0; r < rows; r++) {
-        double s = bias ? bias[r] : 0;
-        for (int c = 0; c < cols; c++) s += (double)W[(size_t)r * cols + c] * x[c];
-        out[r] = s;
-    }
-}
-
-static void rope(double *v, int n_heads, int hd, int pos, double base, bool neox) {
-    for (int h = 0; h < n_heads; h++)
-        for (int i = 0; i < hd / 2; i++) {
-            double theta = pos * pow(base, -2.0 * i / hd);
-            int a = neox ? i : 2 * i, b = neox ? i + hd / 2 : 2 * i + 1;
-            double x0 = v[h * hd + a], x1 = v[h * hd + b];
-            v[h * hd + a] = x0 * cos(theta) - x1 * sin(theta);
-            v[h * hd + b] = x0 * sin(theta) + x1 * cos(theta);
-        }
-}
-
-/* Logits of the last of n tokens. */
+/* Logits of the last of n tokens: every layer over the whole sequence
+ * (one sequence, positions 0..n-1), through an f32 KV cache. */
 static void reference_logits(const cfg *c, const int32_t *tok, int n, double *logits) {
     const int E = c->E, hd = E / c->H, KV = hd * c->HKV, F = c->F;
-    bool qwen = !strcmp(c->arch, "qwen2");
-    double *x = calloc((size_t)n * E, sizeof(double)), *xn = malloc(sizeof(double) * E);
-    double *q = malloc(sizeof(double) * (size_t)n * E), *k = malloc(sizeof(double) * (size_t)n * KV),
-           *v = malloc(sizeof(double) * (size_t)n * KV);
-    double *att = malloc(sizeof(double) * E), *tmp = malloc(sizeof(double) * E), *g = malloc(sizeof(double) * F),
-           *u = malloc(sizeof(double) * F), *sc = malloc(sizeof(double) * n);
+    const bool qwen = !strcmp(c->arch, "qwen2");
+    const float eps = 1e-6f;
+    float *x = malloc(sizeof(float) * (size_t)n * E), *xn = malloc(sizeof(float) * (size_t)n * E);
+    float *q = malloc(sizeof(float) * (size_t)n * E), *k = malloc(sizeof(float) * (size_t)n * KV),
+          *v = malloc(sizeof(float) * (size_t)n * KV), *att = malloc(sizeof(float) * (size_t)n * E);
+    float *g = malloc(sizeof(float) * (size_t)n * F), *u = malloc(sizeof(float) * (size_t)n * F);
+    float *lg = malloc(sizeof(float) * (size_t)c->V);
+    int32_t *pos = malloc(sizeof(int32_t) * (size_t)n), *seq = calloc((size_t)n, sizeof(int32_t));
     for (int t = 0; t < n; t++)
-        for (int i = 0; i < E; i++) x[t * E + i] = T("token_embd.weight")[(size_t)tok[t] * E + i];
+        pos[t] = t;
+    /* One sequence in blocks of 16; each layer stores positions 0..n-1
+     * before its attention reads them, so the layers share the cache. */
+    oracle_kv kv;
+    oracle_kv_alloc(&kv, DUET_DTYPE_F32, KV, 16, (n + 15) / 16, 1, (n + 15) / 16);
+    oracle_kv_scatter(&kv, &n, -1, 7);
+    const ref_tensor *embd = T("token_embd.weight");
+    oracle_embed(tok, n, embd->data, embd->type, E, x);
     char nm[64];
 #define W(s) (snprintf(nm, sizeof nm, "blk.%d.%s", l, s), T(nm))
     for (int l = 0; l < c->L; l++) {
-        for (int t = 0; t < n; t++) {
-            rmsnorm(xn, x + t * E, W("attn_norm.weight"), E);
-            matvec(q + t * E, W("attn_q.weight"), xn, E, E, qwen ? W("attn_q.bias") : NULL);
-            matvec(k + t * KV, W("attn_k.weight"), xn, KV, E, qwen ? W("attn_k.bias") : NULL);
-            matvec(v + t * KV, W("attn_v.weight"), xn, KV, E, qwen ? W("attn_v.bias") : NULL);
-            rope(q + t * E, c->H, hd, t, c->rope_base, qwen);
-            rope(k + t * KV, c->HKV, hd, t, c->rope_base, qwen);
-        }
-        for (int t = 0; t < n; t++) {
-            for (int h = 0; h < c->H; h++) {
-                int kh = h / (c->H / c->HKV);
-                double mx = -1e300, sum = 0;
-                for (int s = 0; s <= t; s++) {
-                    double d = 0;
-                    for (int i = 0; i < hd; i++) d += q[t * E + h * hd + i] * k[s * KV + kh * hd + i];
-                    sc[s] = d / sqrt(hd);
-                    if (sc[s] > mx) mx = sc[s];
-                }
-                for (int s = 0; s <= t; s++) sum += (sc[s] = exp(sc[s] - mx));
-                for (int i = 0; i < hd; i++) {
-                    double a = 0;
-                    for (int s = 0; s <= t; s++) a += sc[s] / sum * v[s * KV + kh * hd + i];
-                    att[h * hd + i] = a;
-                }
-            }
-            matvec(tmp, W("attn_output.weight"), att, E, E, NULL);
-            for (int i = 0; i < E; i++) x[t * E + i] += tmp[i];
-            rmsnorm(xn, x + t * E, W("ffn_norm.weight"), E);
-            matvec(g, W("ffn_gate.weight"), xn, F, E, NULL);
-            matvec(u, W("ffn_up.weight"), xn, F, E, NULL);
-            for (int i = 0; i < F; i++) g[i] = g[i] / (1 + exp(-g[i])) * u[i];
-            matvec(tmp, W("ffn_down.weight"), g, E, F, NULL);
-            for (int i = 0; i < E; i++) x[t * E + i] += tmp[i];
-        }
+        oracle_rmsnorm(x, W("attn_norm.weight")->data, n, E, eps, xn, NULL);
+        ref_matmul(W("attn_q.weight"), qwen ? W("attn_q.bias") : NULL, xn, n, false, q);
+        ref_matmul(W("attn_k.weight"), qwen ? W("attn_k.bias") : NULL, xn, n, false, k);
+        ref_matmul(W("attn_v.weight"), qwen ? W("attn_v.bias") : NULL, xn, n, false, v);
+        oracle_rope_kv(q, k, v, pos, seq, n, c->H, c->HKV, hd, hd, c->rope_base, qwen, &kv);
+        oracle_attention(q, pos, seq, n, c->H, c->HKV, hd, 1.0f / sqrtf((float)hd), &kv, att, NULL);
+        ref_matmul(W("attn_output.weight"), NULL, att, n, true, x);
+        oracle_rmsnorm(x, W("ffn_norm.weight")->data, n, E, eps, xn, NULL);
+        ref_matmul(W("ffn_gate.weight"), NULL, xn, n, false, g);
+        ref_matmul(W("ffn_up.weight"), NULL, xn, n, false, u);
+        oracle_swiglu(g, u, n, F, g, NULL);
+        ref_matmul(W("ffn_down.weight"), NULL, g, n, true, x);
     }
 #undef W
-    rmsnorm(xn, x + (n - 1) * E, T("output_norm.weight"), E);
-    matvec(logits, T(c->tied ? "token_embd.weight" : "output.weight"), xn, c->V, E, NULL);
-    free(x), free(xn), free(q), free(k), free(v), free(att), free(tmp), free(g), free(u), free(sc);
+    oracle_rmsnorm(x + (size_t)(n - 1) * E, T("output_norm.weight")->data, 1, E, eps, xn, NULL);
+    ref_matmul(c->tied ? embd : T("output.weight"), NULL, xn, 1, false, lg);
+    for (int i = 0; i < c->V; i++)
+        logits[i] = lg[i];
+    oracle_kv_free(&kv);
+    free(x), free(xn), free(q), free(k), free(v), free(att), free(g), free(u), free(lg), free(pos), free(seq);
 }
 
 /* Counts the matmuls a model runs, and those that read int8 activations
@@ -675,7 +648,7 @@ END_TEST
 
 int main(void) {
     Suite *s = suite_create("forward");
-    TCase *tc = tcase_create("vs naive reference");
+    TCase *tc = tcase_create("vs the oracle");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, llama_f32);
     tcase_add_test(tc, llama_f16_tied);
