@@ -21,23 +21,22 @@
 # a fresh build folder, it would run them in file order and finish on one).
 set(DUET_TEST_MIN_TIMEOUT 300)
 set(DUET_TEST_COLD_SECONDS
-  test_vulkan.attention_a=82
-  test_vulkan.attention_b=86
+  test_backend_ops.vulkan_attention=241
+  test_backend_ops.opencl=167
   test_eval.py=96
-  test_opencl.oclgrind=87
-  test_opencl.kernels_attention=46
-  test_backend_ops=39
-  test_vulkan.attention=30
-  test_vulkan.matmul=31
-  test_opencl.kernels_matmul=30
+  test_opencl.oclgrind_a=95
+  test_opencl.oclgrind_b=86
+  test_backend_ops.vulkan=68
+  test_backend_ops.opencl_attention=66
   test_server.hardening=30
-  test_opencl.forced_gpu=26
-  test_opencl.api=22
+  test_vulkan.attention=17
   test_long_context=17
-  test_opencl.forced_serial=15
   test_engine.faults=14
-  test_cpu_ops.ops=10
+  test_cpu_ops.ops=11
+  test_vulkan.matmul=9
   test_vulkan.validation=9
+  test_backend_ops.cpu=9
+  test_opencl.api=8
   test_reference=8
   test_duet_bench.py=8
   test_sampler=7)
