@@ -126,6 +126,28 @@ static duet_status upload_tensor(const duet_gguf_tensor *t, duet_dtype as, duet_
     return st;
 }
 
+/* Whether the backend runs matmuls of weight type t and, for the embedding
+ * table, lookups too (asked of the device, so a file mixing types fails at
+ * load with the tensor's name, not at the first step). */
+static bool backend_runs(duet_backend *be, duet_dtype t, bool embed) {
+    duet_op op = {.kind = DUET_OP_MATMUL};
+    op.matmul.dtype = t;
+    if (!duet_device_supports_op(be->iface, be->device_index, &op)) return false;
+    if (!embed) return true;
+    op = (duet_op){.kind = DUET_OP_EMBED};
+    op.embed.dtype = t;
+    return duet_device_supports_op(be->iface, be->device_index, &op);
+}
+
+/* "f32, f16, ...": the weight types the backend runs, for error messages. */
+static void runnable_types(duet_backend *be, bool embed, char *buf, size_t size) {
+    size_t n = 0;
+    buf[0] = '\0';
+    for (int t = 0; t < 64 && n < size; t++)
+        if (duet_dtype_is_weight((duet_dtype)t) && backend_runs(be, (duet_dtype)t, embed))
+            n += (size_t)snprintf(buf + n, size - n, "%s%s", n ? ", " : "", duet_dtype_name((duet_dtype)t));
+}
+
 /* Finds `name`, checks its shape is [rows][cols] (ne = {cols, rows}; rows 0
  * for a vector), and uploads it (as f32 when force_f32). */
 static duet_status load_weight(const duet_gguf *g, const char *name, int64_t cols, int64_t rows,
@@ -143,10 +165,17 @@ static duet_status load_weight(const duet_gguf *g, const char *name, int64_t col
                            "model: tensor '%s' has shape [%lld, %lld] (n_dims %d), expected [%lld, %lld]",
                            name, (long long)t->ne[0], (long long)(t->n_dims > 1 ? t->ne[1] : 1), t->n_dims,
                            (long long)cols, (long long)(rows ? rows : 1));
-    if (!duet_dtype_is_weight(t->type))
-        return duet__error(DUET_UNSUPPORTED, "model: tensor '%s' has type %s (supported: f32, f16, bf16, q8_0)",
-                           name, duet_dtype_name(t->type) ? duet_dtype_name(t->type) : "unknown");
-    return upload_tensor(t, force_f32 ? DUET_DTYPE_F32 : t->type, be, w);
+    const duet_dtype as = force_f32 ? DUET_DTYPE_F32 : t->type;
+    const bool embed = strcmp(name, "token_embd.weight") == 0;
+    if (!duet_dtype_is_weight(t->type) || !backend_runs(be, as, embed)) {
+        char list[256];
+        runnable_types(be, embed, list, sizeof list);
+        return duet__error(DUET_UNSUPPORTED,
+                           "model: tensor '%s' has type %s, which the %s backend does not run (it runs %s)",
+                           name, duet_dtype_name(t->type) ? duet_dtype_name(t->type) : "unknown",
+                           be->iface->name, list);
+    }
+    return upload_tensor(t, as, be, w);
 }
 
 duet_status duet__weights_load(const duet_gguf *g, const duet_hparams *hp, duet_backend *be,

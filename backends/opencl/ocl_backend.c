@@ -369,13 +369,18 @@ static bool kv_dtype_ok(duet_dtype t) {
     return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_Q8_0;
 }
 
+/* The weight types the kernels read (matmul and embedding). */
+static bool weight_ok(duet_dtype t) {
+    return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0;
+}
+
 static bool ocl_supports_op(int index, const duet_op *op) {
     (void)index;
     switch (op->kind) {
     case DUET_OP_EMBED:
-        return duet_dtype_is_weight(op->embed.dtype);
+        return weight_ok(op->embed.dtype);
     case DUET_OP_MATMUL:
-        return duet_dtype_is_weight(op->matmul.dtype);
+        return weight_ok(op->matmul.dtype);
     case DUET_OP_ROPE_KV:
         return kv_dtype_ok(op->rope_kv.kv.dtype) && op->rope_kv.n_rot <= 2 * OCL_ROPE_HALF_MAX;
     case DUET_OP_ATTENTION:

@@ -517,13 +517,18 @@ static duet_status rec_argmax(vk_backend *be, const duet_op *op) {
 
 /* ---- the interface ----------------------------------------------------------------------------------- */
 
+/* The weight types the shaders read (matmul and embedding). */
+static bool vk_weight_ok(duet_dtype t) {
+    return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0;
+}
+
 bool duet__vk_supports_op(int index, const duet_op *op) {
     (void)index;
     switch (op->kind) {
     case DUET_OP_EMBED:
-        return duet_dtype_is_weight(op->embed.dtype);
+        return vk_weight_ok(op->embed.dtype);
     case DUET_OP_MATMUL:
-        return duet_dtype_is_weight(op->matmul.dtype);
+        return vk_weight_ok(op->matmul.dtype);
     case DUET_OP_ROPE_KV:
         return op->rope_kv.kv.dtype == DUET_DTYPE_F32 || op->rope_kv.kv.dtype == DUET_DTYPE_F16 ||
                op->rope_kv.kv.dtype == DUET_DTYPE_Q8_0;
