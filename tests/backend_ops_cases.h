@@ -34,6 +34,7 @@ enum {
     BO_PERF = 2,  /* benchmark */
     BO_SMALL = 4, /* small enough for a simulator (oclgrind) */
     BO_PATHS = 8, /* with the small ones, what a forced attention path runs (tuning variants below) */
+    BO_HOT = 16,  /* benchmark: weights stay in cache (no rotating pool for a one-token matmul) */
 };
 
 typedef struct bo_case {
@@ -61,6 +62,7 @@ typedef struct bo_case {
 #define P BO_PERF
 #define S BO_SMALL
 #define PA BO_PATHS
+#define H BO_HOT
 
 /* Trailing fields (q8act, block, lens) default to 0 where a row stops. */
 #pragma GCC diagnostic push
@@ -195,6 +197,53 @@ static const bo_case bo_cases[] = {
     {"125m",        DUET_OP_GATHER_ROWS, F32,   1, 768,    128,  0, 0, 0, 0, 0, false, false, false, false, P},
     {"ragged",      DUET_OP_ARGMAX,      F32,   7, 1000,     0,  0, 0, 0, 0, 0, false, false, false, false, T|S},
     {"vocab",       DUET_OP_ARGMAX,      F32,   2, 32000,    0,  0, 0, 0, 0, 0, false, false, false, false, T|P},
+
+    /* ---- benchmark only (appended: a row's index seeds its data, so the rows
+     * above keep theirs). The GEMVs of every weight type at the 125m and 1b
+     * shapes (one-token matmuls: bench_backend_ops cycles their weights
+     * through a pool larger than the last-level cache) */
+    {"125m-qkv",    DUET_OP_MATMUL,      F16,   1, 768,    768,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-qkv",    DUET_OP_MATMUL,      F32,   1, 768,    768,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-down",   DUET_OP_MATMUL,      F16,   1, 2048,   768,  0, 0, 0, 0, 0, false, true,  false, false, P},
+    {"125m-down",   DUET_OP_MATMUL,      F32,   1, 2048,   768,  0, 0, 0, 0, 0, false, true,  false, false, P},
+    {"125m-out",    DUET_OP_MATMUL,      F16,   1, 768,  32000,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-out",    DUET_OP_MATMUL,      F32,   1, 768,  32000,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"125m-out-q8", DUET_OP_MATMUL,      Q8,    1, 768,  32000,  0, 0, 0, 0, 0, false, false, false, false, P, 1},
+    {"1b-up",       DUET_OP_MATMUL,      F32,   1, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"1b-down",     DUET_OP_MATMUL,      Q8,    1, 5632,  2048,  0, 0, 0, 0, 0, false, true,  false, false, P},
+    /* prefill at the 1b shape, every weight type (f16 above) */
+    {"1b-up-pf",    DUET_OP_MATMUL,      Q8,  128, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P},
+    {"1b-up-pf",    DUET_OP_MATMUL,      F32, 128, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P},
+    /* batched matmuls, 125m up projection, hot weights: 1..128 tokens with
+     * the 125m-up-* rows above (q8_0 from f32 x and from x_q8; f16 and f32,
+     * where CLBlast overtakes our kernels: the clblast_min perf variants) */
+    {"125m-up-bt",  DUET_OP_MATMUL,      Q8,    1, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      Q8,    4, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      Q8,    8, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      Q8,   16, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      Q8,   32, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      Q8,   64, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt-q8", DUET_OP_MATMUL,    Q8,    1, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H, 1},
+    {"125m-up-bt-q8", DUET_OP_MATMUL,    Q8,    4, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H, 1},
+    {"125m-up-bt-q8", DUET_OP_MATMUL,    Q8,    8, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H, 1},
+    {"125m-up-bt-q8", DUET_OP_MATMUL,    Q8,   32, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H, 1},
+    {"125m-up-bt-q8", DUET_OP_MATMUL,    Q8,   64, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H, 1},
+    {"125m-up-bt",  DUET_OP_MATMUL,      F16,   4, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      F16,   8, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      F16,  16, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      F16,  64, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      F32,   4, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      F32,   8, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      F32,  16, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"125m-up-bt",  DUET_OP_MATMUL,      F32,  64, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    /* attention decode of the 125m shape at contexts 128 and 1024, q8_0 KV
+     * (f16 at 128/1024/4096 and q8_0 at 4096 above) */
+    {"125m-c128",   DUET_OP_ATTENTION,   Q8,    1, 64,     128, 12, 12, 1, 0,  0, false, false, false, false, P, 0, 16, {128}},
+    {"125m-c1024",  DUET_OP_ATTENTION,   Q8,    1, 64,    1024, 12, 12, 1, 0,  0, false, false, false, false, P, 0, 16, {1024}},
+    /* per-op overhead: a tiny add and a tiny q8_0 GEMV (64 KiB of weights),
+     * many to a step */
+    {"overhead",    DUET_OP_ADD,         F32,   1, 16,       0,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    {"overhead",    DUET_OP_MATMUL,      Q8,    1, 256,    256,  0, 0, 0, 0, 0, false, false, false, false, P|H},
 };
 // clang-format on
 /* clang-format on */
@@ -207,6 +256,7 @@ static const bo_case bo_cases[] = {
 #undef P
 #undef S
 #undef PA
+#undef H
 
 #define BO_N_CASES ((int)(sizeof bo_cases / sizeof bo_cases[0]))
 #define BO_GUARD 256 /* guard bytes before and after every operand */
@@ -313,6 +363,33 @@ static inline void bo_variant_label(const bo_variant *v, char *buf, size_t size)
 /* Whether variant v runs case c. */
 static inline bool bo_variant_runs(const bo_variant *v, const bo_case *c) {
     return (c->modes & v->modes) && (!v->kinds || (v->kinds & BO_KIND(c->kind)));
+}
+
+/* Paths only the benchmark times, next to each backend's default (the
+ * parity test never opens these: each forces a path a bo_variants row
+ * above already checks). bench_backend_ops --mode perf runs the default
+ * variants and these; --variants all adds bo_variants. */
+// clang-format off
+static const bo_variant bo_perf_variants[] = {
+    /* vulkan: each matmul path the tuning table can pick */
+    {"vulkan", "DUET_VK_TUNE",     "matmul=tile,dot=0",     0, BO_MM, BO_PERF, false, NULL},
+    {"vulkan", "DUET_VK_TUNE",     "matmul=tile,dot=1",     0, BO_MM, BO_PERF, true,  NULL},
+    {"vulkan", "DUET_VK_TUNE",     "matmul=subgroup,dot=0", 0, BO_MM, BO_PERF, false, NULL},
+    {"vulkan", "DUET_VK_TUNE",     "matmul=subgroup,dot=1", 0, BO_MM, BO_PERF, true,  NULL},
+    /* opencl: q8 x q8 through the portable code where the device has the
+     * int8 dot extension; F32/F16 matmuls through our kernels only and
+     * through CLBlast from one token (where it starts to win: clblast_min) */
+    {"opencl", "DUET_OPENCL_TUNE", "dot=0",                 0, BO_MM, BO_PERF, true,  NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "clblast_min=0",         0, BO_MM, BO_PERF, false, NULL},
+    {"opencl", "DUET_OPENCL_TUNE", "clblast_min=1",         0, BO_MM, BO_PERF, false, NULL},
+};
+// clang-format on
+#define BO_N_PERF_VARIANTS ((int)(sizeof bo_perf_variants / sizeof bo_perf_variants[0]))
+
+/* Whether the benchmark times case c under variant v: the BO_PERF rows of
+ * the op kinds v changes. */
+static inline bool bo_variant_times(const bo_variant *v, const bo_case *c) {
+    return (c->modes & BO_PERF) && (!v->kinds || (v->kinds & BO_KIND(c->kind)));
 }
 
 static inline const char *bo_op_name(duet_op_kind k) {
@@ -868,6 +945,189 @@ static inline void bo_case_cost(const bo_case *c, double *bytes, double *flops) 
     default:
         *bytes = *flops = 0;
     }
+}
+
+/* ---- checking a backend's outputs against the oracle ------------------------------------ */
+
+/* The oracle's outputs of one case (NULL for inputs), and for a Q8_0 matmul
+ * of f32 activations, out from those activations quantised to q8_0 first
+ * (the cpu and Vulkan backends quantise them by duet_quantize_row_q8_0's
+ * rule): such a matmul may match either. */
+typedef struct bo_answer {
+    bool done;
+    uint8_t *want[BO_MAX_OPERANDS];
+    float *want_q8x;
+} bo_answer;
+
+static inline bool bo_quantises_x(const bo_case *c) {
+    return c->kind == DUET_OP_MATMUL && c->dtype == DUET_DTYPE_Q8_0 && !c->q8act;
+}
+
+/* Computes a's outputs for case c (its index ci seeds the data, as
+ * bo_host_build_case's). */
+static inline void bo_answer_compute(const bo_case *c, int ci, bo_answer *a) {
+    memset(a, 0, sizeof *a);
+    bo_host h;
+    bo_host_build_case(c, ci, &h);
+    bo_host_oracle(&h);
+    for (int i = 0; i < h.n; i++)
+        if (h.ops[i].output && h.ops[i].alias < 0) {
+            a->want[i] = (uint8_t *)h.ops[i].host;
+            h.ops[i].host = NULL;
+        }
+    bo_host_free(&h);
+    if (bo_quantises_x(c)) {
+        bo_host_build_case(c, ci, &h);
+        duet_block_q8_0 *xq = (duet_block_q8_0 *)bo_quantize_rows((const float *)h.ops[bo_find(&h, "x")].host,
+                                                                  (size_t)c->n_tokens, c->dim);
+        const int b = bo_find(&h, "bias"), o = bo_find(&h, "out");
+        oracle_matmul(h.ops[bo_find(&h, "w")].host, c->dtype, NULL, xq,
+                      b >= 0 ? (const float *)h.ops[b].host : NULL, c->accumulate, c->n_tokens, c->dim,
+                      c->rows, (float *)h.ops[o].host);
+        free(xq);
+        a->want_q8x = (float *)h.ops[o].host;
+        h.ops[o].host = NULL;
+        bo_host_free(&h);
+    }
+    a->done = true;
+}
+
+static inline void bo_answer_free(bo_answer *a) {
+    for (int i = 0; i < BO_MAX_OPERANDS; i++)
+        free(a->want[i]);
+    free(a->want_q8x);
+    memset(a, 0, sizeof *a);
+}
+
+/* Largest NMSE an output may show against the oracle (which accumulates
+ * in double): f32 summation order, the rounding of exp and rsqrt on a
+ * device, nothing more. q8_0 values (fused outputs, pools rope_kv stored):
+ * a value on a rounding boundary may land one step apart; f16 pools: one
+ * rounding. */
+static inline double bo_tolerance(const bo_case *c, const bo_operand *o) {
+    if (o->elem == BO_ELEM_Q8 || (o->elem == BO_ELEM_RAW && c->dtype == DUET_DTYPE_Q8_0)) return 1e-4;
+    if (o->elem == BO_ELEM_RAW && c->dtype == DUET_DTYPE_F16) return 1e-6;
+    switch (c->kind) {
+    case DUET_OP_EMBED:
+    case DUET_OP_GATHER_ROWS:
+        return 0; /* copies of exactly representable values */
+    case DUET_OP_MATMUL:
+        /* q8_0 activations: exact products, f32 sums. f32 activations of
+         * q8_0 weights: against the nearer of the two references. */
+        if (c->q8act) return 1e-12;
+        return c->dtype == DUET_DTYPE_Q8_0 ? 1e-10 : 1e-11;
+    case DUET_OP_ATTENTION:
+        return c->dtype == DUET_DTYPE_Q8_0 ? 1e-9 : 1e-10;
+    default:
+        return 1e-12; /* rmsnorm, rope_kv's q and k, swiglu, add */
+    }
+}
+
+/* Value i of n values of dtype t at p, as f32. */
+static inline float bo_raw_at(duet_dtype t, const uint8_t *p, size_t i) {
+    if (t == DUET_DTYPE_Q8_0) {
+        const duet_block_q8_0 *b = (const duet_block_q8_0 *)p + i / DUET_QK8_0;
+        uint16_t d;
+        memcpy(&d, &b->d, 2);
+        return duet_fp16_to_fp32(d) * b->qs[i % DUET_QK8_0];
+    }
+    if (t == DUET_DTYPE_F16) return duet_fp16_to_fp32(((const uint16_t *)p)[i]);
+    if (t == DUET_DTYPE_BF16) return duet_bf16_to_fp32(((const uint16_t *)p)[i]);
+    float f;
+    memcpy(&f, p + 4 * i, 4);
+    return f;
+}
+
+/* NMSE of got against want (n values of dtype t); -1 with msg filled when a
+ * value is non-finite where the other is not. */
+static inline double bo_nmse(duet_dtype t, const uint8_t *want, const uint8_t *got, size_t n,
+                             const char *name, char *msg, size_t msg_size) {
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < n; i++) {
+        const float a = bo_raw_at(t, want, i), b = bo_raw_at(t, got, i);
+        if (isfinite(a) != isfinite(b) || (isnan(a) != isnan(b))) {
+            snprintf(msg, msg_size, "%s[%zu] = %g, the oracle says %g", name, i, (double)b, (double)a);
+            return -1;
+        }
+        if (!isfinite(a)) continue;
+        err += ((double)a - b) * ((double)a - b);
+        norm += (double)a * a;
+    }
+    return norm > 0 ? err / norm : err;
+}
+
+/* Output operand oi of case c, downloaded with its guards (got_img), against
+ * a's: guards intact, index outputs exact, values within bo_tolerance.
+ * Fills msg on failure. */
+static inline bool bo_compare(const bo_case *c, const bo_operand *o, const bo_answer *a, int oi,
+                              const uint8_t *got_img, double *nmse_out, char *msg, size_t msg_size) {
+    *nmse_out = 0;
+    for (size_t i = 0; i < 2 * BO_GUARD; i++) {
+        const size_t at = i < BO_GUARD ? i : o->bytes + i; /* before the view, then after it */
+        if (got_img[at] != BO_GUARD_BYTE) {
+            snprintf(msg, msg_size, "%s: guard byte %lld (relative to the view) was overwritten", o->name,
+                     (long long)at - BO_GUARD);
+            return false;
+        }
+    }
+    const uint8_t *want = a->want[oi], *got = got_img + BO_GUARD;
+    if (o->elem == BO_ELEM_I32) {
+        for (size_t i = 0; i < o->bytes / 4; i++) {
+            int32_t x, y;
+            memcpy(&x, want + 4 * i, 4);
+            memcpy(&y, got + 4 * i, 4);
+            if (x != y) {
+                snprintf(msg, msg_size, "%s[%zu] = %d, the oracle says %d", o->name, i, y, x);
+                return false;
+            }
+        }
+        return true;
+    }
+    const duet_dtype t = o->elem == BO_ELEM_F32  ? DUET_DTYPE_F32
+                         : o->elem == BO_ELEM_Q8 ? DUET_DTYPE_Q8_0
+                                                 : c->dtype;
+    const size_t n = o->bytes / duet_dtype_block_bytes(t) * (size_t)duet_dtype_block(t);
+    double nmse = bo_nmse(t, want, got, n, o->name, msg, msg_size);
+    if (nmse < 0) return false;
+    if (a->want_q8x && strcmp(o->name, "out") == 0) {
+        double q = bo_nmse(t, (const uint8_t *)a->want_q8x, got, n, o->name, msg, msg_size);
+        if (q >= 0 && q < nmse) nmse = q;
+    }
+    *nmse_out = nmse;
+    const double tol = bo_tolerance(c, o);
+    if (!(nmse <= tol)) {
+        size_t worst = 0;
+        double wd = -1;
+        for (size_t i = 0; i < n; i++) {
+            double d = fabs((double)bo_raw_at(t, want, i) - bo_raw_at(t, got, i));
+            if (d > wd) wd = d, worst = i;
+        }
+        snprintf(msg, msg_size, "%s: NMSE %.3g > %.1g (worst [%zu]: %g vs the oracle's %g)", o->name, nmse,
+                 tol, worst, (double)bo_raw_at(t, got, worst), (double)bo_raw_at(t, want, worst));
+        return false;
+    }
+    return true;
+}
+
+/* After one run of d (set up from h): every output against a's. The
+ * largest NMSE goes to *nmse; msg says what the first mismatch was. */
+static inline bool bo_dev_check(bo_dev *d, const bo_host *h, const bo_answer *a, double *nmse, char *msg,
+                                size_t msg_size) {
+    *nmse = 0;
+    for (int i = 0; i < h->n; i++) {
+        if (!h->ops[i].output || h->ops[i].alias >= 0) continue;
+        uint8_t *img = bo_dev_image(d, h, i);
+        if (!img) {
+            snprintf(msg, msg_size, "%s: download failed: %s", h->ops[i].name, duet_last_error());
+            return false;
+        }
+        double e = 0;
+        const bool ok = bo_compare(h->c, &h->ops[i], a, i, img, &e, msg, msg_size);
+        free(img);
+        if (e > *nmse) *nmse = e;
+        if (!ok) return false;
+    }
+    return true;
 }
 
 #endif /* DUET_BACKEND_OPS_CASES_H */
