@@ -9,12 +9,15 @@
  * device. Index data (tokens, positions, sequence slots, rows) lives on the
  * device, so the kernels guard those themselves (core also validates them
  * before a step). */
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "backend_checks.h"
 #include "ocl_internal.h"
+
+#include <clblast_c.h> /* after ocl_internal.h: it picks the OpenCL version */
 
 /* ---- devices --------------------------------------------------------------------- */
 
@@ -116,9 +119,18 @@ void duet__ocl_profile(const ocl_backend *be, double *ms, long *count) {
 
 /* ---- instance ----------------------------------------------------------------------- */
 
+/* Open instances. CLBlast caches compiled programs per context for the
+ * life of the process, and a cached program keeps its context alive: the
+ * last instance to close empties that cache, so closing frees the device
+ * memory and CLBlast's globals are not torn down after the driver's at
+ * exit (Oclgrind's LLVM fails then). Clearing on every close would make
+ * other live instances recompile. */
+static atomic_int live_instances;
+
 static void ocl_close(duet_backend *base) {
     ocl_backend *be = (ocl_backend *)base;
     if (!be) return;
+    const bool counted = be->counted;
     if (be->queue) {
         clFinish(be->queue);
         collect_events(be);
@@ -133,6 +145,7 @@ static void ocl_close(duet_backend *base) {
     free(be->events);
     free(be->event_kinds);
     free(be);
+    if (counted && atomic_fetch_sub(&live_instances, 1) == 1) CLBlastClearCache();
 }
 
 static duet_status ocl_open(int index, const duet_backend_params *params, duet_backend **out) {
@@ -146,6 +159,8 @@ static duet_status ocl_open(int index, const duet_backend_params *params, duet_b
     be->base.device_index = index;
     be->base.info = dev->info;
     be->dev = dev;
+    atomic_fetch_add(&live_instances, 1);
+    be->counted = true;
     if ((st = duet__ocl_tuning_for(dev, &be->tune)) != DUET_OK) goto fail;
     /* $DUET_OPENCL_FEATURES overrides what the device reports ("none", or
      * a list of fp16, fp64, subgroups): to work around a driver whose

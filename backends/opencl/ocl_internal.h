@@ -166,6 +166,7 @@ struct ocl_backend {
     ocl_tuning tune;
     char dev_options[256]; /* -D options from the device's features */
     bool in_step;
+    bool counted; /* in live_instances (ocl_backend.c) */
 
     ocl_program programs[OCL_MAX_PROGRAMS];
     int n_programs;
