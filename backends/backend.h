@@ -30,10 +30,25 @@ duet_status duet__error(duet_status status, const char *fmt, ...) __attribute__(
 typedef enum duet_dtype {
     DUET_DTYPE_F32 = 0,
     DUET_DTYPE_F16 = 1,
+    DUET_DTYPE_Q4_0 = 2,
+    DUET_DTYPE_Q4_1 = 3,
+    DUET_DTYPE_Q5_0 = 6,
+    DUET_DTYPE_Q5_1 = 7,
     DUET_DTYPE_Q8_0 = 8,
+    DUET_DTYPE_Q2_K = 10,
+    DUET_DTYPE_Q3_K = 11,
+    DUET_DTYPE_Q4_K = 12,
+    DUET_DTYPE_Q5_K = 13,
+    DUET_DTYPE_Q6_K = 14,
+    DUET_DTYPE_Q8_K = 15, /* activations only (the k-quants' int-dot partner), never a weight */
+    DUET_DTYPE_IQ4_NL = 20,
+    DUET_DTYPE_IQ4_XS = 23,
     DUET_DTYPE_I32 = 26,
     DUET_DTYPE_BF16 = 30,
 } duet_dtype;
+
+/* GGUF's block formats, byte for byte as llama.cpp stores them (little
+ * endian; fp16 scales as raw bits). "w" is the weight a block encodes. */
 
 #define DUET_QK8_0 32
 /* GGUF's Q8_0 block: 32 weights = fp16 scale d + 32 int8; w = d * q. */
@@ -41,6 +56,129 @@ typedef struct duet_block_q8_0 {
     uint16_t d;
     int8_t qs[DUET_QK8_0];
 } duet_block_q8_0;
+
+#define DUET_QK4_0 32
+/* w[j] = d * (q[j] - 8); q[j] is the low nibble of qs[j] for j < 16 and
+ * the high nibble of qs[j - 16] above. */
+typedef struct duet_block_q4_0 {
+    uint16_t d;
+    uint8_t qs[DUET_QK4_0 / 2];
+} duet_block_q4_0;
+
+#define DUET_QK4_1 32
+/* w[j] = d * q[j] + m, q as in q4_0 (unsigned). */
+typedef struct duet_block_q4_1 {
+    uint16_t d, m;
+    uint8_t qs[DUET_QK4_1 / 2];
+} duet_block_q4_1;
+
+#define DUET_QK5_0 32
+/* w[j] = d * (q[j] - 16); q's low 4 bits as in q4_0, bit 4 is bit j of the
+ * little-endian uint32 qh. */
+typedef struct duet_block_q5_0 {
+    uint16_t d;
+    uint8_t qh[4];
+    uint8_t qs[DUET_QK5_0 / 2];
+} duet_block_q5_0;
+
+#define DUET_QK5_1 32
+/* w[j] = d * q[j] + m, q as in q5_0 (unsigned). */
+typedef struct duet_block_q5_1 {
+    uint16_t d, m;
+    uint8_t qh[4];
+    uint8_t qs[DUET_QK5_1 / 2];
+} duet_block_q5_1;
+
+/* The k-quants: 256-weight super-blocks of 16- or 32-weight sub-blocks,
+ * each with a small integer scale (and min) under the fp16 super scale. */
+#define DUET_QK_K 256
+#define DUET_K_SCALE_SIZE 12
+
+/* 16 sub-blocks of 16: w = d * (scales & 15) * q - dmin * (scales >> 4),
+ * q 2 bits: weight 128h + 32s + l is bits 2s of qs[32h + l]. */
+typedef struct duet_block_q2_K {
+    uint8_t scales[DUET_QK_K / 16];
+    uint8_t qs[DUET_QK_K / 4];
+    uint16_t d, dmin;
+} duet_block_q2_K;
+
+/* 16 sub-blocks of 16: w = d * (scale - 32) * q, 6-bit scales packed in
+ * 12 bytes; q in -4..3 is its low 2 bits (placed as in q2_K) minus 4
+ * unless bit (i / 32) of hmask[i % 32] is set. */
+typedef struct duet_block_q3_K {
+    uint8_t hmask[DUET_QK_K / 8];
+    uint8_t qs[DUET_QK_K / 4];
+    uint8_t scales[DUET_K_SCALE_SIZE];
+    uint16_t d;
+} duet_block_q3_K;
+
+/* 8 sub-blocks of 32: w = d * sc * q - dmin * m, 6-bit sc and m packed in
+ * 12 bytes; weight 64c + l is the low nibble of qs[32c + l], 64c + 32 + l
+ * its high nibble. */
+typedef struct duet_block_q4_K {
+    uint16_t d, dmin;
+    uint8_t scales[DUET_K_SCALE_SIZE];
+    uint8_t qs[DUET_QK_K / 2];
+} duet_block_q4_K;
+
+/* As q4_K with a fifth bit: weight i's is bit (i / 32) of qh[i % 32]. */
+typedef struct duet_block_q5_K {
+    uint16_t d, dmin;
+    uint8_t scales[DUET_K_SCALE_SIZE];
+    uint8_t qh[DUET_QK_K / 8];
+    uint8_t qs[DUET_QK_K / 2];
+} duet_block_q5_K;
+
+/* 16 sub-blocks of 16: w = d * scales[i / 16] * (q - 32), q 6 bits: 4 in
+ * ql, 2 in qh (see dequantize in backends/quants.c for the interleave). */
+typedef struct duet_block_q6_K {
+    uint8_t ql[DUET_QK_K / 2];
+    uint8_t qh[DUET_QK_K / 4];
+    int8_t scales[DUET_QK_K / 16];
+    uint16_t d;
+} duet_block_q6_K;
+
+/* The k-quants' activation format: w = d * qs; bsums are the sums of each
+ * 16 qs, so a dot product with a min term needs no second pass. */
+typedef struct duet_block_q8_K {
+    float d;
+    int8_t qs[DUET_QK_K];
+    int16_t bsums[DUET_QK_K / 16];
+} duet_block_q8_K;
+
+/* IQ4_NL: q4_0's layout, w = d * duet_iq4nl_values[q] (non-linear). */
+#define DUET_QK4_NL 32
+typedef struct duet_block_iq4_nl {
+    uint16_t d;
+    uint8_t qs[DUET_QK4_NL / 2];
+} duet_block_iq4_nl;
+
+/* IQ4_XS: 8 sub-blocks of 32 with 6-bit scales (low 4 bits in scales_l,
+ * high 2 in scales_h): w = d * (scale - 32) * duet_iq4nl_values[q]; each
+ * sub-block's 16 qs bytes as in iq4_nl. */
+typedef struct duet_block_iq4_xs {
+    uint16_t d;
+    uint16_t scales_h;
+    uint8_t scales_l[DUET_QK_K / 64];
+    uint8_t qs[DUET_QK_K / 2];
+} duet_block_iq4_xs;
+
+/* The 16 levels of IQ4_NL and IQ4_XS. */
+extern const int8_t duet_iq4nl_values[16];
+
+_Static_assert(sizeof(duet_block_q8_0) == 34, "q8_0 block");
+_Static_assert(sizeof(duet_block_q4_0) == 18, "q4_0 block");
+_Static_assert(sizeof(duet_block_q4_1) == 20, "q4_1 block");
+_Static_assert(sizeof(duet_block_q5_0) == 22, "q5_0 block");
+_Static_assert(sizeof(duet_block_q5_1) == 24, "q5_1 block");
+_Static_assert(sizeof(duet_block_q2_K) == 84, "q2_K block");
+_Static_assert(sizeof(duet_block_q3_K) == 110, "q3_K block");
+_Static_assert(sizeof(duet_block_q4_K) == 144, "q4_K block");
+_Static_assert(sizeof(duet_block_q5_K) == 176, "q5_K block");
+_Static_assert(sizeof(duet_block_q6_K) == 210, "q6_K block");
+_Static_assert(sizeof(duet_block_q8_K) == 292, "q8_K block");
+_Static_assert(sizeof(duet_block_iq4_nl) == 18, "iq4_nl block");
+_Static_assert(sizeof(duet_block_iq4_xs) == 136, "iq4_xs block");
 
 /* Elements per block and bytes per block of a dtype (block 1 for scalars). */
 int duet_dtype_block(duet_dtype t);
@@ -58,11 +196,43 @@ uint16_t duet_fp32_to_fp16(float f); /* round to nearest even */
 float duet_bf16_to_fp32(uint16_t h);
 uint16_t duet_fp32_to_bf16(float f); /* round to nearest even */
 
-/* Row conversions (n elements; q8_0 needs n % 32 == 0). */
+/* Row conversions (n elements, a multiple of the type's block). */
 void duet_quantize_row_q8_0(const float *x, duet_block_q8_0 *y, int64_t n);
+/* The k-quants' activations (llama.cpp's rounding: nearest even). */
+void duet_quantize_row_q8_K(const float *x, duet_block_q8_K *y, int64_t n);
 void duet_dequantize_row(duet_dtype t, const void *x, float *y, int64_t n);
-/* Converts n f32 values into dtype t (f32, f16, bf16, q8_0). */
+/* Converts n f32 values into dtype t (any type of the table but i32).
+ * Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 round as GGUF's reference quantizer (the same
+ * bytes as the gguf Python package); the k-quants and IQ4 search their
+ * scales as llama.cpp's reference quantizers do (no importance matrix). */
 void duet_convert_row(duet_dtype t, const float *x, void *y, int64_t n);
+
+/* The block formats' row converters (backends/quants.c), which dtype.c's
+ * type table points at; n is a multiple of the type's block. */
+void duet__q4_0_to_f32(const void *x, float *y, int64_t n);
+void duet__q4_0_from_f32(const float *x, void *y, int64_t n);
+void duet__q4_1_to_f32(const void *x, float *y, int64_t n);
+void duet__q4_1_from_f32(const float *x, void *y, int64_t n);
+void duet__q5_0_to_f32(const void *x, float *y, int64_t n);
+void duet__q5_0_from_f32(const float *x, void *y, int64_t n);
+void duet__q5_1_to_f32(const void *x, float *y, int64_t n);
+void duet__q5_1_from_f32(const float *x, void *y, int64_t n);
+void duet__q2_K_to_f32(const void *x, float *y, int64_t n);
+void duet__q2_K_from_f32(const float *x, void *y, int64_t n);
+void duet__q3_K_to_f32(const void *x, float *y, int64_t n);
+void duet__q3_K_from_f32(const float *x, void *y, int64_t n);
+void duet__q4_K_to_f32(const void *x, float *y, int64_t n);
+void duet__q4_K_from_f32(const float *x, void *y, int64_t n);
+void duet__q5_K_to_f32(const void *x, float *y, int64_t n);
+void duet__q5_K_from_f32(const float *x, void *y, int64_t n);
+void duet__q6_K_to_f32(const void *x, float *y, int64_t n);
+void duet__q6_K_from_f32(const float *x, void *y, int64_t n);
+void duet__q8_K_to_f32(const void *x, float *y, int64_t n);
+void duet__q8_K_from_f32(const float *x, void *y, int64_t n);
+void duet__iq4_nl_to_f32(const void *x, float *y, int64_t n);
+void duet__iq4_nl_from_f32(const float *x, void *y, int64_t n);
+void duet__iq4_xs_to_f32(const void *x, float *y, int64_t n);
+void duet__iq4_xs_from_f32(const float *x, void *y, int64_t n);
 
 /* ---- devices ------------------------------------------------------------ */
 

@@ -1,5 +1,6 @@
 /* dtype.c — element types: sizes, names, fp16/bf16 conversions and the Q8_0
- * row format. Portable scalar code: these run at load time and in tests;
+ * row format (the other block formats live in quants.c). Portable scalar
+ * code: these run at load time and in tests;
  * the hot paths in backends use their own SIMD conversions, which round the
  * same way (nearest even), so results agree bit for bit. */
 #include <math.h>
@@ -45,7 +46,7 @@ static void bf16_from_f32(const float *x, void *y, int64_t n) {
 static void q8_0_from_f32(const float *x, void *y, int64_t n) {
     duet_quantize_row_q8_0(x, y, n);
 }
-/* Not a conversion target (the header lists f32, f16, bf16, q8_0); kept
+/* Not a conversion target (the header leaves i32 out); kept
  * defined: truncation toward zero, saturated. */
 static void i32_from_f32(const float *x, void *y, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
@@ -70,10 +71,27 @@ typedef struct dtype_traits {
     void (*from_f32)(const float *x, void *y, int64_t n);
 } dtype_traits;
 
+/* A block format's row: its block, weight type or not, and quants.c's two
+ * converters; q8_activations stays false until a kernel reads x_q8. */
+#define BLOCK_ROW(name, blk, w, fn)                                                                          \
+    { name, blk, sizeof(duet_block_##fn), w, false, duet__##fn##_to_f32, duet__##fn##_from_f32 }
+
 static const dtype_traits traits[] = {
     [DUET_DTYPE_F32] = {"f32", 1, 4, true, false, f32_to_f32, f32_from_f32},
     [DUET_DTYPE_F16] = {"f16", 1, 2, true, false, f16_to_f32, f16_from_f32},
+    [DUET_DTYPE_Q4_0] = BLOCK_ROW("q4_0", DUET_QK4_0, true, q4_0),
+    [DUET_DTYPE_Q4_1] = BLOCK_ROW("q4_1", DUET_QK4_1, true, q4_1),
+    [DUET_DTYPE_Q5_0] = BLOCK_ROW("q5_0", DUET_QK5_0, true, q5_0),
+    [DUET_DTYPE_Q5_1] = BLOCK_ROW("q5_1", DUET_QK5_1, true, q5_1),
     [DUET_DTYPE_Q8_0] = {"q8_0", DUET_QK8_0, sizeof(duet_block_q8_0), true, true, q8_0_to_f32, q8_0_from_f32},
+    [DUET_DTYPE_Q2_K] = BLOCK_ROW("q2_k", DUET_QK_K, true, q2_K),
+    [DUET_DTYPE_Q3_K] = BLOCK_ROW("q3_k", DUET_QK_K, true, q3_K),
+    [DUET_DTYPE_Q4_K] = BLOCK_ROW("q4_k", DUET_QK_K, true, q4_K),
+    [DUET_DTYPE_Q5_K] = BLOCK_ROW("q5_k", DUET_QK_K, true, q5_K),
+    [DUET_DTYPE_Q6_K] = BLOCK_ROW("q6_k", DUET_QK_K, true, q6_K),
+    [DUET_DTYPE_Q8_K] = BLOCK_ROW("q8_k", DUET_QK_K, false, q8_K),
+    [DUET_DTYPE_IQ4_NL] = BLOCK_ROW("iq4_nl", DUET_QK4_NL, true, iq4_nl),
+    [DUET_DTYPE_IQ4_XS] = BLOCK_ROW("iq4_xs", DUET_QK_K, true, iq4_xs),
     [DUET_DTYPE_I32] = {"i32", 1, 4, false, false, i32_to_f32, i32_from_f32},
     [DUET_DTYPE_BF16] = {"bf16", 1, 2, true, false, bf16_to_f32, bf16_from_f32},
 };
