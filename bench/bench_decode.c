@@ -1,22 +1,30 @@
 /* bench_decode.c — end-to-end decode and prefill tokens/s per backend, at
  * several context lengths, with the fraction of the machine's triad
  * bandwidth that decode reaches ((weight + KV bytes per token) x tokens/s /
- * triad GB/s).
+ * triad GB/s). The one place for end-to-end figures and their floors (op
+ * timings are bench_backend_ops's).
  *
- * usage: bench_decode [--backend cpu|vulkan|opencl] [--threads N] [--tokens N]
+ * usage: bench_decode [--backend cpu|vulkan|opencl] [--device N] [--threads N] [--tokens N]
  *                     [--ctx 128,1024,4096] [--kv f16|q8_0|f32] [--json]
  *                     [--shared DIR] [--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16]
- *                     [--repeat N]
+ *                     [--repeat N] [--verbose] [--strict]
  * Models: stories260K (from ../shared), and synthetic ones made once by
  * duet_mkmodel_cached (~/.cache/duet/models). At context C the cache first holds C prompt
  * tokens (a real prefill), then --tokens tokens are decoded one per step.
- * Issue 5's floor reads off the 125m-q8_0 rows (decode at 4096 over 128);
- * issue 6's off 1b-q8_0 over 1b-f16.
  * --repeat N runs every model N rounds, one after another, and reports
  * medians: of each figure, and of the per-round ratios (against the first
  * context, and against the first model at the same context). On a shared
  * or throttling machine a ratio taken within one round is far steadier than
- * one between figures measured minutes apart.
+ * one between figures measured minutes apart. --verbose prints each round.
+ *
+ * Floors, printed when the run has their figures (medians of per-round
+ * values; --strict: exit 1 when one is missed):
+ *   - 1b q8_0 decode >= 1.4x 1b f16 decode (--models 1b-q8_0,1b-f16; issue 6)
+ *   - 125m q8_0 decode at the longest context >= 60% of at 128
+ *     (--models 125m-q8_0 --ctx 128,4096, with --kv f16 and --kv q8_0; issue 5)
+ *   - 125m q8_0 decode at the first context: >= 40 tokens/s on OpenCL
+ *     (PoCL, 2 cores), >= 10 on Vulkan (CPU devices: lavapipe)
+ * e.g. bench_decode --backend vulkan --models 1b-q8_0,1b-f16 --ctx 128 --tokens 16 --repeat 10
  */
 #include <cjson/cJSON.h>
 #include <stdio.h>
@@ -45,7 +53,7 @@ typedef struct result {
 
 typedef struct opts {
     const char *backend, *kv;
-    int threads, n_tokens, n_ctx;
+    int device, threads, n_tokens, n_ctx;
     int ctx[MAX_CTXS];
     double triad;
 } opts;
@@ -61,6 +69,7 @@ static int bench_model(const char *name, const char *path, const opts *o, result
         max_ctx = o->ctx[i] > max_ctx ? o->ctx[i] : max_ctx;
     duet_open_params op = duet_open_params_default();
     op.backend = o->backend;
+    op.device = o->device;
     op.n_threads = o->threads;
     op.n_ctx = max_ctx + o->n_tokens;
     op.kv_type = o->kv;
@@ -81,28 +90,34 @@ static int bench_model(const char *name, const char *path, const opts *o, result
     r->kv_mb_per_ktok = kv_tok * 1000 / 1e6;
     /* Prefill: 128 tokens in one call (best of 3). */
     double best_prefill = 1e30;
-    for (int rep = 0; rep < 3; rep++) {
+    duet_status st = DUET_OK;
+    for (int rep = 0; rep < 3 && st == DUET_OK; rep++) {
         double t0 = bench_now();
-        duet_eval(m, prompt, 128, 0, NULL);
+        st = duet_eval(m, prompt, 128, 0, NULL);
         double dt = bench_now() - t0;
         if (dt < best_prefill) best_prefill = dt;
     }
     r->prefill_tps = 128 / best_prefill;
+    if (st != DUET_OK) fprintf(stderr, "bench_decode: %s: prefill: %s\n", name, duet_last_error());
     /* Decode at each context: fill the cache to C, then time n_tokens steps
      * (best of 2; the fill is not timed). */
     for (int c = 0; c < o->n_ctx; c++) {
         const int C = o->ctx[c];
-        if (duet_eval(m, prompt, C, 0, NULL)) {
+        if ((st = duet_eval(m, prompt, C, 0, NULL)) != DUET_OK) {
             fprintf(stderr, "bench_decode: %s: prefill of %d: %s\n", name, C, duet_last_error());
             break;
         }
         double best = 1e30;
-        for (int rep = 0; rep < 2; rep++) {
+        for (int rep = 0; rep < 2 && st == DUET_OK; rep++) {
             double t0 = bench_now();
-            for (int i = 0; i < o->n_tokens; i++)
-                duet_eval(m, &prompt[C + i], 1, C + i, NULL);
+            for (int i = 0; i < o->n_tokens && st == DUET_OK; i++)
+                st = duet_eval(m, &prompt[C + i], 1, C + i, NULL);
             double dt = bench_now() - t0;
             if (dt < best) best = dt;
+        }
+        if (st != DUET_OK) {
+            fprintf(stderr, "bench_decode: %s: decode at %d: %s\n", name, C, duet_last_error());
+            break;
         }
         r->ctx[r->n_ctx] = C;
         r->decode_tps[r->n_ctx] = o->n_tokens / best;
@@ -113,7 +128,7 @@ static int bench_model(const char *name, const char *path, const opts *o, result
     }
     free(prompt);
     duet_model_close(m);
-    return 0;
+    return st == DUET_OK ? 0 : 1;
 }
 
 static const char *synthetic(const char *shape, const char *type) {
@@ -153,6 +168,75 @@ static void combine(result rounds[][MAX_MODELS], int n_rounds, int n_models, res
     }
 }
 
+/* ---- floors ---------------------------------------------------------------------------- */
+
+static int model_index(char names[][64], int n, const char *name) {
+    for (int i = 0; i < n; i++)
+        if (!strcmp(names[i], name)) return i;
+    return -1;
+}
+
+static int ctx_index(const result *r, int ctx) {
+    for (int c = 0; c < r->n_ctx; c++)
+        if (r->ctx[c] == ctx) return c;
+    return -1;
+}
+
+static bool floor_row(cJSON *out, bool json, const char *name, double value, double min, const char *unit) {
+    const bool ok = value >= min;
+    cJSON *e = cJSON_CreateObject();
+    cJSON_AddStringToObject(e, "name", name);
+    cJSON_AddNumberToObject(e, "value", value);
+    cJSON_AddNumberToObject(e, "min", min);
+    cJSON_AddBoolToObject(e, "ok", ok);
+    cJSON_AddItemToArray(out, e);
+    if (!json)
+        printf("floor: %s %.2f%s (>= %.2f%s): %s\n", name, value, unit, min, unit, ok ? "ok" : "BELOW");
+    return ok;
+}
+
+/* The floors this run has figures for, from per-round values (medians);
+ * false when one is missed. */
+static bool floors(result rounds[][MAX_MODELS], int n_rounds, char names[][64], int n, const opts *o,
+                   bool json, cJSON *out) {
+    bool ok = true;
+    double v[MAX_ROUNDS];
+    char name[160];
+    /* 1b q8_0 against 1b f16, at the first context, round by round. */
+    const int q = model_index(names, n, "1b-q8_0"), f = model_index(names, n, "1b-f16");
+    if (q >= 0 && f >= 0 && rounds[0][q].n_ctx > 0 && rounds[0][f].n_ctx > 0) {
+        for (int r = 0; r < n_rounds; r++)
+            v[r] = rounds[r][q].decode_tps[0] / rounds[r][f].decode_tps[0];
+        snprintf(name, sizeof name, "%s 1b q8_0 decode / 1b f16 decode at context %d", o->backend,
+                 rounds[0][q].ctx[0]);
+        ok = floor_row(out, json, name, bench_median(v, n_rounds), 1.4, "x") && ok;
+    }
+    const int m = model_index(names, n, "125m-q8_0");
+    if (m >= 0 && rounds[0][m].n_ctx > 0) {
+        const result *r0 = &rounds[0][m];
+        /* Decode at the longest context against at 128. */
+        int lo = ctx_index(r0, 128), hi = 0;
+        for (int c = 1; c < r0->n_ctx; c++)
+            if (r0->ctx[c] > r0->ctx[hi]) hi = c;
+        if (lo >= 0 && r0->ctx[hi] > 128) {
+            for (int r = 0; r < n_rounds; r++)
+                v[r] = rounds[r][m].decode_tps[hi] / rounds[r][m].decode_tps[lo];
+            snprintf(name, sizeof name, "%s 125m q8_0 decode at context %d / at 128 (kv %s)", o->backend,
+                     r0->ctx[hi], o->kv ? o->kv : "default");
+            ok = floor_row(out, json, name, bench_median(v, n_rounds), 0.6, "x") && ok;
+        }
+        /* Tokens/s on the backends that have a floor for it. */
+        const double min = !strcmp(o->backend, "opencl") ? 40 : !strcmp(o->backend, "vulkan") ? 10 : -1;
+        if (min > 0) {
+            for (int r = 0; r < n_rounds; r++)
+                v[r] = rounds[r][m].decode_tps[0];
+            snprintf(name, sizeof name, "%s 125m q8_0 decode tokens/s at context %d", o->backend, r0->ctx[0]);
+            ok = floor_row(out, json, name, bench_median(v, n_rounds), min, "") && ok;
+        }
+    }
+    return ok;
+}
+
 static int parse_ints(const char *s, int *out, int max) {
     int n = 0;
     char buf[256];
@@ -164,7 +248,7 @@ static int parse_ints(const char *s, int *out, int max) {
 
 int main(int argc, char **argv) {
     opts o = {.backend = "cpu", .kv = NULL, .threads = 2, .n_tokens = 64, .n_ctx = 1, .ctx = {8}};
-    bool json = false;
+    bool json = false, verbose = false, strict = false;
     int n_rounds = 1;
     const char *shared = "../shared", *models = "stories260K,125m-q8_0";
     for (int i = 1; i < argc; i++) {
@@ -186,11 +270,19 @@ int main(int argc, char **argv) {
             json = true;
         else if (!strcmp(argv[i], "--repeat") && i + 1 < argc)
             n_rounds = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--device") && i + 1 < argc)
+            o.device = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--verbose"))
+            verbose = true;
+        else if (!strcmp(argv[i], "--strict"))
+            strict = true;
         else {
             fprintf(stderr,
-                    "usage: bench_decode [--backend NAME] [--threads N] [--tokens N] [--ctx 128,1024,4096] "
+                    "usage: bench_decode [--backend NAME] [--device N] [--threads N] [--tokens N] [--ctx "
+                    "128,1024,4096] "
                     "[--kv f16|q8_0|f32] [--json] [--shared DIR] "
-                    "[--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16] [--repeat N]\n");
+                    "[--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16] [--repeat N] [--verbose] "
+                    "[--strict]\n");
             return 2;
         }
     }
@@ -220,10 +312,16 @@ int main(int argc, char **argv) {
     }
     static result rounds[MAX_ROUNDS][MAX_MODELS];
     for (int r = 0; r < n_rounds; r++)
-        for (int i = 0; i < n; i++)
+        for (int i = 0; i < n; i++) {
             if (bench_model(names[i], paths[i], &o, &rounds[r][i]) != 0) return 1;
+            for (int c = 0; verbose && c < rounds[r][i].n_ctx; c++)
+                fprintf(json ? stderr : stdout, "  round %d: %s context %d: decode %.2f tok/s\n", r, names[i],
+                        rounds[r][i].ctx[c], rounds[r][i].decode_tps[c]);
+        }
     result res[MAX_MODELS];
     combine(rounds, n_rounds, n, res);
+    cJSON *fl = cJSON_CreateArray();
+    bool floors_ok = true;
     if (json) {
         cJSON *root = cJSON_CreateObject();
         cJSON_AddStringToObject(root, "backend", o.backend);
@@ -254,6 +352,8 @@ int main(int argc, char **argv) {
             }
             cJSON_AddItemToArray(a, e);
         }
+        floors_ok = floors(rounds, n_rounds, names, n, &o, true, fl);
+        cJSON_AddItemToObject(root, "floors", fl);
         char *s = cJSON_Print(root);
         puts(s);
         cJSON_free(s);
@@ -268,6 +368,8 @@ int main(int argc, char **argv) {
                 printf("%-14s %10.1f %14.1f %8d %14.1f %9.1f%% %9.2f %9.2f\n", res[i].name, res[i].weight_mb,
                        res[i].prefill_tps, res[i].ctx[c], res[i].decode_tps[c], 100 * res[i].frac_bw[c],
                        res[i].vs_first_ctx[c], res[i].vs_first_model[c]);
+        floors_ok = floors(rounds, n_rounds, names, n, &o, false, fl);
+        cJSON_Delete(fl);
     }
-    return 0;
+    return strict && !floors_ok ? 1 : 0;
 }
