@@ -42,7 +42,8 @@
  *               all: every variant (test mode's default: bo_variants);
  *               default: only what the environment leaves; STR: variants
  *               whose label contains STR; !STR: all but those
- *   --filter    only cases whose label contains STR (see --list)
+ *   --filter    only cases whose label contains STR, or one of STR,STR,...
+ *               (labels: --list)
  *   --cases     small: test mode on the BO_SMALL cases only
  *   --reps      most ops in one step (default 1000)
  *   --min-time  seconds of timed steps per row (default 0.2; --quick 0.03)
@@ -330,9 +331,13 @@ static bool case_selected(const opts *o, const bo_variant *v, int ci) {
                 : !bo_variant_times(v, c))
         return false;
     if (!o->filter) return true;
-    char label[160];
+    char label[160], buf[256];
     bo_case_label(c, label, sizeof label);
-    return strstr(label, o->filter) != NULL;
+    snprintf(buf, sizeof buf, "%s", o->filter);
+    char *save = NULL;
+    for (char *t = strtok_r(buf, ",", &save); t; t = strtok_r(NULL, ",", &save))
+        if (strstr(label, t)) return true;
+    return false;
 }
 
 static void run_variant(const device_ctx *dc, const bo_variant *v, const opts *o, cJSON *vlist) {
@@ -652,7 +657,7 @@ int main(int argc, char **argv) {
             o.json = true;
         else {
             usage();
-            return 2;
+            return strcmp(a, "--help") && strcmp(a, "-h") ? 2 : 0;
         }
     }
     if (o.list) {
