@@ -113,6 +113,20 @@ static const bo_case bo_cases[] = {
     {"125m-up-pf32", DUET_OP_MATMUL,     F16,  32, 768,   2048,  0, 0, 0, 0, 0, false, false, false, false, P},
     {"1b-up-pf",    DUET_OP_MATMUL,      F16, 128, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P},
 
+    /* the other block types (embedding and matmul): decode, ragged with bias and
+     * accumulate, batches past 64; 32-blocks at widths that are not a multiple
+     * of 256, odd row counts throughout */
+#define BO_BLOCK_ROWS(DT, W)                                                                                  \
+    {"embed",   DUET_OP_EMBED,  DT,  7, W,       20, 0, 0, 0, 0, 0, false, false, false, false, T},              \
+    {"decode",  DUET_OP_MATMUL, DT,  1, W,       37, 0, 0, 0, 0, 0, false, false, false, false, T},              \
+    {"ragged",  DUET_OP_MATMUL, DT,  5, 2 * W,   19, 0, 0, 0, 0, 0, true,  true,  false, false, T},              \
+    {"batch",   DUET_OP_MATMUL, DT, 67, W,       33, 0, 0, 0, 0, 0, false, false, false, false, T}
+    BO_BLOCK_ROWS(DUET_DTYPE_Q4_0, 96), BO_BLOCK_ROWS(DUET_DTYPE_Q4_1, 160), BO_BLOCK_ROWS(DUET_DTYPE_Q5_0, 96),
+    BO_BLOCK_ROWS(DUET_DTYPE_Q5_1, 160), BO_BLOCK_ROWS(DUET_DTYPE_IQ4_NL, 96),
+    BO_BLOCK_ROWS(DUET_DTYPE_Q2_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_Q3_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_Q4_K, 256),
+    BO_BLOCK_ROWS(DUET_DTYPE_Q5_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_Q6_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_IQ4_XS, 256),
+#undef BO_BLOCK_ROWS
+
     /* rope + KV store: adjacent and NeoX pairs, partial rotation, GQA, several sequences */
     {"decode",      DUET_OP_ROPE_KV,     F32,   1, 64,     300,  4, 4, 1, 250, 64, false, false, false, false, T|S},
     {"decode",      DUET_OP_ROPE_KV,     F16,   1, 64,     300,  4, 4, 1, 299, 64, false, false, true,  false, T|S},
@@ -960,7 +974,8 @@ typedef struct bo_answer {
 } bo_answer;
 
 static inline bool bo_quantises_x(const bo_case *c) {
-    return c->kind == DUET_OP_MATMUL && c->dtype == DUET_DTYPE_Q8_0 && !c->q8act;
+    return c->kind == DUET_OP_MATMUL && !c->q8act &&
+           (c->dtype == DUET_DTYPE_Q8_0 || duet_dtype_block(c->dtype) >= 32);
 }
 
 /* Computes a's outputs for case c (its index ci seeds the data, as
@@ -1015,7 +1030,7 @@ static inline double bo_tolerance(const bo_case *c, const bo_operand *o) {
         /* q8_0 activations: exact products, f32 sums. f32 activations of
          * q8_0 weights: against the nearer of the two references. */
         if (c->q8act) return 1e-12;
-        return c->dtype == DUET_DTYPE_Q8_0 ? 1e-10 : 1e-11;
+        return duet_dtype_block(c->dtype) >= 32 ? 1e-10 : 1e-11; /* q8_0 and the other blocks */
     case DUET_OP_ATTENTION:
         return c->dtype == DUET_DTYPE_Q8_0 ? 1e-9 : 1e-10;
     default:

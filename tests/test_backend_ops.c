@@ -58,185 +58,20 @@ static unsigned case_mask(void) {
     return v && strcmp(v, "small") == 0 ? BO_SMALL : BO_TEST;
 }
 
-/* ---- the oracle's answer ------------------------------------------------------------ */
+/* ---- the oracle's answer (backend_ops_cases.h: bo_answer, bo_dev_check) ---------------- */
 
-/* A Q8_0 matmul of f32 activations may quantise them first (the cpu and
- * Vulkan backends do, by duet_quantize_row_q8_0's rule); its second
- * reference is the oracle on those q8_0 activations. */
-static bool quantises_x(const bo_case *c) {
-    return c->kind == DUET_OP_MATMUL && c->dtype == DUET_DTYPE_Q8_0 && !c->q8act;
-}
+static bo_answer answers[BO_N_CASES];
 
-/* The oracle on h's operands with x quantised to q8_0 first: the matmul's out. */
-static float *oracle_q8_activations(bo_host *h) {
-    const bo_case *c = h->c;
-    const size_t T = (size_t)c->n_tokens;
-    duet_block_q8_0 *xq = bo_quantize_rows(h->ops[bo_find(h, "x")].host, T, c->dim);
-    const int b = bo_find(h, "bias"), o = bo_find(h, "out");
-    oracle_matmul(h->ops[bo_find(h, "w")].host, c->dtype, NULL, xq, b >= 0 ? h->ops[b].host : NULL,
-                  c->accumulate, c->n_tokens, c->dim, c->rows, h->ops[o].host);
-    free(xq);
-    float *out = h->ops[o].host;
-    h->ops[o].host = NULL;
-    return out;
-}
-
-/* Per case: the outputs the oracle wrote (NULL for inputs), computed on
- * first use; and for matmuls that may quantise x, out from q8_0 x. */
-typedef struct oracle_answer {
-    bool done;
-    uint8_t *want[BO_MAX_OPERANDS];
-    float *want_q8x;
-} oracle_answer;
-
-static oracle_answer answers[BO_N_CASES];
-
-static const oracle_answer *answer(int ci) {
-    oracle_answer *a = &answers[ci];
-    if (a->done) return a;
-    bo_host h;
-    bo_host_build(ci, &h);
-    bo_host_oracle(&h);
-    for (int i = 0; i < h.n; i++)
-        if (h.ops[i].output && h.ops[i].alias < 0) {
-            a->want[i] = h.ops[i].host;
-            h.ops[i].host = NULL;
-        }
-    bo_host_free(&h);
-    if (quantises_x(&bo_cases[ci])) {
-        bo_host_build(ci, &h);
-        a->want_q8x = oracle_q8_activations(&h);
-        bo_host_free(&h);
-    }
-    a->done = true;
+static const bo_answer *answer(int ci) {
+    bo_answer *a = &answers[ci];
+    if (!a->done) bo_answer_compute(&bo_cases[ci], ci, a);
     return a;
-}
-
-/* ---- comparing one output ----------------------------------------------------------- */
-
-/* Largest NMSE an output may show against the oracle (which accumulates
- * in double): f32 summation order, the rounding of exp and rsqrt on a
- * device, nothing more. */
-static double tolerance(const bo_case *c, const bo_operand *o) {
-    /* q8_0 values (fused outputs, pools rope_kv stored): a value on a
-     * rounding boundary may land one step apart. f16 pools: one rounding. */
-    if (o->elem == BO_ELEM_Q8 || (o->elem == BO_ELEM_RAW && c->dtype == DUET_DTYPE_Q8_0)) return 1e-4;
-    if (o->elem == BO_ELEM_RAW && c->dtype == DUET_DTYPE_F16) return 1e-6;
-    switch (c->kind) {
-    case DUET_OP_EMBED:
-    case DUET_OP_GATHER_ROWS:
-        return 0; /* copies of exactly representable values */
-    case DUET_OP_MATMUL:
-        /* q8_0 activations: exact products, f32 sums. f32 activations of
-         * q8_0 weights: against the nearer of the two references (the
-         * activations as given, or quantised by duet_quantize_row_q8_0). */
-        if (c->q8act) return 1e-12;
-        return c->dtype == DUET_DTYPE_Q8_0 ? 1e-10 : 1e-11;
-    case DUET_OP_ATTENTION:
-        return c->dtype == DUET_DTYPE_Q8_0 ? 1e-9 : 1e-10;
-    default:
-        return 1e-12; /* rmsnorm, rope_kv's q and k, swiglu, add */
-    }
-}
-
-static float raw_at(duet_dtype t, const uint8_t *p, size_t i) {
-    if (t == DUET_DTYPE_Q8_0) {
-        const duet_block_q8_0 *b = (const duet_block_q8_0 *)p + i / DUET_QK8_0;
-        uint16_t d;
-        memcpy(&d, &b->d, 2);
-        return duet_fp16_to_fp32(d) * b->qs[i % DUET_QK8_0];
-    }
-    if (t == DUET_DTYPE_F16) return duet_fp16_to_fp32(((const uint16_t *)p)[i]);
-    if (t == DUET_DTYPE_BF16) return duet_bf16_to_fp32(((const uint16_t *)p)[i]);
-    float f;
-    memcpy(&f, p + 4 * i, 4);
-    return f;
-}
-
-static bool guards_ok(const uint8_t *img, size_t bytes, size_t *where) {
-    for (size_t i = 0; i < BO_GUARD; i++) {
-        if (img[i] != BO_GUARD_BYTE) return *where = i, false;
-        if (img[BO_GUARD + bytes + i] != BO_GUARD_BYTE) return *where = BO_GUARD + bytes + i, false;
-    }
-    return true;
-}
-
-/* The element type an output operand is compared in. */
-static duet_dtype elem_dtype(const bo_case *c, const bo_operand *o) {
-    return o->elem == BO_ELEM_F32 ? DUET_DTYPE_F32 : o->elem == BO_ELEM_Q8 ? DUET_DTYPE_Q8_0 : c->dtype;
-}
-
-/* NMSE of got against want (n values of dtype t); fills msg and returns -1
- * when a value is non-finite where the other is not. */
-static double nmse_of(duet_dtype t, const uint8_t *want, const uint8_t *got, size_t n, const char *name,
-                      char *msg, size_t msg_size) {
-    double err = 0, norm = 0;
-    for (size_t i = 0; i < n; i++) {
-        const float a = raw_at(t, want, i), b = raw_at(t, got, i);
-        if (isfinite(a) != isfinite(b) || (isnan(a) != isnan(b))) {
-            snprintf(msg, msg_size, "%s[%zu] = %g, the oracle says %g", name, i, (double)b, (double)a);
-            return -1;
-        }
-        if (!isfinite(a)) continue;
-        err += ((double)a - b) * ((double)a - b);
-        norm += (double)a * a;
-    }
-    return norm > 0 ? err / norm : err;
-}
-
-/* Compares one output operand (got_img with its guards) with the oracle's;
- * fills msg on failure. */
-static bool compare(const bo_case *c, const bo_operand *o, const oracle_answer *a, int oi,
-                    const uint8_t *got_img, double *nmse_out, char *msg, size_t msg_size) {
-    size_t where;
-    if (!guards_ok(got_img, o->bytes, &where)) {
-        snprintf(msg, msg_size, "%s: guard byte %zd (relative to the view) was overwritten", o->name,
-                 (ssize_t)where - BO_GUARD);
-        return false;
-    }
-    const uint8_t *want = a->want[oi], *got = got_img + BO_GUARD;
-    if (o->elem == BO_ELEM_I32) {
-        for (size_t i = 0; i < o->bytes / 4; i++) {
-            int32_t x, y;
-            memcpy(&x, want + 4 * i, 4);
-            memcpy(&y, got + 4 * i, 4);
-            if (x != y) {
-                snprintf(msg, msg_size, "%s[%zu] = %d, the oracle says %d", o->name, i, y, x);
-                return false;
-            }
-        }
-        *nmse_out = 0;
-        return true;
-    }
-    const duet_dtype t = elem_dtype(c, o);
-    const size_t n = o->bytes / duet_dtype_block_bytes(t) * (size_t)duet_dtype_block(t);
-    double nmse = nmse_of(t, want, got, n, o->name, msg, msg_size);
-    if (nmse < 0) return false;
-    double tol = tolerance(c, o);
-    if (quantises_x(c) && strcmp(o->name, "out") == 0) {
-        /* Either f32 activations, or activations quantised by the rule. */
-        double q = nmse_of(t, (const uint8_t *)a->want_q8x, got, n, o->name, msg, msg_size);
-        if (q >= 0 && q < nmse) nmse = q;
-    }
-    *nmse_out = nmse;
-    if (!(nmse <= tol)) {
-        size_t worst = 0;
-        double wd = -1;
-        for (size_t i = 0; i < n; i++) {
-            double d = fabs((double)raw_at(t, want, i) - raw_at(t, got, i));
-            if (d > wd) wd = d, worst = i;
-        }
-        snprintf(msg, msg_size, "%s: NMSE %.3g > %.1g (worst [%zu]: %g vs the oracle's %g)", o->name, nmse,
-                 tol, worst, (double)raw_at(t, got, worst), (double)raw_at(t, want, worst));
-        return false;
-    }
-    return true;
 }
 
 typedef enum { CASE_PASS, CASE_FAIL, CASE_UNSUPPORTED } case_result;
 
 static case_result run_case(duet_backend *be, int ci, char *msg, size_t msg_size, double *nmse) {
-    const oracle_answer *a = answer(ci);
+    const bo_answer *a = answer(ci);
     bo_host h;
     bo_host_build(ci, &h);
     bo_dev got;
@@ -249,19 +84,7 @@ static case_result run_case(duet_backend *be, int ci, char *msg, size_t msg_size
         snprintf(msg, msg_size, "%s: %s", duet_status_name(st), duet_last_error());
         r = CASE_FAIL;
     }
-    for (int i = 0; i < h.n && r == CASE_PASS; i++) {
-        if (!h.ops[i].output || h.ops[i].alias >= 0) continue;
-        uint8_t *img = bo_dev_image(&got, &h, i);
-        double e = 0;
-        if (!img) {
-            snprintf(msg, msg_size, "%s: download failed: %s", h.ops[i].name, duet_last_error());
-            r = CASE_FAIL;
-        } else if (!compare(h.c, &h.ops[i], a, i, img, &e, msg, msg_size)) {
-            r = CASE_FAIL;
-        }
-        if (e > *nmse) *nmse = e;
-        free(img);
-    }
+    if (r == CASE_PASS && !bo_dev_check(&got, &h, a, nmse, msg, msg_size)) r = CASE_FAIL;
     bo_dev_free(&got);
     bo_host_free(&h);
     return r;
@@ -419,7 +242,7 @@ START_TEST(test_attention_past_n_keys) {
             double err = 0, norm = 0;
             bool zeros = true;
             for (size_t i = 0; i < n; i++) {
-                const double g = raw_at(DUET_DTYPE_F32, img + BO_GUARD, i), e = g - want[i];
+                const double g = bo_raw_at(DUET_DTYPE_F32, img + BO_GUARD, i), e = g - want[i];
                 zeros = zeros && g == 0.0;
                 err += e * e;
                 norm += (double)want[i] * want[i];

@@ -3,6 +3,7 @@
  * cpu_backend.c   the interface, device info, buffers, op validation
  * cpu_threadpool.c the persistent worker pool (the caller is worker 0)
  * cpu_matmul.c    MATMUL for f32/f16/bf16/q8_0 weights
+ * cpu_matmul_blocks.c MATMUL for the other block-quantised weight types
  * cpu_ops.c       the other ops and the small vector kernels they use
  *
  * Kernels come in three paths chosen at run time from the CPU's features
@@ -124,6 +125,11 @@ duet_status duet__cpu_scratch_reserve(cpu_scratch *s, size_t size);
  * absent) is the input; exactly one is non-NULL. */
 duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, const float *x,
                              const duet_block_q8_0 *xq, const float *bias, float *out);
+/* The same for the other block-quantised weight types (cpu_matmul_blocks.c),
+ * which duet__cpu_blocks_dtype names; x or xq as above. */
+bool duet__cpu_blocks_dtype(duet_dtype t);
+duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const void *w, const float *x,
+                                    const duet_block_q8_0 *xq, const float *bias, float *out);
 /* Quantises n floats (n % 32 == 0) to q8_0 blocks with the fastest path of
  * be's ISA: the fused outputs of rmsnorm/swiglu/attention and matmul's own
  * quantisation of f32 activations share it (cpu_matmul.c). */

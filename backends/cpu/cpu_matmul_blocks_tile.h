@@ -1,0 +1,114 @@
+/* cpu_matmul_blocks_tile.h — the SIMD tile of cpu_matmul_blocks.c, included
+ * there once per ISA with BLK_TARGET (the target attribute), BLK_NAME (the
+ * prefix of the functions made) and BLK_DOT(u, s) (8 int32 sums of 4
+ * u8 x s8 products each) defined. The type and the tile shape are constants
+ * after inlining, so each (type, shape) gets its own straight-line loop. */
+
+/* NR rows x NT tokens over nsb super-blocks, from the tile's first token tok. */
+BLK_TARGET CPU_INLINE void BLK_NAME(body)(duet_dtype DT, const int NR, const int NT, const uint8_t *w,
+                                          size_t ws, const blk_act *x, int64_t tok, int64_t nsb,
+                                          blk_res res) {
+    const int cps = DT == DUET_DTYPE_Q4_0 || DT == DUET_DTYPE_Q4_1 || DT == DUET_DTYPE_Q5_0 ||
+                            DT == DUET_DTYPE_Q5_1 || DT == DUET_DTYPE_IQ4_NL
+                        ? 1
+                        : 8;
+    const bool one_scale =
+        cps == 1 || DT == DUET_DTYPE_Q4_K || DT == DUET_DTYPE_Q5_K || DT == DUET_DTYPE_IQ4_XS;
+    const size_t bb = duet_dtype_block_bytes(DT);
+    __m256 acc[BLK_MR][BLK_MT];
+    float macc[BLK_MR][BLK_MT];
+    const int8_t *xq[BLK_MT];
+    const float *xd[BLK_MT], *xm[BLK_MT];
+#pragma GCC unroll 4
+    for (int j = 0; j < NT; j++) {
+        xq[j] = x->q + (tok + j) * x->qs;
+        xd[j] = x->d + (tok + j) * x->ds;
+        xm[j] = x->xm + (tok + j) * 2 * x->ds;
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++) {
+            acc[i][j] = _mm256_setzero_ps();
+            macc[i][j] = 0.0f;
+        }
+    }
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        blk_scales sc[BLK_MR];
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++)
+            simd_scales(DT, w + (size_t)i * ws + (size_t)sb * bb, &sc[i]);
+        for (int c = 0; c < cps; c++) {
+            const int64_t b = sb * cps + c;
+            __m256i xv[BLK_MT];
+#pragma GCC unroll 4
+            for (int j = 0; j < NT; j++)
+                xv[j] = _mm256_loadu_si256((const __m256i *)(xq[j] + b * 32));
+#pragma GCC unroll 4
+            for (int i = 0; i < NR; i++) {
+                const uint8_t *blk = w + (size_t)i * ws + (size_t)sb * bb;
+                _mm_prefetch((const char *)(blk + BLK_MR * ws + (size_t)c * bb / (size_t)cps), _MM_HINT_T0);
+                const __m256i q = simd_unpack(DT, blk, c);
+                const __m256 sv =
+                    one_scale ? _mm256_set1_ps(sc[i].s[2 * c])
+                              : _mm256_set_m128(_mm_set1_ps(sc[i].s[2 * c + 1]), _mm_set1_ps(sc[i].s[2 * c]));
+                /* Signed q (IQ4): |q| against x with q's sign. */
+                const __m256i u = signed_q(DT) ? _mm256_sign_epi8(q, q) : q;
+#pragma GCC unroll 4
+                for (int j = 0; j < NT; j++) {
+                    const __m256i s = signed_q(DT) ? _mm256_sign_epi8(xv[j], q) : xv[j];
+                    const __m256 p = _mm256_cvtepi32_ps(BLK_DOT(u, s));
+                    acc[i][j] = _mm256_fmadd_ps(p, _mm256_mul_ps(sv, _mm256_set1_ps(xd[j][b])), acc[i][j]);
+                    if (has_min(DT))
+                        macc[i][j] += sc[i].m[2 * c] * xm[j][2 * b] + sc[i].m[2 * c + 1] * xm[j][2 * b + 1];
+                }
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NT; j++)
+            res[i][j] = avx2_hsum(acc[i][j]) - macc[i][j];
+}
+
+/* The tile shapes of one type: 4x2 and 4x1, and single rows at the end. */
+BLK_TARGET CPU_INLINE void BLK_NAME(shapes)(duet_dtype DT, int nr, int nt, const uint8_t *w, size_t ws,
+                                            const blk_act *x, int64_t tok, int64_t nsb, blk_res res) {
+    if (nr == BLK_MR && nt == 2) {
+        BLK_NAME(body)(DT, BLK_MR, 2, w, ws, x, tok, nsb, res);
+        return;
+    }
+    if (nr == BLK_MR && nt == 1) {
+        BLK_NAME(body)(DT, BLK_MR, 1, w, ws, x, tok, nsb, res);
+        return;
+    }
+    for (int i = 0; i < nr; i++) {
+        float(*r)[BLK_MT] = (float(*)[BLK_MT])res[i];
+        if (nt == 2)
+            BLK_NAME(body)(DT, 1, 2, w + (size_t)i * ws, ws, x, tok, nsb, r);
+        else
+            BLK_NAME(body)(DT, 1, 1, w + (size_t)i * ws, ws, x, tok, nsb, r);
+    }
+}
+
+BLK_TARGET static void BLK_NAME(tile)(duet_dtype DT, int nr, int nt, const uint8_t *w, size_t ws,
+                                      const blk_act *x, int64_t tok, int64_t nsb, blk_res res) {
+    switch (DT) {
+#define BLK_CASE(T)                                                                                          \
+    case T:                                                                                                  \
+        BLK_NAME(shapes)(T, nr, nt, w, ws, x, tok, nsb, res);                                                \
+        return;
+        BLK_CASE(DUET_DTYPE_Q4_0)
+        BLK_CASE(DUET_DTYPE_Q4_1)
+        BLK_CASE(DUET_DTYPE_Q5_0)
+        BLK_CASE(DUET_DTYPE_Q5_1)
+        BLK_CASE(DUET_DTYPE_IQ4_NL)
+        BLK_CASE(DUET_DTYPE_Q2_K)
+        BLK_CASE(DUET_DTYPE_Q3_K)
+        BLK_CASE(DUET_DTYPE_Q4_K)
+        BLK_CASE(DUET_DTYPE_Q5_K)
+        BLK_CASE(DUET_DTYPE_Q6_K)
+        BLK_CASE(DUET_DTYPE_IQ4_XS)
+#undef BLK_CASE
+    default:
+        return;
+    }
+}
