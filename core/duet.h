@@ -107,9 +107,29 @@ int duet_model_meta(const duet_model *model, const char *key, char *buf, size_t 
  * size) as text or JSON into a malloc'd string the caller frees with free(). */
 duet_status duet_file_info(const char *path, bool json, char **out);
 
-/* Rewrites `in` with its 2-D weight matrices in `type` ("q8_0" or "f16").
- * A matrix whose row length is not a multiple of 32 cannot be q8_0: it
- * becomes f16, and `report` (malloc'd, may be NULL) says which. */
+/* How `duet quantize` rewrites a model (core/quantize.c). */
+typedef struct duet_quantize_params {
+    /* A weight type: "f16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k",
+     * "q6_k", "iq4_nl", "iq4_xs"; or one of llama.cpp's per-tensor mixes:
+     * "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m",
+     * with "q3_k", "q4_k", "q5_k" meaning the _m mixes, as in llama-quantize.
+     * Every quantized type also gets llama.cpp's per-tensor rules (the
+     * output matrix, or a tied embedding table, in q6_k; the mixes' extra
+     * bits for attn_v/ffn_down/attn_output). */
+    const char *type;
+    bool allow_requantize; /* accept matrices that are already quantized (costs quality) */
+    bool pure;             /* every matrix in `type`: no per-tensor rules */
+} duet_quantize_params;
+
+/* Rewrites `in` with its weight matrices quantized as `p` says; norms and
+ * other 1-D tensors are copied. A matrix whose rows do not fit the chosen
+ * type's block falls back as llama.cpp does (q4_k -> q5_0, q5_k -> q5_1,
+ * q6_k -> q8_0, q2_k/q3_k/iq4_xs -> iq4_nl, then f16), and `report`
+ * (malloc'd, may be NULL) names each such tensor. */
+duet_status duet_quantize_model(const char *in, const char *out, const duet_quantize_params *p,
+                                char **report);
+
+/* duet_quantize_model with only a type (no requantizing, not pure). */
 duet_status duet_quantize_file(const char *in, const char *out, const char *type, char **report);
 
 typedef struct duet_mkmodel_params {

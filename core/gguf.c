@@ -89,12 +89,25 @@ const char *duet_gguf_type_name(duet_gguf_type t) {
     return "unknown";
 }
 
-/* The dtypes duet handles; anything else in a file is refused. */
+/* The dtypes duet handles; anything else in a file is refused. Q8_K is
+ * duet's (and ggml's) activation format, never a tensor's. Whether a
+ * backend runs a type is the model loader's question, not the reader's. */
 static bool dtype_supported(uint32_t t) {
     switch (t) {
     case DUET_DTYPE_F32:
     case DUET_DTYPE_F16:
+    case DUET_DTYPE_Q4_0:
+    case DUET_DTYPE_Q4_1:
+    case DUET_DTYPE_Q5_0:
+    case DUET_DTYPE_Q5_1:
     case DUET_DTYPE_Q8_0:
+    case DUET_DTYPE_Q2_K:
+    case DUET_DTYPE_Q3_K:
+    case DUET_DTYPE_Q4_K:
+    case DUET_DTYPE_Q5_K:
+    case DUET_DTYPE_Q6_K:
+    case DUET_DTYPE_IQ4_NL:
+    case DUET_DTYPE_IQ4_XS:
     case DUET_DTYPE_I32:
     case DUET_DTYPE_BF16:
         return true;
@@ -117,7 +130,9 @@ static const char *ggml_type_name(uint32_t t) {
     return "unknown";
 }
 
-#define SUPPORTED_DTYPES "f32 (0), f16 (1), q8_0 (8), i32 (26), bf16 (30)"
+#define SUPPORTED_DTYPES                                                                                     \
+    "f32 (0), f16 (1), q4_0 (2), q4_1 (3), q5_0 (6), q5_1 (7), q8_0 (8), q2_K (10), q3_K (11), q4_K (12), "  \
+    "q5_K (13), q6_K (14), iq4_nl (20), iq4_xs (23), i32 (26), bf16 (30)"
 
 /* Copies an untrusted name into buf for a message: at most 64 bytes,
  * non-printable bytes shown as '?'. */

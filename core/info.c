@@ -21,17 +21,16 @@ duet_status duet_file_info(const char *path, bool json, char **out) {
     const duet_gguf_kv *toks = duet_gguf_find(g, "tokenizer.ggml.tokens");
     uint64_t n_tokens = toks && toks->value.type == DUET_GGUF_ARRAY ? toks->value.arr.n : 0;
 
-    /* Parameters and bytes per tensor type. */
-    static const duet_dtype types[] = {DUET_DTYPE_F32, DUET_DTYPE_F16, DUET_DTYPE_BF16, DUET_DTYPE_Q8_0,
-                                       DUET_DTYPE_I32};
-    uint64_t count[5] = {0}, bytes[5] = {0}, params = 0;
+    /* Parameters and bytes per tensor type, indexed by GGUF type id (the
+     * reader accepts only ids the type table names, all below N_TYPE_IDS). */
+    enum { N_TYPE_IDS = 64 };
+    uint64_t count[N_TYPE_IDS] = {0}, bytes[N_TYPE_IDS] = {0}, params = 0;
     for (uint64_t i = 0; i < g->n_tensors; i++) {
         const duet_gguf_tensor *t = &g->tensors[i];
         uint64_t n = 1;
         for (int d = 0; d < t->n_dims; d++) n *= (uint64_t)t->ne[d];
         params += n;
-        for (int k = 0; k < 5; k++)
-            if (t->type == types[k]) count[k]++, bytes[k] += t->size;
+        if ((unsigned)t->type < N_TYPE_IDS) count[t->type]++, bytes[t->type] += t->size;
     }
 
     cJSON *o = cJSON_CreateObject();
@@ -55,9 +54,9 @@ duet_status duet_file_info(const char *path, bool json, char **out) {
     cJSON_AddNumberToObject(o, "n_tensors", (double)g->n_tensors);
     cJSON_AddNumberToObject(o, "n_params", (double)params);
     cJSON *tt = cJSON_AddObjectToObject(o, "tensor_types");
-    for (int k = 0; k < 5; k++)
+    for (int k = 0; k < N_TYPE_IDS; k++)
         if (count[k]) {
-            cJSON *e = cJSON_AddObjectToObject(tt, duet_dtype_name(types[k]));
+            cJSON *e = cJSON_AddObjectToObject(tt, duet_dtype_name((duet_dtype)k));
             cJSON_AddNumberToObject(e, "tensors", (double)count[k]);
             cJSON_AddNumberToObject(e, "bytes", (double)bytes[k]);
         }
@@ -86,9 +85,9 @@ duet_status duet_file_info(const char *path, bool json, char **out) {
                           hp.n_ctx_train, hp.rope_base, hp.norm_eps);
         n += snprintf(buf + n, sizeof buf - n, "  tensors: %llu, %.2fM parameters:", (unsigned long long)g->n_tensors,
                       (double)params / 1e6);
-        for (int k = 0; k < 5; k++)
+        for (int k = 0; k < N_TYPE_IDS; k++)
             if (count[k])
-                n += snprintf(buf + n, sizeof buf - n, " %s x%llu (%.1f MiB)", duet_dtype_name(types[k]),
+                n += snprintf(buf + n, sizeof buf - n, " %s x%llu (%.1f MiB)", duet_dtype_name((duet_dtype)k),
                               (unsigned long long)count[k], (double)bytes[k] / (1 << 20));
         n += snprintf(buf + n, sizeof buf - n, "\n  tokenizer: %s, %llu tokens\n", tok_model,
                       (unsigned long long)n_tokens);

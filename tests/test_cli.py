@@ -162,7 +162,7 @@ class Cli(unittest.TestCase):
             (["run", "-m", os.path.join(MODELS, "ggml-vocab-gpt-2.gguf"), "-p", "x"], "architecture"),
             (["info", bad], "gguf"),
             (["mkmodel", "--shape", "huge", "-o", os.path.join(self.tmp.name, "x.gguf")], "shape"),
-            (["quantize", STORIES, os.path.join(self.tmp.name, "y.gguf"), "--type", "q4_0"], "q4_0"),
+            (["quantize", STORIES, os.path.join(self.tmp.name, "y.gguf"), "--type", "iq2_xxs"], "iq2_xxs"),
             (["nosuchcommand"], "unknown command"),
         ]:
             p = duet(*args, check=False)

@@ -900,10 +900,13 @@ START_TEST(test_bad_tensors) {
     fixture fx = fx_open(0);
     uint8_t *m;
     /* Tensor 3 is q8_0 [64, 2], tensor 4 is i32 with 4 dims. */
-    m = fx_fresh(&fx), put_u32_at(m, tensor_field_at(&fx, 0, "type"), 12);
-    expect_bad(m, fx.len, "q4_K", "tensor type q4_K");
-    m = fx_fresh(&fx), put_u32_at(m, tensor_field_at(&fx, 0, "type"), 12);
-    expect_bad(m, fx.len, "not supported", "tensor type q4_K");
+    m = fx_fresh(&fx), put_u32_at(m, tensor_field_at(&fx, 0, "type"), 16);
+    expect_bad(m, fx.len, "iq2_xxs", "tensor type iq2_xxs");
+    m = fx_fresh(&fx), put_u32_at(m, tensor_field_at(&fx, 0, "type"), 16);
+    expect_bad(m, fx.len, "not supported", "tensor type iq2_xxs");
+    /* Q8_K is an activation format, never a tensor's. */
+    m = fx_fresh(&fx), put_u32_at(m, tensor_field_at(&fx, 0, "type"), 15);
+    expect_bad(m, fx.len, "not supported", "tensor type q8_K");
     m = fx_fresh(&fx), put_u32_at(m, tensor_field_at(&fx, 0, "type"), 1000);
     expect_bad(m, fx.len, "tensor type 1000", "tensor type 1000");
     m = fx_fresh(&fx), put_u32_at(m, tensor_field_at(&fx, 0, "n_dims"), 0);

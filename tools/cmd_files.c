@@ -43,19 +43,33 @@ int cmd_mkmodel(int argc, char **argv) {
     return 0;
 }
 
+#define QUANTIZE_USAGE                                                                                       \
+    "usage: duet quantize IN.gguf OUT.gguf --type T [--allow-requantize] [--pure]\n"                         \
+    "  T: f16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_k q3_k_s q3_k_m q3_k_l q4_k_s q4_k_m q5_k_s q5_k_m q6_k iq4_nl "   \
+    "iq4_xs\n"                                                                                               \
+    "     (q3_k, q4_k, q5_k: the _m mixes, as in llama-quantize)\n"                                          \
+    "  --allow-requantize  accept matrices that are already quantized (costs quality)\n"                     \
+    "  --pure              every matrix in T: no per-tensor mix, no q6_k output matrix\n"
+
 int cmd_quantize(int argc, char **argv) {
-    const char *in = NULL, *out = NULL, *type = "q8_0";
+    const char *in = NULL, *out = NULL;
+    duet_quantize_params p = {.type = "q8_0"};
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--type")) {
             if (++i == argc) {
-                fprintf(stderr, "duet: --type needs q8_0 or f16\n");
+                fprintf(stderr, "duet: --type needs a type\n" QUANTIZE_USAGE);
                 return 2;
             }
-            type = argv[i];
+            p.type = argv[i];
+        } else if (!strcmp(argv[i], "--allow-requantize")) {
+            p.allow_requantize = true;
+        } else if (!strcmp(argv[i], "--pure")) {
+            p.pure = true;
         } else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
-            printf("usage: duet quantize IN.gguf OUT.gguf --type q8_0|f16\n");
+            printf(QUANTIZE_USAGE);
             return 0;
-        } else if (!in) in = argv[i];
+        } else if (!in)
+            in = argv[i];
         else if (!out) out = argv[i];
         else {
             fprintf(stderr, "duet: unexpected argument '%s'\n", argv[i]);
@@ -63,14 +77,14 @@ int cmd_quantize(int argc, char **argv) {
         }
     }
     if (!in || !out) {
-        fprintf(stderr, "usage: duet quantize IN.gguf OUT.gguf --type q8_0|f16\n");
+        fprintf(stderr, QUANTIZE_USAGE);
         return 2;
     }
     char *report = NULL;
-    duet_status st = duet_quantize_file(in, out, type, &report);
+    duet_status st = duet_quantize_model(in, out, &p, &report);
     if (report) fputs(report, stderr);
     free(report);
     if (st) return cli_fail("quantize", st);
-    fprintf(stderr, "duet: wrote %s (%s)\n", out, type);
+    fprintf(stderr, "duet: wrote %s (%s%s)\n", out, p.type, p.pure ? ", pure" : "");
     return 0;
 }
