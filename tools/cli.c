@@ -58,8 +58,8 @@ int cli_fail(const char *what, duet_status st) {
     fprintf(stderr, "duet: %s: %s\n", what, msg[0] ? msg : duet_status_str(st));
     if (st == DUET_NO_DEVICE) fprintf(stderr, "duet: run `duet devices` to see what this machine has\n");
     if (st == DUET_BAD_MODEL || st == DUET_UNSUPPORTED)
-        fprintf(stderr, "duet: check the file with `duet info FILE`; supported: llama/qwen2/mistral GGUF "
-                        "v2/v3 with f32/f16/bf16/q8_0 tensors\n");
+        fprintf(stderr, "duet: check the file with `duet info FILE` (it says which tensor types each "
+                        "backend runs); supported: llama/qwen2/mistral GGUF v2/v3\n");
     return 1;
 }
 
