@@ -72,9 +72,11 @@ typedef struct dtype_traits {
 } dtype_traits;
 
 /* A block format's row: its block, weight type or not, and quants.c's two
- * converters; q8_activations stays false until a kernel reads x_q8. */
+ * converters. Every weight block is a multiple of 32 values, so its
+ * matmuls read q8_0 activations (the cpu kernels do; a backend without a
+ * kernel for the type refuses the matmul in supports_op altogether). */
 #define BLOCK_ROW(name, blk, w, fn)                                                                          \
-    { name, blk, sizeof(duet_block_##fn), w, false, duet__##fn##_to_f32, duet__##fn##_from_f32 }
+    { name, blk, sizeof(duet_block_##fn), w, w, duet__##fn##_to_f32, duet__##fn##_from_f32 }
 
 static const dtype_traits traits[] = {
     [DUET_DTYPE_F32] = {"f32", 1, 4, true, false, f32_to_f32, f32_from_f32},

@@ -120,7 +120,8 @@ static const bo_case bo_cases[] = {
     {"embed",   DUET_OP_EMBED,  DT,  7, W,       20, 0, 0, 0, 0, 0, false, false, false, false, T},              \
     {"decode",  DUET_OP_MATMUL, DT,  1, W,       37, 0, 0, 0, 0, 0, false, false, false, false, T},              \
     {"ragged",  DUET_OP_MATMUL, DT,  5, 2 * W,   19, 0, 0, 0, 0, 0, true,  true,  false, false, T},              \
-    {"batch",   DUET_OP_MATMUL, DT, 67, W,       33, 0, 0, 0, 0, 0, false, false, false, false, T}
+    {"batch",   DUET_OP_MATMUL, DT, 67, W,       33, 0, 0, 0, 0, 0, false, false, false, false, T},              \
+    {"x_q8",    DUET_OP_MATMUL, DT,  3, W,       21, 0, 0, 0, 0, 0, false, true,  false, false, T, 1}
     BO_BLOCK_ROWS(DUET_DTYPE_Q4_0, 96), BO_BLOCK_ROWS(DUET_DTYPE_Q4_1, 160), BO_BLOCK_ROWS(DUET_DTYPE_Q5_0, 96),
     BO_BLOCK_ROWS(DUET_DTYPE_Q5_1, 160), BO_BLOCK_ROWS(DUET_DTYPE_IQ4_NL, 96),
     BO_BLOCK_ROWS(DUET_DTYPE_Q2_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_Q3_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_Q4_K, 256),
