@@ -89,31 +89,23 @@ const char *duet_gguf_type_name(duet_gguf_type t) {
     return "unknown";
 }
 
-/* The dtypes duet handles; anything else in a file is refused. Q8_K is
- * duet's (and ggml's) activation format, never a tensor's. Whether a
- * backend runs a type is the model loader's question, not the reader's. */
+/* The dtypes duet reads: the type table's weight types and i32; anything
+ * else in a file is refused. (Q8_K is in the table as an activation
+ * format, never a tensor's.) Whether a backend runs a type is the model
+ * loader's question, not the reader's. */
 static bool dtype_supported(uint32_t t) {
-    switch (t) {
-    case DUET_DTYPE_F32:
-    case DUET_DTYPE_F16:
-    case DUET_DTYPE_Q4_0:
-    case DUET_DTYPE_Q4_1:
-    case DUET_DTYPE_Q5_0:
-    case DUET_DTYPE_Q5_1:
-    case DUET_DTYPE_Q8_0:
-    case DUET_DTYPE_Q2_K:
-    case DUET_DTYPE_Q3_K:
-    case DUET_DTYPE_Q4_K:
-    case DUET_DTYPE_Q5_K:
-    case DUET_DTYPE_Q6_K:
-    case DUET_DTYPE_IQ4_NL:
-    case DUET_DTYPE_IQ4_XS:
-    case DUET_DTYPE_I32:
-    case DUET_DTYPE_BF16:
-        return true;
-    default:
-        return false;
-    }
+    return t < 256 && (duet_dtype_is_weight((duet_dtype)t) || t == DUET_DTYPE_I32);
+}
+
+/* "f32 (0), f16 (1), ...": the supported types, for messages. */
+static const char *supported_dtypes(char *buf, size_t size) {
+    size_t n = 0;
+    buf[0] = '\0';
+    for (uint32_t t = 0; t < 64 && n < size; t++)
+        if (dtype_supported(t))
+            n += (size_t)snprintf(buf + n, size - n, "%s%s (%u)", n ? ", " : "",
+                                  duet_dtype_name((duet_dtype)t), t);
+    return buf;
 }
 
 /* ggml's names for its type ids, so a refusal says what the file holds. */
@@ -129,10 +121,6 @@ static const char *ggml_type_name(uint32_t t) {
     if (t < sizeof names / sizeof names[0] && names[t]) return names[t];
     return "unknown";
 }
-
-#define SUPPORTED_DTYPES                                                                                     \
-    "f32 (0), f16 (1), q4_0 (2), q4_1 (3), q5_0 (6), q5_1 (7), q8_0 (8), q2_K (10), q3_K (11), q4_K (12), "  \
-    "q5_K (13), q6_K (14), iq4_nl (20), iq4_xs (23), i32 (26), bf16 (30)"
 
 /* Copies an untrusted name into buf for a message: at most 64 bytes,
  * non-printable bytes shown as '?'. */
@@ -606,10 +594,11 @@ static duet_status parse(duet_gguf *g, gguf_priv *priv) {
         uint32_t type;
         at = p->pos;
         if ((st = rd_u32(p, "tensor type", &type))) return st;
-        if (!dtype_supported(type))
-            return bad(
-                p, "tensor type %u (%s) at byte %llu is not supported; supported types: " SUPPORTED_DTYPES,
-                type, ggml_type_name(type), (unsigned long long)at);
+        if (!dtype_supported(type)) {
+            char list[512];
+            return bad(p, "tensor type %u (%s) at byte %llu is not supported; supported types: %s", type,
+                       ggml_type_name(type), (unsigned long long)at, supported_dtypes(list, sizeof list));
+        }
         t->type = (duet_dtype)type;
         uint64_t block = (uint64_t)duet_dtype_block(t->type);
         uint64_t block_bytes = duet_dtype_block_bytes(t->type);
