@@ -25,11 +25,39 @@
 /* Element types: the values of duet_dtype (= GGUF's ggml_type). */
 #define DT_F32 0
 #define DT_F16 1
+#define DT_Q4_0 2
+#define DT_Q4_1 3
+#define DT_Q5_0 6
+#define DT_Q5_1 7
 #define DT_Q8_0 8
+#define DT_Q2_K 10
+#define DT_Q3_K 11
+#define DT_Q4_K 12
+#define DT_Q5_K 13
+#define DT_Q6_K 14
+#define DT_IQ4_NL 20
+#define DT_IQ4_XS 23
 #define DT_BF16 30
 
 #define QK8_0 32
 #define Q8_0_BYTES 34 /* fp16 scale + 32 int8 */
+
+/* The block weight types other than q8_0 (backends/backend.h has their
+ * layouts): 32-value blocks, or 256-value super-blocks (DT_IS_K). */
+#define DT_IS_K(t) (((t) >= DT_Q2_K && (t) <= DT_Q6_K) || (t) == DT_IQ4_XS)
+#define DT_IS_BLK(t) ((t) == DT_Q4_0 || (t) == DT_Q4_1 || (t) == DT_Q5_0 || (t) == DT_Q5_1 || (t) == DT_IQ4_NL || DT_IS_K(t))
+#define DT_BLK_QK(t) (DT_IS_K(t) ? 256 : 32)
+#define DT_BLK_BYTES(t)                                                                                      \
+    ((t) == DT_Q4_0 || (t) == DT_IQ4_NL ? 18                                                                 \
+     : (t) == DT_Q4_1                   ? 20                                                                 \
+     : (t) == DT_Q5_0                   ? 22                                                                 \
+     : (t) == DT_Q5_1                   ? 24                                                                 \
+     : (t) == DT_Q2_K                   ? 84                                                                 \
+     : (t) == DT_Q3_K                   ? 110                                                                \
+     : (t) == DT_Q4_K                   ? 144                                                                \
+     : (t) == DT_Q5_K                   ? 176                                                                \
+     : (t) == DT_Q6_K                   ? 210                                                                \
+                                        : 136)
 
 typedef global const uchar *gbytes;
 
@@ -118,6 +146,7 @@ inline float load_half(gbytes p) {
 
 /* Bytes of a row of n elements of type dt. */
 inline ulong row_bytes(int dt, int n) {
+    if (DT_IS_BLK(dt)) return (ulong)(n / DT_BLK_QK(dt)) * DT_BLK_BYTES(dt);
     return dt == DT_F32 ? (ulong)n * 4 : dt == DT_Q8_0 ? (ulong)(n / QK8_0) * Q8_0_BYTES : (ulong)n * 2;
 }
 
@@ -129,6 +158,168 @@ inline float load_elem(int dt, gbytes row, int i) {
     gbytes b = row + (i / QK8_0) * Q8_0_BYTES;
     return load_half(b) * (float)((global const char *)b)[2 + i % QK8_0];
 }
+
+/* ---- block weight types: one chunk of 32 weights at a time ------------------
+ * Built when WTYPE is one of DT_IS_BLK. Every type reads as 32-weight
+ * chunks (a 32-block is one chunk, a super-block eight) of w = s * q - m,
+ * with q small integers and s, m per 16 weights (the k-quants' sub-block
+ * scale and min; a 32-block's one scale twice), the layout of
+ * backends/cpu/cpu_matmul_blocks.c. Where m is a fixed multiple of s
+ * (q4_0: 8s, q5_0: 16s, q3_K: 4s, q6_K: 32s) the offset is subtracted
+ * from q instead, and IQ4's q are its signed table values: m = 0 unless
+ * BLK_MIN. Every q fits a char. Blocks sit at any even byte (rows are
+ * whole blocks of 18..210 bytes): bytes through vload16 of uchar, fp16
+ * and 16-bit fields through ushort loads. */
+#if defined(WTYPE) && DT_IS_BLK(WTYPE)
+#define BLK_QK DT_BLK_QK(WTYPE)
+#define BLK_BYTES DT_BLK_BYTES(WTYPE)
+#define BLK_CPB (BLK_QK / 32) /* chunks per block */
+#define BLK_MIN                                                                                              \
+    (WTYPE == DT_Q4_1 || WTYPE == DT_Q5_1 || WTYPE == DT_Q2_K || WTYPE == DT_Q4_K || WTYPE == DT_Q5_K)
+
+inline uint blk_u16(gbytes p) { return *(global const ushort *)p; }
+
+/* IQ4_NL / IQ4_XS: the 16 levels, looked up 16 lanes at a time. */
+inline char16 iq4_lookup(uchar16 nib) {
+    const char16 kv = (char16)(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return shuffle(kv, nib);
+}
+
+/* Bit j of h, j = 0..15, as 16 in lane j (the fifth bit of q5 quants). */
+inline uchar16 bit4_16(uint h) {
+    const uint16 b = ((uint16)(h) >> (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)) & (uint16)(1u);
+    return convert_uchar16(b) << (uchar)4;
+}
+
+/* q4_K / q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes at q. */
+inline void k4_scale_min(gbytes q, int j, float *sc, float *mn) {
+    if (j < 4) {
+        *sc = (float)(q[j] & 63);
+        *mn = (float)(q[j + 4] & 63);
+    } else {
+        *sc = (float)((q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4));
+        *mn = (float)((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+    }
+}
+
+/* q3_K: the 6-bit scale of sub-block k, less 32. */
+inline float k3_scale(gbytes q, int k) {
+    const int lo = k < 8 ? q[k] & 0xf : q[k - 8] >> 4;
+    const int hi = (q[8 + k % 4] >> (2 * (k / 4))) & 3;
+    return (float)((lo | hi << 4) - 32);
+}
+
+/* Chunk c (0 .. BLK_CPB - 1) of the block at blk: qa = q of its weights
+ * 0..15, qb = 16..31; s0, m0 and s1, m1 their scales and mins. */
+inline void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, float *s1, float *m0, float *m1) {
+    const uchar16 m4 = (uchar16)(0xf), m2 = (uchar16)(3);
+    *m0 = *m1 = 0.0f;
+#if WTYPE == DT_Q4_0 || WTYPE == DT_IQ4_NL || WTYPE == DT_Q4_1
+    const float d = load_half(blk);
+    const uchar16 v = vload16(0, blk + (WTYPE == DT_Q4_1 ? 4 : 2));
+#if WTYPE == DT_IQ4_NL
+    *qa = iq4_lookup(v & m4);
+    *qb = iq4_lookup(v >> (uchar)4);
+#elif WTYPE == DT_Q4_0
+    *qa = as_char16(v & m4) - (char)8;
+    *qb = as_char16(v >> (uchar)4) - (char)8;
+#else
+    *qa = as_char16(v & m4);
+    *qb = as_char16(v >> (uchar)4);
+    *m0 = *m1 = -load_half(blk + 2);
+#endif
+    *s0 = *s1 = d;
+#elif WTYPE == DT_Q5_0 || WTYPE == DT_Q5_1
+    const int o = WTYPE == DT_Q5_1 ? 4 : 2;
+    const float d = load_half(blk);
+    const uint qh = blk_u16(blk + o) | blk_u16(blk + o + 2) << 16;
+    const uchar16 v = vload16(0, blk + o + 4);
+    const uchar16 a = (v & m4) | bit4_16(qh), b = (v >> (uchar)4) | bit4_16(qh >> 16);
+#if WTYPE == DT_Q5_0
+    *qa = as_char16(a) - (char)16;
+    *qb = as_char16(b) - (char)16;
+#else
+    *qa = as_char16(a);
+    *qb = as_char16(b);
+    *m0 = *m1 = -load_half(blk + 2);
+#endif
+    *s0 = *s1 = d;
+#elif WTYPE == DT_Q2_K
+    /* scales[16], qs[64], d, dmin */
+    gbytes qs = blk + 16 + 32 * (c / 4);
+    const uchar sh = (uchar)(2 * (c % 4));
+    *qa = as_char16((vload16(0, qs) >> sh) & m2);
+    *qb = as_char16((vload16(1, qs) >> sh) & m2);
+    const float d = load_half(blk + 80), dm = load_half(blk + 82);
+    const uint sa = blk[2 * c], sb = blk[2 * c + 1];
+    *s0 = d * (float)(sa & 15);
+    *s1 = d * (float)(sb & 15);
+    *m0 = dm * (float)(sa >> 4);
+    *m1 = dm * (float)(sb >> 4);
+#elif WTYPE == DT_Q3_K
+    /* hmask[32], qs[64], scales[12], d */
+    gbytes qs = blk + 32 + 32 * (c / 4);
+    const uchar sh = (uchar)(2 * (c % 4)), hs = (uchar)c;
+    const uchar16 one = (uchar16)(1);
+    *qa = as_char16(((vload16(0, qs) >> sh) & m2) | (((vload16(0, blk) >> hs) & one) << (uchar)2)) - (char)4;
+    *qb = as_char16(((vload16(1, qs) >> sh) & m2) | (((vload16(1, blk) >> hs) & one) << (uchar)2)) - (char)4;
+    const float d = load_half(blk + 108);
+    *s0 = d * k3_scale(blk + 96, 2 * c);
+    *s1 = d * k3_scale(blk + 96, 2 * c + 1);
+#elif WTYPE == DT_Q4_K || WTYPE == DT_Q5_K
+    /* d, dmin, scales[12], (q5_K: qh[32],) qs[128] */
+    gbytes qs = blk + (WTYPE == DT_Q5_K ? 48 : 16) + 32 * (c / 2);
+    const uchar sh = (uchar)(4 * (c % 2));
+    uchar16 a = (vload16(0, qs) >> sh) & m4, b = (vload16(1, qs) >> sh) & m4;
+#if WTYPE == DT_Q5_K
+    const uchar hs = (uchar)c;
+    const uchar16 one = (uchar16)(1);
+    a |= ((vload16(0, blk + 16) >> hs) & one) << (uchar)4;
+    b |= ((vload16(1, blk + 16) >> hs) & one) << (uchar)4;
+#endif
+    *qa = as_char16(a);
+    *qb = as_char16(b);
+    float sc, mn;
+    k4_scale_min(blk + 4, c, &sc, &mn);
+    *s0 = *s1 = load_half(blk) * sc;
+    *m0 = *m1 = load_half(blk + 2) * mn;
+#elif WTYPE == DT_Q6_K
+    /* ql[128], qh[64], scales[16] (int8), d */
+    const int h = c / 4, k = c % 4;
+    gbytes ql = blk + 64 * h + 32 * (k & 1), qh = blk + 128 + 32 * h;
+    const uchar ls = (uchar)(4 * (k >> 1)), hs = (uchar)(2 * k);
+    *qa = as_char16(((vload16(0, ql) >> ls) & m4) | (((vload16(0, qh) >> hs) & m2) << (uchar)4)) - (char)32;
+    *qb = as_char16(((vload16(1, ql) >> ls) & m4) | (((vload16(1, qh) >> hs) & m2) << (uchar)4)) - (char)32;
+    const float d = load_half(blk + 208);
+    global const char *sc = (global const char *)(blk + 192);
+    *s0 = d * (float)sc[2 * c];
+    *s1 = d * (float)sc[2 * c + 1];
+#elif WTYPE == DT_IQ4_XS
+    /* d, scales_h, scales_l[4], qs[128] */
+    const uchar16 v = vload16(0, blk + 8 + 16 * c);
+    *qa = iq4_lookup(v & m4);
+    *qb = iq4_lookup(v >> (uchar)4);
+    const int l = ((blk[4 + c / 2] >> (4 * (c % 2))) & 0xf) | (((blk_u16(blk + 2) >> (2 * c)) & 3) << 4);
+    *s0 = *s1 = load_half(blk) * (float)(l - 32);
+#endif
+}
+
+/* Chunk cg of a row (block cg / BLK_CPB) as f32: wa = weights 0..15, wb = 16..31. */
+inline void blk_chunk_f32(gbytes row, int cg, float16 *wa, float16 *wb) {
+    int b, c;
+    DIVMOD(cg, BLK_CPB, b, c);
+    char16 qa, qb;
+    float s0, s1, m0, m1;
+    blk_chunk(row + (ulong)b * BLK_BYTES, c, &qa, &qb, &s0, &s1, &m0, &m1);
+#if BLK_MIN
+    *wa = fma(convert_float16(qa), (float16)(s0), (float16)(-m0));
+    *wb = fma(convert_float16(qb), (float16)(s1), (float16)(-m1));
+#else
+    *wa = convert_float16(qa) * s0;
+    *wb = convert_float16(qb) * s1;
+#endif
+}
+#endif /* block WTYPE */
 
 /* ---- work-group reductions (every work-item calls them; all get the result).
  * n = the work-group size, a power of two; s = local scratch of n floats. */

@@ -53,6 +53,7 @@
 #define CONVERT_UV CAT(convert_uint, MV_VW)
 #define AS_FV CAT(as_float, MV_VW)
 
+#if !DT_IS_BLK(WTYPE)
 /* Vector v of chunk c of a weight row, as f32 (q8_0: before its scale). */
 inline FV load_w(gbytes row, int c, int v) {
 #if WTYPE == DT_F32
@@ -71,6 +72,7 @@ inline FV load_w(gbytes row, int c, int v) {
 #error "matmul.cl: unknown WTYPE"
 #endif
 }
+#endif
 
 /* Exact fp16 -> f32 of eight raw halves (zeros, subnormals, inf, NaN too). */
 inline float8 half8_to_float8(ushort8 h) {
@@ -113,15 +115,17 @@ inline float hsum(FV v) {
 
 /* Sums the MV_R partial dot products of each row group (a segment of the
  * work-group; lane 0 of the segment holds the total), then writes
- * out[t0 + t][r0 + r] (+ bias) (+ out). Every work-item calls it. */
+ * out[t0 + t][r0 + r] (+ bias) (+ out) for the first mt (<= MV_MT) tokens.
+ * Every work-item calls it. */
 inline void mv_store(float (*res)[MV_MT], local float *red, int lane, int r0, int t0, int n_out, int n_tokens,
-                     gbytes bias, ulong bias_off, global uchar *out, ulong out_off, int flags) {
+                     gbytes bias, ulong bias_off, global uchar *out, ulong out_off, int flags, const int mt) {
 #if MV_R > 1
     const int lid = get_local_id(0);
 #pragma unroll
     for (int r = 0; r < MV_NR; r++)
 #pragma unroll
         for (int t = 0; t < MV_MT; t++) {
+            if (t >= mt) break;
             red[lid] = res[r][t];
             barrier(CLK_LOCAL_MEM_FENCE);
             for (int o = MV_R / 2; o > 0; o >>= 1) {
@@ -140,7 +144,7 @@ inline void mv_store(float (*res)[MV_MT], local float *red, int lane, int r0, in
         const float b = (flags & 1) ? AT_CONST(float, bias, bias_off)[o] : 0.0f;
 #pragma unroll
         for (int t = 0; t < MV_MT; t++) {
-            if (t0 + t >= n_tokens) break;
+            if (t >= mt || t0 + t >= n_tokens) break;
             global float *dst = AT(float, out, out_off) + (ulong)(t0 + t) * n_out + o;
             float v = res[r][t] + b;
             if (flags & 2) v += *dst;
@@ -149,6 +153,7 @@ inline void mv_store(float (*res)[MV_MT], local float *red, int lane, int r0, in
     }
 }
 
+#if !DT_IS_BLK(WTYPE)
 kernel void matmul(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off, global uchar *out,
                    ulong out_off, int n_in, int n_out, int n_tokens, int flags) {
     const int lane = get_local_id(0) % MV_R;
@@ -234,7 +239,7 @@ kernel void matmul(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ul
 #else
     local float *red = 0;
 #endif
-    mv_store(res, red, lane, r0, t0, n_out, n_tokens, bias, bias_off, out, out_off, flags);
+    mv_store(res, red, lane, r0, t0, n_out, n_tokens, bias, bias_off, out, out_off, flags, MV_MT);
 }
 
 /* f32 copy of weight rows [r0, r0 + n_rows) for CLBlast's SGEMM (F16
@@ -245,6 +250,7 @@ kernel void dequantize_rows(gbytes w, ulong w_off, int n_in, int r0, int n_rows,
     gbytes row = w + w_off + (ulong)(r0 + r) * row_bytes(WTYPE, n_in);
     out[(ulong)r * n_in + i] = load_elem(WTYPE, row, i);
 }
+#endif /* !DT_IS_BLK(WTYPE) */
 
 /* ---- Q8_0 weights x q8_0 activations: int8 dot products ----------------------
  *
@@ -265,7 +271,7 @@ kernel void dequantize_rows(gbytes w, ulong w_off, int n_in, int r0, int n_rows,
  *
  * Block bytes sit at 2 mod 4 (34-byte blocks), so the words are read as
  * ushort pairs (2-byte aligned loads). */
-#if defined(MQ_KERNELS) && WTYPE == DT_Q8_0
+#if (defined(MQ_KERNELS) && WTYPE == DT_Q8_0) || DT_IS_BLK(WTYPE)
 #ifndef INT_DOT
 #define INT_DOT 0
 #endif
@@ -317,6 +323,9 @@ inline int dot4(uint a, uint b, int acc) {
     return mad24(ia >> 24, ib >> 24, acc);
 }
 #endif
+#endif /* int8 dot products */
+
+#if defined(MQ_KERNELS) && WTYPE == DT_Q8_0
 
 /* Word i (0..7) of a q8_0 block's 32 quants. */
 inline uint q8_word(gbytes blk, int i) {
@@ -439,7 +448,7 @@ kernel void matmul_q8_0_q8_0(gbytes w, ulong w_off, gbytes x, ulong x_off, gbyte
 #else
     local float *red = 0;
 #endif
-    mv_store(res, red, lane, r0, t0, n_out, n_tokens, bias, bias_off, out, out_off, flags);
+    mv_store(res, red, lane, r0, t0, n_out, n_tokens, bias, bias_off, out, out_off, flags, MV_MT);
 }
 
 /* Prefill GEMM: a work-group computes an MT_BN (weight rows) x MT_BN
@@ -533,3 +542,158 @@ kernel void matmul_q8_0_q8_0_tiled(gbytes w, ulong w_off, gbytes x, ulong x_off,
     }
 }
 #endif /* MQ_KERNELS */
+
+/* ---- the other block weight types (DT_IS_BLK) ---------------------------------
+ *
+ * Q4_0 .. IQ4_XS weights read 32 at a time as w = s * q - m (blk_chunk in
+ * common.cl), decoded in registers; the work split of `matmul` (MV_R
+ * lanes per row group striding over the 32-weight chunks, MV_NR rows x mt
+ * tokens per work-item). Four kernels in one program per type:
+ *
+ *   matvec_blk_f32, matmul_blk_f32      f32 x; 1 or MV_MT tokens per work-item
+ *   matvec_blk_q8_0, matmul_blk_q8_0    q8_0 x (x_q8), the same
+ *
+ * With q8_0 activations, GPU-style work splits (MV_R > 1) and the int8 dot
+ * extension (INT_DOT != 0) take word dot products (dot4) per half chunk:
+ *     dx * (s0 * sum_lo(q qx) + s1 * sum_hi(q qx) - m0 * sum_lo(qx) - m1 * sum_hi(qx));
+ * CPUs without the extension (INT_DOT = 0, MV_R = 1) convert the 32 qx to
+ * floats once per token and chunk and share the float loop of f32 x, which
+ * reuses each decoded weight vector for every token (int16 products would
+ * need a multiply, a conversion and an fma per token and half). */
+#if DT_IS_BLK(WTYPE)
+#define BLK_INT (INT_DOT != 0 || MV_R > 1)
+
+inline float hsum16(float16 v) {
+    float l[16];
+    vstore16(v, 0, l);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; i++) s += l[i];
+    return s;
+}
+
+inline void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off, global uchar *out,
+                       ulong out_off, int n_in, int n_out, int n_tokens, int flags, const int mt, const bool xq8,
+                       local float *red) {
+    const int lane = get_local_id(0) % MV_R;
+    const int r0 = (int)(get_global_id(0) / MV_R) * MV_NR;
+    const int t0 = (int)get_global_id(1) * mt;
+    const int nc = n_in / 32;
+    const ulong rb = row_bytes(WTYPE, n_in), xrb = xq8 ? (ulong)nc * Q8_0_BYTES : (ulong)n_in * 4;
+    gbytes wrow[MV_NR], xrow[MV_MT];
+#pragma unroll
+    for (int r = 0; r < MV_NR; r++) wrow[r] = w + w_off + (ulong)min(r0 + r, n_out - 1) * rb;
+#pragma unroll
+    for (int t = 0; t < MV_MT; t++) xrow[t] = x + x_off + (ulong)min(t0 + t, n_tokens - 1) * xrb;
+    float res[MV_NR][MV_MT];
+#pragma unroll
+    for (int r = 0; r < MV_NR; r++)
+#pragma unroll
+        for (int t = 0; t < MV_MT; t++) res[r][t] = 0.0f;
+
+    if (xq8 && BLK_INT) {
+        for (int cg = lane; cg < nc; cg += MV_R) {
+            uint xw[MV_MT][8];
+            float dx[MV_MT];
+            int xs0[MV_MT], xs1[MV_MT];
+#pragma unroll
+            for (int t = 0; t < MV_MT; t++) {
+                if (t >= mt) break;
+                gbytes xblk = xrow[t] + (ulong)cg * Q8_0_BYTES;
+                global const ushort *h = (global const ushort *)(xblk + 2);
+#pragma unroll
+                for (int i = 0; i < 8; i++) xw[t][i] = (uint)h[2 * i] | ((uint)h[2 * i + 1] << 16);
+                dx[t] = load_half(xblk);
+                xs0[t] = xs1[t] = 0;
+#if BLK_MIN
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    xs0[t] = dot4(xw[t][i], 0x01010101u, xs0[t]);
+                    xs1[t] = dot4(xw[t][i + 4], 0x01010101u, xs1[t]);
+                }
+#endif
+            }
+            int b, c;
+            DIVMOD(cg, BLK_CPB, b, c);
+#pragma unroll
+            for (int r = 0; r < MV_NR; r++) {
+                char16 qa, qb;
+                float s0, s1, m0, m1;
+                blk_chunk(wrow[r] + (ulong)b * BLK_BYTES, c, &qa, &qb, &s0, &s1, &m0, &m1);
+                const uint4 wa = as_uint4(qa), wb = as_uint4(qb);
+#pragma unroll
+                for (int t = 0; t < MV_MT; t++) {
+                    if (t >= mt) break;
+                    int lo = dot4(wa.x, xw[t][0], 0), hi = dot4(wb.x, xw[t][4], 0);
+                    lo = dot4(wa.y, xw[t][1], lo);
+                    hi = dot4(wb.y, xw[t][5], hi);
+                    lo = dot4(wa.z, xw[t][2], lo);
+                    hi = dot4(wb.z, xw[t][6], hi);
+                    lo = dot4(wa.w, xw[t][3], lo);
+                    hi = dot4(wb.w, xw[t][7], hi);
+                    float v = fma(s0, (float)lo, s1 * (float)hi);
+#if BLK_MIN
+                    v -= fma(m0, (float)xs0[t], m1 * (float)xs1[t]);
+#endif
+                    res[r][t] = fma(v, dx[t], res[r][t]);
+                }
+            }
+        }
+    } else {
+        float16 acc[MV_NR][MV_MT];
+#pragma unroll
+        for (int r = 0; r < MV_NR; r++)
+#pragma unroll
+            for (int t = 0; t < MV_MT; t++) acc[r][t] = (float16)(0.0f);
+        for (int cg = lane; cg < nc; cg += MV_R) {
+            float16 xa[MV_MT], xb[MV_MT];
+#pragma unroll
+            for (int t = 0; t < MV_MT; t++) {
+                if (t >= mt) break;
+                if (xq8) {
+                    gbytes xblk = xrow[t] + (ulong)cg * Q8_0_BYTES;
+                    const float dx = load_half(xblk);
+                    xa[t] = convert_float16(vload16(0, (global const char *)(xblk + 2))) * dx;
+                    xb[t] = convert_float16(vload16(1, (global const char *)(xblk + 2))) * dx;
+                } else {
+                    xa[t] = vload16(2 * cg, (global const float *)xrow[t]);
+                    xb[t] = vload16(2 * cg + 1, (global const float *)xrow[t]);
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < MV_NR; r++) {
+                float16 wa, wb;
+                blk_chunk_f32(wrow[r], cg, &wa, &wb);
+#pragma unroll
+                for (int t = 0; t < MV_MT; t++) {
+                    if (t >= mt) break;
+                    acc[r][t] = fma(wa, xa[t], acc[r][t]);
+                    acc[r][t] = fma(wb, xb[t], acc[r][t]);
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < MV_NR; r++)
+#pragma unroll
+            for (int t = 0; t < MV_MT; t++)
+                if (t < mt) res[r][t] = hsum16(acc[r][t]);
+    }
+    mv_store(res, red, lane, r0, t0, n_out, n_tokens, bias, bias_off, out, out_off, flags, mt);
+}
+
+#if MV_R > 1
+#define BLK_RED local float red[MV_WG]
+#else
+#define BLK_RED local float *red = 0
+#endif
+#define BLK_KERNEL(NAME, MT, XQ8)                                                                            \
+    kernel void NAME(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off,               \
+                     global uchar *out, ulong out_off, int n_in, int n_out, int n_tokens, int flags) {        \
+        BLK_RED;                                                                                             \
+        matmul_blk(w, w_off, x, x_off, bias, bias_off, out, out_off, n_in, n_out, n_tokens, flags, MT, XQ8, red); \
+    }
+BLK_KERNEL(matvec_blk_f32, 1, false)
+BLK_KERNEL(matmul_blk_f32, MV_MT, false)
+BLK_KERNEL(matvec_blk_q8_0, 1, true)
+BLK_KERNEL(matmul_blk_q8_0, MV_MT, true)
+#endif /* DT_IS_BLK(WTYPE) */

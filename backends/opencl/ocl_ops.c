@@ -97,11 +97,18 @@ static const size_t *ew_local(const ocl_backend *be, size_t *l2) {
 
 /* ---- ops ---------------------------------------------------------------------------- */
 
+/* The block weight types other than q8_0 (Q4_0 .. IQ4_XS): their embed and
+ * matmul kernels decode 32-weight chunks (blk_chunk in common.cl). */
+static bool blk_dtype(duet_dtype t) {
+    return t != DUET_DTYPE_Q8_0 && duet_dtype_block(t) > 1;
+}
+
 static duet_status op_embed(ocl_backend *be, const duet_op *op) {
     char opts[64];
     snprintf(opts, sizeof opts, "-DWTYPE=%d", (int)op->embed.dtype);
+    const bool blk = blk_dtype(op->embed.dtype);
     cl_kernel k;
-    TRY(duet__ocl_kernel(be, "embed", opts, "embed", &k));
+    TRY(duet__ocl_kernel(be, "embed", opts, blk ? "embed_blk" : "embed", &k));
     const int dim = op->embed.dim;
     argset a = {k, 0, CL_SUCCESS};
     arg_view(&a, op->embed.tokens);
@@ -110,7 +117,7 @@ static duet_status op_embed(ocl_backend *be, const duet_op *op) {
     arg_view(&a, op->embed.out);
     arg_int(&a, dim);
     TRY(args_done(&a, "embed"));
-    size_t g[2] = {(size_t)dim, (size_t)op->n_tokens}, l[2];
+    size_t g[2] = {(size_t)(blk ? dim / 32 : dim), (size_t)op->n_tokens}, l[2];
     return launch(be, k, DUET_OP_EMBED, 2, g, ew_local(be, l));
 }
 
@@ -295,12 +302,62 @@ const char *duet__ocl_matmul_path(const ocl_backend *be, const duet_op *op) {
     const duet_dtype dt = op->matmul.dtype;
     if (op->matmul.x_q8.buf && be->tune.q8_f32_min > 0 && op->n_tokens >= be->tune.q8_f32_min)
         return "q8_as_f32";
+    /* The block types have no local-memory tiled GEMM (yet): their matvec
+     * kernels take MV_MT tokens per work-item at any batch. */
+    if (blk_dtype(dt)) return op->matmul.x_q8.buf ? "blk_q8" : "blk";
     if (op->matmul.x_q8.buf)
         return be->tune.mm_tile_min > 0 && op->n_tokens >= be->tune.mm_tile_min ? "q8_tiled" : "q8_matvec";
     if ((dt == DUET_DTYPE_F32 || dt == DUET_DTYPE_F16) && be->tune.clblast_min > 0 &&
         op->n_tokens >= be->tune.clblast_min)
         return "clblast";
     return "matvec";
+}
+
+/* The program of a block weight type: four kernels (f32 or q8_0
+ * activations, one or MV_MT tokens per work-item) and one -D set per
+ * instance, so a model builds one program per type. The int8 dot variant
+ * falls back as in mq_kernel. */
+static duet_status blk_kernel(ocl_backend *be, duet_dtype dt, const char *name, cl_kernel *k) {
+    const ocl_tuning *t = &be->tune;
+    for (;;) {
+        char opts[256];
+        const bool emulate = t->dot == 2;
+        snprintf(opts, sizeof opts, "-DWTYPE=%d -DMV_R=%d -DMV_NR=%d -DMV_WG=%d -DMV_MT=%d -DINT_DOT=%d%s%s",
+                 (int)dt, t->mv_r, t->mv_nr, t->mv_wg, t->mv_mt, be->int_dot,
+                 emulate ? " -DOCL_DOT_EMULATE" : "",
+                 be->int_dot && !emulate && be->dev->cl30 ? " -cl-std=CL3.0" : "");
+        duet_status st = duet__ocl_kernel(be, "matmul", opts, name, k);
+        if (st != DUET_COMPILE || be->int_dot == 0 || t->dot != -1) return st;
+        be->int_dot = 0;
+        be->stats.feature_fallbacks++;
+    }
+}
+
+/* A block-type matmul with f32 x or q8_0 x_q8. NDRange as for `matmul`. */
+static duet_status matmul_blk(ocl_backend *be, const duet_op *op) {
+    const ocl_tuning *t = &be->tune;
+    const bool q8 = op->matmul.x_q8.buf != NULL;
+    const int mt = op->n_tokens == 1 ? 1 : t->mv_mt;
+    const char *name = q8 ? (mt == 1 ? "matvec_blk_q8_0" : "matmul_blk_q8_0")
+                          : (mt == 1 ? "matvec_blk_f32" : "matmul_blk_f32");
+    cl_kernel k;
+    TRY(blk_kernel(be, op->matmul.dtype, name, &k));
+    const duet_view x = q8 ? op->matmul.x_q8 : op->matmul.x;
+    const bool bias = op->matmul.bias.buf != NULL;
+    argset a = {k, 0, CL_SUCCESS};
+    arg_view(&a, op->matmul.w);
+    arg_view(&a, x);
+    arg_view(&a, bias ? op->matmul.bias : x); /* never read without the flag */
+    arg_view(&a, op->matmul.out);
+    arg_int(&a, op->matmul.n_in);
+    arg_int(&a, op->matmul.n_out);
+    arg_int(&a, op->n_tokens);
+    arg_int(&a, (bias ? 1 : 0) | (op->matmul.accumulate ? 2 : 0));
+    TRY(args_done(&a, name));
+    size_t groups = ((size_t)op->matmul.n_out + (size_t)t->mv_nr - 1) / (size_t)t->mv_nr;
+    size_t g[2] = {groups * (size_t)t->mv_r, ((size_t)op->n_tokens + (size_t)mt - 1) / (size_t)mt};
+    size_t l[2] = {(size_t)t->mv_wg, 1};
+    return launch(be, k, DUET_OP_MATMUL, 2, g, l);
 }
 
 /* q8_0 activations dequantised to f32 rows, then the f32-activation
@@ -324,12 +381,13 @@ static duet_status matmul_q8_as_f32(ocl_backend *be, const duet_op *op) {
     duet_op f = *op;
     f.matmul.x = (duet_view){&rows, 0};
     f.matmul.x_q8 = (duet_view){0};
-    return matmul_ours(be, &f);
+    return blk_dtype(op->matmul.dtype) ? matmul_blk(be, &f) : matmul_ours(be, &f);
 }
 
 static duet_status op_matmul(ocl_backend *be, const duet_op *op) {
     const char *path = duet__ocl_matmul_path(be, op);
     if (strcmp(path, "q8_as_f32") == 0) return matmul_q8_as_f32(be, op);
+    if (blk_dtype(op->matmul.dtype)) return matmul_blk(be, op);
     if (op->matmul.x_q8.buf) return matmul_q8(be, op);
     if (strcmp(path, "clblast") == 0) return matmul_clblast(be, op);
     return matmul_ours(be, op);
