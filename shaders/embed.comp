@@ -1,9 +1,12 @@
 #version 450
 #extension GL_EXT_control_flow_attributes : require
 #include "common.glsl"
+#include "blocks.glsl"
 
 // embed: out[t][:] = f32(table[tokens[t]][:]). One invocation per four
 // elements of a row (grid x), one row of workgroups per token (grid y).
+// The block types (blocks.glsl) decode the 32-weight chunk holding an
+// invocation's four elements, exactly as the reference dequantizer does.
 // A table larger than one texel view is embedded by one dispatch per view,
 // each writing the tokens whose rows it holds.
 layout(local_size_x_id = 0) in;
@@ -40,5 +43,18 @@ void main() {
     }
     if (tok < p.row_lo || tok >= p.row_lo + p.n_rows) return;
     uint row = p.table_off + uint(tok - p.row_lo) * p.row_bytes;
+    if (blk_is_block(DTYPE)) {
+        // e0 is a multiple of 4, so the four elements share a chunk; rows
+        // are whole blocks.
+        uint g = e0 >> 5, c = g % blk_chunks(DTYPE), blk = row + (g / blk_chunks(DTYPE)) * blk_bytes(DTYPE);
+        uint hw[5], q[8];
+        vec2 s, m;
+        blk_head(table, DTYPE, blk, hw);
+        blk_chunk(table, DTYPE, blk, hw, c, q, s, m);
+        uint i = e0 & 31u, h = i >> 4;
+        vec4 v = i8x4(q[i >> 2]);
+        for (uint k = 0u; k < n; k++) out_[o + k] = s[h] * v[k] - m[h];
+        return;
+    }
     for (uint k = 0u; k < n; k++) out_[o + k] = elem_at(table, DTYPE, row, e0 + k);
 }

@@ -10,6 +10,9 @@
 #endif
 #endif
 #include "common.glsl"
+#ifdef WTYPE_BLK
+#include "blocks.glsl"
+#endif
 
 // matmul_sg: out[t][r] = sum_i W[r][i] x[t][i] (+ bias[r]) (+ out[t][r]),
 // the GPU path. A workgroup computes ROWS rows for one token: its lanes
@@ -21,6 +24,9 @@
 // Q8_0 reads q8_0 activation blocks (an op's out_q8, or quantize_q8.comp's
 // from f32 x, like the cpu backend), a token's row laid out like a weight
 // row.
+// WTYPE_BLK: the block types of blocks.glsl (the type the specialization
+// constant BT), against q8_0 activation blocks like Q8_0: a lane takes
+// whole 32-column chunks, decoding its super-block's scales per chunk.
 // Grid: x = ceil(rows / ROWS), y = tokens.
 layout(local_size_x_id = 0) in;
 layout(constant_id = 0) const uint WG = 64;
@@ -30,6 +36,9 @@ layout(constant_id = 3) const bool BIAS = false;
 layout(constant_id = 4) const bool ACCUMULATE = false; // out += W x
 layout(constant_id = 5) const bool ALIGNED = false;    // rows and x are whole texels
 layout(constant_id = 6) const bool GROUPED = false;    // Q8_0 rows are whole 8-block groups of 17 texels
+#ifdef WTYPE_BLK
+layout(constant_id = 7) const uint BT = 2; // the block type (GGUF's number)
+#endif
 
 layout(binding = 0) uniform usamplerBuffer W;
 layout(binding = 1) uniform usamplerBuffer X; // f32 activations, or the quantized ones for Q8_0
@@ -40,7 +49,7 @@ layout(push_constant) uniform P {
     uint w_off;      // bytes, of row 0
     uint row_bytes;
     uint x_off;      // bytes, of token 0 (f32), or of token 0's blocks (Q8_0)
-    uint n_in;       // columns (Q8_0: blocks per row)
+    uint n_in;       // columns (Q8_0 and the block types: q8_0 blocks per activation row)
     uint bias_off;   // bytes
     uint out_off;    // words
     uint out_stride; // words
@@ -49,7 +58,7 @@ layout(push_constant) uniform P {
 
 shared float part[ROWS][NSG]; // one partial sum per subgroup and row
 
-#ifdef WTYPE_Q8_0
+#if defined(WTYPE_Q8_0) || defined(WTYPE_BLK)
 #ifdef USE_INT_DOT
 #ifdef HAVE_EXT_INTEGER_DOT
 #define DOT4(a, b, acc) dotPacked4x8AccSatEXT(a, b, acc)
@@ -71,7 +80,29 @@ int DOT4(uint a, uint b, int acc) {
 float row_dot(uint row, uint t) {
     uint l = gl_LocalInvocationID.x;
     float s = 0.0;
-#if defined(WTYPE_Q8_0)
+#if defined(WTYPE_BLK)
+    uint CPB = blk_chunks(BT), BB = blk_bytes(BT);
+    uint xrow = p.x_off + t * p.n_in * 34u;
+    for (uint g = l; g < p.n_in; g += WG) {
+        uint blk = row + (g / CPB) * BB, c = g % CPB, hw[5], q[8], xq[8];
+        vec2 sc, m;
+        float dx;
+        blk_head(W, BT, blk, hw);
+        blk_chunk(W, BT, blk, hw, c, q, sc, m);
+        load_q8_block(X, xrow + g * 34u, dx, xq);
+        int lo = 0, hi = 0, xl = 0, xh = 0;
+        [[unroll]] for (int k = 0; k < 4; k++) {
+            lo = DOT4(q[k], xq[k], lo);
+            hi = DOT4(q[k + 4], xq[k + 4], hi);
+            if (blk_has_min(BT)) {
+                xl = DOT4(0x01010101u, xq[k], xl);
+                xh = DOT4(0x01010101u, xq[k + 4], xh);
+            }
+        }
+        s += dx * (sc.x * float(lo) + sc.y * float(hi));
+        if (blk_has_min(BT)) s -= dot(m, dx * vec2(float(xl), float(xh)));
+    }
+#elif defined(WTYPE_Q8_0)
     uint nb = p.n_in;
     if (GROUPED) {
         // Lanes take whole groups of 8 blocks (272 bytes = 17 texels), as

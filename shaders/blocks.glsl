@@ -1,0 +1,261 @@
+// blocks.glsl — GGUF's block weight types beyond q8_0, read 32 weights (a
+// "chunk") at a time, for the matmul and embed shaders. Needs common.glsl.
+//
+// Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL are one chunk a block; Q2_K, Q3_K, Q4_K,
+// Q5_K, Q6_K, IQ4_XS are super-blocks of 8 chunks. Layouts: the structs of
+// backends/backend.h; values: backends/quants.c's dequantizers, which these
+// reproduce bit for bit (see blk_chunk).
+//
+// A chunk comes out as its 32 codes q, packed int8 in 8 words (byte j of
+// word k is weight 4k + j), and a scale s and a min m per 16 weights:
+//     w = s * q - m
+// where q is signed wherever the type has a fixed offset (q4_0's q - 8,
+// q3_K's q - 4, q6_K's q - 32, ...), so m is non-zero only for the types
+// with a real min (Q4_1, Q5_1, Q2_K, Q4_K, Q5_K; blk_has_min). Against a
+// q8_0 activation block (scale dx, quants qx) a chunk contributes
+//     dx * (s.x * sum_lo(q qx) + s.y * sum_hi(q qx)) - dot(m, dx * (sum_lo qx, sum_hi qx)).
+// All codes fit int8 (|q| <= 127), so the int8 dot products of the q8_0
+// path apply unchanged.
+//
+// The type is a function argument that the shaders pass from a
+// specialization constant: a pipeline's compiler folds every test on it,
+// and one SPIR-V module serves all eleven types.
+//
+// Reading: a block starts at any even byte (rows are whole blocks of an
+// even size, and the HAL allows rows at any 2-byte offset). blk_ld* fetch
+// the texels holding a byte range and shift the words into place by the
+// range's word and half-word phase, as load_q8_block does; texel indices are
+// clamped to the view, so a range that ends early in its last texel never
+// reads past the view.
+
+#define DT_Q4_0 2u
+#define DT_Q4_1 3u
+#define DT_Q5_0 6u
+#define DT_Q5_1 7u
+#define DT_Q2_K 10u
+#define DT_Q3_K 11u
+#define DT_Q4_K 12u
+#define DT_Q5_K 13u
+#define DT_Q6_K 14u
+#define DT_IQ4_NL 20u
+#define DT_IQ4_XS 23u
+
+bool blk_is_block(uint dt) {
+    return dt == DT_Q4_0 || dt == DT_Q4_1 || dt == DT_Q5_0 || dt == DT_Q5_1 || dt == DT_IQ4_NL || dt == DT_Q2_K ||
+           dt == DT_Q3_K || dt == DT_Q4_K || dt == DT_Q5_K || dt == DT_Q6_K || dt == DT_IQ4_XS;
+}
+
+// Bytes per block.
+uint blk_bytes(uint dt) {
+    return dt == DT_Q4_0 || dt == DT_IQ4_NL ? 18u
+         : dt == DT_Q4_1                    ? 20u
+         : dt == DT_Q5_0                    ? 22u
+         : dt == DT_Q5_1                    ? 24u
+         : dt == DT_Q2_K                    ? 84u
+         : dt == DT_Q3_K                    ? 110u
+         : dt == DT_Q4_K                    ? 144u
+         : dt == DT_Q5_K                    ? 176u
+         : dt == DT_Q6_K                    ? 210u
+                                            : 136u; // IQ4_XS
+}
+
+// Chunks (32 weights) per block.
+uint blk_chunks(uint dt) {
+    return (dt >= DT_Q2_K && dt <= DT_Q6_K) || dt == DT_IQ4_XS ? 8u : 1u;
+}
+
+bool blk_has_min(uint dt) {
+    return dt == DT_Q4_1 || dt == DT_Q5_1 || dt == DT_Q2_K || dt == DT_Q4_K || dt == DT_Q5_K;
+}
+
+// Defines `void FN(usamplerBuffer b, uint byte, out uint o[NW])`: o[k] = the
+// 32 bits at byte + 4k (byte even), from NT texel fetches. NT texels hold
+// any 16 * NT - 14 bytes that start on an even byte; words past those are
+// undefined. NW <= 4 * NT - 1.
+#define DEFINE_BLK_LOAD(FN, NT, NW)                                                                   \
+    void FN(usamplerBuffer b, uint byte, out uint o[NW]) {                                            \
+        int base = int(byte >> 4), last = textureSize(b) - 1;                                         \
+        uint u[4 * NT + 3];                                                                           \
+        [[unroll]] for (int t = 0; t < NT; t++) {                                                     \
+            uvec4 v = texelFetch(b, min(base + t, last));                                             \
+            u[4 * t] = v.x;                                                                           \
+            u[4 * t + 1] = v.y;                                                                       \
+            u[4 * t + 2] = v.z;                                                                       \
+            u[4 * t + 3] = v.w;                                                                       \
+        }                                                                                             \
+        [[unroll]] for (int k = 4 * NT; k < 4 * NT + 3; k++) u[k] = 0u;                               \
+        uint w0 = (byte >> 2) & 3u;                                                                   \
+        uint v2[4 * NT + 1];                                                                          \
+        [[unroll]] for (int k = 0; k < 4 * NT + 1; k++) v2[k] = (w0 & 2u) != 0u ? u[k + 2] : u[k];    \
+        uint a[4 * NT];                                                                               \
+        [[unroll]] for (int k = 0; k < 4 * NT; k++) a[k] = (w0 & 1u) != 0u ? v2[k + 1] : v2[k];       \
+        bool odd = (byte & 2u) != 0u;                                                                 \
+        [[unroll]] for (int k = 0; k < NW; k++) o[k] = odd ? (a[k] >> 16) | (a[k + 1] << 16) : a[k];  \
+    }
+
+DEFINE_BLK_LOAD(blk_ld2x2, 2, 2)
+DEFINE_BLK_LOAD(blk_ld2x4, 2, 4)
+DEFINE_BLK_LOAD(blk_ld2x5, 2, 5)
+DEFINE_BLK_LOAD(blk_ld3x6, 3, 6)
+DEFINE_BLK_LOAD(blk_ld3x8, 3, 8)
+
+// Byte i of a word array.
+#define BLK_BYTE(w, i) (((w)[(i) >> 2] >> (((i) & 3u) * 8u)) & 0xffu)
+
+// Each byte of x (all < 128) minus k, as int8.
+uint blk_sub_bytes(uint x, uint k) {
+    return ((x | 0x80808080u) - k * 0x01010101u) ^ 0x80808080u;
+}
+
+// Bits 0..3 of h as bit `at` of bytes 0..3.
+uint blk_spread4(uint h, uint at) {
+    return ((h & 1u) | ((h & 2u) << 7) | ((h & 4u) << 14) | ((h & 8u) << 21)) << at;
+}
+
+const int BLK_IQ4NL[16] = int[16](-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+
+// The IQ4 levels of four nibbles (one a byte), as int8.
+uint blk_iq4(uint n) {
+    return (uint(BLK_IQ4NL[n & 15u]) & 0xffu) | (uint(BLK_IQ4NL[(n >> 8) & 15u]) & 0xffu) << 8 |
+           (uint(BLK_IQ4NL[(n >> 16) & 15u]) & 0xffu) << 16 | (uint(BLK_IQ4NL[(n >> 24) & 15u]) & 0xffu) << 24;
+}
+
+// The low and the high nibbles of 16 bytes (4 words) as 32 codes.
+void blk_nibbles(uint w[4], bool iq4, uint sub, out uint q[8]) {
+    [[unroll]] for (int k = 0; k < 4; k++) {
+        uint lo = w[k] & 0x0f0f0f0fu, hi = (w[k] >> 4) & 0x0f0f0f0fu;
+        q[k] = iq4 ? blk_iq4(lo) : blk_sub_bytes(lo, sub);
+        q[k + 4] = iq4 ? blk_iq4(hi) : blk_sub_bytes(hi, sub);
+    }
+}
+
+// The part of a super-block every chunk needs (scales, d), loaded once per
+// block: see blk_chunk for what each word holds. Nothing for the 32-blocks.
+void blk_head(usamplerBuffer W, uint dt, uint blk, out uint hw[5]) {
+    hw = uint[5](0u, 0u, 0u, 0u, 0u);
+    if (dt == DT_Q2_K) {
+        uint o[4], e[2];
+        blk_ld2x4(W, blk, o); // scales[16]
+        blk_ld2x2(W, blk + 80u, e); // d, dmin
+        hw = uint[5](o[0], o[1], o[2], o[3], e[0]);
+    } else if (dt == DT_Q3_K) {
+        uint o[4];
+        blk_ld2x4(W, blk + 96u, o); // scales[12], d
+        hw = uint[5](o[0], o[1], o[2], o[3], 0u);
+    } else if (dt == DT_Q4_K || dt == DT_Q5_K) {
+        uint o[4];
+        blk_ld2x4(W, blk, o); // d, dmin, scales[12]
+        hw = uint[5](o[0], o[1], o[2], o[3], 0u);
+    } else if (dt == DT_Q6_K) {
+        uint o[5];
+        blk_ld2x5(W, blk + 192u, o); // scales[16], d
+        hw = o;
+    } else if (dt == DT_IQ4_XS) {
+        uint o[2];
+        blk_ld2x2(W, blk, o); // d, scales_h, scales_l[4]
+        hw = uint[5](o[0], o[1], 0u, 0u, 0u);
+    }
+}
+
+// Chunk c of the block at byte `blk` (hw: its blk_head). The scales are
+// formed in the order of quants.c's dequantizers (d * sub-block scale
+// first), so s * q - m is the reference value exactly: every product
+// there is exact in f32.
+void blk_chunk(usamplerBuffer W, uint dt, uint blk, uint hw[5], uint c, out uint q[8], out vec2 s, out vec2 m) {
+    m = vec2(0.0);
+    if (dt == DT_Q4_0 || dt == DT_IQ4_NL) {
+        uint o[5], w[4];
+        blk_ld2x5(W, blk, o);
+        s = vec2(f16_bits(o[0] & 0xffffu));
+        [[unroll]] for (int k = 0; k < 4; k++) w[k] = (o[k] >> 16) | (o[k + 1] << 16);
+        blk_nibbles(w, dt == DT_IQ4_NL, 8u, q);
+    } else if (dt == DT_Q4_1) {
+        uint o[6];
+        blk_ld3x6(W, blk, o);
+        s = vec2(f16_bits(o[0] & 0xffffu));
+        m = vec2(-f16_bits(o[0] >> 16));
+        blk_nibbles(uint[4](o[1], o[2], o[3], o[4]), false, 0u, q);
+    } else if (dt == DT_Q5_0 || dt == DT_Q5_1) {
+        uint o[6], w[4], qh;
+        blk_ld3x6(W, blk, o);
+        s = vec2(f16_bits(o[0] & 0xffffu));
+        if (dt == DT_Q5_0) {
+            qh = (o[0] >> 16) | (o[1] << 16);
+            [[unroll]] for (int k = 0; k < 4; k++) w[k] = (o[k + 1] >> 16) | (o[k + 2] << 16);
+        } else {
+            m = vec2(-f16_bits(o[0] >> 16));
+            qh = o[1];
+            [[unroll]] for (int k = 0; k < 4; k++) w[k] = o[k + 2];
+        }
+        uint sub = dt == DT_Q5_0 ? 16u : 0u;
+        [[unroll]] for (int k = 0; k < 4; k++) {
+            uint lo = (w[k] & 0x0f0f0f0fu) | blk_spread4(qh >> (4 * k), 4u);
+            uint hi = ((w[k] >> 4) & 0x0f0f0f0fu) | blk_spread4(qh >> (16 + 4 * k), 4u);
+            q[k] = blk_sub_bytes(lo, sub);
+            q[k + 4] = blk_sub_bytes(hi, sub);
+        }
+    } else if (dt == DT_Q2_K) {
+        // hw: scales[16] in 0..3, d | dmin << 16 in 4.
+        uint o[8], sh = 2u * (c & 3u);
+        blk_ld3x8(W, blk + 16u + 32u * (c >> 2), o);
+        [[unroll]] for (int k = 0; k < 8; k++) q[k] = (o[k] >> sh) & 0x03030303u;
+        uint sc0 = BLK_BYTE(hw, 2u * c), sc1 = BLK_BYTE(hw, 2u * c + 1u);
+        float d = f16_bits(hw[4] & 0xffffu), dmin = f16_bits(hw[4] >> 16);
+        s = vec2(d * float(sc0 & 15u), d * float(sc1 & 15u));
+        m = vec2(dmin * float(sc0 >> 4), dmin * float(sc1 >> 4));
+    } else if (dt == DT_Q3_K) {
+        // hw: scales[12] in bytes 0..11, d in bytes 12..13.
+        uint o[8], hm[8], sh = 2u * (c & 3u);
+        blk_ld3x8(W, blk + 32u + 32u * (c >> 2), o);
+        blk_ld3x8(W, blk, hm);
+        [[unroll]] for (int k = 0; k < 8; k++)
+            q[k] = blk_sub_bytes(((o[k] >> sh) & 0x03030303u) | (((hm[k] >> c) & 0x01010101u) << 2), 4u);
+        float d = f16_bits(hw[3] & 0xffffu);
+        vec2 sc;
+        [[unroll]] for (int h = 0; h < 2; h++) {
+            uint j = 2u * c + uint(h);
+            uint lo = j < 8u ? BLK_BYTE(hw, j) & 15u : BLK_BYTE(hw, j - 8u) >> 4;
+            uint hi = (BLK_BYTE(hw, 8u + (j & 3u)) >> (2u * (j >> 2))) & 3u;
+            sc[h] = d * float(int(lo | hi << 4) - 32);
+        }
+        s = sc;
+    } else if (dt == DT_Q4_K || dt == DT_Q5_K) {
+        // hw: d | dmin << 16 in 0, scales[12] in bytes 4..15.
+        uint o[8];
+        blk_ld3x8(W, blk + (dt == DT_Q4_K ? 16u : 48u) + 32u * (c >> 1), o);
+        uint sh = 4u * (c & 1u);
+        [[unroll]] for (int k = 0; k < 8; k++) q[k] = (o[k] >> sh) & 0x0f0f0f0fu;
+        if (dt == DT_Q5_K) {
+            uint qh[8];
+            blk_ld3x8(W, blk + 16u, qh);
+            [[unroll]] for (int k = 0; k < 8; k++) q[k] |= ((qh[k] >> c) & 0x01010101u) << 4;
+        }
+        uint sc, mn;
+        if (c < 4u) {
+            sc = BLK_BYTE(hw, 4u + c) & 63u;
+            mn = BLK_BYTE(hw, 8u + c) & 63u;
+        } else {
+            sc = (BLK_BYTE(hw, 8u + c) & 15u) | (BLK_BYTE(hw, c) >> 6) << 4;
+            mn = (BLK_BYTE(hw, 8u + c) >> 4) | (BLK_BYTE(hw, 4u + c) >> 6) << 4;
+        }
+        float d = f16_bits(hw[0] & 0xffffu), dmin = f16_bits(hw[0] >> 16);
+        s = vec2(d * float(sc));
+        m = vec2(dmin * float(mn));
+    } else if (dt == DT_Q6_K) {
+        // hw: scales[16] (int8) in 0..3, d in 4.
+        uint ql[8], qh[8], h = c >> 2, k4 = c & 3u;
+        blk_ld3x8(W, blk + 64u * h + 32u * (k4 & 1u), ql);
+        blk_ld3x8(W, blk + 128u + 32u * h, qh);
+        [[unroll]] for (int k = 0; k < 8; k++)
+            q[k] = blk_sub_bytes(((ql[k] >> (4u * (k4 >> 1))) & 0x0f0f0f0fu) | (((qh[k] >> (2u * k4)) & 0x03030303u) << 4),
+                                 32u);
+        float d = f16_bits(hw[4] & 0xffffu);
+        s = vec2(d * float(int(BLK_BYTE(hw, 2u * c) << 24) >> 24), d * float(int(BLK_BYTE(hw, 2u * c + 1u) << 24) >> 24));
+    } else { // IQ4_XS; hw: d | scales_h << 16 in 0, scales_l[4] in 1.
+        uint o[4];
+        blk_ld2x4(W, blk + 8u + 16u * c, o);
+        blk_nibbles(o, true, 0u, q);
+        uint ls = ((BLK_BYTE(hw, 4u + (c >> 1)) >> (4u * (c & 1u))) & 15u) | ((hw[0] >> (16u + 2u * c)) & 3u) << 4;
+        s = vec2(f16_bits(hw[0] & 0xffffu) * float(int(ls) - 32));
+    }
+}
