@@ -184,7 +184,7 @@ struct duet_buffer {
 
 /* ---- pipelines --------------------------------------------------------------- */
 
-#define VK_MAX_SPEC 8
+#define VK_MAX_SPEC 9
 #define VK_MAX_BINDINGS 10
 #define VK_PUSH_BYTES 128
 

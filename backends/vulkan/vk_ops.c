@@ -258,6 +258,27 @@ typedef struct mm_tile_q8_push {
 } mm_tile_q8_push;
 typedef mm_tile_push mm_sg_push;
 
+/* The block types of shaders/blocks.glsl: Q4_0 ... IQ4_XS. One module per
+ * path serves them all, the type a specialization constant. */
+static bool vk_block_type(duet_dtype t) {
+    switch (t) {
+    case DUET_DTYPE_Q4_0:
+    case DUET_DTYPE_Q4_1:
+    case DUET_DTYPE_Q5_0:
+    case DUET_DTYPE_Q5_1:
+    case DUET_DTYPE_IQ4_NL:
+    case DUET_DTYPE_Q2_K:
+    case DUET_DTYPE_Q3_K:
+    case DUET_DTYPE_Q4_K:
+    case DUET_DTYPE_Q5_K:
+    case DUET_DTYPE_Q6_K:
+    case DUET_DTYPE_IQ4_XS:
+        return true;
+    default:
+        return false;
+    }
+}
+
 static vk_shader matmul_shader(duet_dtype dt, bool tile, bool dot) {
     switch (dt) {
     case DUET_DTYPE_F32:
@@ -266,9 +287,12 @@ static vk_shader matmul_shader(duet_dtype dt, bool tile, bool dot) {
         return tile ? VK_SHADER_MATMUL_TILE_F16 : VK_SHADER_MATMUL_SG_F16;
     case DUET_DTYPE_BF16:
         return tile ? VK_SHADER_MATMUL_TILE_BF16 : VK_SHADER_MATMUL_SG_BF16;
-    default:
+    case DUET_DTYPE_Q8_0:
         if (tile) return dot ? VK_SHADER_MATMUL_TILE_Q8_0_DOT : VK_SHADER_MATMUL_TILE_Q8_0;
         return dot ? VK_SHADER_MATMUL_SG_Q8_0_DOT : VK_SHADER_MATMUL_SG_Q8_0;
+    default: /* the block types */
+        if (tile) return dot ? VK_SHADER_MATMUL_TILE_BLK_DOT : VK_SHADER_MATMUL_TILE_BLK;
+        return dot ? VK_SHADER_MATMUL_SG_BLK_DOT : VK_SHADER_MATMUL_SG_BLK;
     }
 }
 
@@ -279,34 +303,38 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
     const uint64_t nt = (uint64_t)n;
     const duet_view w = op->matmul.w, x = op->matmul.x, xq8 = op->matmul.x_q8, bias = op->matmul.bias,
                     out = op->matmul.out;
-    const bool q8 = dt == DUET_DTYPE_Q8_0, xb = xq8.buf != NULL;
+    /* q8: Q8_0 weights; blk: a block type; either reads q8_0 activations (qa). */
+    const bool q8 = dt == DUET_DTYPE_Q8_0, blk = vk_block_type(dt), qa = q8 || blk, xb = xq8.buf != NULL;
     const uint64_t rb = duet_dtype_row_bytes(dt, n_in);
-    const uint64_t nb = q8 ? (uint64_t)n_in / 32 : 0;
+    const uint64_t nb = qa ? (uint64_t)n_in / 32 : 0;
 
     /* The tile path wants texel-aligned rows (and q8_0 activation rows, which
      * are laid out like weight rows); anything else takes the subgroup path,
-     * which reads at any alignment. */
-    bool tile = be->tune.matmul == VK_MATMUL_TILE && rb % 16 == 0 && w.offset % 16 == 0 &&
-                (q8 ? nb % 8 == 0 && (!xb || xq8.offset % 16 == 0)
-                    : (x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0));
-    if (!tile && !be->phys->subgroup_arith)
-        return duet__error(DUET_UNSUPPORTED,
-                           "matmul: %s rows of %d that are not 16-byte aligned need subgroup "
-                           "arithmetic, which %s lacks",
-                           duet_dtype_name(dt), n_in, be->base.info.name);
-    /* f32 activations of a q8_0 matmul are quantized first, by the rule
-     * of duet_quantize_row_q8_0 (as the cpu backend does); q8_0
+     * which reads at any alignment. The block types' tile shader reads
+     * blocks at any even byte. */
+    bool tile = be->tune.matmul == VK_MATMUL_TILE &&
+                (blk || (rb % 16 == 0 && w.offset % 16 == 0 &&
+                         (q8 ? nb % 8 == 0 && (!xb || xq8.offset % 16 == 0)
+                             : (x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0))));
+    /* f32 activations of a q8_0 or block-type matmul are quantized first,
+     * by the rule of duet_quantize_row_q8_0 (as the cpu backend does); q8_0
      * activations are read as they are. Either way the shaders read q8_0
      * block rows (xa). */
     duet_view xa = xq8;
-    if (q8 && !xb) {
+    if (qa && !xb) {
         CHECK(quantize_x(be, x, n, n_in));
         xa = (duet_view){be->xq, 0};
     }
 
-    const bool dot = q8 && be->tune.int_dot;
-    /* GPU prefill of Q8_0: the tiled GEMM (BM rows x BN tokens a group). */
-    const bool mm = q8 && !tile && be->tune.mm_min > 0 && n >= be->tune.mm_min;
+    const bool dot = qa && be->tune.int_dot;
+    /* GPU prefill of Q8_0 and the block types: the tiled GEMM (BM rows x BN
+     * tokens a group). */
+    const bool mm = qa && !tile && be->tune.mm_min > 0 && n >= be->tune.mm_min;
+    if (!tile && !mm && !be->phys->subgroup_arith)
+        return duet__error(DUET_UNSUPPORTED,
+                           "matmul: %s rows of %d that are not 16-byte aligned need subgroup "
+                           "arithmetic, which %s lacks",
+                           duet_dtype_name(dt), n_in, be->base.info.name);
     const uint32_t BM = (uint32_t)be->tune.mm_bm, BN = (uint32_t)be->tune.mm_bn;
     const uint32_t WG = mm ? (BM / 4) * (BN / 4) : (uint32_t)(tile ? be->tune.tile_wg : be->tune.sg_wg);
     const uint32_t R = mm ? BM
@@ -316,18 +344,25 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
     const uint32_t T = mm ? BN : tile && n > 1 ? (uint32_t)be->tune.tile_tokens : 1;
     const bool has_bias = bias.buf != NULL, acc = op->matmul.accumulate;
     const bool sg_aligned =
-        !q8 && rb % 16 == 0 && w.offset % 16 == 0 && x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0;
+        !qa && rb % 16 == 0 && w.offset % 16 == 0 && x.offset % 16 == 0 && ((uint64_t)n_in * 4) % 16 == 0;
     const bool sg_grouped = q8 && nb % 8 == 0 && rb % 16 == 0 && w.offset % 16 == 0 && xa.offset % 16 == 0;
-    const uint32_t spec[7] = {WG, R, tile ? T : WG, has_bias, acc, sg_aligned, sg_grouped};
-    const int n_spec = tile ? 5 : 7;
     vk_dispatch d = {.kind = DUET_OP_MATMUL};
     if (mm) {
         if (WG > be->phys->props.limits.maxComputeWorkGroupInvocations)
             return duet__error(DUET_UNSUPPORTED, "matmul: a %u x %u tile needs %u invocations", BM, BN, WG);
-        const uint32_t mspec[8] = {WG, BM, BN, 4, 4, 2, has_bias, acc};
-        CHECK(pipe(be, dot ? VK_SHADER_MATMUL_MM_Q8_0_DOT : VK_SHADER_MATMUL_MM_Q8_0, 3, 1, 8, mspec, &d));
+        const uint32_t mspec[9] = {WG, BM, BN, 4, 4, 2, has_bias, acc, (uint32_t)dt};
+        vk_shader s = blk ? (dot ? VK_SHADER_MATMUL_MM_BLK_DOT : VK_SHADER_MATMUL_MM_BLK)
+                          : (dot ? VK_SHADER_MATMUL_MM_Q8_0_DOT : VK_SHADER_MATMUL_MM_Q8_0);
+        CHECK(pipe(be, s, 3, 1, blk ? 9 : 8, mspec, &d));
+    } else if (blk && tile) {
+        const uint32_t spec[6] = {WG, R, T, has_bias, acc, (uint32_t)dt};
+        CHECK(pipe(be, matmul_shader(dt, true, dot), 3, 1, 6, spec, &d));
+    } else if (blk) {
+        const uint32_t spec[8] = {WG, R, WG, has_bias, acc, false, false, (uint32_t)dt};
+        CHECK(pipe(be, matmul_shader(dt, false, dot), 3, 1, 8, spec, &d));
     } else {
-        CHECK(pipe(be, matmul_shader(dt, tile, dot), 3, 1, n_spec, spec, &d));
+        const uint32_t spec[7] = {WG, R, tile ? T : WG, has_bias, acc, sg_aligned, sg_grouped};
+        CHECK(pipe(be, matmul_shader(dt, tile, dot), 3, 1, tile ? 5 : 7, spec, &d));
     }
     mm_sg_push sg;
     mm_tile_push tf;
@@ -370,7 +405,7 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
             if (bias.buf) d.reads[d.n_reads++] = vk_rng(bias.buf, bias.offset + r0 * 4, rc * 4);
             if (op->matmul.accumulate) d.reads[d.n_reads++] = vk_rng(out.buf, obyte, orange);
             d.writes[d.n_writes++] = vk_rng(out.buf, obyte, orange);
-            if (q8) {
+            if (qa) {
                 const size_t xo = xa.offset + (size_t)(t0 * nb * 34);
                 CHECK(tex_bind(be, name, xb ? "x_q8" : "quantized x", xa.buf, xo, tc * nb * 34, &d.bind[1],
                                &x_rel));
@@ -381,7 +416,9 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
                 d.reads[d.n_reads++] =
                     vk_rng(x.buf, x.offset + t0 * (uint64_t)n_in * 4, tc * (uint64_t)n_in * 4);
             }
-            if ((tile || mm) && q8) {
+            if ((tile || mm || blk) && qa) {
+                /* The block types' three shaders, Q8_0's tile and GEMM:
+                 * weight rows of rb bytes, activation rows of nb blocks. */
                 tq = (mm_tile_q8_push){w_rel,     (uint32_t)rb,    x_rel,        (uint32_t)nb, b_rel,
                                        o_rel / 4, (uint32_t)n_out, (uint32_t)rc, (uint32_t)tc};
                 d.push = &tq;
@@ -519,7 +556,8 @@ static duet_status rec_argmax(vk_backend *be, const duet_op *op) {
 
 /* The weight types the shaders read (matmul and embedding). */
 static bool vk_weight_ok(duet_dtype t) {
-    return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0;
+    return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0 ||
+           vk_block_type(t);
 }
 
 bool duet__vk_supports_op(int index, const duet_op *op) {
