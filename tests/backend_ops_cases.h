@@ -259,6 +259,16 @@ static const bo_case bo_cases[] = {
      * many to a step */
     {"overhead",    DUET_OP_ADD,         F32,   1, 16,       0,  0, 0, 0, 0, 0, false, false, false, false, P|H},
     {"overhead",    DUET_OP_MATMUL,      Q8,    1, 256,    256,  0, 0, 0, 0, 0, false, false, false, false, P|H},
+    /* the block weight types at the 1b up-projection: GEMV from memory
+     * (x_q8, as the forward pass feeds it) and 128-token prefill */
+#define BO_BLOCK_PERF(DT)                                                                                     \
+    {"1b-up-q8",    DUET_OP_MATMUL,      DT,    1, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P, 1}, \
+    {"1b-up-pf",    DUET_OP_MATMUL,      DT,  128, 2048,  5632,  0, 0, 0, 0, 0, false, false, false, false, P}
+    BO_BLOCK_PERF(DUET_DTYPE_Q4_0), BO_BLOCK_PERF(DUET_DTYPE_Q4_1), BO_BLOCK_PERF(DUET_DTYPE_Q5_0),
+    BO_BLOCK_PERF(DUET_DTYPE_Q5_1), BO_BLOCK_PERF(DUET_DTYPE_IQ4_NL), BO_BLOCK_PERF(DUET_DTYPE_Q2_K),
+    BO_BLOCK_PERF(DUET_DTYPE_Q3_K), BO_BLOCK_PERF(DUET_DTYPE_Q4_K), BO_BLOCK_PERF(DUET_DTYPE_Q5_K),
+    BO_BLOCK_PERF(DUET_DTYPE_Q6_K), BO_BLOCK_PERF(DUET_DTYPE_IQ4_XS),
+#undef BO_BLOCK_PERF
 };
 // clang-format on
 /* clang-format on */

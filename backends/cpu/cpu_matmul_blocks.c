@@ -8,8 +8,10 @@
  * IQ4's q are its signed table values and m = 0. Activations are q8_0
  * blocks (the op's x_q8, or x quantised here by duet_quantize_row_q8_0's
  * rule), so a chunk against activation block b (scale dx) is
- *     dx * (s0 * sum_lo(q * qx) + s1 * sum_hi(q * qx)) - (m0 * xm0 + m1 * xm1)
- * with xm the block's two 16-sums of qx times dx (prepared once per token).
+ *     dx * (s0 * sum_lo(q * qx) + s1 * sum_hi(q * qx)) - (m0 * xm_lo + m1 * xm_hi)
+ * with xm the block's sums of qx times dx, kept per 4 values (8 lanes, the
+ * lanes an int8 dot product's 32-bit sums come in; prepared once per token)
+ * so the min term is vector arithmetic on the same lanes as the products.
  * The q are unpacked in registers and meet the activations in int8 dot
  * products (maddubs on avx2, vpdpbusd on avx512): the weights are never
  * dequantised in memory. The scalar path (no x86 SIMD) dequantises one
@@ -63,23 +65,33 @@ static inline bool signed_q(duet_dtype t) {
 
 /* ---- scales (scalar: once per block and row) --------------------------------------------------- */
 
-/* q4_K/q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes. */
-static inline void k4_scale_min(const uint8_t *q, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = q[j] & 63;
-        *mn = q[j + 4] & 63;
-    } else {
-        *sc = (q[j + 4] & 0xf) | ((q[j - 4] >> 6) << 4);
-        *mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
+/* q4_K/q5_K: the 8 6-bit scales and 8 mins from the 12 packed bytes, four
+ * at a time in 32-bit words: bytes 0-3 hold scales 0-3 (low 6 bits), 4-7
+ * mins 0-3; bytes 8-11 the low 4 bits of scales and mins 4-7, whose top 2
+ * bits are the top bits of bytes 0-3 and 4-7. */
+static inline void k4_scales_mins(const uint8_t *q, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t u[3], v[4];
+    memcpy(u, q, 12);
+    v[0] = u[0] & 0x3f3f3f3fu;
+    v[1] = (u[2] & 0x0f0f0f0fu) | ((u[0] >> 6) & 0x03030303u) << 4;
+    v[2] = u[1] & 0x3f3f3f3fu;
+    v[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | ((u[1] >> 6) & 0x03030303u) << 4;
+    memcpy(sc, v, 8);
+    memcpy(mn, v + 2, 8);
 }
 
-/* q3_K: the 16 6-bit scales: low 4 bits from bytes 0..7 (low nibbles, then
- * high), top 2 from bytes 8..11. */
-static inline int k3_scale(const uint8_t *q, int k) {
-    int lo = k < 8 ? q[k] & 0xf : q[k - 8] >> 4;
-    int hi = (q[8 + k % 4] >> (2 * (k / 4))) & 3;
-    return (lo | hi << 4) - 32;
+/* q3_K: the 16 6-bit scales (minus 32): low 4 bits from bytes 0..7 (low
+ * nibbles, then high), top 2 from bytes 8..11, four at a time. */
+static inline void k3_scales(const uint8_t *q, int8_t out[16]) {
+    uint32_t u[3], v[4];
+    memcpy(u, q, 12);
+    v[0] = (u[0] & 0x0f0f0f0fu) | ((u[2] >> 0) & 0x03030303u) << 4;
+    v[1] = (u[1] & 0x0f0f0f0fu) | ((u[2] >> 2) & 0x03030303u) << 4;
+    v[2] = ((u[0] >> 4) & 0x0f0f0f0fu) | ((u[2] >> 4) & 0x03030303u) << 4;
+    v[3] = ((u[1] >> 4) & 0x0f0f0f0fu) | ((u[2] >> 6) & 0x03030303u) << 4;
+    memcpy(out, v, 16);
+    for (int k = 0; k < 16; k++)
+        out[k] = (int8_t)(out[k] - 32);
 }
 
 static inline uint16_t rd16(const uint8_t *p) {
@@ -118,8 +130,10 @@ static inline uint16_t rd16(const uint8_t *p) {
         case DUET_DTYPE_Q3_K: {                                                                              \
             const duet_block_q3_K *x = (const duet_block_q3_K *)b;                                           \
             const float d = F(rd16((const uint8_t *)&x->d));                                                 \
+            int8_t sc[16];                                                                                   \
+            k3_scales(x->scales, sc);                                                                        \
             for (int k = 0; k < 16; k++) {                                                                   \
-                o->s[k] = d * (float)k3_scale(x->scales, k);                                                 \
+                o->s[k] = d * (float)sc[k];                                                                  \
                 o->m[k] = 4.0f * o->s[k];                                                                    \
             }                                                                                                \
             break;                                                                                           \
@@ -129,11 +143,11 @@ static inline uint16_t rd16(const uint8_t *p) {
             /* d, dmin and scales sit at the same offsets in both. */                                        \
             const duet_block_q4_K *x = (const duet_block_q4_K *)b;                                           \
             const float d = F(rd16((const uint8_t *)&x->d)), dm = F(rd16((const uint8_t *)&x->dmin));        \
+            uint8_t sc[8], mn[8];                                                                            \
+            k4_scales_mins(x->scales, sc, mn);                                                               \
             for (int j = 0; j < 8; j++) {                                                                    \
-                int sc, mn;                                                                                  \
-                k4_scale_min(x->scales, j, &sc, &mn);                                                        \
-                o->s[2 * j] = o->s[2 * j + 1] = d * (float)sc;                                               \
-                o->m[2 * j] = o->m[2 * j + 1] = dm * (float)mn;                                              \
+                o->s[2 * j] = o->s[2 * j + 1] = d * (float)sc[j];                                            \
+                o->m[2 * j] = o->m[2 * j + 1] = dm * (float)mn[j];                                           \
             }                                                                                                \
             break;                                                                                           \
         }                                                                                                    \
@@ -168,22 +182,19 @@ static inline uint16_t rd16(const uint8_t *p) {
 typedef struct blk_act {
     const int8_t *q; /* [tokens][qs] */
     const float *d;  /* [tokens][ds] */
-    const float *xm; /* [tokens][2 * ds] */
+    const float *xl; /* [tokens][8 * ds]: dx * the sum of each 4 qx */
     int64_t qs, ds;
 } blk_act;
 
-static void act_layout(const duet_block_q8_0 *xb, int64_t nb, int8_t *q, float *d, float *xm) {
+static void act_layout(const duet_block_q8_0 *xb, int64_t nb, int8_t *q, float *d, float *xl) {
     for (int64_t b = 0; b < nb; b++) {
         const float dx = duet_fp16_to_fp32(xb[b].d);
-        int s0 = 0, s1 = 0;
-        for (int i = 0; i < 16; i++) {
-            s0 += xb[b].qs[i];
-            s1 += xb[b].qs[16 + i];
+        for (int l = 0; l < 8; l++) {
+            const int s = xb[b].qs[4 * l] + xb[b].qs[4 * l + 1] + xb[b].qs[4 * l + 2] + xb[b].qs[4 * l + 3];
+            xl[8 * b + l] = dx * (float)s;
         }
         memcpy(q + b * 32, xb[b].qs, 32);
         d[b] = dx;
-        xm[2 * b] = dx * (float)s0;
-        xm[2 * b + 1] = dx * (float)s1;
     }
 }
 
@@ -285,9 +296,11 @@ static void scalar_tile(duet_dtype DT, int nr, int nt, const uint8_t *w, size_t 
                         hi += q[l + 16] * xq[l + 16];
                     }
                     const float dx = x->d[(tok + j) * x->ds + b];
-                    const float *xm = x->xm + (tok + j) * 2 * x->ds + 2 * b;
+                    const float *xl = x->xl + (tok + j) * 8 * x->ds + 8 * b;
                     acc[j] += (double)(dx * (sc.s[2 * c] * (float)lo + sc.s[2 * c + 1] * (float)hi));
-                    if (has_min(DT)) acc[j] -= (double)(sc.m[2 * c] * xm[0] + sc.m[2 * c + 1] * xm[1]);
+                    if (has_min(DT))
+                        acc[j] -= (double)(sc.m[2 * c] * (xl[0] + xl[1] + xl[2] + xl[3]) +
+                                           sc.m[2 * c + 1] * (xl[4] + xl[5] + xl[6] + xl[7]));
                 }
             }
         }
@@ -299,7 +312,59 @@ static void scalar_tile(duet_dtype DT, int nr, int nt, const uint8_t *w, size_t 
 #if CPU_X86
 /* ---- avx2 / avx512: unpacking in registers ------------------------------------------------------ */
 
-BLK_SCALES(simd_scales, CPU_AVX2, _cvtsh_ss)
+BLK_SCALES(simd_scales_generic, CPU_AVX2, _cvtsh_ss)
+
+/* 8 small integers as floats times d, each twice (s[2k] = s[2k + 1]). */
+CPU_AVX2 CPU_INLINE void store_pairs(__m256i v8, float d, float *o) {
+    const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(v8), _mm256_set1_ps(d));
+    _mm256_storeu_ps(o, _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3)));
+    _mm256_storeu_ps(o + 8, _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7)));
+}
+
+/* 16 small integers (two vectors of 8) as floats times d. */
+CPU_AVX2 CPU_INLINE void store_16(__m256i lo, __m256i hi, float d, float *o) {
+    _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_cvtepi32_ps(lo), _mm256_set1_ps(d)));
+    _mm256_storeu_ps(o + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(hi), _mm256_set1_ps(d)));
+}
+
+/* The k-quants' scales with vector conversions (once per super-block and
+ * row, so their cost shows at decode); the rest as the generic code. */
+CPU_AVX2 CPU_INLINE void simd_scales(duet_dtype DT, const uint8_t *b, blk_scales *o) {
+    if (DT == DUET_DTYPE_Q4_K || DT == DUET_DTYPE_Q5_K) {
+        const duet_block_q4_K *x = (const duet_block_q4_K *)b;
+        uint8_t sc[8], mn[8];
+        k4_scales_mins(x->scales, sc, mn);
+        store_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)), _cvtsh_ss(x->d), o->s);
+        store_pairs(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)mn)), _cvtsh_ss(x->dmin), o->m);
+    } else if (DT == DUET_DTYPE_Q6_K || DT == DUET_DTYPE_Q3_K) {
+        int8_t k3[16];
+        const int8_t *sc = k3;
+        float d;
+        if (DT == DUET_DTYPE_Q6_K) {
+            const duet_block_q6_K *x = (const duet_block_q6_K *)b;
+            sc = x->scales;
+            d = _cvtsh_ss(x->d);
+        } else {
+            const duet_block_q3_K *x = (const duet_block_q3_K *)b;
+            k3_scales(x->scales, k3);
+            d = _cvtsh_ss(x->d);
+        }
+        const __m128i v = _mm_loadu_si128((const __m128i *)sc);
+        store_16(_mm256_cvtepi8_epi32(v), _mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)), d, o->s);
+        /* m = offset * s is made in the tile from s (offset 32 or 4). */
+    } else if (DT == DUET_DTYPE_Q2_K) {
+        const duet_block_q2_K *x = (const duet_block_q2_K *)b;
+        const __m128i v = _mm_loadu_si128((const __m128i *)x->scales);
+        const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0f));
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f));
+        store_16(_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), _cvtsh_ss(x->d),
+                 o->s);
+        store_16(_mm256_cvtepu8_epi32(hi), _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), _cvtsh_ss(x->dmin),
+                 o->m);
+    } else {
+        simd_scales_generic(DT, b, o);
+    }
+}
 
 /* 16 bytes -> their 32 nibbles: the low ones, then the high ones. */
 CPU_AVX2 CPU_INLINE __m256i nibbles32(const uint8_t *qs) {
@@ -431,7 +496,7 @@ static void blk_prepare_task(void *p, int chunk, int n_chunks, int worker) {
     for (int64_t i = lo; i < hi; i++) {
         if (t->xbuf) duet__cpu_quantize_q8_0(t->be, t->x + i * t->n_in, t->xbuf + i * t->nb, t->n_in);
         act_layout(t->xb + i * t->nb, t->nb, (int8_t *)t->act.q + i * t->act.qs,
-                   (float *)t->act.d + i * t->act.ds, (float *)t->act.xm + i * 2 * t->act.ds);
+                   (float *)t->act.d + i * t->act.ds, (float *)t->act.xl + i * 8 * t->act.ds);
     }
 }
 
@@ -496,14 +561,14 @@ duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const vo
     t.act.ds = t.nb;
     const size_t q_bytes = align64((size_t)t.n_tokens * (size_t)t.act.qs);
     const size_t d_bytes = align64((size_t)t.n_tokens * (size_t)t.act.ds * sizeof(float));
-    duet_status st = duet__cpu_scratch_reserve(&be->act, xbuf_bytes + q_bytes + 3 * d_bytes);
+    duet_status st = duet__cpu_scratch_reserve(&be->act, xbuf_bytes + q_bytes + 9 * d_bytes); /* d, then xl */
     if (st != DUET_OK) return st;
     uint8_t *sp = be->act.p;
     t.xbuf = xq ? NULL : (duet_block_q8_0 *)sp;
     t.xb = xq ? xq : t.xbuf;
     t.act.q = (const int8_t *)(sp + xbuf_bytes);
     t.act.d = (const float *)(sp + xbuf_bytes + q_bytes);
-    t.act.xm = (const float *)(sp + xbuf_bytes + q_bytes + d_bytes);
+    t.act.xl = (const float *)(sp + xbuf_bytes + q_bytes + d_bytes);
     duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1, blk_prepare_task,
                        &t);
     /* Keep ~256 KiB of activations in L2 while a thread's W rows cycle. */
