@@ -26,7 +26,8 @@
 #include "cpu_simd.h"
 
 #define BLK_MR 4 /* tile: rows */
-#define BLK_MT 2 /* tile: tokens */
+#define BLK_MT                                                                                               \
+    4 /* tile: tokens, at most (avx512's 32 vector registers hold 4x4 sums; avx2 and scalar take 2) */
 
 typedef float blk_res[BLK_MR][BLK_MT];
 
@@ -452,19 +453,23 @@ CPU_AVX2 CPU_INLINE __m256i simd_unpack(duet_dtype DT, const uint8_t *b, int c) 
  * avx512 (vpdpbusd on 256-bit vectors: no 16-bit intermediate). */
 #define BLK_TARGET CPU_AVX2
 #define BLK_NAME(n) avx2_##n
+#define BLK_TILE_MT 2
 #define BLK_DOT(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
 #include "cpu_matmul_blocks_tile.h"
 #undef BLK_TARGET
 #undef BLK_NAME
 #undef BLK_DOT
+#undef BLK_TILE_MT
 
 #define BLK_TARGET CPU_AVX512
 #define BLK_NAME(n) avx512_##n
+#define BLK_TILE_MT 4
 #define BLK_DOT(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
 #include "cpu_matmul_blocks_tile.h"
 #undef BLK_TARGET
 #undef BLK_NAME
 #undef BLK_DOT
+#undef BLK_TILE_MT
 #endif /* CPU_X86 */
 
 /* ---- driver ------------------------------------------------------------------------------------------ */

@@ -8,8 +8,8 @@
  * tok. Per chunk and (row, token): the products' 8 lanes times the scales
  * of their halves and dx, minus the mins times the activations' lane sums. */
 BLK_TARGET CPU_INLINE void BLK_NAME(body)(duet_dtype DT, const int NR, const int NT, const uint8_t *w,
-                                          size_t ws, const blk_act *x, int64_t tok, int64_t nsb,
-                                          blk_res res) {
+                                          size_t ws, const blk_act *x, int64_t tok, int64_t nsb, blk_res res,
+                                          int j0) {
     const int cps = DT == DUET_DTYPE_Q4_0 || DT == DUET_DTYPE_Q4_1 || DT == DUET_DTYPE_Q5_0 ||
                             DT == DUET_DTYPE_Q5_1 || DT == DUET_DTYPE_IQ4_NL
                         ? 1
@@ -99,26 +99,35 @@ BLK_TARGET CPU_INLINE void BLK_NAME(body)(duet_dtype DT, const int NR, const int
     for (int i = 0; i < NR; i++)
 #pragma GCC unroll 4
         for (int j = 0; j < NT; j++)
-            res[i][j] = avx2_hsum(acc[i][j]);
+            res[i][j0 + j] = avx2_hsum(acc[i][j]);
 }
 
-/* The tile shapes of one type: 4x2 and 4x1, and single rows at the end. */
+/* The tile shapes of one type: BLK_MR rows by BLK_TILE_MT tokens (4 on
+ * avx512, 2 on avx2), then 2 and 1 tokens; single rows at the end. */
 BLK_TARGET CPU_INLINE void BLK_NAME(shapes)(duet_dtype DT, int nr, int nt, const uint8_t *w, size_t ws,
                                             const blk_act *x, int64_t tok, int64_t nsb, blk_res res) {
-    if (nr == BLK_MR && nt == 2) {
-        BLK_NAME(body)(DT, BLK_MR, 2, w, ws, x, tok, nsb, res);
-        return;
-    }
-    if (nr == BLK_MR && nt == 1) {
-        BLK_NAME(body)(DT, BLK_MR, 1, w, ws, x, tok, nsb, res);
-        return;
-    }
-    for (int i = 0; i < nr; i++) {
-        float(*r)[BLK_MT] = (float(*)[BLK_MT])res[i];
-        if (nt == 2)
-            BLK_NAME(body)(DT, 1, 2, w + (size_t)i * ws, ws, x, tok, nsb, r);
-        else
-            BLK_NAME(body)(DT, 1, 1, w + (size_t)i * ws, ws, x, tok, nsb, r);
+    for (int j0 = 0; j0 < nt;) {
+        const int left = nt - j0;
+        const int n = BLK_TILE_MT >= 4 && left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        if (nr == BLK_MR) {
+            if (n == 4)
+                BLK_NAME(body)(DT, BLK_MR, 4, w, ws, x, tok + j0, nsb, res, j0);
+            else if (n == 2)
+                BLK_NAME(body)(DT, BLK_MR, 2, w, ws, x, tok + j0, nsb, res, j0);
+            else
+                BLK_NAME(body)(DT, BLK_MR, 1, w, ws, x, tok + j0, nsb, res, j0);
+        } else {
+            for (int i = 0; i < nr; i++) {
+                float(*r)[BLK_MT] = (float(*)[BLK_MT])res[i];
+                if (n == 4)
+                    BLK_NAME(body)(DT, 1, 4, w + (size_t)i * ws, ws, x, tok + j0, nsb, r, j0);
+                else if (n == 2)
+                    BLK_NAME(body)(DT, 1, 2, w + (size_t)i * ws, ws, x, tok + j0, nsb, r, j0);
+                else
+                    BLK_NAME(body)(DT, 1, 1, w + (size_t)i * ws, ws, x, tok + j0, nsb, r, j0);
+            }
+        }
+        j0 += n;
     }
 }
 
