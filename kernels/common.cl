@@ -171,28 +171,42 @@ inline float load_elem(int dt, gbytes row, int i) {
  * whole blocks of 18..210 bytes): bytes through vload16 of uchar, fp16
  * and 16-bit fields through ushort loads. */
 #if defined(WTYPE) && DT_IS_BLK(WTYPE)
+/* Every helper below is inlined into its kernel: its chunk index and type
+ * branches must become constants there (PoCL's inliner left the larger
+ * decoders as calls with run-time shifts, 3-5x slower). */
+#define BLK_INLINE inline __attribute__((always_inline))
 #define BLK_QK DT_BLK_QK(WTYPE)
 #define BLK_BYTES DT_BLK_BYTES(WTYPE)
 #define BLK_CPB (BLK_QK / 32) /* chunks per block */
 #define BLK_MIN                                                                                              \
     (WTYPE == DT_Q4_1 || WTYPE == DT_Q5_1 || WTYPE == DT_Q2_K || WTYPE == DT_Q4_K || WTYPE == DT_Q5_K)
 
-inline uint blk_u16(gbytes p) { return *(global const ushort *)p; }
+BLK_INLINE uint blk_u16(gbytes p) { return *(global const ushort *)p; }
 
-/* IQ4_NL / IQ4_XS: the 16 levels, looked up 16 lanes at a time. */
-inline char16 iq4_lookup(uchar16 nib) {
-    const char16 kv = (char16)(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-    return shuffle(kv, nib);
+/* IQ4_NL / IQ4_XS: the 16 levels of 16 nibbles, through a tree of selects
+ * on the nibbles' bits (each moved into the sign bit, which select tests):
+ * 15 blends per 16 lanes, where shuffle() with a variable mask becomes
+ * one extract and insert per lane on PoCL. */
+BLK_INLINE char16 iq4_lookup(uchar16 nib) {
+#define IQ4_C(v) ((char16)(v))
+    const char16 b0 = as_char16(nib << (uchar)7), b1 = as_char16(nib << (uchar)6);
+    const char16 b2 = as_char16(nib << (uchar)5), b3 = as_char16(nib << (uchar)4);
+    const char16 l0 = select(select(IQ4_C(-127), IQ4_C(-104), b0), select(IQ4_C(-83), IQ4_C(-65), b0), b1);
+    const char16 l1 = select(select(IQ4_C(-49), IQ4_C(-35), b0), select(IQ4_C(-22), IQ4_C(-10), b0), b1);
+    const char16 h0 = select(select(IQ4_C(1), IQ4_C(13), b0), select(IQ4_C(25), IQ4_C(38), b0), b1);
+    const char16 h1 = select(select(IQ4_C(53), IQ4_C(69), b0), select(IQ4_C(89), IQ4_C(113), b0), b1);
+#undef IQ4_C
+    return select(select(l0, l1, b2), select(h0, h1, b2), b3);
 }
 
 /* Bit j of h, j = 0..15, as 16 in lane j (the fifth bit of q5 quants). */
-inline uchar16 bit4_16(uint h) {
+BLK_INLINE uchar16 bit4_16(uint h) {
     const uint16 b = ((uint16)(h) >> (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)) & (uint16)(1u);
     return convert_uchar16(b) << (uchar)4;
 }
 
 /* q4_K / q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes at q. */
-inline void k4_scale_min(gbytes q, int j, float *sc, float *mn) {
+BLK_INLINE void k4_scale_min(gbytes q, int j, float *sc, float *mn) {
     if (j < 4) {
         *sc = (float)(q[j] & 63);
         *mn = (float)(q[j + 4] & 63);
@@ -203,7 +217,7 @@ inline void k4_scale_min(gbytes q, int j, float *sc, float *mn) {
 }
 
 /* q3_K: the 6-bit scale of sub-block k, less 32. */
-inline float k3_scale(gbytes q, int k) {
+BLK_INLINE float k3_scale(gbytes q, int k) {
     const int lo = k < 8 ? q[k] & 0xf : q[k - 8] >> 4;
     const int hi = (q[8 + k % 4] >> (2 * (k / 4))) & 3;
     return (float)((lo | hi << 4) - 32);
@@ -211,7 +225,7 @@ inline float k3_scale(gbytes q, int k) {
 
 /* Chunk c (0 .. BLK_CPB - 1) of the block at blk: qa = q of its weights
  * 0..15, qb = 16..31; s0, m0 and s1, m1 their scales and mins. */
-inline void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, float *s1, float *m0, float *m1) {
+BLK_INLINE void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, float *s1, float *m0, float *m1) {
     const uchar16 m4 = (uchar16)(0xf), m2 = (uchar16)(3);
     *m0 = *m1 = 0.0f;
 #if WTYPE == DT_Q4_0 || WTYPE == DT_IQ4_NL || WTYPE == DT_Q4_1
@@ -304,13 +318,11 @@ inline void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, floa
 #endif
 }
 
-/* Chunk cg of a row (block cg / BLK_CPB) as f32: wa = weights 0..15, wb = 16..31. */
-inline void blk_chunk_f32(gbytes row, int cg, float16 *wa, float16 *wb) {
-    int b, c;
-    DIVMOD(cg, BLK_CPB, b, c);
+/* Chunk c of the block at blk as f32: wa = weights 0..15, wb = 16..31. */
+BLK_INLINE void blk_chunk_f32(gbytes blk, int c, float16 *wa, float16 *wb) {
     char16 qa, qb;
     float s0, s1, m0, m1;
-    blk_chunk(row + (ulong)b * BLK_BYTES, c, &qa, &qb, &s0, &s1, &m0, &m1);
+    blk_chunk(blk, c, &qa, &qb, &s0, &s1, &m0, &m1);
 #if BLK_MIN
     *wa = fma(convert_float16(qa), (float16)(s0), (float16)(-m0));
     *wb = fma(convert_float16(qb), (float16)(s1), (float16)(-m1));

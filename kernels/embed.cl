@@ -17,7 +17,11 @@ kernel void embed_blk(gbytes tokens, ulong tok_off, gbytes table, ulong table_of
     if (cg >= dim / 32) return;
     const int tok = AT_CONST(int, tokens, tok_off)[t];
     float16 wa = (float16)(0.0f), wb = (float16)(0.0f);
-    if (tok >= 0 && (ulong)tok < n_rows) blk_chunk_f32(table + table_off + (ulong)tok * row_bytes(WTYPE, dim), cg, &wa, &wb);
+    if (tok >= 0 && (ulong)tok < n_rows) {
+        int b, c;
+        DIVMOD(cg, BLK_CPB, b, c);
+        blk_chunk_f32(table + table_off + (ulong)tok * row_bytes(WTYPE, dim) + (ulong)b * BLK_BYTES, c, &wa, &wb);
+    }
     global float *dst = AT(float, out, out_off) + (ulong)t * dim + (ulong)cg * 32;
     vstore16(wa, 0, dst);
     vstore16(wb, 1, dst);

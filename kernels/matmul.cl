@@ -125,7 +125,7 @@ inline void mv_store(float (*res)[MV_MT], local float *red, int lane, int r0, in
     for (int r = 0; r < MV_NR; r++)
 #pragma unroll
         for (int t = 0; t < MV_MT; t++) {
-            if (t >= mt) break;
+            if (t >= mt) continue;
             red[lid] = res[r][t];
             barrier(CLK_LOCAL_MEM_FENCE);
             for (int o = MV_R / 2; o > 0; o >>= 1) {
@@ -547,8 +547,9 @@ kernel void matmul_q8_0_q8_0_tiled(gbytes w, ulong w_off, gbytes x, ulong x_off,
  *
  * Q4_0 .. IQ4_XS weights read 32 at a time as w = s * q - m (blk_chunk in
  * common.cl), decoded in registers; the work split of `matmul` (MV_R
- * lanes per row group striding over the 32-weight chunks, MV_NR rows x mt
- * tokens per work-item). Four kernels in one program per type:
+ * lanes per row group striding over the blocks, MV_NR rows x mt tokens
+ * per work-item). A super-block's eight chunks are unrolled, so their
+ * shifts and scale offsets are constants and its fp16 scales load once. Four kernels in one program per type:
  *
  *   matvec_blk_f32, matmul_blk_f32      f32 x; 1 or MV_MT tokens per work-item
  *   matvec_blk_q8_0, matmul_blk_q8_0    q8_0 x (x_q8), the same
@@ -563,7 +564,7 @@ kernel void matmul_q8_0_q8_0_tiled(gbytes w, ulong w_off, gbytes x, ulong x_off,
 #if DT_IS_BLK(WTYPE)
 #define BLK_INT (INT_DOT != 0 || MV_R > 1)
 
-inline float hsum16(float16 v) {
+BLK_INLINE float hsum16(float16 v) {
     float l[16];
     vstore16(v, 0, l);
     float s = 0.0f;
@@ -572,13 +573,13 @@ inline float hsum16(float16 v) {
     return s;
 }
 
-inline void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off, global uchar *out,
+BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off, global uchar *out,
                        ulong out_off, int n_in, int n_out, int n_tokens, int flags, const int mt, const bool xq8,
                        local float *red) {
     const int lane = get_local_id(0) % MV_R;
     const int r0 = (int)(get_global_id(0) / MV_R) * MV_NR;
     const int t0 = (int)get_global_id(1) * mt;
-    const int nc = n_in / 32;
+    const int nc = n_in / 32, nb = n_in / BLK_QK;
     const ulong rb = row_bytes(WTYPE, n_in), xrb = xq8 ? (ulong)nc * Q8_0_BYTES : (ulong)n_in * 4;
     gbytes wrow[MV_NR], xrow[MV_MT];
 #pragma unroll
@@ -592,13 +593,16 @@ inline void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias
         for (int t = 0; t < MV_MT; t++) res[r][t] = 0.0f;
 
     if (xq8 && BLK_INT) {
-        for (int cg = lane; cg < nc; cg += MV_R) {
+        for (int b = lane; b < nb; b += MV_R)
+#pragma unroll
+        for (int c = 0; c < BLK_CPB; c++) {
+            const int cg = b * BLK_CPB + c;
             uint xw[MV_MT][8];
             float dx[MV_MT];
             int xs0[MV_MT], xs1[MV_MT];
 #pragma unroll
             for (int t = 0; t < MV_MT; t++) {
-                if (t >= mt) break;
+                if (t >= mt) continue; /* (not break: loops with one exit unroll) */
                 gbytes xblk = xrow[t] + (ulong)cg * Q8_0_BYTES;
                 global const ushort *h = (global const ushort *)(xblk + 2);
 #pragma unroll
@@ -613,8 +617,6 @@ inline void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias
                 }
 #endif
             }
-            int b, c;
-            DIVMOD(cg, BLK_CPB, b, c);
 #pragma unroll
             for (int r = 0; r < MV_NR; r++) {
                 char16 qa, qb;
@@ -623,7 +625,7 @@ inline void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias
                 const uint4 wa = as_uint4(qa), wb = as_uint4(qb);
 #pragma unroll
                 for (int t = 0; t < MV_MT; t++) {
-                    if (t >= mt) break;
+                    if (t >= mt) continue;
                     int lo = dot4(wa.x, xw[t][0], 0), hi = dot4(wb.x, xw[t][4], 0);
                     lo = dot4(wa.y, xw[t][1], lo);
                     hi = dot4(wb.y, xw[t][5], hi);
@@ -645,11 +647,14 @@ inline void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias
         for (int r = 0; r < MV_NR; r++)
 #pragma unroll
             for (int t = 0; t < MV_MT; t++) acc[r][t] = (float16)(0.0f);
-        for (int cg = lane; cg < nc; cg += MV_R) {
+        for (int b = lane; b < nb; b += MV_R)
+#pragma unroll
+        for (int c = 0; c < BLK_CPB; c++) {
+            const int cg = b * BLK_CPB + c;
             float16 xa[MV_MT], xb[MV_MT];
 #pragma unroll
             for (int t = 0; t < MV_MT; t++) {
-                if (t >= mt) break;
+                if (t >= mt) continue;
                 if (xq8) {
                     gbytes xblk = xrow[t] + (ulong)cg * Q8_0_BYTES;
                     const float dx = load_half(xblk);
@@ -663,10 +668,10 @@ inline void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias
 #pragma unroll
             for (int r = 0; r < MV_NR; r++) {
                 float16 wa, wb;
-                blk_chunk_f32(wrow[r], cg, &wa, &wb);
+                blk_chunk_f32(wrow[r] + (ulong)b * BLK_BYTES, c, &wa, &wb);
 #pragma unroll
                 for (int t = 0; t < MV_MT; t++) {
-                    if (t >= mt) break;
+                    if (t >= mt) continue;
                     acc[r][t] = fma(wa, xa[t], acc[r][t]);
                     acc[r][t] = fma(wb, xb[t], acc[r][t]);
                 }
