@@ -647,7 +647,19 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
         for (int r = 0; r < MV_NR; r++)
 #pragma unroll
             for (int t = 0; t < MV_MT; t++) acc[r][t] = (float16)(0.0f);
-        for (int b = lane; b < nb; b += MV_R)
+        for (int b = lane; b < nb; b += MV_R) {
+            /* The activation scales of the block's chunks (a super-block's
+             * eight convert together, as in q8_scales8's other users). */
+            float dxs[MV_MT][BLK_CPB];
+#pragma unroll
+            for (int t = 0; t < MV_MT; t++) {
+                if (t >= mt || !xq8) continue;
+#if BLK_CPB == 8
+                vstore8(q8_scales8(xrow[t], b * 8), 0, dxs[t]);
+#else
+                dxs[t][0] = load_half(xrow[t] + (ulong)b * Q8_0_BYTES);
+#endif
+            }
 #pragma unroll
         for (int c = 0; c < BLK_CPB; c++) {
             const int cg = b * BLK_CPB + c;
@@ -657,7 +669,7 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
                 if (t >= mt) continue;
                 if (xq8) {
                     gbytes xblk = xrow[t] + (ulong)cg * Q8_0_BYTES;
-                    const float dx = load_half(xblk);
+                    const float dx = dxs[t][c];
                     xa[t] = convert_float16(vload16(0, (global const char *)(xblk + 2))) * dx;
                     xb[t] = convert_float16(vload16(1, (global const char *)(xblk + 2))) * dx;
                 } else {
@@ -676,6 +688,7 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
                     acc[r][t] = fma(wb, xb[t], acc[r][t]);
                 }
             }
+        }
         }
 #pragma unroll
         for (int r = 0; r < MV_NR; r++)
