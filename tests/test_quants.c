@@ -78,7 +78,9 @@ START_TEST(test_table) {
         ck_assert_int_eq(duet_dtype_is_weight(k->t), k->weight);
         ck_assert_uint_eq(duet_dtype_row_bytes(k->t, 2 * k->block), 2 * k->bytes);
         ck_assert_uint_eq(duet_dtype_row_bytes(k->t, k->block + 1), 0);
-        if (k->t != DUET_DTYPE_Q8_0) ck_assert(!duet_dtype_takes_q8_activations(k->t)); /* no kernel yet */
+        /* Every weight block is whole 32-value groups: its matmuls read q8_0
+         * activations; q8_K (activations only) does not. */
+        ck_assert_int_eq(duet_dtype_takes_q8_activations(k->t), k->weight);
     }
     ck_assert_int_eq(duet_iq4nl_values[0], -127);
     ck_assert_int_eq(duet_iq4nl_values[15], 113);
