@@ -1,7 +1,8 @@
 /* matmul.cl — MATMUL: out[t][o] = sum_i W[o][i] x[t][i] (+ bias[o]) (+ out[t][o]).
  *
- * W is row-major [n_out][n_in] in WTYPE (f32, f16, bf16 or q8_0 blocks),
- * x and out are f32. One source for decode (one token) and prefill (many):
+ * W is row-major [n_out][n_in] in WTYPE (f32, f16, bf16 or q8_0 blocks;
+ * the other block types have their own kernels at the end), x and out are
+ * f32. One source for decode (one token) and prefill (many):
  *
  *   - MV_R work-items share one dot product (1 on CPUs; a warp or wave on
  *     GPUs, reduced through local memory at the end);
@@ -548,8 +549,9 @@ kernel void matmul_q8_0_q8_0_tiled(gbytes w, ulong w_off, gbytes x, ulong x_off,
  * Q4_0 .. IQ4_XS weights read 32 at a time as w = s * q - m (blk_chunk in
  * common.cl), decoded in registers; the work split of `matmul` (MV_R
  * lanes per row group striding over the blocks, MV_NR rows x mt tokens
- * per work-item). A super-block's eight chunks are unrolled, so their
- * shifts and scale offsets are constants and its fp16 scales load once. Four kernels in one program per type:
+ * per work-item). On CPUs a super-block's eight chunks are unrolled, so
+ * their shifts and scale offsets are constants and its fp16 scales load
+ * once. Four kernels in one program per type:
  *
  *   matvec_blk_f32, matmul_blk_f32      f32 x; 1 or MV_MT tokens per work-item
  *   matvec_blk_q8_0, matmul_blk_q8_0    q8_0 x (x_q8), the same
@@ -563,6 +565,14 @@ kernel void matmul_q8_0_q8_0_tiled(gbytes w, ulong w_off, gbytes x, ulong x_off,
  * need a multiply, a conversion and an fma per token and half). */
 #if DT_IS_BLK(WTYPE)
 #define BLK_INT (INT_DOT != 0 || MV_R > 1)
+/* CPUs (MV_R = 1) unroll a super-block's chunks; GPUs shift by a run-time
+ * amount at no cost, and the test variants that force GPU work splits on
+ * PoCL compile several times faster without the unrolled copies. */
+#if MV_R == 1
+#define BLK_UNROLL_C _Pragma("unroll")
+#else
+#define BLK_UNROLL_C _Pragma("unroll 1")
+#endif
 
 BLK_INLINE float hsum16(float16 v) {
     float l[16];
@@ -594,8 +604,7 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
 
     if (xq8 && BLK_INT) {
         for (int b = lane; b < nb; b += MV_R)
-#pragma unroll
-        for (int c = 0; c < BLK_CPB; c++) {
+        _Pragma("unroll 1") for (int c = 0; c < BLK_CPB; c++) {
             const int cg = b * BLK_CPB + c;
             uint xw[MV_MT][8];
             float dx[MV_MT];
@@ -660,8 +669,7 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
                 dxs[t][0] = load_half(xrow[t] + (ulong)b * Q8_0_BYTES);
 #endif
             }
-#pragma unroll
-        for (int c = 0; c < BLK_CPB; c++) {
+        BLK_UNROLL_C for (int c = 0; c < BLK_CPB; c++) {
             const int cg = b * BLK_CPB + c;
             float16 xa[MV_MT], xb[MV_MT];
 #pragma unroll
