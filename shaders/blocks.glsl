@@ -25,8 +25,8 @@
 // even size, and the HAL allows rows at any 2-byte offset). blk_ld* fetch
 // the texels holding a byte range and shift the words into place by the
 // range's word and half-word phase, as load_q8_block does; texel indices are
-// clamped to the view, so a range that ends early in its last texel never
-// reads past the view.
+// clamped to the view (blk_last, which the shader sets from textureSize),
+// so a range that ends early in its last texel never reads past the view.
 
 #define DT_Q4_0 2u
 #define DT_Q4_1 3u
@@ -64,32 +64,47 @@ uint blk_chunks(uint dt) {
     return (dt >= DT_Q2_K && dt <= DT_Q6_K) || dt == DT_IQ4_XS ? 8u : 1u;
 }
 
+// Blocks per whole number of texels: in a row that starts on a texel, block
+// j's phase (byte offset in its texel) repeats with this period.
+uint blk_group(uint dt) {
+    return dt == DT_Q4_K || dt == DT_Q5_K          ? 1u
+         : dt == DT_Q5_1 || dt == DT_IQ4_XS        ? 2u
+         : dt == DT_Q4_1 || dt == DT_Q2_K          ? 4u
+                                                   : 8u; // 18, 22, 110, 210 bytes
+}
+
 bool blk_has_min(uint dt) {
     return dt == DT_Q4_1 || dt == DT_Q5_1 || dt == DT_Q2_K || dt == DT_Q4_K || dt == DT_Q5_K;
 }
 
-// Defines `void FN(usamplerBuffer b, uint byte, out uint o[NW])`: o[k] = the
-// 32 bits at byte + 4k (byte even), from NT texel fetches. NT texels hold
-// any 16 * NT - 14 bytes that start on an even byte; words past those are
-// undefined. NW <= 4 * NT - 1.
+// The last texel of the weights' view: a shader sets it once, before any
+// load (textureSize per load costs as much as a fetch on CPU devices).
+int blk_last;
+
+// Defines `void FN(usamplerBuffer b, int tex, uint ph, out uint o[NW])`:
+// o[k] = the 32 bits at byte 16 * tex + ph + 4k (ph even, any size), from
+// NT texel fetches. NT texels hold any 16 * NT - 14 bytes that start on an
+// even byte; words past those are undefined. NW <= 4 * NT - 1. Where ph is
+// a compile-time constant (the aligned paths of the shaders) the shifting
+// folds away.
 #define DEFINE_BLK_LOAD(FN, NT, NW)                                                                   \
-    void FN(usamplerBuffer b, uint byte, out uint o[NW]) {                                            \
-        int base = int(byte >> 4), last = textureSize(b) - 1;                                         \
+    void FN(usamplerBuffer b, int tex, uint ph, out uint o[NW]) {                                     \
+        int base = tex + int(ph >> 4);                                                                \
         uint u[4 * NT + 3];                                                                           \
         [[unroll]] for (int t = 0; t < NT; t++) {                                                     \
-            uvec4 v = texelFetch(b, min(base + t, last));                                             \
+            uvec4 v = texelFetch(b, min(base + t, blk_last));                                         \
             u[4 * t] = v.x;                                                                           \
             u[4 * t + 1] = v.y;                                                                       \
             u[4 * t + 2] = v.z;                                                                       \
             u[4 * t + 3] = v.w;                                                                       \
         }                                                                                             \
         [[unroll]] for (int k = 4 * NT; k < 4 * NT + 3; k++) u[k] = 0u;                               \
-        uint w0 = (byte >> 2) & 3u;                                                                   \
+        uint w0 = (ph >> 2) & 3u;                                                                     \
         uint v2[4 * NT + 1];                                                                          \
         [[unroll]] for (int k = 0; k < 4 * NT + 1; k++) v2[k] = (w0 & 2u) != 0u ? u[k + 2] : u[k];    \
         uint a[4 * NT];                                                                               \
         [[unroll]] for (int k = 0; k < 4 * NT; k++) a[k] = (w0 & 1u) != 0u ? v2[k + 1] : v2[k];       \
-        bool odd = (byte & 2u) != 0u;                                                                 \
+        bool odd = (ph & 2u) != 0u;                                                                   \
         [[unroll]] for (int k = 0; k < NW; k++) o[k] = odd ? (a[k] >> 16) | (a[k + 1] << 16) : a[k];  \
     }
 
@@ -112,12 +127,22 @@ uint blk_spread4(uint h, uint at) {
     return ((h & 1u) | ((h & 2u) << 7) | ((h & 4u) << 14) | ((h & 8u) << 21)) << at;
 }
 
-const int BLK_IQ4NL[16] = int[16](-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+// The IQ4 levels, four int8 a word.
+#define BLK_IQ4_W0 0xbfad9881u // -127, -104, -83, -65
+#define BLK_IQ4_W1 0xf6eaddcfu // -49, -35, -22, -10
+#define BLK_IQ4_W2 0x26190d01u // 1, 13, 25, 38
+#define BLK_IQ4_W3 0x71594535u // 53, 69, 89, 113
+
+// The IQ4 level of nibble n (the low 4 bits), as an int8 in the low byte:
+// selects, not an indexed table (which CPU implementations gather).
+uint blk_iq4_1(uint n) {
+    uint w = (n & 8u) != 0u ? ((n & 4u) != 0u ? BLK_IQ4_W3 : BLK_IQ4_W2) : ((n & 4u) != 0u ? BLK_IQ4_W1 : BLK_IQ4_W0);
+    return (w >> ((n & 3u) * 8u)) & 0xffu;
+}
 
 // The IQ4 levels of four nibbles (one a byte), as int8.
 uint blk_iq4(uint n) {
-    return (uint(BLK_IQ4NL[n & 15u]) & 0xffu) | (uint(BLK_IQ4NL[(n >> 8) & 15u]) & 0xffu) << 8 |
-           (uint(BLK_IQ4NL[(n >> 16) & 15u]) & 0xffu) << 16 | (uint(BLK_IQ4NL[(n >> 24) & 15u]) & 0xffu) << 24;
+    return blk_iq4_1(n) | blk_iq4_1(n >> 8) << 8 | blk_iq4_1(n >> 16) << 16 | blk_iq4_1(n >> 24) << 24;
 }
 
 // The low and the high nibbles of 16 bytes (4 words) as 32 codes.
@@ -131,53 +156,63 @@ void blk_nibbles(uint w[4], bool iq4, uint sub, out uint q[8]) {
 
 // The part of a super-block every chunk needs (scales, d), loaded once per
 // block: see blk_chunk for what each word holds. Nothing for the 32-blocks.
-void blk_head(usamplerBuffer W, uint dt, uint blk, out uint hw[5]) {
+// A block is addressed as (tex, ph): its first byte is 16 * tex + ph.
+void blk_head(usamplerBuffer W, uint dt, int tex, uint ph, out uint hw[5]) {
     hw = uint[5](0u, 0u, 0u, 0u, 0u);
     if (dt == DT_Q2_K) {
         uint o[4], e[2];
-        blk_ld2x4(W, blk, o); // scales[16]
-        blk_ld2x2(W, blk + 80u, e); // d, dmin
+        blk_ld2x4(W, tex, ph, o); // scales[16]
+        blk_ld2x2(W, tex, ph + 80u, e); // d, dmin
         hw = uint[5](o[0], o[1], o[2], o[3], e[0]);
     } else if (dt == DT_Q3_K) {
         uint o[4];
-        blk_ld2x4(W, blk + 96u, o); // scales[12], d
+        blk_ld2x4(W, tex, ph + 96u, o); // scales[12], d
         hw = uint[5](o[0], o[1], o[2], o[3], 0u);
     } else if (dt == DT_Q4_K || dt == DT_Q5_K) {
         uint o[4];
-        blk_ld2x4(W, blk, o); // d, dmin, scales[12]
+        blk_ld2x4(W, tex, ph, o); // d, dmin, scales[12]
         hw = uint[5](o[0], o[1], o[2], o[3], 0u);
     } else if (dt == DT_Q6_K) {
         uint o[5];
-        blk_ld2x5(W, blk + 192u, o); // scales[16], d
+        blk_ld2x5(W, tex, ph + 192u, o); // scales[16], d
         hw = o;
     } else if (dt == DT_IQ4_XS) {
         uint o[2];
-        blk_ld2x2(W, blk, o); // d, scales_h, scales_l[4]
+        blk_ld2x2(W, tex, ph, o); // d, scales_h, scales_l[4]
         hw = uint[5](o[0], o[1], 0u, 0u, 0u);
     }
 }
 
-// Chunk c of the block at byte `blk` (hw: its blk_head). The scales are
+// Chunk c of the block at (tex, ph) (hw: its blk_head). The scales are
 // formed in the order of quants.c's dequantizers (d * sub-block scale
 // first), so s * q - m is the reference value exactly: every product
 // there is exact in f32.
-void blk_chunk(usamplerBuffer W, uint dt, uint blk, uint hw[5], uint c, out uint q[8], out vec2 s, out vec2 m) {
+// Chunk offsets inside a block that depend on c are whole texels (added to
+// tex), so a constant ph stays constant.
+//
+// blk_chunk_u: the same with q unsigned (0..63) wherever the type has a
+// fixed offset, the offset moved into m (m = offset * s): the form the float
+// paths on CPU devices take, where unpacking unsigned bytes is cheaper.
+// IQ4's q stay signed (blk_signed).
+void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, bool uq, out uint q[8], out vec2 s,
+                 out vec2 m) {
     m = vec2(0.0);
     if (dt == DT_Q4_0 || dt == DT_IQ4_NL) {
         uint o[5], w[4];
-        blk_ld2x5(W, blk, o);
+        blk_ld2x5(W, tex, ph, o);
         s = vec2(f16_bits(o[0] & 0xffffu));
         [[unroll]] for (int k = 0; k < 4; k++) w[k] = (o[k] >> 16) | (o[k + 1] << 16);
-        blk_nibbles(w, dt == DT_IQ4_NL, 8u, q);
+        blk_nibbles(w, dt == DT_IQ4_NL, uq ? 0u : 8u, q);
+        if (uq && dt == DT_Q4_0) m = 8.0 * s;
     } else if (dt == DT_Q4_1) {
         uint o[6];
-        blk_ld3x6(W, blk, o);
+        blk_ld3x6(W, tex, ph, o);
         s = vec2(f16_bits(o[0] & 0xffffu));
         m = vec2(-f16_bits(o[0] >> 16));
         blk_nibbles(uint[4](o[1], o[2], o[3], o[4]), false, 0u, q);
     } else if (dt == DT_Q5_0 || dt == DT_Q5_1) {
         uint o[6], w[4], qh;
-        blk_ld3x6(W, blk, o);
+        blk_ld3x6(W, tex, ph, o);
         s = vec2(f16_bits(o[0] & 0xffffu));
         if (dt == DT_Q5_0) {
             qh = (o[0] >> 16) | (o[1] << 16);
@@ -187,7 +222,8 @@ void blk_chunk(usamplerBuffer W, uint dt, uint blk, uint hw[5], uint c, out uint
             qh = o[1];
             [[unroll]] for (int k = 0; k < 4; k++) w[k] = o[k + 2];
         }
-        uint sub = dt == DT_Q5_0 ? 16u : 0u;
+        uint sub = dt == DT_Q5_0 && !uq ? 16u : 0u;
+        if (uq && dt == DT_Q5_0) m = 16.0 * s;
         [[unroll]] for (int k = 0; k < 4; k++) {
             uint lo = (w[k] & 0x0f0f0f0fu) | blk_spread4(qh >> (4 * k), 4u);
             uint hi = ((w[k] >> 4) & 0x0f0f0f0fu) | blk_spread4(qh >> (16 + 4 * k), 4u);
@@ -197,7 +233,7 @@ void blk_chunk(usamplerBuffer W, uint dt, uint blk, uint hw[5], uint c, out uint
     } else if (dt == DT_Q2_K) {
         // hw: scales[16] in 0..3, d | dmin << 16 in 4.
         uint o[8], sh = 2u * (c & 3u);
-        blk_ld3x8(W, blk + 16u + 32u * (c >> 2), o);
+        blk_ld3x8(W, tex + 2 * int(c >> 2), ph + 16u, o);
         [[unroll]] for (int k = 0; k < 8; k++) q[k] = (o[k] >> sh) & 0x03030303u;
         uint sc0 = BLK_BYTE(hw, 2u * c), sc1 = BLK_BYTE(hw, 2u * c + 1u);
         float d = f16_bits(hw[4] & 0xffffu), dmin = f16_bits(hw[4] >> 16);
@@ -206,10 +242,10 @@ void blk_chunk(usamplerBuffer W, uint dt, uint blk, uint hw[5], uint c, out uint
     } else if (dt == DT_Q3_K) {
         // hw: scales[12] in bytes 0..11, d in bytes 12..13.
         uint o[8], hm[8], sh = 2u * (c & 3u);
-        blk_ld3x8(W, blk + 32u + 32u * (c >> 2), o);
-        blk_ld3x8(W, blk, hm);
+        blk_ld3x8(W, tex + 2 * int(c >> 2), ph + 32u, o);
+        blk_ld3x8(W, tex, ph, hm);
         [[unroll]] for (int k = 0; k < 8; k++)
-            q[k] = blk_sub_bytes(((o[k] >> sh) & 0x03030303u) | (((hm[k] >> c) & 0x01010101u) << 2), 4u);
+            q[k] = blk_sub_bytes(((o[k] >> sh) & 0x03030303u) | (((hm[k] >> c) & 0x01010101u) << 2), uq ? 0u : 4u);
         float d = f16_bits(hw[3] & 0xffffu);
         vec2 sc;
         [[unroll]] for (int h = 0; h < 2; h++) {
@@ -219,15 +255,16 @@ void blk_chunk(usamplerBuffer W, uint dt, uint blk, uint hw[5], uint c, out uint
             sc[h] = d * float(int(lo | hi << 4) - 32);
         }
         s = sc;
+        if (uq) m = 4.0 * s;
     } else if (dt == DT_Q4_K || dt == DT_Q5_K) {
         // hw: d | dmin << 16 in 0, scales[12] in bytes 4..15.
         uint o[8];
-        blk_ld3x8(W, blk + (dt == DT_Q4_K ? 16u : 48u) + 32u * (c >> 1), o);
+        blk_ld3x8(W, tex + 2 * int(c >> 1), ph + (dt == DT_Q4_K ? 16u : 48u), o);
         uint sh = 4u * (c & 1u);
         [[unroll]] for (int k = 0; k < 8; k++) q[k] = (o[k] >> sh) & 0x0f0f0f0fu;
         if (dt == DT_Q5_K) {
             uint qh[8];
-            blk_ld3x8(W, blk + 16u, qh);
+            blk_ld3x8(W, tex, ph + 16u, qh);
             [[unroll]] for (int k = 0; k < 8; k++) q[k] |= ((qh[k] >> c) & 0x01010101u) << 4;
         }
         uint sc, mn;
@@ -244,18 +281,36 @@ void blk_chunk(usamplerBuffer W, uint dt, uint blk, uint hw[5], uint c, out uint
     } else if (dt == DT_Q6_K) {
         // hw: scales[16] (int8) in 0..3, d in 4.
         uint ql[8], qh[8], h = c >> 2, k4 = c & 3u;
-        blk_ld3x8(W, blk + 64u * h + 32u * (k4 & 1u), ql);
-        blk_ld3x8(W, blk + 128u + 32u * h, qh);
+        blk_ld3x8(W, tex + 4 * int(h) + 2 * int(k4 & 1u), ph, ql);
+        blk_ld3x8(W, tex + 2 * int(h), ph + 128u, qh);
         [[unroll]] for (int k = 0; k < 8; k++)
             q[k] = blk_sub_bytes(((ql[k] >> (4u * (k4 >> 1))) & 0x0f0f0f0fu) | (((qh[k] >> (2u * k4)) & 0x03030303u) << 4),
-                                 32u);
+                                 uq ? 0u : 32u);
         float d = f16_bits(hw[4] & 0xffffu);
         s = vec2(d * float(int(BLK_BYTE(hw, 2u * c) << 24) >> 24), d * float(int(BLK_BYTE(hw, 2u * c + 1u) << 24) >> 24));
+        if (uq) m = 32.0 * s;
     } else { // IQ4_XS; hw: d | scales_h << 16 in 0, scales_l[4] in 1.
         uint o[4];
-        blk_ld2x4(W, blk + 8u + 16u * c, o);
+        blk_ld2x4(W, tex + int(c), ph + 8u, o);
         blk_nibbles(o, true, 0u, q);
         uint ls = ((BLK_BYTE(hw, 4u + (c >> 1)) >> (4u * (c & 1u))) & 15u) | ((hw[0] >> (16u + 2u * c)) & 3u) << 4;
         s = vec2(f16_bits(hw[0] & 0xffffu) * float(int(ls) - 32));
     }
+}
+
+void blk_chunk(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, out uint q[8], out vec2 s, out vec2 m) {
+    blk_chunk_x(W, dt, tex, ph, hw, c, false, q, s, m);
+}
+
+void blk_chunk_u(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, out uint q[8], out vec2 s, out vec2 m) {
+    blk_chunk_x(W, dt, tex, ph, hw, c, true, q, s, m);
+}
+
+bool blk_signed(uint dt) {
+    return dt == DT_IQ4_NL || dt == DT_IQ4_XS;
+}
+
+// Four unsigned bytes as floats (lowest byte first).
+vec4 blk_u8x4(uint q) {
+    return vec4(uvec4(q, q >> 8, q >> 16, q >> 24) & 0xffu);
 }

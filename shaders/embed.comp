@@ -48,9 +48,10 @@ void main() {
         // are whole blocks.
         uint g = e0 >> 5, c = g % blk_chunks(DTYPE), blk = row + (g / blk_chunks(DTYPE)) * blk_bytes(DTYPE);
         uint hw[5], q[8];
+        blk_last = textureSize(table) - 1;
         vec2 s, m;
-        blk_head(table, DTYPE, blk, hw);
-        blk_chunk(table, DTYPE, blk, hw, c, q, s, m);
+        blk_head(table, DTYPE, int(blk >> 4), blk & 15u, hw);
+        blk_chunk(table, DTYPE, int(blk >> 4), blk & 15u, hw, c, q, s, m);
         uint i = e0 & 31u, h = i >> 4;
         vec4 v = i8x4(q[i >> 2]);
         for (uint k = 0u; k < n; k++) out_[o + k] = s[h] * v[k] - m[h];

@@ -72,6 +72,7 @@ shared vec4 xdm[BK * BN];    // (dx, dx * sum_lo, dx * sum_hi, -)
 
 void main() {
     const uint MT = BM / TM; // invocations along the rows
+    blk_last = textureSize(W) - 1;
     uint l = gl_LocalInvocationID.x, im = l % MT, in_ = l / MT;
     uint r0 = gl_WorkGroupID.x * BM, t0 = gl_WorkGroupID.y * BN;
     uint CPB = blk_chunks(BT), BB = blk_bytes(BT);
@@ -98,8 +99,8 @@ void main() {
                 } else {
                     uint blk = p.w_off + min(r0 + i, p.n_rows - 1u) * p.row_bytes + (g / CPB) * BB, hw[5];
                     vec2 s, m;
-                    blk_head(W, BT, blk, hw);
-                    blk_chunk(W, BT, blk, hw, g % CPB, q, s, m);
+                    blk_head(W, BT, int(blk >> 4), blk & 15u, hw);
+                    blk_chunk(W, BT, int(blk >> 4), blk & 15u, hw, g % CPB, q, s, m);
                     sm = vec4(s, m);
                 }
             }

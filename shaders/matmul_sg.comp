@@ -83,12 +83,13 @@ float row_dot(uint row, uint t) {
 #if defined(WTYPE_BLK)
     uint CPB = blk_chunks(BT), BB = blk_bytes(BT);
     uint xrow = p.x_off + t * p.n_in * 34u;
+    blk_last = textureSize(W) - 1;
     for (uint g = l; g < p.n_in; g += WG) {
         uint blk = row + (g / CPB) * BB, c = g % CPB, hw[5], q[8], xq[8];
         vec2 sc, m;
         float dx;
-        blk_head(W, BT, blk, hw);
-        blk_chunk(W, BT, blk, hw, c, q, sc, m);
+        blk_head(W, BT, int(blk >> 4), blk & 15u, hw);
+        blk_chunk(W, BT, int(blk >> 4), blk & 15u, hw, c, q, sc, m);
         load_q8_block(X, xrow + g * 34u, dx, xq);
         int lo = 0, hi = 0, xl = 0, xh = 0;
         [[unroll]] for (int k = 0; k < 4; k++) {

@@ -20,7 +20,10 @@
 // Each invocation computes R rows x T tokens, a chunk (32 columns) at a
 // time: a token's activation block is read and unpacked once per R rows, a
 // weight chunk decoded once per T tokens, and a super-block's scales once
-// per 8 chunks. Blocks are read at any even byte, so any row works. With
+// per 8 chunks. Blocks are read at any even byte, so any row works; where
+// rows start on a texel (ALIGNED), the blocks are walked in runs of
+// blk_group whole texels, unrolled, so that every block's phase is a
+// constant and its loads need no shifting. With
 // USE_INT_DOT the products are OpSDotAccSat; without, the int8 values are
 // unpacked to floats and summed with FMAs (exact: |sum| < 2^24).
 // Grid: x covers ceil(rows / (WG*R)) workgroups, y covers ceil(tokens / T).
@@ -30,6 +33,7 @@ layout(constant_id = 2) const int T = 1;
 layout(constant_id = 3) const bool BIAS = false;
 layout(constant_id = 4) const bool ACCUMULATE = false; // out += W x
 layout(constant_id = 5) const uint BT = 2;             // the weight type (GGUF's number)
+layout(constant_id = 6) const bool ALIGNED = false;    // w_off and row_bytes are whole texels
 
 layout(binding = 0) uniform usamplerBuffer W;
 layout(binding = 1) uniform usamplerBuffer XQ;
@@ -59,6 +63,7 @@ int sdot_acc_sat(uint a, uint b, int acc, spirv_literal int fmt);
 
 void main() {
     int r0 = int(gl_GlobalInvocationID.x) * R;
+    blk_last = textureSize(W) - 1;
     int t0 = int(gl_WorkGroupID.y) * T;
     if (r0 >= int(p.n_rows)) return;
     uint CPB = blk_chunks(BT), BB = blk_bytes(BT);
@@ -71,67 +76,87 @@ void main() {
     float acc[R][T];
     [[unroll]] for (int i = 0; i < R; i++) [[unroll]] for (int j = 0; j < T; j++) acc[i][j] = 0.0;
 
-    uint nblk = p.nb / CPB;
-    for (uint b = 0u; b < nblk; b++) {
-        uint hw[R][5];
-        [[unroll]] for (int i = 0; i < R; i++) blk_head(W, BT, wrow[i] + b * BB, hw[i]);
-        for (uint c = 0u; c < CPB; c++) {
-            uint g = b * CPB + c;
-            float xd[T];
-            vec2 xm[T];
-#ifdef USE_INT_DOT
-            uint xq[T][8];
-            [[unroll]] for (int j = 0; j < T; j++) {
-                load_q8_block(XQ, xrow[j] + g * 34u, xd[j], xq[j]);
-                int s0 = 0, s1 = 0;
-                [[unroll]] for (int k = 0; k < 4; k++) {
-                    s0 = DOT4(xq[j][k], 0x01010101u, s0);
-                    s1 = DOT4(xq[j][k + 4], 0x01010101u, s1);
-                }
-                xm[j] = xd[j] * vec2(float(s0), float(s1));
-            }
-#else
-            vec4 xf[T][8]; // the int8 activations as floats: unpacked once, used by R rows
-            [[unroll]] for (int j = 0; j < T; j++) {
-                uint xq[8];
-                load_q8_block(XQ, xrow[j] + g * 34u, xd[j], xq);
-                vec4 s4 = vec4(0.0), h4 = vec4(0.0);
-                [[unroll]] for (int k = 0; k < 4; k++) {
-                    xf[j][k] = i8x4(xq[k]);
-                    xf[j][k + 4] = i8x4(xq[k + 4]);
-                    s4 += xf[j][k];
-                    h4 += xf[j][k + 4];
-                }
-                xm[j] = xd[j] * vec2(dot(s4, vec4(1.0)), dot(h4, vec4(1.0)));
-            }
-#endif
+    uint nblk = p.nb / CPB, G = ALIGNED ? blk_group(BT) : 1u, GT = G * BB / 16u;
+    for (uint b0 = 0u; b0 < nblk; b0 += G) {
+        [[unroll]] for (uint jb = 0u; jb < 8u; jb++) {
+            if (jb >= G) break;
+            uint b = b0 + jb;
+            int wtex[R];
+            uint wph[R];
             [[unroll]] for (int i = 0; i < R; i++) {
-                uint q[8];
-                vec2 s, m;
-                blk_chunk(W, BT, wrow[i] + b * BB, hw[i], c, q, s, m);
+                if (ALIGNED) {
+                    wtex[i] = int(wrow[i] >> 4) + int((b0 / G) * GT + (jb * BB >> 4));
+                    wph[i] = (jb * BB) & 15u;
+                } else {
+                    uint byte = wrow[i] + b * BB;
+                    wtex[i] = int(byte >> 4);
+                    wph[i] = byte & 15u;
+                }
+            }
+            uint hw[R][5];
+            [[unroll]] for (int i = 0; i < R; i++) blk_head(W, BT, wtex[i], wph[i], hw[i]);
+            for (uint c = 0u; c < CPB; c++) {
+                uint g = b * CPB + c;
+                float xd[T];
+                vec2 xm[T];
 #ifdef USE_INT_DOT
+                uint xq[T][8];
                 [[unroll]] for (int j = 0; j < T; j++) {
-                    int lo = 0, hi = 0;
+                    load_q8_block(XQ, xrow[j] + g * 34u, xd[j], xq[j]);
+                    int s0 = 0, s1 = 0;
                     [[unroll]] for (int k = 0; k < 4; k++) {
-                        lo = DOT4(q[k], xq[j][k], lo);
-                        hi = DOT4(q[k + 4], xq[j][k + 4], hi);
+                        s0 = DOT4(xq[j][k], 0x01010101u, s0);
+                        s1 = DOT4(xq[j][k + 4], 0x01010101u, s1);
                     }
-                    acc[i][j] += xd[j] * (s.x * float(lo) + s.y * float(hi));
-                    if (MIN) acc[i][j] -= dot(m, xm[j]);
+                    xm[j] = xd[j] * vec2(float(s0), float(s1));
                 }
 #else
-                vec4 wf[8];
-                [[unroll]] for (int k = 0; k < 8; k++) wf[k] = i8x4(q[k]);
+                vec4 xf[T][8]; // the int8 activations as floats: unpacked once, used by R rows
                 [[unroll]] for (int j = 0; j < T; j++) {
-                    float lo = 0.0, hi = 0.0;
+                    uint xq[8];
+                    load_q8_block(XQ, xrow[j] + g * 34u, xd[j], xq);
+                    vec4 s4 = vec4(0.0), h4 = vec4(0.0);
                     [[unroll]] for (int k = 0; k < 4; k++) {
-                        lo += dot(wf[k], xf[j][k]);
-                        hi += dot(wf[k + 4], xf[j][k + 4]);
+                        xf[j][k] = i8x4(xq[k]);
+                        xf[j][k + 4] = i8x4(xq[k + 4]);
+                        s4 += xf[j][k];
+                        h4 += xf[j][k + 4];
                     }
-                    acc[i][j] += xd[j] * (s.x * lo + s.y * hi);
-                    if (MIN) acc[i][j] -= dot(m, xm[j]);
+                    xm[j] = xd[j] * vec2(dot(s4, vec4(1.0)), dot(h4, vec4(1.0)));
                 }
 #endif
+                [[unroll]] for (int i = 0; i < R; i++) {
+                    uint q[8];
+                    vec2 s, m;
+#ifdef USE_INT_DOT
+                    blk_chunk(W, BT, wtex[i], wph[i], hw[i], c, q, s, m);
+#else
+                    blk_chunk_u(W, BT, wtex[i], wph[i], hw[i], c, q, s, m);
+#endif
+#ifdef USE_INT_DOT
+                    [[unroll]] for (int j = 0; j < T; j++) {
+                        int lo = 0, hi = 0;
+                        [[unroll]] for (int k = 0; k < 4; k++) {
+                            lo = DOT4(q[k], xq[j][k], lo);
+                            hi = DOT4(q[k + 4], xq[j][k + 4], hi);
+                        }
+                        acc[i][j] += xd[j] * (s.x * float(lo) + s.y * float(hi));
+                        if (MIN) acc[i][j] -= dot(m, xm[j]);
+                    }
+#else
+                    vec4 wf[8];
+                    [[unroll]] for (int k = 0; k < 8; k++) wf[k] = blk_signed(BT) ? i8x4(q[k]) : blk_u8x4(q[k]);
+                    [[unroll]] for (int j = 0; j < T; j++) {
+                        float lo = 0.0, hi = 0.0;
+                        [[unroll]] for (int k = 0; k < 4; k++) {
+                            lo += dot(wf[k], xf[j][k]);
+                            hi += dot(wf[k + 4], xf[j][k + 4]);
+                        }
+                        acc[i][j] += xd[j] * (s.x * lo + s.y * hi);
+                        if (!blk_signed(BT)) acc[i][j] -= dot(m, xm[j]); // q unsigned: every type has an m
+                    }
+#endif
+                }
             }
         }
     }

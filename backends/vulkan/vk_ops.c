@@ -339,7 +339,7 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
     const uint32_t WG = mm ? (BM / 4) * (BN / 4) : (uint32_t)(tile ? be->tune.tile_wg : be->tune.sg_wg);
     const uint32_t R = mm ? BM
                           : (uint32_t)(!tile          ? be->tune.sg_rows
-                                       : q8 && n == 1 ? be->tune.tile_rows_q8
+                                       : qa && n == 1 ? be->tune.tile_rows_q8
                                                       : be->tune.tile_rows);
     const uint32_t T = mm ? BN : tile && n > 1 ? (uint32_t)be->tune.tile_tokens : 1;
     const bool has_bias = bias.buf != NULL, acc = op->matmul.accumulate;
@@ -355,8 +355,8 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
                           : (dot ? VK_SHADER_MATMUL_MM_Q8_0_DOT : VK_SHADER_MATMUL_MM_Q8_0);
         CHECK(pipe(be, s, 3, 1, blk ? 9 : 8, mspec, &d));
     } else if (blk && tile) {
-        const uint32_t spec[6] = {WG, R, T, has_bias, acc, (uint32_t)dt};
-        CHECK(pipe(be, matmul_shader(dt, true, dot), 3, 1, 6, spec, &d));
+        const uint32_t spec[7] = {WG, R, T, has_bias, acc, (uint32_t)dt, rb % 16 == 0 && w.offset % 16 == 0};
+        CHECK(pipe(be, matmul_shader(dt, true, dot), 3, 1, 7, spec, &d));
     } else if (blk) {
         const uint32_t spec[8] = {WG, R, WG, has_bias, acc, false, false, (uint32_t)dt};
         CHECK(pipe(be, matmul_shader(dt, false, dot), 3, 1, 8, spec, &d));
