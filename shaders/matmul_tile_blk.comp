@@ -145,7 +145,7 @@ void main() {
                     }
 #else
                     vec4 wf[8];
-                    [[unroll]] for (int k = 0; k < 8; k++) wf[k] = blk_signed(BT) ? i8x4(q[k]) : blk_u8x4(q[k]);
+                    [[unroll]] for (int k = 0; k < 8; k++) wf[k] = blk_signed(BT) ? blk_iq4f(blk_u8x4(q[k])) : blk_u8x4(q[k]);
                     [[unroll]] for (int j = 0; j < T; j++) {
                         float lo = 0.0, hi = 0.0;
                         [[unroll]] for (int k = 0; k < 4; k++) {

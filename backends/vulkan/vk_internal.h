@@ -130,15 +130,15 @@ typedef enum vk_matmul_path {
 typedef struct vk_tuning {
     char source[96]; /* which table entry (and overrides) chose these */
     vk_matmul_path matmul;
-    bool int_dot; /* Q8_0 through OpSDotAccSat (needs the feature) */
+    bool int_dot; /* Q8_0 and the block types through OpSDotAccSat (needs the feature) */
     /* tile path: workgroup size, rows per invocation, tokens per invocation;
-     * rows per invocation of the Q8_0 decode GEMV (one token) */
+     * rows per invocation of the Q8_0 and block-type decode GEMV (one token) */
     int tile_wg, tile_rows, tile_tokens, tile_rows_q8;
     /* subgroup path: workgroup size, rows per workgroup */
     int sg_wg, sg_rows;
-    /* Q8_0 prefill on the subgroup path: from mm_min tokens (0: never) a
-     * tiled GEMM (matmul_mm_q8.comp) of mm_bm rows x mm_bn tokens a
-     * workgroup, 4 x 4 outputs an invocation. */
+    /* Q8_0 and block-type prefill on the subgroup path: from mm_min tokens
+     * (0: never) a tiled GEMM (matmul_mm_q8.comp, matmul_mm_blk.comp) of
+     * mm_bm rows x mm_bn tokens a workgroup, 4 x 4 outputs an invocation. */
     int mm_min, mm_bm, mm_bn;
     /* Attention. attn_lane: attn_lane.comp (a lane per token, head and key
      * split; CPU devices) instead of attn_flash.comp (query tiles x key

@@ -1,6 +1,6 @@
 /* vk_tuning.c — per-device choices: which matmul path, workgroup and tile
  * sizes (passed to shaders as specialization constants), and whether Q8_0
- * uses integer dot products.
+ * and the block types (Q4_0 ... IQ4_XS) use integer dot products.
  *
  * Looked up like CLBlast's database: the exact device first (vendor and
  * device id), then the vendor or driver (architecture), then a default by
