@@ -212,7 +212,9 @@ void duet__ocl_profile(const ocl_backend *be, double *ms, long *count);
 
 /* Enqueues one validated op. */
 duet_status duet__ocl_enqueue(ocl_backend *be, const duet_op *op);
-/* Which path a matmul of this shape takes ("clblast", "matvec"). */
+/* Which path a matmul of this shape takes: "matvec", "clblast", "q8_matvec",
+ * "q8_tiled", "q8_as_f32", or for the block types other than q8_0 "blk"
+ * (f32 x) and "blk_q8" (x_q8). */
 const char *duet__ocl_matmul_path(const ocl_backend *be, const duet_op *op);
 
 /* Largest head_dim the attention kernels take, and n_rot / 2 rope_kv takes. */
