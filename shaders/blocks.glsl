@@ -190,10 +190,12 @@ void blk_head(usamplerBuffer W, uint dt, int tex, uint ph, out uint hw[5]) {
 // Chunk offsets inside a block that depend on c are whole texels (added to
 // tex), so a constant ph stays constant.
 //
-// blk_chunk_u: the same with q unsigned (0..63) wherever the type has a
-// fixed offset, the offset moved into m (m = offset * s): the form the float
-// paths on CPU devices take, where unpacking unsigned bytes is cheaper.
-// IQ4's q are the nibbles (0..15), not their levels: see blk_iq4f.
+// uq: q unsigned (0..63) wherever the type has a fixed offset, the offset
+// moved into m (m = offset * s), and IQ4's q the nibbles (0..15), not their
+// levels (see blk_iq4f). The tile float path takes it for IQ4 only: with
+// the offsets folded into m, SmolLM2 Q4_K_M on lavapipe lost its greedy
+// match with llama.cpp (the op cases all passed), so the other types stay
+// signed there until that is understood.
 void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, bool uq, out uint q[8], out vec2 s,
                  out vec2 m) {
     m = vec2(0.0);
@@ -300,10 +302,6 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
 
 void blk_chunk(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, out uint q[8], out vec2 s, out vec2 m) {
     blk_chunk_x(W, dt, tex, ph, hw, c, false, q, s, m);
-}
-
-void blk_chunk_u(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, out uint q[8], out vec2 s, out vec2 m) {
-    blk_chunk_x(W, dt, tex, ph, hw, c, true, q, s, m);
 }
 
 bool blk_signed(uint dt) {

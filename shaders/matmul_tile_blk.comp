@@ -131,7 +131,8 @@ void main() {
 #ifdef USE_INT_DOT
                     blk_chunk(W, BT, wtex[i], wph[i], hw[i], c, q, s, m);
 #else
-                    blk_chunk_u(W, BT, wtex[i], wph[i], hw[i], c, q, s, m);
+                    // IQ4: the nibbles, for blk_iq4f; the rest: signed codes.
+                    blk_chunk_x(W, BT, wtex[i], wph[i], hw[i], c, blk_signed(BT), q, s, m);
 #endif
 #ifdef USE_INT_DOT
                     [[unroll]] for (int j = 0; j < T; j++) {
@@ -145,7 +146,7 @@ void main() {
                     }
 #else
                     vec4 wf[8];
-                    [[unroll]] for (int k = 0; k < 8; k++) wf[k] = blk_signed(BT) ? blk_iq4f(blk_u8x4(q[k])) : blk_u8x4(q[k]);
+                    [[unroll]] for (int k = 0; k < 8; k++) wf[k] = blk_signed(BT) ? blk_iq4f(blk_u8x4(q[k])) : i8x4(q[k]);
                     [[unroll]] for (int j = 0; j < T; j++) {
                         float lo = 0.0, hi = 0.0;
                         [[unroll]] for (int k = 0; k < 4; k++) {
@@ -153,7 +154,7 @@ void main() {
                             hi += dot(wf[k + 4], xf[j][k + 4]);
                         }
                         acc[i][j] += xd[j] * (s.x * lo + s.y * hi);
-                        if (!blk_signed(BT)) acc[i][j] -= dot(m, xm[j]); // q unsigned: every type has an m
+                        if (MIN) acc[i][j] -= dot(m, xm[j]);
                     }
 #endif
                 }
