@@ -174,13 +174,15 @@ END_TEST
 /* Two engines that quantise activations differently disagree where a
  * step is close: the comparison stops at the first step whose top-1/top-2
  * log-probability gap is below REF_GAP in llama.cpp's run (the reference
- * folder's rule) or below OWN_GAP in ours. (Measured: at SmolLM2's closest
- * steps each engine's log-probabilities are 0.1-0.2 from an f64 forward
- * pass over the same dequantised weights; on average duet is 0.036 from it
- * and llama.cpp 0.053.) Before that step every token must match, and the
- * log-probability of each token within LP_TOL of llama.cpp's on average. */
+ * folder's rule) or below OWN_GAP in ours. (Measured against an f64
+ * forward pass over the same dequantised weights: on average duet is 0.036
+ * from it and llama.cpp 0.053, but at SmolLM2's closest steps each is off
+ * by up to 0.2, e.g. the haiku prompt's second step: f64 gap 0.025,
+ * llama.cpp 0.155 one way, Vulkan 0.156 the other.) Before that step every
+ * token must match, and each token's log-probability be within LP_TOL of
+ * llama.cpp's on average. */
 #define REF_GAP 0.1
-#define OWN_GAP 0.15
+#define OWN_GAP 0.2
 #define LP_TOL 0.08
 
 /* The model file of case i (0: the shared Q4_K_M file, 1: the PyPI Q4_1
@@ -229,12 +231,6 @@ START_TEST(smollm2_greedy_matches_llama_cpp) {
         p.n_ctx = 512;
         duet_model *m = NULL;
         duet_status st = duet_model_open(path_copy, &p, &m);
-        if (st == DUET_UNSUPPORTED) {
-            /* A backend without kernels for a weight type of this file says
-             * so at load (the issue that adds them is open). */
-            printf("NOT RUN: %s on %s: %s\n", ref_name, backend_name(b), duet_last_error());
-            continue;
-        }
         ck_assert_msg(st == DUET_OK, "open %s on %s: %s", path_copy, backend_name(b), duet_last_error());
         duet_model_desc desc;
         duet_model_describe(m, &desc);
@@ -279,8 +275,10 @@ START_TEST(smollm2_greedy_matches_llama_cpp) {
         lp_err /= compared > 0 ? compared : 1;
         printf("%s on %s: %d prompts (%d matched to the end), %d tokens matched, mean |lp - llama.cpp's| %.4f\n",
                ref_name, backend_name(b), prompts, whole, compared, lp_err);
-        /* Most steps are far from a near-tie: a run that compares few is broken. */
-        ck_assert_msg(compared >= 100, "%s on %s: only %d tokens compared", ref_name, backend_name(b), compared);
+        /* About 330 steps come before llama.cpp's first near-tie in each
+         * file, 90-140 before either engine's: a run that compares few is
+         * broken (flat distributions), not unlucky. */
+        ck_assert_msg(compared >= 60, "%s on %s: only %d tokens compared", ref_name, backend_name(b), compared);
         ck_assert_msg(lp_err <= LP_TOL, "%s on %s: mean |lp error| %.4f > %.2f", ref_name, backend_name(b), lp_err,
                       LP_TOL);
         free(lg);
