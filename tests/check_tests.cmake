@@ -21,8 +21,8 @@
 # a fresh build folder, it would run them in file order and finish on one).
 set(DUET_TEST_MIN_TIMEOUT 300)
 set(DUET_TEST_COLD_SECONDS
+  test_backend_ops.opencl=400
   test_backend_ops.vulkan_attention=241
-  test_backend_ops.opencl=167
   test_eval.py=96
   test_opencl.oclgrind_a=95
   test_opencl.oclgrind_b=86
@@ -30,6 +30,7 @@ set(DUET_TEST_COLD_SECONDS
   test_backend_ops.opencl_attention=66
   test_server.hardening=30
   test_vulkan.attention=17
+  test_quants_reference.py=55
   test_long_context=17
   test_engine.faults=14
   test_cpu_ops.ops=11
@@ -38,7 +39,7 @@ set(DUET_TEST_COLD_SECONDS
   test_backend_ops.cpu=9
   test_opencl.api=8
   test_reference.stories260K=8
-  test_reference.smollm2=10
+  test_reference.smollm2=120
   test_duet_bench.py=8
   test_sampler=7)
 
