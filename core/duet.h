@@ -166,6 +166,38 @@ int duet_tokenize(const duet_model *model, const char *text, size_t len, bool ad
  * their byte, "▁" a space). Returns the byte count, or negative on a bad id. */
 int duet_token_piece(const duet_model *model, int32_t id, char *buf, size_t size);
 
+/* ---- chat templates --------------------------------------------------- */
+
+/* A conversation to prompt text, the way the model's own template writes it.
+ * Named families (plain, chatml, llama3, llama2, mistral, zephyr, phi3,
+ * gemma) are rendered in C; "auto" takes the model's
+ * `tokenizer.chat_template`. */
+typedef struct duet_chat_template duet_chat_template;
+
+/* name: NULL or "auto" (the model's template), a family name, or the path
+ * of a Jinja file. model may be NULL for a family name or a file. */
+duet_status duet_chat_template_load(const duet_model *model, const char *name, duet_chat_template **out);
+/* A template from Jinja source, with the texts of the BOS and EOS tokens
+ * it may write. */
+duet_status duet_chat_template_parse(const char *source, const char *bos_token, const char *eos_token,
+                                     duet_chat_template **out);
+void duet_chat_template_free(duet_chat_template *t);
+/* "jinja" when the template's own source runs, else the family's name. */
+const char *duet_chat_template_name(const duet_chat_template *t);
+/* Why the model's template was not run as written ("" when it was, or when
+ * a family was asked for by name). */
+const char *duet_chat_template_fallback_reason(const duet_chat_template *t);
+/* Renders conversation_json, OpenAI-shaped: {"messages": [{"role": ...,
+ * "content": ...}, ...], "tools": [...]}; with add_generation_prompt, the
+ * opening of the assistant's reply follows. *out is malloc'd for the
+ * caller to free. */
+duet_status duet_chat_template_apply(const duet_chat_template *t, const char *conversation_json,
+                                     bool add_generation_prompt, char **out);
+/* Texts that end the assistant's turn when the model writes them as text
+ * (NULL-terminated; may be empty: the model's end-of-generation tokens
+ * always end it). */
+const char *const *duet_chat_template_stops(const duet_chat_template *t);
+
 /* ---- generation ------------------------------------------------------- */
 
 typedef struct duet_sampling {

@@ -214,103 +214,6 @@ START_TEST(parse_rejects_bad_input) {
 }
 END_TEST
 
-START_TEST(chat_template_detection) {
-    static const struct {
-        const char *tmpl;
-        srv_chat_family want;
-        bool known;
-    } cases[] = {
-        {NULL, SRV_CHAT_PLAIN, false},
-        {"", SRV_CHAT_PLAIN, false},
-        {"{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-         "'<|im_end|>' + '\\n'}}{% endfor %}",
-         SRV_CHAT_CHATML, true},
-        {"{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + "
-         "m['content'] | trim + '<|eot_id|>' }}{% endfor %}",
-         SRV_CHAT_LLAMA3, true},
-        {"{% if messages[0]['role'] == 'system' %}{% set system_message = '<<SYS>>\\n' + messages[0]['content'] "
-         "+ '\\n<</SYS>>\\n\\n' %}{% endif %}{{ bos_token + '[INST] ' + content + ' [/INST]' }}",
-         SRV_CHAT_LLAMA2, true},
-        {"{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}{{ '[INST] ' + "
-         "message['content'] + ' [/INST]' }}{% else %}{{ message['content'] + eos_token}}{% endif %}{% endfor %}",
-         SRV_CHAT_MISTRAL, true},
-        {"{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + "
-         "eos_token }}{% endif %}{% endfor %}{{ '<|assistant|>' }}",
-         SRV_CHAT_ZEPHYR, true},
-        {"{% for message in messages %}{{'<|' + message['role'] + '|>' + '\\n' + message['content'] + "
-         "'<|end|>\\n' }}{% endfor %}<|user|>",
-         SRV_CHAT_PHI3, true},
-        {"{{ bos_token }}{% for message in messages %}{{ '<start_of_turn>' + role + '\\n' + message['content'] | "
-         "trim + '<end_of_turn>\\n' }}{% endfor %}",
-         SRV_CHAT_GEMMA, true},
-        {"{% for m in messages %}### {{ m['role'] }}: {{ m['content'] }}{% endfor %}", SRV_CHAT_PLAIN, false},
-    };
-    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
-        bool known = !cases[i].known;
-        srv_chat_family f = srv_chat_detect(cases[i].tmpl, &known);
-        ck_assert_msg(f == cases[i].want, "template #%zu detected as %s, want %s", i, srv_chat_name(f),
-                      srv_chat_name(cases[i].want));
-        ck_assert_msg(known == cases[i].known, "template #%zu: recognised=%d", i, known);
-    }
-    for (int f = 0; f < SRV_CHAT_COUNT; f++) {
-        srv_chat_family back;
-        ck_assert_msg(srv_chat_from_name(srv_chat_name((srv_chat_family)f), &back) && (int)back == f,
-                      "name round trip of %d", f);
-    }
-    srv_chat_family x;
-    ck_assert_msg(!srv_chat_from_name("jinja", &x), "unknown family name accepted");
-}
-END_TEST
-
-START_TEST(chat_template_rendering) {
-    srv_message conv[] = {{SRV_ROLE_SYSTEM, "Be kind."},
-                          {SRV_ROLE_USER, "Hi "},
-                          {SRV_ROLE_ASSISTANT, "Hello!"},
-                          {SRV_ROLE_USER, "Tell a story."}};
-    static const struct {
-        srv_chat_family f;
-        const char *want;
-    } cases[] = {
-        {SRV_CHAT_PLAIN, "Be kind.\n\nUser: Hi \nAssistant: Hello!\nUser: Tell a story.\nAssistant:"},
-        {SRV_CHAT_CHATML, "<|im_start|>system\nBe kind.<|im_end|>\n<|im_start|>user\nHi <|im_end|>\n"
-                          "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nTell a story.<|im_end|>\n"
-                          "<|im_start|>assistant\n"},
-        {SRV_CHAT_LLAMA3, "<|start_header_id|>system<|end_header_id|>\n\nBe kind.<|eot_id|>"
-                          "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>"
-                          "<|start_header_id|>user<|end_header_id|>\n\nTell a story.<|eot_id|>"
-                          "<|start_header_id|>assistant<|end_header_id|>\n\n"},
-        {SRV_CHAT_LLAMA2, "[INST] <<SYS>>\nBe kind.\n<</SYS>>\n\nHi [/INST] Hello! </s><s>[INST] Tell a story. [/INST]"},
-        {SRV_CHAT_MISTRAL, "[INST] Be kind.\n\nHi [/INST] Hello!</s><s>[INST] Tell a story. [/INST]"},
-        {SRV_CHAT_ZEPHYR, "<|system|>\nBe kind.</s>\n<|user|>\nHi </s>\n<|assistant|>\nHello!</s>\n<|user|>\n"
-                          "Tell a story.</s>\n<|assistant|>\n"},
-        {SRV_CHAT_PHI3, "<|system|>\nBe kind.<|end|>\n<|user|>\nHi <|end|>\n<|assistant|>\nHello!<|end|>\n<|user|>\n"
-                        "Tell a story.<|end|>\n<|assistant|>\n"},
-        {SRV_CHAT_GEMMA, "<start_of_turn>user\nBe kind.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
-                         "<start_of_turn>user\nTell a story.<end_of_turn>\n<start_of_turn>model\n"},
-    };
-    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
-        srv_text t = {0};
-        ck_assert(srv_chat_render(cases[i].f, conv, 4, &t));
-        ck_assert_msg(!strcmp(t.p, cases[i].want), "%s rendered\n[%s]\nwant\n[%s]", srv_chat_name(cases[i].f), t.p,
-                      cases[i].want);
-        srv_text_free(&t);
-    }
-    /* A lone system prompt still reaches families without a system role. */
-    srv_message sys_only[] = {{SRV_ROLE_SYSTEM, "Rules."}};
-    srv_text t = {0};
-    ck_assert(srv_chat_render(SRV_CHAT_GEMMA, sys_only, 1, &t));
-    ck_assert_msg(strstr(t.p, "Rules.") != NULL, "gemma dropped a lone system prompt: %s", t.p);
-    srv_text_free(&t);
-    ck_assert(srv_chat_render(SRV_CHAT_MISTRAL, sys_only, 1, &t));
-    ck_assert_msg(strstr(t.p, "Rules.") != NULL, "mistral dropped a lone system prompt: %s", t.p);
-    srv_text_free(&t);
-    ck_assert_msg(!strcmp(srv_chat_stops(SRV_CHAT_CHATML)[0], "<|im_end|>") &&
-                      !strcmp(srv_chat_stops(SRV_CHAT_PLAIN)[0], "\nUser:") && !srv_chat_stops(SRV_CHAT_LLAMA2)[0],
-                  "template stop strings");
-}
-END_TEST
-
 START_TEST(stop_string_scanning) {
     const char *stops[] = {"END", "\n\n", "abcd"};
     static const struct {
@@ -1934,8 +1837,6 @@ int main(void) {
     tcase_add_test(unit, parse_completion_fields);
     tcase_add_test(unit, parse_chat_messages);
     tcase_add_test(unit, parse_rejects_bad_input);
-    tcase_add_test(unit, chat_template_detection);
-    tcase_add_test(unit, chat_template_rendering);
     tcase_add_test(unit, stop_string_scanning);
     tcase_add_test(unit, response_and_chunk_json);
     suite_add_tcase(su, unit);

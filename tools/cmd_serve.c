@@ -22,8 +22,9 @@ static void usage(FILE *f) {
             "      --host ADDR             address to listen on (default 127.0.0.1; 0.0.0.0 or :: for all)\n"
             "      --port N                port (default 8000; 0 = any free port, printed at start)\n"
             "      --served-model-name S   the model's name in the API (default: the file name less .gguf)\n"
-            "      --chat-template NAME    auto|plain|chatml|llama3|llama2|mistral|zephyr|phi3|gemma (default auto:\n"
-            "                              from the model's tokenizer.chat_template; plain when it has none)\n"
+            "      --chat-template T       auto, a family (plain|chatml|llama3|llama2|mistral|zephyr|phi3|gemma) or\n"
+            "                              a Jinja file (default auto: the model's tokenizer.chat_template; plain\n"
+            "                              when it has none)\n"
             "      --backend NAME          auto|cpu|vulkan|opencl (default auto)\n"
             "      --device I              device index within the backend (default: best)\n"
             "  -t, --threads N             cpu threads (default: all cores)\n"
@@ -301,7 +302,7 @@ int cmd_serve(int argc, char **argv) {
     duet_model_desc d;
     duet_model_describe(duet_engine_model(e), &d);
     fprintf(stderr, "duet: serving %s (%s, %s on %s, context %d, chat template %s) on http://%s:%d\n",
-            o.srv.model_name, d.arch, d.backend, d.device, d.n_ctx, srv_chat_family_in_use(s), o.srv.host,
+            o.srv.model_name, d.arch, d.backend, d.device, d.n_ctx, srv_chat_template_in_use(s), o.srv.host,
             srv_port(s));
     fflush(stderr);
 

@@ -87,7 +87,8 @@ struct srv {
     srv_limits lim;
     int n_ctx, port;
     size_t fit_bytes; /* prompts longer than this may be refused early (prompt_may_fit) */
-    srv_chat_family chat;
+    duet_chat_template *chat;
+    int32_t bos; /* -1 when the model has none */
     bool verbose;
     long started;
     uint64_t salt;
@@ -546,10 +547,13 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
         const char *text = NULL;
         srv_text chat = {0};
         if (r->kind == SRV_CHAT) {
-            if (!srv_chat_render(s->chat, r->messages, r->n_messages, &chat)) {
-                srv_text_free(&chat);
+            char *conv = srv_conversation_json(r);
+            duet_status st =
+                conv ? duet_chat_template_apply(s->chat, conv, true, &chat.p) : DUET_OUT_OF_MEMORY;
+            free(conv);
+            if (st == DUET_OUT_OF_MEMORY)
                 return *err = server_error(500, "server_error", NULL, "out of memory"), false;
-            }
+            if (st) return srv_bad(err, "messages", "invalid_value", "%s", duet_last_error());
             text = chat.p;
         } else {
             text = r->prompts[p].text;
@@ -566,6 +570,9 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
             srv_text_free(&chat);
             if (n < 0) return srv_bad(err, r->kind == SRV_CHAT ? "messages" : "prompt", NULL, "cannot tokenize: %s",
                                       duet_last_error()[0] ? duet_last_error() : duet_status_str((duet_status)n));
+            /* A template that writes the BOS text itself gets it once. */
+            if (r->kind == SRV_CHAT && n >= 2 && ids[p][0] == s->bos && ids[p][1] == s->bos)
+                memmove(ids[p], ids[p] + 1, (size_t)--n * sizeof **ids);
             n_ids[p] = n;
         } else {
             n_ids[p] = r->prompts[p].n_ids;
@@ -598,7 +605,8 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
     /* Stop strings: the request's, then the template's end-of-turn markers. */
     for (int i = 0; i < r->n_stop; i++) j->stops[j->n_stops++] = r->stop[i];
     if (r->kind == SRV_CHAT)
-        for (const char *const *t = srv_chat_stops(s->chat); *t; t++) j->stops[j->n_stops++] = (char *)*t;
+        for (const char *const *t = duet_chat_template_stops(s->chat); *t; t++)
+            j->stops[j->n_stops++] = (char *)*t;
     return true;
 }
 
@@ -1286,6 +1294,7 @@ static uint64_t os_random(void) {
 }
 
 static void srv_free(srv *s) {
+    duet_chat_template_free(s->chat);
     if (!s) return;
     free(s->name);
     free(s->path);
@@ -1358,6 +1367,7 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
      * lowers it, so a default max_tokens is clamped to what fits and an
      * explicit one gets a 400 that says the real limit. */
     s->n_ctx = duet_engine_max_sequence_tokens(e); /* at most d.n_ctx */
+    s->bos = d.bos;
     /* A context's worth of the longest tokens, with room for control tokens
      * (which print nothing but match their text). */
     int longest = 1;
@@ -1380,25 +1390,15 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     s->started = (long)time(NULL);
     s->salt = os_random();
 
-    /* The chat template: forced by name, or recognised from the model. */
-    if (cfg->chat_template && strcmp(cfg->chat_template, "auto")) {
-        if (!srv_chat_from_name(cfg->chat_template, &s->chat)) {
-            fprintf(stderr, "duet: unknown chat template '%s' (auto, plain, chatml, llama3, llama2, mistral, zephyr, "
-                            "phi3, gemma)\n", cfg->chat_template);
-            srv_free(s);
-            return -1;
-        }
-    } else {
-        int n = duet_model_meta(s->model, "tokenizer.chat_template", NULL, 0);
-        char *tmpl = n >= 0 ? malloc((size_t)n + 1) : NULL;
-        if (tmpl) duet_model_meta(s->model, "tokenizer.chat_template", tmpl, (size_t)n + 1);
-        bool known;
-        s->chat = srv_chat_detect(tmpl, &known);
-        if (tmpl && !known)
-            fprintf(stderr, "duet: the model's chat template is not one duet knows; using the plain format "
-                            "(force one with --chat-template)\n");
-        free(tmpl);
+    /* The chat template: the model's own, or forced by name or file. */
+    if (duet_chat_template_load(s->model, cfg->chat_template, &s->chat)) {
+        fprintf(stderr, "duet: %s\n", duet_last_error());
+        srv_free(s);
+        return -1;
     }
+    if (duet_chat_template_fallback_reason(s->chat)[0])
+        fprintf(stderr, "duet: chat template '%s' (%s; force one with --chat-template)\n",
+                duet_chat_template_name(s->chat), duet_chat_template_fallback_reason(s->chat));
 
     /* Resolve the listen address. */
     char port[16];
@@ -1455,7 +1455,9 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
 
 int srv_port(const srv *s) { return s->port; }
 
-const char *srv_chat_family_in_use(const srv *s) { return srv_chat_name(s->chat); }
+const char *srv_chat_template_in_use(const srv *s) {
+    return duet_chat_template_name(s->chat);
+}
 
 void srv_drain(srv *s) {
     if (atomic_exchange(&s->draining, true)) return;

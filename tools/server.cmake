@@ -9,11 +9,10 @@ target_link_libraries(duet PRIVATE PkgConfig::MHD)
 
 if(DUET_TESTS AND TARGET test_server)
   pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
-  # test_server unit-tests the server's pure parts (parsing, templates, stop
-  # strings, JSON) as well as driving a live `duet serve` over HTTP.
+  # test_server unit-tests the server's pure parts (parsing, stop strings,
+  # JSON) as well as driving a live `duet serve` over HTTP.
   target_sources(test_server PRIVATE
-    ${CMAKE_SOURCE_DIR}/tools/server_openai.c
-    ${CMAKE_SOURCE_DIR}/tools/server_chat.c)
+    ${CMAKE_SOURCE_DIR}/tools/server_openai.c)
   target_include_directories(test_server PRIVATE ${CMAKE_SOURCE_DIR}/tools)
   target_link_libraries(test_server PRIVATE PkgConfig::CURL)
   # The live tests start the binary (their timeout: tests/check_tests.cmake).
@@ -21,10 +20,9 @@ if(DUET_TESTS AND TARGET test_server)
 endif()
 
 # The request fuzzer (tests/fuzz/fuzz_request.c, DUET_FUZZ) drives the same
-# pure parts: request parsing, chat templates, response and stream JSON.
+# pure parts: request parsing, response and stream JSON.
 if(TARGET fuzz_request)
   target_sources(fuzz_request PRIVATE
-    ${CMAKE_SOURCE_DIR}/tools/server_openai.c
-    ${CMAKE_SOURCE_DIR}/tools/server_chat.c)
+    ${CMAKE_SOURCE_DIR}/tools/server_openai.c)
   target_include_directories(fuzz_request PRIVATE ${CMAKE_SOURCE_DIR}/tools)
 endif()

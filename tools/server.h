@@ -5,9 +5,8 @@
  *                  streaming, client disconnects, draining on SIGTERM.
  * server_openai.c  the OpenAI dialect: request parsing and validation,
  *                  stop strings, response and stream-chunk JSON, errors.
- * server_chat.c    chat templates, detected from the GGUF metadata.
  *
- * The pure parts (parsing, templates, stop strings, JSON) take no locks
+ * The pure parts (parsing, stop strings, JSON) take no locks
  * and touch no engine, so tests/test_server.c tests them directly.
  */
 #ifndef DUET_SERVER_H
@@ -54,26 +53,7 @@ bool srv_bad(srv_error *err, const char *param, const char *code, const char *fm
 /* {"error": {"message", "type", "param", "code"}} (malloc'd; free()). */
 char *srv_error_json(const srv_error *err);
 
-/* ---- chat templates -------------------------------------------------- */
-
-typedef enum srv_chat_family {
-    SRV_CHAT_PLAIN,   /* no template: "User: ...\nAssistant: ..." */
-    SRV_CHAT_CHATML,  /* <|im_start|>role ... <|im_end|> (Qwen, many fine-tunes) */
-    SRV_CHAT_LLAMA3,  /* <|start_header_id|>role<|end_header_id|> ... <|eot_id|> */
-    SRV_CHAT_LLAMA2,  /* [INST] <<SYS>> ... <</SYS>> ... [/INST] */
-    SRV_CHAT_MISTRAL, /* [INST] ... [/INST] without a system block */
-    SRV_CHAT_ZEPHYR,  /* <|user|> ... </s> */
-    SRV_CHAT_PHI3,    /* <|user|> ... <|end|> */
-    SRV_CHAT_GEMMA,   /* <start_of_turn>user ... <end_of_turn> */
-    SRV_CHAT_COUNT
-} srv_chat_family;
-
-/* The family of a Jinja template from GGUF `tokenizer.chat_template`, by
- * its marker strings. NULL or unrecognised -> SRV_CHAT_PLAIN, with
- * *recognised (may be NULL) saying which. */
-srv_chat_family srv_chat_detect(const char *tmpl, bool *recognised);
-const char *srv_chat_name(srv_chat_family f);
-bool srv_chat_from_name(const char *name, srv_chat_family *out);
+/* ---- chat messages --------------------------------------------------- */
 
 typedef enum srv_role { SRV_ROLE_SYSTEM, SRV_ROLE_USER, SRV_ROLE_ASSISTANT } srv_role;
 
@@ -81,13 +61,6 @@ typedef struct srv_message {
     srv_role role;
     char *content;
 } srv_message;
-
-/* Renders the conversation and the opening of the assistant's reply. The
- * text leaves out the BOS token: tokenizing with add_special adds it. */
-bool srv_chat_render(srv_chat_family f, const srv_message *msgs, int n, srv_text *out);
-/* End-of-turn markers that stop generation when the model writes them as
- * text (NULL-terminated list; may be empty). */
-const char *const *srv_chat_stops(srv_chat_family f);
 
 /* ---- requests -------------------------------------------------------- */
 
@@ -134,6 +107,9 @@ typedef struct srv_limits {
 bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_limits *lim, srv_request *out,
                        srv_error *err);
 void srv_request_free(srv_request *r);
+/* A chat request's messages as the conversation JSON duet_chat_template_apply
+ * reads (malloc'd; NULL when out of memory). */
+char *srv_conversation_json(const srv_request *r);
 
 /* ---- responses ------------------------------------------------------- */
 
@@ -186,7 +162,7 @@ typedef struct srv srv;
 /* Starts listening. Returns 0, or -1 after printing why. */
 int srv_start(duet_engine *e, const srv_config *cfg, srv **out);
 int srv_port(const srv *s);
-const char *srv_chat_family_in_use(const srv *s);
+const char *srv_chat_template_in_use(const srv *s);
 /* Stops accepting connections; requests arriving on open connections get
  * 503. Requests in flight carry on. */
 void srv_drain(srv *s);

@@ -527,3 +527,18 @@ bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, c
     add_usage(o, u);
     return append_sse(out, o);
 }
+
+char *srv_conversation_json(const srv_request *r) {
+    static const char *const roles[] = {"system", "user", "assistant"};
+    cJSON *conv = cJSON_CreateObject(), *msgs = cJSON_AddArrayToObject(conv, "messages");
+    bool ok = msgs != NULL;
+    for (int i = 0; ok && i < r->n_messages; i++) {
+        cJSON *m = cJSON_CreateObject();
+        ok = m && cJSON_AddItemToArray(msgs, m) &&
+             cJSON_AddStringToObject(m, "role", roles[r->messages[i].role]) &&
+             cJSON_AddStringToObject(m, "content", r->messages[i].content);
+    }
+    char *out = ok ? cJSON_PrintUnformatted(conv) : NULL;
+    cJSON_Delete(conv);
+    return out;
+}

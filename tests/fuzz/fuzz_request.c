@@ -43,9 +43,18 @@ static void check(bool ok, const char *what) {
 
 static char long_name[301]; /* a served name longer than the error messages quote */
 
+/* The named chat template families, loaded once. */
+enum { N_FAMILIES = 8 };
+static const char *const family_names[N_FAMILIES] = {"plain",   "chatml", "llama3", "llama2",
+                                                     "mistral", "zephyr", "phi3",   "gemma"};
+static duet_chat_template *families[N_FAMILIES];
+
 int LLVMFuzzerInitialize(int *argc, char ***argv) {
     (void)argc, (void)argv;
     memset(long_name, 'm', sizeof long_name - 1);
+    for (int f = 0; f < N_FAMILIES; f++)
+        check(duet_chat_template_load(NULL, family_names[f], &families[f]) == DUET_OK,
+              "loading a chat family");
     return 0;
 }
 
@@ -154,9 +163,9 @@ static void check_request(const srv_request *r, srv_kind kind, const srv_limits 
         check(n >= 1 && n <= SRV_MAX_STOP_LEN, "stop string empty or too long");
     }
     /* The server adds the template's end-of-turn markers to the request's. */
-    for (int f = 0; f < SRV_CHAT_COUNT; f++) {
+    for (int f = 0; f < N_FAMILIES; f++) {
         int n = r->n_stop;
-        for (const char *const *t = srv_chat_stops((srv_chat_family)f); *t; t++)
+        for (const char *const *t = duet_chat_template_stops(families[f]); *t; t++)
             n++;
         check(n <= SRV_MAX_STOP + 4, "stop strings overflow the server's job");
     }
@@ -205,11 +214,15 @@ static bool ends_with(const srv_text *t, const char *tail) {
 
 /* Renders the conversation with family f, as the server does before
  * tokenizing, and checks what every family promises. */
-static void render(srv_chat_family f, const srv_request *r, srv_text *out) {
-    check(srv_chat_render(f, r->messages, r->n_messages, out), "srv_chat_render failed");
-    check(out->p && strlen(out->p) == out->len, "rendered text length");
-    srv_chat_family back;
-    check(srv_chat_from_name(srv_chat_name(f), &back) && back == f, "chat family name round trip");
+static void render(int f, const srv_request *r, srv_text *out) {
+    char *conv = srv_conversation_json(r), *text = NULL;
+    check(conv != NULL, "out of memory");
+    check(duet_chat_template_apply(families[f], conv, true, &text) == DUET_OK,
+          "duet_chat_template_apply failed");
+    free(conv);
+    out->p = text;
+    out->len = strlen(text);
+    check(!strcmp(duet_chat_template_name(families[f]), family_names[f]), "chat family name round trip");
     for (int i = 0; i < r->n_messages; i++) {
         /* Some families strip the content; all keep its text. */
         const char *c = r->messages[i].content;
@@ -220,13 +233,15 @@ static void render(srv_chat_family f, const srv_request *r, srv_text *out) {
             n--;
         check(!n || memmem(out->p, out->len, c, n), "a message's text is missing from the rendered chat");
     }
-    static const char *const opening[SRV_CHAT_COUNT] = {
-        [SRV_CHAT_PLAIN] = "Assistant:",
-        [SRV_CHAT_CHATML] = "<|im_start|>assistant\n",
-        [SRV_CHAT_LLAMA3] = "<|start_header_id|>assistant<|end_header_id|>\n\n",
-        [SRV_CHAT_ZEPHYR] = "<|assistant|>\n",
-        [SRV_CHAT_PHI3] = "<|assistant|>\n",
-        [SRV_CHAT_GEMMA] = "<start_of_turn>model\n",
+    static const char *const opening[N_FAMILIES] = {
+        "Assistant:",
+        "<|im_start|>assistant\n",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        NULL,
+        NULL,
+        "<|assistant|>\n",
+        "<|assistant|>\n",
+        "<start_of_turn>model\n",
     };
     if (opening[f])
         check(ends_with(out, opening[f]), "rendered chat does not end with the assistant's opening");
@@ -388,7 +403,7 @@ static void check_stream(const gen *g, bool include_usage, size_t stride) {
 
 static void serve(const srv_request *r, const srv_limits *lim, uint8_t sel) {
     static const size_t strides[8] = {1, 2, 3, 5, 8, 16, 64, 4096};
-    srv_text rendered[SRV_CHAT_COUNT] = {0};
+    srv_text rendered[N_FAMILIES] = {0};
     int n_prompts = r->kind == SRV_CHAT ? 1 : r->n_prompts;
     gen g = {.kind = r->kind,
              .id = r->kind == SRV_CHAT ? "chatcmpl-0123456789abcdef" : "cmpl-0123456789abcdef",
@@ -400,14 +415,14 @@ static void serve(const srv_request *r, const srv_limits *lim, uint8_t sel) {
     char *id_bytes[SRV_MAX_PROMPTS] = {0}; /* token-id prompts as bytes */
 
     if (r->kind == SRV_CHAT) {
-        for (int f = 0; f < SRV_CHAT_COUNT; f++)
-            render((srv_chat_family)f, r, &rendered[f]);
+        for (int f = 0; f < N_FAMILIES; f++)
+            render(f, r, &rendered[f]);
         g.usage.prompt_tokens = (int)rendered[0].len;
         /* Choice 0 echoes the last message; the others a rendered chat. */
         for (int i = 0; i < g.n_slots; i++) {
             const char *t = r->messages[r->n_messages - 1].content;
             size_t n = strlen(t);
-            if (i) t = rendered[i % SRV_CHAT_COUNT].p, n = rendered[i % SRV_CHAT_COUNT].len;
+            if (i) t = rendered[i % N_FAMILIES].p, n = rendered[i % N_FAMILIES].len;
             g.res[i] = (srv_choice_result){t, n, i % 2 ? "length" : "stop"};
         }
     } else {
@@ -436,7 +451,7 @@ static void serve(const srv_request *r, const srv_limits *lim, uint8_t sel) {
     else
         check_response(&g);
 
-    for (int f = 0; f < SRV_CHAT_COUNT; f++)
+    for (int f = 0; f < N_FAMILIES; f++)
         srv_text_free(&rendered[f]);
     for (int p = 0; p < SRV_MAX_PROMPTS; p++)
         free(id_bytes[p]);

@@ -1,0 +1,466 @@
+/* chat_template.c — a conversation to prompt text.
+ *
+ * GGUF files carry their chat template as Jinja text
+ * (`tokenizer.chat_template`). A template is one of:
+ *
+ * - a named family, rendered here in C the way each family's reference
+ *   template renders plain text messages: plain, chatml, llama3, llama2,
+ *   mistral, zephyr, phi3, gemma. Forced by name, or chosen for a model's
+ *   Jinja by its marker strings.
+ * - plain, with no template at all:
+ *
+ *       <system text>\n\n           (each system message, if any)
+ *       User: <text>\n
+ *       Assistant: <text>\n
+ *       ...
+ *       Assistant:
+ *
+ *   where "\nUser:" stops generation, so the model does not write the
+ *   user's next turn.
+ *
+ * Conversations arrive as OpenAI-shaped JSON: {"messages": [{"role",
+ * "content"}...], "tools": [...]}; content is a string or a list of
+ * {"type": "text", "text"} parts. The families leave the BOS token out of
+ * their text because tokenizing with add_special adds it.
+ */
+#include <cjson/cJSON.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "duet.h"
+#include "duet_internal.h"
+
+typedef enum family {
+    FAM_PLAIN,   /* no template: "User: ...\nAssistant: ..." */
+    FAM_CHATML,  /* <|im_start|>role ... <|im_end|> (Qwen, SmolLM, many fine-tunes) */
+    FAM_LLAMA3,  /* <|start_header_id|>role<|end_header_id|> ... <|eot_id|> */
+    FAM_LLAMA2,  /* [INST] <<SYS>> ... <</SYS>> ... [/INST] */
+    FAM_MISTRAL, /* [INST] ... [/INST] without a system block */
+    FAM_ZEPHYR,  /* <|user|> ... </s> */
+    FAM_PHI3,    /* <|user|> ... <|end|> */
+    FAM_GEMMA,   /* <start_of_turn>user ... <end_of_turn> */
+    FAM_COUNT
+} family;
+
+static const char *const family_names[FAM_COUNT] = {"plain",   "chatml", "llama3", "llama2",
+                                                    "mistral", "zephyr", "phi3",   "gemma"};
+
+struct duet_chat_template {
+    family fam;
+    char reason[256]; /* why "auto" fell back to a family ("" when it did not) */
+};
+
+/* ---- families ----------------------------------------------------------- */
+
+/* The family of a Jinja template by its marker strings; *known says
+ * whether any matched (NULL or unrecognised text gives plain). */
+static family detect_family(const char *t, bool *known) {
+    *known = true;
+    if (!t || !*t) return *known = false, FAM_PLAIN;
+    if (strstr(t, "<|im_start|>")) return FAM_CHATML;
+    if (strstr(t, "<|start_header_id|>")) return FAM_LLAMA3;
+    if (strstr(t, "<start_of_turn>")) return FAM_GEMMA;
+    if (strstr(t, "[INST]")) return strstr(t, "<<SYS>>") ? FAM_LLAMA2 : FAM_MISTRAL;
+    if (strstr(t, "<|user|>")) return strstr(t, "<|end|>") ? FAM_PHI3 : FAM_ZEPHYR;
+    *known = false;
+    return FAM_PLAIN;
+}
+
+static bool family_from_name(const char *name, family *out) {
+    for (int i = 0; i < FAM_COUNT; i++)
+        if (!strcmp(name, family_names[i])) return *out = (family)i, true;
+    return false;
+}
+
+static const char *const no_stops[] = {NULL};
+static const char *const plain_stops[] = {"\nUser:", NULL};
+static const char *const chatml_stops[] = {"<|im_end|>", NULL};
+static const char *const llama3_stops[] = {"<|eot_id|>", NULL};
+static const char *const phi3_stops[] = {"<|end|>", NULL};
+static const char *const gemma_stops[] = {"<end_of_turn>", NULL};
+
+static const char *const *family_stops(family f) {
+    switch (f) {
+    case FAM_PLAIN:
+        return plain_stops;
+    case FAM_CHATML:
+        return chatml_stops;
+    case FAM_LLAMA3:
+        return llama3_stops;
+    case FAM_PHI3:
+        return phi3_stops;
+    case FAM_GEMMA:
+        return gemma_stops;
+    default:
+        return no_stops; /* the model's EOS token ends the turn */
+    }
+}
+
+typedef enum role { ROLE_SYSTEM, ROLE_USER, ROLE_ASSISTANT } role;
+
+typedef struct message {
+    role role;
+    char *content; /* owned */
+} message;
+
+/* A growing NUL-terminated string; ok turns false on the first failed
+ * allocation and every later append is a no-op. */
+typedef struct text {
+    char *p;
+    size_t len, cap;
+    bool ok;
+} text;
+
+static void put_n(text *t, const char *s, size_t n) {
+    if (!t->ok) return;
+    if (t->len + n + 1 > t->cap) {
+        size_t cap = t->cap ? t->cap : 256;
+        while (cap < t->len + n + 1)
+            cap *= 2;
+        char *p = realloc(t->p, cap);
+        if (!p) {
+            t->ok = false;
+            return;
+        }
+        t->p = p;
+        t->cap = cap;
+    }
+    memcpy(t->p + t->len, s, n);
+    t->len += n;
+    t->p[t->len] = '\0';
+}
+
+static void put(text *t, const char *s) {
+    put_n(t, s, strlen(s));
+}
+
+static const char *role_name(role r) {
+    return r == ROLE_SYSTEM ? "system" : r == ROLE_USER ? "user" : "assistant";
+}
+
+/* The content with leading and trailing whitespace removed (Llama and
+ * Mistral templates strip it), as a pointer and a length. */
+static const char *trimmed(const char *s, size_t *n) {
+    while (*s == ' ' || *s == '\n' || *s == '\t' || *s == '\r')
+        s++;
+    size_t k = strlen(s);
+    while (k && (s[k - 1] == ' ' || s[k - 1] == '\n' || s[k - 1] == '\t' || s[k - 1] == '\r'))
+        k--;
+    *n = k;
+    return s;
+}
+
+static void put_trimmed(text *t, const char *s) {
+    size_t n;
+    const char *c = trimmed(s, &n);
+    put_n(t, c, n);
+}
+
+/* Families without a system role fold the system messages into the first
+ * user turn: "<system>\n\n<user>". This joins them. */
+static void system_prefix(const message *m, int n, text *sys) {
+    for (int i = 0; i < n; i++)
+        if (m[i].role == ROLE_SYSTEM) {
+            if (sys->len) put(sys, "\n\n");
+            put(sys, m[i].content);
+        }
+}
+
+static bool has_user(const message *m, int n) {
+    for (int i = 0; i < n; i++)
+        if (m[i].role == ROLE_USER) return true;
+    return false;
+}
+
+static void render_inst(bool llama2, const message *m, int n, text *out) {
+    text sys = {.ok = true};
+    bool first_user = true;
+    system_prefix(m, n, &sys);
+    /* A system prompt with no user turn still needs a turn to live in. */
+    if (sys.len && !has_user(m, n)) {
+        put(out, llama2 ? "[INST] <<SYS>>\n" : "[INST] ");
+        put_n(out, sys.p, sys.len);
+        put(out, llama2 ? "\n<</SYS>>\n\n [/INST]" : " [/INST]");
+        first_user = false;
+    }
+    for (int i = 0; i < n; i++) {
+        if (m[i].role == ROLE_USER) {
+            /* Every user turn after the first opens with its own BOS. */
+            if (!first_user) put(out, "<s>");
+            put(out, "[INST] ");
+            if (first_user && sys.len) {
+                put(out, llama2 ? "<<SYS>>\n" : "");
+                put_n(out, sys.p, sys.len);
+                put(out, llama2 ? "\n<</SYS>>\n\n" : "\n\n");
+            }
+            put_trimmed(out, m[i].content);
+            put(out, " [/INST]");
+            first_user = false;
+        } else if (m[i].role == ROLE_ASSISTANT) {
+            put(out, " ");
+            put_trimmed(out, m[i].content);
+            put(out, llama2 ? " </s>" : "</s>");
+        }
+    }
+    out->ok &= sys.ok;
+    free(sys.p);
+}
+
+static void render_gemma(const message *m, int n, bool gen, text *out) {
+    /* Gemma has no system role: it goes in front of the first user turn. */
+    text sys = {.ok = true};
+    bool first_user = true;
+    system_prefix(m, n, &sys);
+    if (sys.len && !has_user(m, n)) {
+        put(out, "<start_of_turn>user\n");
+        put_n(out, sys.p, sys.len);
+        put(out, "<end_of_turn>\n");
+    }
+    for (int i = 0; i < n; i++) {
+        if (m[i].role == ROLE_SYSTEM) continue;
+        put(out, m[i].role == ROLE_USER ? "<start_of_turn>user\n" : "<start_of_turn>model\n");
+        if (m[i].role == ROLE_USER && first_user && sys.len) {
+            put_n(out, sys.p, sys.len);
+            put(out, "\n\n");
+        }
+        if (m[i].role == ROLE_USER) first_user = false;
+        put_trimmed(out, m[i].content);
+        put(out, "<end_of_turn>\n");
+    }
+    if (gen) put(out, "<start_of_turn>model\n");
+    out->ok &= sys.ok;
+    free(sys.p);
+}
+
+static void render_family(family f, const message *m, int n, bool gen, text *out) {
+    switch (f) {
+    case FAM_CHATML:
+        for (int i = 0; i < n; i++) {
+            put(out, "<|im_start|>");
+            put(out, role_name(m[i].role));
+            put(out, "\n");
+            put(out, m[i].content);
+            put(out, "<|im_end|>\n");
+        }
+        if (gen) put(out, "<|im_start|>assistant\n");
+        break;
+    case FAM_LLAMA3:
+        for (int i = 0; i < n; i++) {
+            put(out, "<|start_header_id|>");
+            put(out, role_name(m[i].role));
+            put(out, "<|end_header_id|>\n\n");
+            put_trimmed(out, m[i].content);
+            put(out, "<|eot_id|>");
+        }
+        if (gen) put(out, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+        break;
+    case FAM_LLAMA2:
+    case FAM_MISTRAL:
+        render_inst(f == FAM_LLAMA2, m, n, out);
+        break;
+    case FAM_ZEPHYR:
+    case FAM_PHI3:
+        for (int i = 0; i < n; i++) {
+            put(out, "<|");
+            put(out, role_name(m[i].role));
+            put(out, "|>\n");
+            put(out, m[i].content);
+            put(out, f == FAM_PHI3 ? "<|end|>\n" : "</s>\n");
+        }
+        if (gen) put(out, "<|assistant|>\n");
+        break;
+    case FAM_GEMMA:
+        render_gemma(m, n, gen, out);
+        break;
+    default: /* plain */
+        for (int i = 0; i < n; i++) {
+            if (m[i].role == ROLE_SYSTEM) {
+                put(out, m[i].content);
+                put(out, "\n\n");
+            } else {
+                put(out, m[i].role == ROLE_USER ? "User: " : "Assistant: ");
+                put(out, m[i].content);
+                put(out, "\n");
+            }
+        }
+        if (gen) put(out, "Assistant:");
+        break;
+    }
+}
+
+/* ---- conversations -------------------------------------------------------- */
+
+/* A message's content as text: a string, null (""), or the text parts of a
+ * list joined with newlines (as vLLM joins them). Returns NULL (with the error set) for anything else. */
+static char *content_text(const cJSON *c, int i) {
+    if (!c || cJSON_IsNull(c)) return strdup("");
+    if (cJSON_IsString(c)) return strdup(c->valuestring);
+    if (!cJSON_IsArray(c)) {
+        duet__error(DUET_BAD_REQUEST, "chat: messages[%d].content must be a string or a list of parts", i);
+        return NULL;
+    }
+    text t = {.ok = true};
+    put(&t, "");
+    const cJSON *part;
+    cJSON_ArrayForEach(part, c) {
+        const cJSON *type = cJSON_GetObjectItemCaseSensitive(part, "type");
+        const cJSON *tx = cJSON_GetObjectItemCaseSensitive(part, "text");
+        if (!cJSON_IsString(type) || strcmp(type->valuestring, "text") || !cJSON_IsString(tx)) {
+            free(t.p);
+            duet__error(DUET_BAD_REQUEST, "chat: messages[%d].content: only text parts are supported", i);
+            return NULL;
+        }
+        if (t.len) put(&t, "\n");
+        put(&t, tx->valuestring);
+    }
+    if (!t.ok) free(t.p), duet__error(DUET_OUT_OF_MEMORY, "chat: out of memory");
+    return t.ok ? t.p : NULL;
+}
+
+/* Reads the messages of a conversation for the families. */
+static duet_status read_messages(const cJSON *conv, message **out, int *n_out) {
+    const cJSON *msgs = cJSON_GetObjectItemCaseSensitive(conv, "messages");
+    if (!cJSON_IsArray(msgs)) return duet__error(DUET_BAD_REQUEST, "chat: 'messages' must be an array");
+    int n = cJSON_GetArraySize(msgs);
+    message *m = calloc((size_t)n + 1, sizeof *m);
+    if (!m) return duet__error(DUET_OUT_OF_MEMORY, "chat: out of memory");
+    int i = 0;
+    const cJSON *msg;
+    duet_status st = DUET_OK;
+    cJSON_ArrayForEach(msg, msgs) {
+        const cJSON *r = cJSON_GetObjectItemCaseSensitive(msg, "role");
+        const char *rs = cJSON_IsString(r) ? r->valuestring : "";
+        if (!strcmp(rs, "system") || !strcmp(rs, "developer"))
+            m[i].role = ROLE_SYSTEM;
+        else if (!strcmp(rs, "user"))
+            m[i].role = ROLE_USER;
+        else if (!strcmp(rs, "assistant"))
+            m[i].role = ROLE_ASSISTANT;
+        else {
+            st = duet__error(
+                DUET_UNSUPPORTED,
+                "chat: messages[%d].role '%s': this chat template knows system, user and assistant", i, rs);
+            break;
+        }
+        if (!(m[i].content = content_text(cJSON_GetObjectItemCaseSensitive(msg, "content"), i))) {
+            st = duet_last_error()[0] ? DUET_BAD_REQUEST : DUET_OUT_OF_MEMORY;
+            break;
+        }
+        i++;
+    }
+    if (st) {
+        for (int k = 0; k < i; k++)
+            free(m[k].content);
+        free(m);
+        return st;
+    }
+    *out = m;
+    *n_out = n;
+    return DUET_OK;
+}
+
+/* ---- the public API ------------------------------------------------------- */
+
+static duet_status template_new(family f, const char *reason, duet_chat_template **out) {
+    duet_chat_template *t = calloc(1, sizeof *t);
+    if (!t) return duet__error(DUET_OUT_OF_MEMORY, "chat template: out of memory");
+    t->fam = f;
+    snprintf(t->reason, sizeof t->reason, "%s", reason ? reason : "");
+    *out = t;
+    return DUET_OK;
+}
+
+duet_status duet_chat_template_parse(const char *source, const char *bos_token, const char *eos_token,
+                                     duet_chat_template **out) {
+    (void)bos_token, (void)eos_token;
+    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_chat_template_parse: out is NULL");
+    *out = NULL;
+    bool known;
+    family f = detect_family(source, &known);
+    const char *why = !source || !*source ? "the model has no chat template"
+                      : known             ? "duet runs named families of templates, not Jinja"
+                                          : "the template is not one of duet's named families";
+    return template_new(f, why, out);
+}
+
+duet_status duet_chat_template_load(const duet_model *model, const char *name, duet_chat_template **out) {
+    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_chat_template_load: out is NULL");
+    *out = NULL;
+    family f;
+    if (name && strcmp(name, "auto") && family_from_name(name, &f)) return template_new(f, "", out);
+    char *source = NULL;
+    if (name && strcmp(name, "auto")) {
+        /* A path to a Jinja file. */
+        FILE *fp = fopen(name, "rb");
+        if (!fp)
+            return duet__error(
+                DUET_INVALID_ARGUMENT,
+                "chat template '%s': neither a family (plain, chatml, llama3, llama2, mistral, zephyr, "
+                "phi3, gemma) nor a readable file",
+                name);
+        long n = fseek(fp, 0, SEEK_END) == 0 ? ftell(fp) : -1;
+        if (n < 0 || n > (1 << 20) || fseek(fp, 0, SEEK_SET) != 0 || !(source = malloc((size_t)n + 1)) ||
+            fread(source, 1, (size_t)n, fp) != (size_t)n) {
+            fclose(fp);
+            free(source);
+            return duet__error(DUET_IO, "chat template '%s': cannot read it (at most 1 MiB)", name);
+        }
+        fclose(fp);
+        source[n] = '\0';
+    } else if (model) {
+        int n = duet_model_meta(model, "tokenizer.chat_template", NULL, 0);
+        if (n >= 0 && (source = malloc((size_t)n + 1)))
+            duet_model_meta(model, "tokenizer.chat_template", source, (size_t)n + 1);
+    }
+    const char *bos = NULL, *eos = NULL;
+    if (model && model->tok) {
+        bos = duet_tokenizer_piece(model->tok, duet_tokenizer_bos(model->tok));
+        eos = duet_tokenizer_piece(model->tok, duet_tokenizer_eos(model->tok));
+    }
+    duet_status st = duet_chat_template_parse(source, bos ? bos : "", eos ? eos : "", out);
+    free(source);
+    return st;
+}
+
+void duet_chat_template_free(duet_chat_template *t) {
+    free(t);
+}
+
+const char *duet_chat_template_name(const duet_chat_template *t) {
+    return t ? family_names[t->fam] : "plain";
+}
+
+const char *duet_chat_template_fallback_reason(const duet_chat_template *t) {
+    return t ? t->reason : "";
+}
+
+const char *const *duet_chat_template_stops(const duet_chat_template *t) {
+    return family_stops(t ? t->fam : FAM_PLAIN);
+}
+
+duet_status duet_chat_template_apply(const duet_chat_template *t, const char *conversation_json,
+                                     bool add_generation_prompt, char **out) {
+    if (!t || !conversation_json || !out)
+        return duet__error(DUET_INVALID_ARGUMENT, "duet_chat_template_apply: NULL argument");
+    *out = NULL;
+    cJSON *conv = cJSON_Parse(conversation_json);
+    if (!conv) return duet__error(DUET_BAD_REQUEST, "chat: the conversation is not valid JSON");
+    message *m = NULL;
+    int n = 0;
+    duet_status st = read_messages(conv, &m, &n);
+    cJSON_Delete(conv);
+    if (st) return st;
+    text o = {.ok = true};
+    put(&o, "");
+    render_family(t->fam, m, n, add_generation_prompt, &o);
+    for (int i = 0; i < n; i++)
+        free(m[i].content);
+    free(m);
+    if (!o.ok) {
+        free(o.p);
+        return duet__error(DUET_OUT_OF_MEMORY, "chat: out of memory");
+    }
+    *out = o.p;
+    return DUET_OK;
+}
