@@ -20,6 +20,11 @@
 
 enum { KIND_SPM, KIND_BPE };
 
+/* Code point classes (unicode_cats.h): the first letter of the general
+ * category, or undefined for unassigned code points. */
+enum { UCAT_UNDEF, UCAT_N, UCAT_L, UCAT_Z, UCAT_M, UCAT_P, UCAT_S, UCAT_C };
+#include "unicode_cats.h"
+
 /* Per-token flags, computed at load. */
 enum {
     FLAG_EOG = 1,          /* ends generation */
@@ -32,6 +37,13 @@ enum {
 /* Longest input encode accepts: keeps every offset (also the 3x-expanded SPM
  * buffer) within 32 bits and every token count within int. */
 #define MAX_ENCODE_BYTES ((size_t)1 << 29)
+
+enum { STAGE_CLASS_TEXT, STAGE_UTF8, STAGE_KIMI_K2, STAGE_DIGITS3 };
+
+typedef struct pre_stage {
+    int kind;       /* STAGE_* */
+    pcre2_code *re; /* the regexes' stages */
+} pre_stage;
 
 typedef struct merge_slot {
     uint64_t key; /* (left id << 32) | right id; UINT64_MAX = empty */
@@ -60,8 +72,10 @@ struct duet_tokenizer {
     int n_specials;
     int n_always;               /* how many of them are matched without parse_special */
     int32_t special_start[257]; /* specials[special_start[b]..special_start[b+1]) start with byte b */
-    pcre2_code *re[MAX_REGEX];
-    int n_re;
+    pre_stage stages[MAX_REGEX]; /* BPE pre-tokenizer, in order */
+    int n_stages;
+    unsigned pre_flags;  /* PRE_* */
+    bool need_utf8_text; /* a stage matches UTF-8 text, not class text */
     bool jit;
     int32_t bos, eos, unk;
     bool add_bos, add_eos, add_space_prefix;
@@ -120,10 +134,17 @@ static size_t utf8_put(uint32_t cp, char *out) {
         out[1] = (char)(0x80 | (cp & 0x3F));
         return 2;
     }
-    out[0] = (char)(0xE0 | (cp >> 12));
-    out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
-    out[2] = (char)(0x80 | (cp & 0x3F));
-    return 3;
+    if (cp < 0x10000) {
+        out[0] = (char)(0xE0 | (cp >> 12));
+        out[1] = (char)(0x80 | ((cp >> 6) & 0x3F));
+        out[2] = (char)(0x80 | (cp & 0x3F));
+        return 3;
+    }
+    out[0] = (char)(0xF0 | (cp >> 18));
+    out[1] = (char)(0x80 | ((cp >> 12) & 0x3F));
+    out[2] = (char)(0x80 | ((cp >> 6) & 0x3F));
+    out[3] = (char)(0x80 | (cp & 0x3F));
+    return 4;
 }
 
 /* GPT-2's byte-to-unicode alphabet: printable Latin-1 bytes map to
@@ -302,79 +323,341 @@ static int parse_byte_piece(const char *s, size_t n) {
     return v;
 }
 
-typedef struct pre_spec {
-    const char *name;
-    const char *patterns[MAX_REGEX];
-} pre_spec;
+/* ---- pre-tokenizers ------------------------------------------------------
+ *
+ * A byte-level BPE vocabulary names its pre-tokenizer in tokenizer.ggml.pre.
+ * The names and the regexes are llama.cpp's (commit 0c1e570, the one inside
+ * llama-cpp-python 0.3.36), and so is the way they split text, because its
+ * test vectors are the reference:
+ *
+ * - Several regexes run in sequence, each splitting the pieces of the one
+ *   before; matches and the text between them both become pieces (Hugging
+ *   Face's Split with "isolated" behaviour). An empty match splits the text
+ *   at its position.
+ * - \p{L}, \p{N}, \p{P}, \p{M}, \p{S} (and \p{Lu} ... \p{Lo}, which mean
+ *   \p{L}) use llama.cpp's own code point classes (Unicode 15.1, see
+ *   unicode_cats.h), not the regex library's: a regex that uses them runs on
+ *   "class text", one byte per code point: ASCII stays itself, other code
+ *   points become one byte per class (0x0B for the White_Space ones), and
+ *   the regex's \p{X} becomes a class of that byte plus X's ASCII members.
+ *   A regex without \p{..} runs on the UTF-8 text with non-ASCII white space
+ *   as 0x0B; \s, \d and \w are ASCII there, as in std::regex.
+ * - Two splitters are code, not regexes: Kimi-K2's (Han runs apart from
+ *   other letters) and the digit grouping of AFMoE and Tiny Aya (a digit run
+ *   is cut into groups of three from the right; the text before a run stays
+ *   joined to its first group, as llama.cpp does).
+ * - Some names take a whole pre-token that is itself in the vocabulary as
+ *   one token without merging ("ignore_merges", Llama 3's tokenizer.json
+ *   says so): " Việt" is one token of Llama 3, though its merges would give
+ *   three.
+ * - Gemma 4 and Sarvam have SentencePiece-style BPE vocabularies: spaces
+ *   become U+2581, pieces are merged as UTF-8 characters, not GPT-2's byte
+ *   alphabet, and missing characters fall back to <0xNN> byte tokens.
+ */
 
-#define RE_GPT2 "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"
-/* Llama 3 and Qwen2 spell their case-insensitive contractions (?i:'s|...) out
- * as explicit classes, so Unicode case folding (e.g. U+017F) cannot widen them. */
+#define SPLIT_KIMI_K2 "@kimi-k2"  /* a splitter in code (split_kimi) */
+#define SPLIT_DIGITS3 "@digits-3" /* a splitter in code (split_digits3) */
+
+#define RE_CONTRACTIONS "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+#define RE_GPT2 "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"
 #define RE_LLAMA3                                                                                            \
-    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"               \
-    "\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+    RE_CONTRACTIONS                                                                                          \
+        "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"           \
+        "\\s+(?!\\S)|\\s+"
 #define RE_QWEN2                                                                                             \
-    "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|"               \
-    "\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+    RE_CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"    \
+                    "\\s+(?!\\S)|\\s+"
+#define RE_BLOOM " ?[^(\\s|.,!?…。，、।۔،)]+"
+#define RE_CJK_DEEPSEEK "[一-龥ࠀ-一가-퟿]+"
+#define RE_DEEPSEEK3                                                                                         \
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| "      \
+    "?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"
+/* GPT-4o's regex with its upper/lower-case classes spelled as llama.cpp
+ * spells them (lookaheads over ASCII case), given the letter class L. */
+#define RE_GPT4O_LIKE(L)                                                                                     \
+    "[^\\r\\n\\p{L}\\p{N}]?((?=[" L "])([^a-z]))*((?=[" L "])([^A-Z]))+" RE_CONTRACTIONS                     \
+    "?|[^\\r\\n\\p{L}\\p{N}]?((?=[" L "])([^a-z]))+((?=[" L "])([^A-Z]))*" RE_CONTRACTIONS                   \
+    "?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+#define RE_UPPER_LOWER "[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]"
+#define RE_LOWER_ANY "[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]"
 
-/* Pre-tokenizers by tokenizer.ggml.pre. Several patterns run in sequence,
- * each splitting the pieces of the previous one (Hugging Face's Split with
- * "isolated" behaviour: matches and the text between them both become
- * pieces). */
-static const pre_spec PRE_SPECS[] = {
-    {"default", {RE_GPT2}},
-    {"gpt-2", {RE_GPT2}},
-    {"gpt2", {RE_GPT2}},
-    {"llama-bpe", {RE_LLAMA3}},
-    {"llama3", {RE_LLAMA3}},
-    {"dbrx", {RE_LLAMA3}},
-    {"smaug-bpe", {RE_LLAMA3}},
-    {"qwen2", {RE_QWEN2}},
-    {"stablelm2", {RE_QWEN2}},
-    /* StarCoder's family: every digit its own piece, then GPT-2's split. */
-    {"starcoder", {"\\p{N}", RE_GPT2}},
-    {"refact", {"\\p{N}", RE_GPT2}},
-    {"command-r", {"\\p{N}", RE_GPT2}},
-    {"smollm", {"\\p{N}", RE_GPT2}},
-    {"codeshell", {"\\p{N}", RE_GPT2}},
-    {"exaone", {"\\p{N}", RE_GPT2}},
-    {"minerva-7b", {"\\p{N}", RE_GPT2}},
-    {"deepseek-coder",
-     {"[\\r\\n]", "\\s?\\p{L}+", "\\s?\\p{P}+",
-      "[\\x{4E00}-\\x{9FA5}\\x{0800}-\\x{4E00}\\x{AC00}-\\x{D7FF}]+", "\\p{N}"}},
+enum {
+    PRE_IGNORE_MERGES = 1, /* a pre-token that is a token is taken whole */
+    PRE_ADD_BOS = 2,       /* add_bos defaults to true */
+    PRE_RAW_UTF8 = 4,      /* merges over UTF-8 characters, <0xNN> byte fallback */
+    PRE_ESCAPE_SPACES = 8, /* spaces become U+2581 first */
+    PRE_NEWLINE_RUNS = 16, /* a run of newlines that is a token is taken whole (Gemma 4) */
 };
 
+typedef struct pre_type {
+    const char *names[10]; /* tokenizer.ggml.pre values */
+    const char *patterns[MAX_REGEX];
+} pre_type;
+
+/* The regexes by pre-tokenizer type, each type with the names that select it
+ * (a name's flags are in PRE_FLAGS). */
+static const pre_type PRE_TYPES[] = {
+    {{"default"}, {"[\\p{P}\\$\\+<=>\\^~\\|]+", RE_GPT2, "\\p{N}+", "[0-9][0-9][0-9]"}},
+    {{"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+      "jina-v5-nano"},
+     {RE_LLAMA3}},
+    {{"dbrx", "smaug-bpe", "chatglm-bpe", "glm4", "glm5"}, {RE_LLAMA3}},
+    {{"jais-2"},
+     {RE_CONTRACTIONS
+      "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|"
+      "\\s{512}(?!\\S)|\\s{256}(?!\\S)|\\s{128}(?!\\S)|\\s{64}(?!\\S)|\\s{32}(?!\\S)|"
+      "\\s{16}(?!\\S)|\\s{8}(?!\\S)|\\s{4}(?!\\S)|\\s{1,2}(?!\\S)|\\s{1}"}},
+    {{"deepseek-llm"},
+     {"[\r\n]",
+      "\\s?[A-Za-z\\x{B5}\\x{C0}-\\x{D6}\\x{D8}-\\x{F6}\\x{F8}-\\x{1BA}\\x{1BC}-\\x{1BF}\\x{1C4}-"
+      "\\x{293}\\x{295}-\\x{2AF}\\x{370}-\\x{373}\\x{376}\\x{377}\\x{37B}-\\x{37D}\\x{37F}\\x{386}"
+      "\\x{388}-\\x{38A}\\x{38C}\\x{38E}-\\x{3A1}\\x{3A3}-\\x{3F5}\\x{3F7}-\\x{481}\\x{48A}-"
+      "\\x{52F}\\x{531}-\\x{556}\\x{10A0}-\\x{10C5}\\x{13A0}-\\x{13F5}\\x{13F8}-\\x{13FD}\\x{1C90}-"
+      "\\x{1CBA}\\x{1CBD}-\\x{1CBF}\\x{1D00}-\\x{1D2B}\\x{1D6B}-\\x{1D77}\\x{1D79}-\\x{1D9A}"
+      "\\x{1E00}-\\x{1F15}\\x{1F18}-\\x{1F1D}\\x{1F20}-\\x{1F45}\\x{1F48}-\\x{1F4D}\\x{1F50}-"
+      "\\x{1F57}\\x{1F59}\\x{1F5B}\\x{1F5D}\\x{1F5F}-\\x{1F7D}\\x{1F80}-\\x{1FB4}\\x{1FB6}-"
+      "\\x{1FBC}\\x{1FBE}\\x{1FC2}-\\x{1FC4}\\x{1FC6}-\\x{1FCC}\\x{1FD0}-\\x{1FD3}\\x{1FD6}-"
+      "\\x{1FDB}\\x{1FE0}-\\x{1FEC}\\x{1FF2}-\\x{1FF4}\\x{1FF6}-\\x{1FFC}\\x{2102}\\x{2107}"
+      "\\x{210A}-\\x{2113}\\x{2115}\\x{2119}-\\x{211D}\\x{2124}\\x{2126}\\x{2128}\\x{212A}-"
+      "\\x{212D}\\x{212F}-\\x{2134}\\x{2139}\\x{213C}-\\x{213F}\\x{2145}-\\x{2149}\\x{214E}"
+      "\\x{2183}\\x{2184}\\x{2C00}-\\x{2C7B}\\x{2C7E}-\\x{2CE4}\\x{2CEB}-\\x{2CEE}\\x{2CF2}"
+      "\\x{2CF3}\\x{A640}-\\x{A66D}\\x{A680}-\\x{A69B}\\x{A722}-\\x{A76F}\\x{A771}-\\x{A787}"
+      "\\x{A78B}-\\x{A78E}\\x{AB70}-\\x{ABBF}\\x{FB00}-\\x{FB06}\\x{FB13}-\\x{FB17}\\x{FF21}-"
+      "\\x{FF3A}\\x{FF41}-\\x{FF5A}\\x{10400}-\\x{1044F}\\x{104B0}-\\x{104D3}\\x{104D8}-\\x{104FB}"
+      "\\x{10C80}-\\x{10CB2}\\x{10CC0}-\\x{10CF2}\\x{118A0}-\\x{118DF}\\x{1E900}-\\x{1E943}]+",
+      "\\s?[!-/:-~！-／：-～‘-‟　-。]+", "\\s+$", RE_CJK_DEEPSEEK, "\\p{N}+"}},
+    {{"deepseek-coder"}, {"[\r\n]", "\\s?\\p{L}+", "\\s?\\p{P}+", RE_CJK_DEEPSEEK, "\\p{N}"}},
+    {{"deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"},
+     {"\\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+", RE_DEEPSEEK3}},
+    {{"spark2_5"},
+     {"\\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
+      "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| "
+      "?[\\p{P}\\p{S}]+|[\r\n]|\\s+(?!\\S)|\\s+",
+      "\\p{N}"}},
+    {{"youtu"},
+     {"[가-힣ㄱ-ㆎ]+|[！…“”‘’—：；，、-〿︰-﹏]+|[ㄅ-ㄯ]+|[一-龥぀-ゟ゠-ヿ]+",
+      "[^\\r\\n\\p{L}\\p{N}]?" RE_UPPER_LOWER "*" RE_LOWER_ANY "+" RE_CONTRACTIONS
+      "?|[^\\r\\n\\p{L}\\p{N}]?" RE_UPPER_LOWER "+" RE_LOWER_ANY "*" RE_CONTRACTIONS
+      "?|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {{"falcon"}, {"[\\p{P}\\$\\+<=>\\^~\\|`]+", RE_GPT2, "[0-9][0-9][0-9]"}},
+    /* StarCoder's family: every digit its own piece, then GPT-2's split. */
+    {{"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva-7b", "mellum2"},
+     {"\\p{N}", RE_GPT2}},
+    {{"gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0", "mellum",
+      "modern-bert"},
+     {RE_GPT2}},
+    {{"jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4", "mpt", "olmo", "jais", "trillion",
+      "granite-docling"},
+     {RE_GPT2}},
+    {{"qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "stablelm2", "hunyuan", "solar-open", "megrez"},
+     {RE_QWEN2}},
+    {{"grok-2"}, {RE_QWEN2}},
+    {{"qwen35"},
+     {RE_CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*|"
+                      "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {{"poro-chat", "bloom", "gpt3-finnish"}, {RE_BLOOM}},
+    {{"viking"}, {RE_BLOOM, "\\p{N}"}},
+    {{"tekken"},
+     {"[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}])([^a-z]))*((?=[\\p{L}])([^A-Z]))+|[^\\r\\n\\p{L}\\p{N}]?((?=[\\p{L}"
+      "])([^"
+      "a-z]))+((?=[\\p{L}])([^A-Z]))*|\\p{N}| "
+      "?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {{"chameleon"},
+     {"<sentinel:[0-9]+>", "(IMGIMG)((A|B|C|D|E|F|G|H|I){1,4})Z", "([\\t\\n]|    |  )", "\\p{N}",
+      "[\\p{P}!-/:-@\\[-`{-~]", RE_GPT2}},
+    {{"gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"}, {RE_GPT4O_LIKE("\\p{L}")}},
+    /* GPT-4o's with \p{M} joining letters (combining marks stay on their base). */
+    {{"granite-embed-multi-97m"}, {RE_GPT4O_LIKE("\\p{L}\\p{M}")}},
+    {{"tiny_aya", "cohere2moe"},
+     {SPLIT_DIGITS3, "[^\\r\\n\\p{L}\\p{N}]?" RE_UPPER_LOWER "*" RE_LOWER_ANY "+" RE_CONTRACTIONS
+                     "?|[^\\r\\n\\p{L}\\p{N}]?" RE_UPPER_LOWER "+" RE_LOWER_ANY "*" RE_CONTRACTIONS
+                     "?|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {{"kimi-k2"}, {SPLIT_KIMI_K2}},
+    {{"superbpe"}, {"\\p{N}+", "(?=(\\d{3})+(?!\\d))"}},
+    {{"bailingmoe", "bailingmoe2", "llada-moe"},
+     {"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| "
+      "?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+"}},
+    {{"seed-coder"},
+     {RE_CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1}| ?[^\\s\\p{L}\\p{N}\\r\\n]+|\\s*[\\r\\n]+|"
+                      "\\s+(?!\\S)|\\s+"}},
+    /* Qwen2's without the contractions (Turkish suffixes stay attached). */
+    {{"ufakzeka"},
+     {"[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {{"afmoe"},
+     {SPLIT_DIGITS3,
+      "[一-鿿㐀-䶿豈-﫿぀-ゟ゠-ヿ･-ﾟ⼀-⿟เ-๿຀-໿ក-៿က-႟ꩠ-ꩿꧠ-꧿가-힯ᄀ-ᇿ]"
+      "+",
+      "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| "
+      "?[\\p{P}\\p{S}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {{"laguna"}, {"[^\\n]+|[\\n]+", RE_QWEN2}},
+    {{"exaone-moe"},
+     {RE_CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?(?:\\p{L}\\p{M}*(?: \\p{L}\\p{M}*)*)+|\\p{N}| "
+                      "?[^\\s\\p{L}\\p{N}]+[\\r\\n/]?|\\s*[\\r\\n]|\\s+(?!\\S)|\\s+"}},
+    /* SentencePiece-style BPE: only newlines split. */
+    {{"gemma4", "granite-embed-multi-311m", "sarvam-moe"}, {"[^\\n]+|[\\n]+"}},
+    {{"minicpm5"},
+     {"\\p{N}{1,3}", RE_CONTRACTIONS "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}+| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+                                     "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"}},
+    {{"whitespace"}, {"\\S+"}},
+};
+
+static const struct {
+    const char *name;
+    unsigned flags;
+} PRE_FLAGS[] = {
+    {"llama3", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"llama-v3", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"llama-bpe", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"falcon3", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"falcon-h1", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"pixtral", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"midm-2.0", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"lfm2", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"jina-v5-nano", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"tekken", PRE_IGNORE_MERGES | PRE_ADD_BOS},
+    {"chameleon", PRE_ADD_BOS},
+    {"minicpm5", PRE_IGNORE_MERGES},
+    {"youtu", PRE_IGNORE_MERGES},
+    {"glm4", PRE_IGNORE_MERGES},
+    {"glm5", PRE_IGNORE_MERGES},
+    {"granite-embed-multi-97m", PRE_IGNORE_MERGES},
+    {"gemma4", PRE_RAW_UTF8 | PRE_ESCAPE_SPACES | PRE_ADD_BOS | PRE_NEWLINE_RUNS},
+    {"granite-embed-multi-311m", PRE_RAW_UTF8 | PRE_ESCAPE_SPACES | PRE_ADD_BOS | PRE_NEWLINE_RUNS},
+    {"sarvam-moe", PRE_RAW_UTF8 | PRE_ESCAPE_SPACES},
+    {"whitespace", PRE_RAW_UTF8},
+};
+
+/* The ASCII members of each class, for class text (see above); the class's
+ * own byte comes first. */
+static const char *ucat_class(const char *name, size_t n) {
+    static const struct {
+        const char *name, *members;
+    } cls[] = {
+        {"N", "\xD1"
+              "0-9"},
+        {"L", "\xD2"
+              "A-Za-z"},
+        {"Lu", "\xD2"
+               "A-Za-z"},
+        {"Ll", "\xD2"
+               "A-Za-z"},
+        {"Lt", "\xD2"
+               "A-Za-z"},
+        {"Lm", "\xD2"
+               "A-Za-z"},
+        {"Lo", "\xD2"
+               "A-Za-z"},
+        {"P", "\xD3"
+              "!-#%-*,-/:;?@\\[-\\]_\\{\\}"},
+        {"M", "\xD4"},
+        {"S", "\xD5"
+              "\\$\\+<->\\^`\\|~"},
+    };
+    for (size_t i = 0; i < sizeof cls / sizeof cls[0]; i++)
+        if (strlen(cls[i].name) == n && memcmp(cls[i].name, name, n) == 0) return cls[i].members;
+    return NULL;
+}
+
+/* Rewrites a regex that uses \p{X} for class text into out (malloc'd);
+ * *uses_classes says whether it had any. NULL when out of memory or when
+ * it mixes \p{..} with non-ASCII characters (not expressible in class text). */
+static char *collapse_regex(const char *re, bool *uses_classes) {
+    size_t n = strlen(re);
+    char *out = malloc(8 * n + 1);
+    if (!out) return NULL;
+    size_t o = 0;
+    bool inside = false, non_ascii = false;
+    *uses_classes = false;
+    for (size_t i = 0; i < n; i++) {
+        char c = re[i];
+        if ((uint8_t)c >= 0x80) non_ascii = true;
+        if (c == '\\' && i + 1 < n && re[i + 1] != 'p') {
+            out[o++] = c, out[o++] = re[++i]; /* an escaped character, never a bracket */
+            continue;
+        }
+        if (c == '[' && !inside)
+            inside = true;
+        else if (c == ']' && inside)
+            inside = false;
+        if (c == '\\' && i + 2 < n && re[i + 1] == 'p' && re[i + 2] == '{') {
+            const char *close = strchr(re + i + 3, '}');
+            const char *members = close ? ucat_class(re + i + 3, (size_t)(close - (re + i + 3))) : NULL;
+            if (members) {
+                size_t m = strlen(members);
+                if (!inside) out[o++] = '[';
+                memcpy(out + o, members, m), o += m;
+                if (!inside) out[o++] = ']';
+                i = (size_t)(close - re);
+                *uses_classes = true;
+                continue;
+            }
+        }
+        out[o++] = c;
+    }
+    out[o] = 0;
+    if (*uses_classes && non_ascii) {
+        free(out);
+        return NULL;
+    }
+    return out;
+}
+
 static duet_status compile_pre(duet_tokenizer *t, const char *pre) {
-    const pre_spec *spec = NULL;
-    for (size_t i = 0; i < sizeof PRE_SPECS / sizeof PRE_SPECS[0]; i++)
-        if (strcmp(PRE_SPECS[i].name, pre) == 0) spec = &PRE_SPECS[i];
-    if (!spec) return duet__error(DUET_UNSUPPORTED, "tokenizer: unknown pre-tokenizer '%s'", pre);
+    const pre_type *ty = NULL;
+    for (size_t i = 0; i < sizeof PRE_TYPES / sizeof PRE_TYPES[0] && !ty; i++)
+        for (int k = 0; k < 10 && PRE_TYPES[i].names[k]; k++)
+            if (strcmp(PRE_TYPES[i].names[k], pre) == 0) ty = &PRE_TYPES[i];
+    if (!ty)
+        return duet__error(DUET_UNSUPPORTED,
+                           "tokenizer: unknown pre-tokenizer '%s' (tokenizer.ggml.pre; llama.cpp's names are "
+                           "supported)",
+                           pre);
+    for (size_t i = 0; i < sizeof PRE_FLAGS / sizeof PRE_FLAGS[0]; i++)
+        if (strcmp(PRE_FLAGS[i].name, pre) == 0) t->pre_flags = PRE_FLAGS[i].flags;
     uint32_t jit_cfg = 0;
     pcre2_config(PCRE2_CONFIG_JIT, &jit_cfg);
     t->jit = jit_cfg != 0;
-    for (int i = 0; i < MAX_REGEX && spec->patterns[i]; i++) {
+    for (int i = 0; i < MAX_REGEX && ty->patterns[i]; i++) {
+        pre_stage *st = &t->stages[t->n_stages];
+        const char *pat = ty->patterns[i];
+        if (strcmp(pat, SPLIT_KIMI_K2) == 0 || strcmp(pat, SPLIT_DIGITS3) == 0) {
+            st->kind = pat[1] == 'k' ? STAGE_KIMI_K2 : STAGE_DIGITS3;
+            t->n_stages++;
+            continue;
+        }
+        bool classes;
+        char *re_text = collapse_regex(pat, &classes);
+        if (!re_text)
+            return duet__error(DUET_OUT_OF_MEMORY,
+                               "tokenizer: pre-tokenizer '%s' regex %d: out of memory or "
+                               "classes with non-ASCII text",
+                               pre, i);
+        st->kind = classes ? STAGE_CLASS_TEXT : STAGE_UTF8;
+        if (!classes) t->need_utf8_text = true;
         int err;
         PCRE2_SIZE at;
-        /* MATCH_INVALID_UTF: invalid UTF-8 in the input never matches and
-         * falls into the gaps, instead of being undefined behaviour. */
-        pcre2_code *re = pcre2_compile((PCRE2_SPTR)spec->patterns[i], PCRE2_ZERO_TERMINATED,
-                                       PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &err, &at, NULL);
-        if (!re) {
+        /* $ is the end only, as in ECMAScript. UTF mode is for UTF-8 text
+         * (built valid by the encoder); class text is bytes. No UCP: \s,
+         * \d, \w are ASCII, as in std::regex. */
+        uint32_t opts = PCRE2_DOLLAR_ENDONLY | (classes ? 0 : PCRE2_UTF);
+        st->re = pcre2_compile((PCRE2_SPTR)re_text, PCRE2_ZERO_TERMINATED, opts, &err, &at, NULL);
+        free(re_text);
+        if (!st->re) {
             char msg[128];
             pcre2_get_error_message(err, (PCRE2_UCHAR *)msg, sizeof msg);
             return duet__error(DUET_BAD_MODEL, "tokenizer: pre-tokenizer '%s' regex %d: %s at %zu", pre, i,
                                msg, (size_t)at);
         }
-        if (t->jit && pcre2_jit_compile(re, PCRE2_JIT_COMPLETE) != 0) t->jit = false;
-        t->re[t->n_re++] = re;
+        if (t->jit && pcre2_jit_compile(st->re, PCRE2_JIT_COMPLETE) != 0) t->jit = false;
+        t->n_stages++;
     }
     return DUET_OK;
 }
 
 void duet_tokenizer_free(duet_tokenizer *t) {
     if (!t) return;
-    for (int i = 0; i < t->n_re; i++)
-        pcre2_code_free(t->re[i]);
+    for (int i = 0; i < t->n_stages; i++)
+        if (t->stages[i].re) pcre2_code_free(t->stages[i].re);
     free(t->text);
     free(t->off);
     free(t->len);
@@ -427,12 +710,15 @@ static duet_status build_decoded(duet_tokenizer *t) {
         char *o = t->dec + pos;
         size_t k = 0;
         int ty = t->type[id];
-        int byte = ty == DUET_TOKEN_BYTE && t->kind == KIND_SPM ? parse_byte_piece((const char *)p, len) : -1;
+        /* SentencePiece-style pieces: "▁" is a space, <0xNN> a byte. */
+        bool spm_like = t->kind == KIND_SPM || (t->pre_flags & PRE_RAW_UTF8);
+        bool unescape = t->kind == KIND_SPM || (t->pre_flags & PRE_ESCAPE_SPACES);
+        int byte = ty == DUET_TOKEN_BYTE && spm_like ? parse_byte_piece((const char *)p, len) : -1;
         if (byte >= 0) {
             o[k++] = (char)byte;
-        } else if ((ty == DUET_TOKEN_NORMAL || ty == DUET_TOKEN_BYTE) && t->kind == KIND_SPM) {
+        } else if ((ty == DUET_TOKEN_NORMAL || ty == DUET_TOKEN_BYTE) && spm_like) {
             for (size_t i = 0; i < len;) {
-                if (i + 3 <= len && p[i] == 0xE2 && p[i + 1] == 0x96 && p[i + 2] == 0x81) {
+                if (unescape && i + 3 <= len && p[i] == 0xE2 && p[i + 1] == 0x96 && p[i + 2] == 0x81) {
                     o[k++] = ' ';
                     i += 3;
                 } else {
@@ -487,12 +773,37 @@ static duet_status load(const duet_gguf *g, duet_tokenizer *t) {
     char model[32];
     if (!duet_gguf_get_str(g, "tokenizer.ggml.model", model, sizeof model))
         return duet__error(DUET_BAD_MODEL, "tokenizer: tokenizer.ggml.model is missing or not a string");
-    if (strcmp(model, "llama") == 0)
+    char pre[64] = "default";
+    if (strcmp(model, "llama") == 0) {
         t->kind = KIND_SPM;
-    else if (strcmp(model, "gpt2") == 0)
+    } else if (strcmp(model, "gpt2") == 0 || strcmp(model, "gemma4") == 0) {
         t->kind = KIND_BPE;
-    else
-        return duet__error(DUET_UNSUPPORTED, "tokenizer: unsupported tokenizer model '%s'", model);
+        /* Gemma 4's tokenizer model implies its pre-tokenizer. */
+        if (strcmp(model, "gemma4") == 0)
+            strcpy(pre, "gemma4");
+        else if (duet_gguf_find(g, "tokenizer.ggml.pre") &&
+                 !duet_gguf_get_str(g, "tokenizer.ggml.pre", pre, sizeof pre))
+            return duet__error(DUET_BAD_MODEL, "tokenizer: tokenizer.ggml.pre is not a string (or too long)");
+        duet_status st = compile_pre(t, pre);
+        if (st) return st;
+    } else if (strcmp(model, "bert") == 0) {
+        return duet__error(DUET_UNSUPPORTED, "tokenizer: WPM (BERT WordPiece, tokenizer.ggml.model = 'bert') "
+                                             "vocabularies are not supported; duet has SPM ('llama') and BPE "
+                                             "('gpt2') tokenizers");
+    } else if (strcmp(model, "t5") == 0) {
+        return duet__error(DUET_UNSUPPORTED, "tokenizer: UGM (T5 Unigram, tokenizer.ggml.model = 't5') "
+                                             "vocabularies are not supported; duet has SPM ('llama') and BPE "
+                                             "('gpt2') tokenizers");
+    } else if (strcmp(model, "rwkv") == 0) {
+        return duet__error(DUET_UNSUPPORTED,
+                           "tokenizer: RWKV (tokenizer.ggml.model = 'rwkv') vocabularies are "
+                           "not supported; duet has SPM ('llama') and BPE ('gpt2') tokenizers");
+    } else {
+        return duet__error(DUET_UNSUPPORTED,
+                           "tokenizer: unsupported tokenizer model '%s' (tokenizer.ggml.model); duet has SPM "
+                           "('llama') and BPE ('gpt2') tokenizers",
+                           model);
+    }
 
     bool bad = false;
     const duet_gguf_value *tokens = get_array(g, "tokenizer.ggml.tokens", DUET_GGUF_STRING, &bad);
@@ -594,7 +905,8 @@ static duet_status load(const duet_gguf *g, duet_tokenizer *t) {
         if (t->unk >= 0) t->type[t->unk] = DUET_TOKEN_UNKNOWN;
     }
     bool bos_present, eos_present;
-    if ((st = get_flag(g, "tokenizer.ggml.add_bos_token", t->kind == KIND_SPM, &t->add_bos, &bos_present)) ||
+    bool bos_default = t->kind == KIND_SPM || (t->pre_flags & PRE_ADD_BOS);
+    if ((st = get_flag(g, "tokenizer.ggml.add_bos_token", bos_default, &t->add_bos, &bos_present)) ||
         (st = get_flag(g, "tokenizer.ggml.add_eos_token", false, &t->add_eos, &eos_present)) ||
         (st =
              get_flag(g, "tokenizer.ggml.add_space_prefix", t->kind == KIND_SPM, &t->add_space_prefix, NULL)))
@@ -648,7 +960,7 @@ static duet_status load(const duet_gguf *g, duet_tokenizer *t) {
     for (int b = 0; b < 256; b++) {
         char buf[8];
         size_t l;
-        if (t->kind == KIND_SPM) {
+        if (t->kind == KIND_SPM || (t->pre_flags & PRE_RAW_UTF8)) {
             static const char hex[] = "0123456789ABCDEF";
             memcpy(buf, "<0x", 3);
             buf[3] = hex[b >> 4], buf[4] = hex[b & 15], buf[5] = '>';
@@ -658,7 +970,7 @@ static duet_status load(const duet_gguf *g, duet_tokenizer *t) {
         }
         t->byte_tok[b] = lookup(t, buf, l);
     }
-    if (t->kind == KIND_SPM) {
+    if (t->kind == KIND_SPM || (t->pre_flags & PRE_RAW_UTF8)) {
         /* Byte tokens spelled in lower case hex still count. */
         for (int i = 0; i < n; i++) {
             int b = t->type[i] == DUET_TOKEN_BYTE ? parse_byte_piece(t->text + t->off[i], t->len[i]) : -1;
@@ -668,6 +980,10 @@ static duet_status load(const duet_gguf *g, duet_tokenizer *t) {
 
     if (t->kind == KIND_BPE) {
         const duet_gguf_value *merges = get_array(g, "tokenizer.ggml.merges", DUET_GGUF_STRING, &bad);
+        /* Kimi-K2's vocabulary may come without merges (llama.cpp then
+         * tokenizes each pre-token by its bytes, or whole). */
+        static const duet_gguf_value no_merges = {.type = DUET_GGUF_ARRAY, .arr = {.type = DUET_GGUF_STRING}};
+        if (!merges && !bad && strcmp(pre, "kimi-k2") == 0) merges = &no_merges;
         if (!merges)
             return duet__error(DUET_BAD_MODEL, "tokenizer: tokenizer.ggml.merges is %s",
                                bad ? "not an array of strings" : "missing");
@@ -714,9 +1030,6 @@ static duet_status load(const duet_gguf *g, duet_tokenizer *t) {
             t->merges[h] = (merge_slot){key, (int32_t)r, c};
         }
         free(cat);
-        char pre[64];
-        if (!duet_gguf_get_str(g, "tokenizer.ggml.pre", pre, sizeof pre)) strcpy(pre, "default");
-        if ((st = compile_pre(t, pre))) return st;
     }
     return build_decoded(t);
 }
@@ -852,6 +1165,18 @@ typedef struct scratch {
     pcre2_match_data *md;
     pcre2_match_context *mctx;
     pcre2_jit_stack *jit_stack;
+    /* BPE pre-tokenizing, per fragment of n code points: */
+    size_t cp_cap;
+    uint32_t *cp;      /* code points (U+FFFD for a byte of invalid UTF-8) */
+    uint32_t *boff;    /* byte offset of code point i in the fragment; [n] = its length */
+    uint8_t *cls;      /* class text */
+    uint32_t *ends[2]; /* piece ends (code point indices), before and after a stage */
+    char *utf8;        /* UTF-8 text (see need_utf8_text), and per byte its code point */
+    uint32_t *utf8_cp;
+    uint32_t *utf8_off; /* byte offset in utf8 of code point i */
+    size_t utf8_cap;
+    char *word; /* a pre-token in GPT-2's byte alphabet (ignore_merges) */
+    size_t word_cap;
 } scratch;
 
 static bool reserve_syms(scratch *s, size_t n) {
@@ -955,18 +1280,27 @@ static bool bpe_try_pair(const duet_tokenizer *t, scratch *s, int32_t l, int32_t
     return heap_push(&s->h, (pair){-(double)m->rank, l, r, m->result, 0, a, b});
 }
 
-/* Byte-level BPE of one pre-token: one symbol per byte, then merges by rank. */
+/* BPE of one pre-token, merges by rank: byte-level vocabularies start from
+ * one symbol per byte, SentencePiece-style ones (PRE_RAW_UTF8) from one per
+ * UTF-8 character. */
 static duet_status bpe_word(const duet_tokenizer *t, scratch *s, const char *w, size_t n, out_ids *o) {
-    if (n == 1) {
+    bool raw = t->pre_flags & PRE_RAW_UTF8;
+    if (n == 1 && !raw) {
         int32_t id = t->byte_tok[(uint8_t)w[0]];
         if (id < 0) id = t->unk;
         if (id >= 0) emit(o, id);
         return DUET_OK;
     }
     if (!reserve_syms(s, n)) return duet__error(DUET_OUT_OF_MEMORY, "tokenizer: out of memory");
-    int32_t ns = (int32_t)n;
-    for (int32_t i = 0; i < ns; i++)
-        s->syms[i] = (sym){(uint32_t)i, 1, i - 1, i + 1 < ns ? i + 1 : -1, t->byte_tok[(uint8_t)w[i]]};
+    int32_t ns = 0;
+    for (size_t i = 0; i < n;) {
+        size_t l = raw ? char_len((const uint8_t *)w + i, n - i) : 1;
+        int32_t id = raw ? lookup(t, w + i, l) : t->byte_tok[(uint8_t)w[i]];
+        s->syms[ns] = (sym){(uint32_t)i, (uint32_t)l, ns - 1, ns + 1, id};
+        ns++;
+        i += l;
+    }
+    s->syms[ns - 1].next = -1;
     s->h.n = 0;
     for (int32_t i = 0; i + 1 < ns; i++)
         if (!bpe_try_pair(t, s, i, i + 1)) return duet__error(DUET_OUT_OF_MEMORY, "tokenizer: out of memory");
@@ -985,36 +1319,347 @@ static duet_status bpe_word(const duet_tokenizer *t, scratch *s, const char *w, 
             return duet__error(DUET_OUT_OF_MEMORY, "tokenizer: out of memory");
     }
     for (int32_t i = 0; i >= 0; i = s->syms[i].next) {
-        int32_t id = s->syms[i].id >= 0 ? s->syms[i].id : t->unk;
-        if (id >= 0) emit(o, id); /* a byte the vocabulary lacks, and no <unk>: dropped */
+        const sym *y = &s->syms[i];
+        if (y->id >= 0) {
+            emit(o, y->id);
+        } else if (raw) {
+            /* A character outside the vocabulary: its <0xNN> byte tokens
+             * (those the vocabulary lacks are dropped, as llama.cpp does). */
+            for (uint32_t k = 0; k < y->len; k++)
+                if (t->byte_tok[(uint8_t)w[y->start + k]] >= 0)
+                    emit(o, t->byte_tok[(uint8_t)w[y->start + k]]);
+        } else if (t->unk >= 0) {
+            emit(o, t->unk); /* a byte the vocabulary lacks, and no <unk>: dropped */
+        }
     }
     return DUET_OK;
 }
 
-/* Splits [text, text+n) with pre-tokenizer regex `stage` and hands every
- * piece (matches and the gaps between them) to the next stage. */
-static duet_status bpe_split(const duet_tokenizer *t, scratch *s, const char *text, size_t n, int stage,
-                             out_ids *o) {
-    if (n == 0) return DUET_OK;
-    if (stage == t->n_re) return bpe_word(t, s, text, n, o);
-    size_t pos = 0, last = 0;
-    duet_status st;
-    while (pos < n) {
-        int rc = pcre2_match(t->re[stage], (PCRE2_SPTR)text, n, pos, 0, s->md, s->mctx);
-        /* No match, or a resource limit: the rest is one gap piece. */
-        if (rc < 0) break;
+/* ---- pre-tokenizing (see the PRE_TYPES comment) -------------------------- */
+
+static int ucat(uint32_t cp) {
+    if (cp >= 0x110000) return UCAT_UNDEF;
+    size_t lo = 0, hi = sizeof UNICODE_CAT_RANGES / sizeof UNICODE_CAT_RANGES[0];
+    while (hi - lo > 1) {
+        size_t mid = lo + (hi - lo) / 2;
+        if ((UNICODE_CAT_RANGES[mid] >> 4) <= cp)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return (int)(UNICODE_CAT_RANGES[lo] & 15);
+}
+
+/* Unicode's White_Space property. */
+static bool is_space(uint32_t cp) {
+    return (cp >= 0x09 && cp <= 0x0D) || cp == 0x20 || cp == 0x85 || cp == 0xA0 || cp == 0x1680 ||
+           (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F ||
+           cp == 0x3000;
+}
+
+/* Han ideographs, as Kimi-K2's tokenizer counts them. */
+static bool is_han(uint32_t cp) {
+    return (cp >= 0x4E00 && cp <= 0x9FFF) || (cp >= 0x3400 && cp <= 0x4DBF) ||
+           (cp >= 0x20000 && cp <= 0x2EBEF && !(cp >= 0x2A6E0 && cp <= 0x2A6FF)) ||
+           (cp >= 0xF900 && cp <= 0xFAFF) || (cp >= 0x2F800 && cp <= 0x2FA1F);
+}
+
+static uint32_t utf8_decode(const uint8_t *p, int l) {
+    if (l == 1) return p[0];
+    if (l == 2) return ((uint32_t)(p[0] & 0x1F) << 6) | (p[1] & 0x3F);
+    if (l == 3) return ((uint32_t)(p[0] & 0x0F) << 12) | ((uint32_t)(p[1] & 0x3F) << 6) | (p[2] & 0x3F);
+    return ((uint32_t)(p[0] & 0x07) << 18) | ((uint32_t)(p[1] & 0x3F) << 12) |
+           ((uint32_t)(p[2] & 0x3F) << 6) | (p[3] & 0x3F);
+}
+
+/* Class text byte of a code point. */
+static uint8_t class_byte(uint32_t cp) {
+    if (cp < 0x80) return (uint8_t)cp;
+    if (is_space(cp)) return 0x0B;
+    switch (ucat(cp)) {
+    case UCAT_N:
+        return 0xD1;
+    case UCAT_L:
+        return 0xD2;
+    case UCAT_P:
+        return 0xD3;
+    case UCAT_M:
+        return 0xD4;
+    case UCAT_S:
+        return 0xD5;
+    default:
+        return 0xD0;
+    }
+}
+
+#define GROW(ptr, cap_needed)                                                                                \
+    do {                                                                                                     \
+        void *p_ = realloc((ptr), (cap_needed) * sizeof *(ptr));                                             \
+        if (!p_) return false;                                                                               \
+        (ptr) = p_;                                                                                          \
+    } while (0)
+
+static bool reserve_cps(scratch *s, size_t n) {
+    if (n + 1 <= s->cp_cap) return true;
+    size_t cap = n + 1 < 64 ? 64 : (n + 1) * 2;
+    GROW(s->cp, cap);
+    GROW(s->boff, cap);
+    GROW(s->cls, cap);
+    GROW(s->ends[0], cap);
+    GROW(s->ends[1], cap);
+    GROW(s->utf8_off, cap);
+    s->cp_cap = cap;
+    return true;
+}
+
+static bool reserve_utf8(scratch *s, size_t n) {
+    if (n + 1 <= s->utf8_cap) return true;
+    size_t cap = (n + 1) * 2;
+    GROW(s->utf8, cap);
+    GROW(s->utf8_cp, cap);
+    s->utf8_cap = cap;
+    return true;
+}
+
+/* Appends a piece end, dropping empty pieces. */
+typedef struct cuts {
+    uint32_t *end;
+    size_t n;
+    uint32_t last;
+} cuts;
+
+static void cut(cuts *c, size_t at) {
+    if (at > c->last) c->end[c->n++] = (uint32_t)at, c->last = (uint32_t)at;
+}
+
+/* One regex stage over the piece [a, b): matches and the gaps between them
+ * become pieces. Matching follows std::regex_iterator: after an empty match
+ * the next try is a non-empty match at the same place, else a search from
+ * one character further. A resource limit ends matching: the rest is one
+ * piece. */
+static void split_regex(const duet_tokenizer *t, scratch *s, const pre_stage *st, size_t a, size_t b,
+                        cuts *c) {
+    bool utf8 = st->kind == STAGE_UTF8;
+    const uint8_t *subj = utf8 ? (const uint8_t *)s->utf8 + s->utf8_off[a] : s->cls + a;
+    size_t n = utf8 ? s->utf8_off[b] - s->utf8_off[a] : b - a;
+    size_t pos = 0;
+    bool after_empty = false;
+    (void)t;
+    for (;;) {
+        int rc;
+        if (after_empty) {
+            rc = pcre2_match(st->re, subj, n, pos,
+                             PCRE2_NOTEMPTY_ATSTART | PCRE2_ANCHORED | PCRE2_NO_UTF_CHECK, s->md, s->mctx);
+            if (rc < 0) {
+                if (pos >= n) break;
+                pos += utf8 ? char_len(subj + pos, n - pos) : 1;
+                after_empty = false;
+                continue;
+            }
+        } else {
+            rc = pcre2_match(st->re, subj, n, pos, PCRE2_NO_UTF_CHECK, s->md, s->mctx);
+            if (rc < 0) break;
+        }
         PCRE2_SIZE *ov = pcre2_get_ovector_pointer(s->md);
         size_t ms = ov[0], me = ov[1];
         if (ms < pos || me < ms || me > n) break; /* cannot happen; \K-free patterns */
-        if (me == ms) {
-            pos = ms + char_len((const uint8_t *)text + ms, n - ms);
+        /* Byte offsets in UTF-8 text back to code point indices. */
+        cut(c, utf8 ? s->utf8_cp[s->utf8_off[a] + ms] : a + ms);
+        cut(c, utf8 ? s->utf8_cp[s->utf8_off[a] + me] : a + me);
+        after_empty = me == ms;
+        pos = me;
+    }
+    cut(c, b);
+}
+
+static bool is_ascii_lower(uint32_t cp, char ch) {
+    return cp == (uint32_t)ch || cp == (uint32_t)(ch - 'a' + 'A');
+}
+
+/* Kimi-K2: Han runs | [^\r\n\p{L}\p{N}]? non-Han letters + an optional
+ * contraction | \p{N}{1,3} | ' '? [^\s\p{L}\p{N}]+ [\r\n]* | \s*[\r\n]+ |
+ * \s+(?!\S) | \s+, with llama.cpp's classes. */
+static void split_kimi(const scratch *s, size_t a, size_t b, cuts *c) {
+    const uint32_t *cp = s->cp;
+#define K_CAT(i) ((i) < b ? ucat(cp[i]) : -1)
+#define K_SPACE(i) ((i) < b && is_space(cp[i]))
+#define K_LETTER(i) ((i) < b && ucat(cp[i]) == UCAT_L && !is_han(cp[i]))
+    size_t pos = a;
+    while (pos < b) {
+        uint32_t ch = cp[pos];
+        int cat = ucat(ch);
+        if (is_han(ch)) {
+            while (pos < b && is_han(cp[pos]))
+                pos++;
+            cut(c, pos);
             continue;
         }
-        if (ms > last && (st = bpe_split(t, s, text + last, ms - last, stage + 1, o))) return st;
-        if ((st = bpe_split(t, s, text + ms, me - ms, stage + 1, o))) return st;
-        last = pos = me;
+        bool lead = !(ch == '\r' || ch == '\n' || cat == UCAT_L || cat == UCAT_N);
+        if (K_LETTER(pos) || (lead && K_LETTER(pos + 1))) {
+            if (lead) pos++;
+            while (K_LETTER(pos))
+                pos++;
+            if (pos < b && cp[pos] == '\'' && pos + 1 < b) {
+                uint32_t n1 = cp[pos + 1];
+                if (is_ascii_lower(n1, 's') || is_ascii_lower(n1, 't') || is_ascii_lower(n1, 'm') ||
+                    is_ascii_lower(n1, 'd')) {
+                    pos += 2;
+                } else if (pos + 2 < b) {
+                    uint32_t n2 = cp[pos + 2];
+                    if ((is_ascii_lower(n1, 'r') && is_ascii_lower(n2, 'e')) ||
+                        (is_ascii_lower(n1, 'v') && is_ascii_lower(n2, 'e')) ||
+                        (is_ascii_lower(n1, 'l') && is_ascii_lower(n2, 'l')))
+                        pos += 3;
+                }
+            }
+            cut(c, pos);
+            continue;
+        }
+        if (cat == UCAT_N) {
+            size_t start = pos;
+            while (K_CAT(pos) == UCAT_N) {
+                pos++;
+                if (pos - start == 3) cut(c, pos), start = pos;
+            }
+            cut(c, pos);
+            continue;
+        }
+        size_t q = ch == ' ' ? pos + 1 : pos;
+        if (q < b && !K_SPACE(q) && K_CAT(q) != UCAT_L && K_CAT(q) != UCAT_N) {
+            pos = q;
+            while (pos < b && !K_SPACE(pos) && K_CAT(pos) != UCAT_L && K_CAT(pos) != UCAT_N)
+                pos++;
+            while (pos < b && (cp[pos] == '\r' || cp[pos] == '\n'))
+                pos++;
+            cut(c, pos);
+            continue;
+        }
+        size_t nws = 0, last_nl = 0;
+        while (K_SPACE(pos + nws)) {
+            if (cp[pos + nws] == '\r' || cp[pos + nws] == '\n') last_nl = pos + nws + 1;
+            nws++;
+        }
+        if (last_nl > 0)
+            pos = last_nl;
+        else if (nws > 1 && pos + nws < b)
+            pos += nws - 1;
+        else if (nws > 0)
+            pos += nws;
+        else
+            pos++;
+        cut(c, pos);
     }
-    return bpe_split(t, s, text + last, n - last, stage + 1, o);
+#undef K_CAT
+#undef K_SPACE
+#undef K_LETTER
+}
+
+/* AFMoE's and Tiny Aya's digits: a run of \p{N} is cut into groups of three
+ * from the right; the text before the run joins its first group. */
+static void split_digits3(const scratch *s, size_t a, size_t b, cuts *c) {
+    size_t pos = a;
+    while (pos < b) {
+        if (ucat(s->cp[pos]) != UCAT_N) {
+            pos++;
+            continue;
+        }
+        size_t start = pos;
+        while (pos < b && ucat(s->cp[pos]) == UCAT_N)
+            pos++;
+        size_t k = start + (pos - start) % 3;
+        if (k > start) cut(c, k);
+        for (; k < pos; k += 3)
+            cut(c, k + 3);
+    }
+    cut(c, b);
+}
+
+/* Byte-level BPE of the text of one fragment: code points, pre-tokenizer
+ * stages, then BPE per pre-token. */
+static duet_status bpe_fragment(const duet_tokenizer *t, scratch *s, const char *text, size_t len,
+                                out_ids *o) {
+    if (!reserve_cps(s, len)) return duet__error(DUET_OUT_OF_MEMORY, "tokenizer: out of memory");
+    size_t n = 0;
+    for (size_t i = 0; i < len; n++) {
+        int l = utf8_char((const uint8_t *)text + i, len - i);
+        s->boff[n] = (uint32_t)i;
+        s->cp[n] = l > 0 ? utf8_decode((const uint8_t *)text + i, l) : 0xFFFD;
+        s->cls[n] = class_byte(s->cp[n]);
+        i += l > 0 ? (size_t)l : 1;
+    }
+    s->boff[n] = (uint32_t)len;
+    if (n == 0) return DUET_OK;
+    if (t->need_utf8_text) {
+        if (!reserve_utf8(s, 4 * n)) return duet__error(DUET_OUT_OF_MEMORY, "tokenizer: out of memory");
+        size_t m = 0;
+        for (size_t i = 0; i < n; i++) {
+            s->utf8_off[i] = (uint32_t)m;
+            size_t l = s->cls[i] == 0x0B ? (s->utf8[m] = 0x0B, 1) : utf8_put(s->cp[i], s->utf8 + m);
+            for (size_t k = 0; k < l; k++)
+                s->utf8_cp[m + k] = (uint32_t)i;
+            m += l;
+        }
+        s->utf8_off[n] = (uint32_t)m;
+        s->utf8_cp[m] = (uint32_t)n;
+    }
+    /* ends[0] holds the pieces: one piece, the whole fragment. */
+    size_t np = 1;
+    s->ends[0][0] = (uint32_t)n;
+    for (int k = 0; k < t->n_stages; k++) {
+        cuts c = {s->ends[1], 0, 0};
+        size_t a = 0;
+        for (size_t i = 0; i < np; i++) {
+            size_t b = s->ends[0][i];
+            const pre_stage *st = &t->stages[k];
+            if (st->kind == STAGE_KIMI_K2)
+                split_kimi(s, a, b, &c);
+            else if (st->kind == STAGE_DIGITS3)
+                split_digits3(s, a, b, &c);
+            else
+                split_regex(t, s, st, a, b, &c);
+            a = b;
+        }
+        uint32_t *tmp = s->ends[0];
+        s->ends[0] = s->ends[1], s->ends[1] = tmp;
+        np = c.n;
+    }
+    size_t a = 0;
+    for (size_t i = 0; i < np; i++) {
+        size_t b = s->ends[0][i];
+        const char *w = text + s->boff[a];
+        size_t wl = s->boff[b] - s->boff[a];
+        a = b;
+        bool newlines = false;
+        if (t->pre_flags & PRE_NEWLINE_RUNS) {
+            newlines = true;
+            for (size_t k = 0; k < wl && newlines; k++)
+                newlines = w[k] == '\n';
+        }
+        if ((t->pre_flags & PRE_IGNORE_MERGES) || newlines) {
+            /* The pre-token as the vocabulary spells it. */
+            const char *key = w;
+            size_t kl = wl;
+            if (!(t->pre_flags & PRE_RAW_UTF8)) {
+                if (2 * wl > s->word_cap) {
+                    char *p = realloc(s->word, 2 * wl);
+                    if (!p) return duet__error(DUET_OUT_OF_MEMORY, "tokenizer: out of memory");
+                    s->word = p, s->word_cap = 2 * wl;
+                }
+                kl = 0;
+                for (size_t k = 0; k < wl; k++)
+                    kl += utf8_put(byte_to_cp((uint8_t)w[k]), s->word + kl);
+                key = s->word;
+            }
+            int32_t id = lookup(t, key, kl);
+            if (id >= 0) {
+                emit(o, id);
+                continue;
+            }
+        }
+        duet_status st = bpe_word(t, s, w, wl, o);
+        if (st) return st;
+    }
+    return DUET_OK;
 }
 
 static int32_t match_special(const duet_tokenizer *t, const char *s, size_t n, bool parse_special,
@@ -1034,7 +1679,22 @@ static int32_t match_special(const duet_tokenizer *t, const char *s, size_t n, b
 static duet_status encode_fragment(const duet_tokenizer *t, scratch *s, const char *text, size_t n,
                                    out_ids *o) {
     if (t->kind == KIND_SPM) return spm_fragment(t, s, text, n, t->add_space_prefix, o);
-    return bpe_split(t, s, text, n, 0, o);
+    if (!(t->pre_flags & PRE_ESCAPE_SPACES)) return bpe_fragment(t, s, text, n, o);
+    /* SentencePiece-style BPE: spaces as U+2581 first. */
+    size_t need = 3 * n + 1;
+    if (need > s->norm_cap) {
+        char *p = realloc(s->norm, need);
+        if (!p) return duet__error(DUET_OUT_OF_MEMORY, "tokenizer: out of memory");
+        s->norm = p, s->norm_cap = need;
+    }
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (text[i] == ' ')
+            memcpy(s->norm + m, "\xe2\x96\x81", 3), m += 3;
+        else
+            s->norm[m++] = text[i];
+    }
+    return bpe_fragment(t, s, s->norm, m, o);
 }
 
 int duet_tokenizer_encode(const duet_tokenizer *t, const char *text, size_t len, bool add_special,
@@ -1084,6 +1744,15 @@ done:
     free(s.syms);
     free(s.h.a);
     free(s.norm);
+    free(s.cp);
+    free(s.boff);
+    free(s.cls);
+    free(s.ends[0]);
+    free(s.ends[1]);
+    free(s.utf8);
+    free(s.utf8_cp);
+    free(s.utf8_off);
+    free(s.word);
     if (s.md) pcre2_match_data_free(s.md);
     if (s.mctx) pcre2_match_context_free(s.mctx);
     if (s.jit_stack) pcre2_jit_stack_free(s.jit_stack);

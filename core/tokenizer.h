@@ -1,9 +1,11 @@
 /* tokenizer.h — tokenizers read from GGUF metadata.
  *
  * `llama`: SentencePiece-style (scores, byte fallback, dummy prefix).
- * `gpt2`:  byte-level BPE (merges; pre-tokenizer regex via PCRE2, chosen by
- *          tokenizer.ggml.pre: default/gpt-2, llama-bpe/llama3, qwen2,
- *          deepseek-coder, ...).
+ * `gpt2`:  byte-level BPE (merges; the pre-tokenizer is chosen by
+ *          tokenizer.ggml.pre: every name llama.cpp accepts, with its regexes
+ *          run by PCRE2 over llama.cpp's Unicode classes). `gemma4` and the
+ *          gemma4/sarvam-moe pre-tokenizers: SentencePiece-style BPE.
+ * WPM (bert), UGM (t5) and RWKV vocabularies are refused (DUET_UNSUPPORTED).
  * A tokenizer is immutable after load: safe to use from many threads.
  */
 #ifndef DUET_TOKENIZER_H

@@ -246,6 +246,8 @@ static int parse_ids(const char *line, int32_t *ids, int max) {
     return n;
 }
 
+/* Encodes every vector of one vocabulary; prints "name: k/n exact" (the
+ * listing the test log keeps) and fails if any vector differs. */
 static void check_vectors(const char *rel, int expect_n, bool spm) {
     duet_tokenizer *t = load_tok(rel);
     vectors v;
@@ -278,6 +280,8 @@ static void check_vectors(const char *rel, int expect_n, bool spm) {
         free(r.p);
         free(ids);
     }
+    printf("vocab %-40s %2d/%2d vectors exact\n", rel, v.n - failures, v.n);
+    fflush(stdout);
     ck_assert_msg(failures == 0, "%s: %d of %d vectors differ (see stderr)", rel, failures, v.n);
     free(v.inp);
     free(v.out);
@@ -301,6 +305,26 @@ END_TEST
 
 START_TEST(test_vectors_deepseek_coder) {
     check_vectors("models/ggml-vocab-deepseek-coder.gguf", 46, false);
+}
+END_TEST
+
+START_TEST(test_vectors_deepseek_llm) {
+    check_vectors("models/ggml-vocab-deepseek-llm.gguf", 46, false);
+}
+END_TEST
+
+START_TEST(test_vectors_llama_bpe) {
+    check_vectors("models/ggml-vocab-llama-bpe.gguf", 46, false);
+}
+END_TEST
+
+START_TEST(test_vectors_qwen2) {
+    check_vectors("models/ggml-vocab-qwen2.gguf", 46, false);
+}
+END_TEST
+
+START_TEST(test_vectors_qwen35) {
+    check_vectors("models/ggml-vocab-qwen35.gguf", 50, false);
 }
 END_TEST
 
@@ -876,7 +900,13 @@ START_TEST(test_loader_validation) {
         int32_t ids[8];
     } digit_cases[] = {
         {"gpt-2", 4, {260, '4', 260, '4'}},
-        {"default", 4, {260, '4', 260, '4'}},
+        /* llama.cpp's default (no tokenizer.ggml.pre) ends with [0-9]{3}. */
+        {"default", 5, {260, '4', 259, '3', '4'}},
+        {"kimi-k2", 5, {260, '4', 259, '3', '4'}},
+        /* Groups of three from the right: 12 341 234. */
+        {"superbpe", 7, {259, '3', '4', '1', '2', '3', '4'}},
+        {"tiny_aya", 7, {259, '3', '4', '1', '2', '3', '4'}},
+        {"afmoe", 7, {259, '3', '4', '1', '2', '3', '4'}},
         {"llama-bpe", 5, {260, '4', 259, '3', '4'}},
         {"llama3", 5, {260, '4', 259, '3', '4'}},
         {"qwen2", 8, {'1', '2', '3', '4', '1', '2', '3', '4'}},
@@ -896,6 +926,228 @@ START_TEST(test_loader_validation) {
 }
 END_TEST
 
+/* Every tokenizer.ggml.pre name llama.cpp (commit 0c1e570) accepts for BPE,
+ * written out here independently of the library's table. */
+static const char *const LLAMA_CPP_PRE_NAMES[] = {
+    "default",
+    "minicpm5",
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "falcon-h1",
+    "pixtral",
+    "midm-2.0",
+    "lfm2",
+    "jina-v5-nano",
+    "deepseek-llm",
+    "deepseek-coder",
+    "deepseek-v3",
+    "spark2_5",
+    "youtu",
+    "falcon",
+    "mpt",
+    "starcoder",
+    "gpt-2",
+    "phi-2",
+    "jina-es",
+    "jina-de",
+    "gigachat",
+    "jina-v2-es",
+    "jina-v2-de",
+    "a.x-4.0",
+    "mellum",
+    "modern-bert",
+    "jais-2",
+    "gemma4",
+    "granite-embed-multi-311m",
+    "sarvam-moe",
+    "jina-v1-en",
+    "jina-v2-code",
+    "roberta-bpe",
+    "whitespace",
+    "refact",
+    "command-r",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "kormo",
+    "f2llmv2",
+    "qwen35",
+    "stablelm2",
+    "olmo",
+    "dbrx",
+    "smaug-bpe",
+    "poro-chat",
+    "chatglm-bpe",
+    "glm4",
+    "glm5",
+    "viking",
+    "jais",
+    "tekken",
+    "smollm",
+    "codeshell",
+    "bloom",
+    "gpt3-finnish",
+    "exaone",
+    "exaone4",
+    "exaone-moe",
+    "chameleon",
+    "minerva-7b",
+    "megrez",
+    "gpt-4o",
+    "llama4",
+    "kanana2",
+    "talkie",
+    "granite-embed-multi-97m",
+    "tiny_aya",
+    "cohere2moe",
+    "superbpe",
+    "trillion",
+    "granite-docling",
+    "bailingmoe",
+    "bailingmoe2",
+    "llada-moe",
+    "seed-coder",
+    "hunyuan",
+    "hunyuan-dense",
+    "hy_v4",
+    "joyai-llm",
+    "kimi-k2",
+    "ufakzeka",
+    "grok-2",
+    "afmoe",
+    "laguna",
+    "minimax-m2",
+    "solar-open",
+    "mellum2",
+};
+
+/* Every name loads; byte-level ones tokenize a text that exercises their
+ * regexes (letters, digits, marks, CJK, white space runs, invalid UTF-8)
+ * losslessly. The SentencePiece-style ones (gemma4, sarvam-moe, ...) need
+ * <0xNN> tokens this vocabulary lacks: they only have to load and run. */
+START_TEST(test_pre_tokenizer_names) {
+    static const char text[] = "Hello, World! It's 2024: 12345678 \t\n\n  na\xc3\xafve C\xe1\xbb\xad"
+                               "a Vi\xe1\xbb\x87t \xe4\xb8\xad\xe6\x96\x87 \xed\x95\x9c "
+                               "\xf0\x9f\xa6\x99 <sentinel:12> IMGIMGABZ \xff\xfe end   \r\n x";
+    size_t len = sizeof text - 1;
+    int n_names = (int)(sizeof LLAMA_CPP_PRE_NAMES / sizeof LLAMA_CPP_PRE_NAMES[0]);
+    for (int i = 0; i < n_names; i++) {
+        digits_pre = LLAMA_CPP_PRE_NAMES[i];
+        duet_tokenizer *t = NULL;
+        ck_assert_msg(load_synthetic(s_bpe_digits, &t) == DUET_OK, "pre '%s': %s", digits_pre,
+                      duet_last_error());
+        int n;
+        int32_t *ids = encode(t, text, len, false, false, &n);
+        bool spm_style = !strcmp(digits_pre, "gemma4") || !strcmp(digits_pre, "granite-embed-multi-311m") ||
+                         !strcmp(digits_pre, "sarvam-moe") || !strcmp(digits_pre, "whitespace");
+        if (!spm_style) {
+            buf r = raw_bytes(t, ids, n);
+            ck_assert_msg(r.len == len && memcmp(r.p, text, len) == 0, "pre '%s' does not round-trip",
+                          digits_pre);
+            free(r.p);
+        }
+        free(ids);
+        duet_tokenizer_free(t);
+    }
+    printf("pre-tokenizers: all %d of llama.cpp's names load\n", n_names);
+}
+END_TEST
+
+/* Vocabularies duet does not tokenize are refused, naming what they are. */
+static const char *refuse_model;
+static void s_other_model(duet_gguf_writer *w) {
+    static const char *const toks[] = {"a"};
+    duet_gguf_set_str(w, "tokenizer.ggml.model", refuse_model);
+    duet_gguf_set_str_array(w, "tokenizer.ggml.tokens", toks, 1);
+}
+
+START_TEST(test_refused_vocabularies) {
+    static const struct {
+        const char *model, *says;
+    } cases[] = {{"bert", "WPM"}, {"t5", "UGM"}, {"rwkv", "RWKV"}, {"plamo2", "plamo2"}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        refuse_model = cases[i].model;
+        ck_assert_int_eq(load_synthetic(s_other_model, NULL), DUET_UNSUPPORTED);
+        ck_assert_msg(strstr(duet_last_error(), cases[i].says), "refusing '%s' says '%s'", cases[i].model,
+                      duet_last_error());
+    }
+    ck_assert_int_eq(load_synthetic(s_bpe_bad_pre, NULL), DUET_UNSUPPORTED);
+    ck_assert_msg(strstr(duet_last_error(), "'no-such-pre'"), "an unknown pre-tokenizer is named: '%s'",
+                  duet_last_error());
+}
+END_TEST
+
+/* Llama 3's vocabulary takes a pre-token that is a token whole
+ * (ignore_merges); GPT-2's merges it. "abc" is a token, but the merges
+ * only make "ab": [ab, c] without, [abc] with. */
+static void s_bpe_ignore_merges(duet_gguf_writer *w) {
+    static const char *const m[] = {"a b"};
+    bpe_base(w, m, 1);
+    duet_gguf_set_str(w, "tokenizer.ggml.pre", digits_pre);
+}
+
+START_TEST(test_ignore_merges) {
+    duet_tokenizer *t = NULL;
+    int n;
+    digits_pre = "llama-bpe";
+    ck_assert_int_eq(load_synthetic(s_bpe_ignore_merges, &t), DUET_OK);
+    ck_assert_msg(duet_tokenizer_add_bos(t) == false, "no BOS id: add_bos drops even where llama3 wants it");
+    int32_t *ids = encode(t, "abc", 3, false, false, &n);
+    ck_assert_msg(n == 1 && ids[0] == 257, "llama-bpe on 'abc' gave%s", ids_str(ids, n));
+    free(ids);
+    duet_tokenizer_free(t);
+    digits_pre = "gpt-2";
+    ck_assert_int_eq(load_synthetic(s_bpe_ignore_merges, &t), DUET_OK);
+    ids = encode(t, "abc", 3, false, false, &n);
+    ck_assert_msg(n == 2 && ids[0] == 256 && ids[1] == 'c', "gpt-2 on 'abc' gave%s", ids_str(ids, n));
+    free(ids);
+    duet_tokenizer_free(t);
+}
+END_TEST
+
+/* Gemma 4's SentencePiece-style BPE: spaces as U+2581, merges over UTF-8
+ * characters, <0xNN> byte fallback, decoding back to the text. */
+static void s_gemma4(duet_gguf_writer *w) {
+    static char bytes[256][8];
+    static const char *toks[256 + 5];
+    int32_t types[256 + 5];
+    int n = 0;
+    for (int b = 0; b < 256; b++) {
+        snprintf(bytes[b], sizeof bytes[b], "<0x%02X>", b);
+        types[n] = DUET_TOKEN_BYTE;
+        toks[n++] = bytes[b];
+    }
+    static const char *const extra[] = {"\xe2\x96\x81", "a", "b",
+                                        "\xe2\x96\x81"
+                                        "a",
+                                        "\xe2\x96\x81"
+                                        "ab"};
+    for (int i = 0; i < 5; i++)
+        types[n] = DUET_TOKEN_NORMAL, toks[n++] = extra[i];
+    static const char *const m[] = {"\xe2\x96\x81 a", "\xe2\x96\x81"
+                                                      "a b"};
+    duet_gguf_set_str(w, "tokenizer.ggml.model", "gemma4");
+    duet_gguf_set_str_array(w, "tokenizer.ggml.tokens", toks, (uint64_t)n);
+    duet_gguf_set_array(w, "tokenizer.ggml.token_type", DUET_GGUF_INT32, types, (uint64_t)n);
+    duet_gguf_set_str_array(w, "tokenizer.ggml.merges", m, 2);
+}
+
+START_TEST(test_spm_style_bpe) {
+    duet_tokenizer *t = NULL;
+    ck_assert_msg(load_synthetic(s_gemma4, &t) == DUET_OK, "gemma4: %s", duet_last_error());
+    int n;
+    /* " ab" -> "▁ab"; "c" is not a piece: its byte token <0x63>. */
+    int32_t *ids = encode(t, " abc", 4, false, false, &n);
+    ck_assert_msg(n == 2 && ids[0] == 260 && ids[1] == 0x63, "gemma4 on ' abc' gave%s", ids_str(ids, n));
+    buf r = raw_bytes(t, ids, n);
+    ck_assert_msg(r.len == 4 && memcmp(r.p, " abc", 4) == 0, "gemma4 decodes to '%s'", r.p);
+    free(r.p);
+    free(ids);
+    duet_tokenizer_free(t);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("tokenizer");
     TCase *tc = tcase_create("core");
@@ -905,6 +1157,10 @@ int main(void) {
     tcase_add_test(tc, test_vectors_gpt2);
     tcase_add_test(tc, test_vectors_deepseek_coder);
     tcase_add_test(tc, test_vectors_command_r);
+    tcase_add_test(tc, test_vectors_deepseek_llm);
+    tcase_add_test(tc, test_vectors_llama_bpe);
+    tcase_add_test(tc, test_vectors_qwen2);
+    tcase_add_test(tc, test_vectors_qwen35);
     tcase_add_test(tc, test_metadata_and_pieces);
     tcase_add_test(tc, test_detok_every_token_fits);
     tcase_add_test(tc, test_detok_streaming_emoji);
@@ -914,6 +1170,10 @@ int main(void) {
     tcase_add_test(tc, test_output_capacity);
     tcase_add_test(tc, test_long_inputs);
     tcase_add_test(tc, test_loader_validation);
+    tcase_add_test(tc, test_pre_tokenizer_names);
+    tcase_add_test(tc, test_refused_vocabularies);
+    tcase_add_test(tc, test_ignore_merges);
+    tcase_add_test(tc, test_spm_style_bpe);
     suite_add_tcase(s, tc);
     return test_run_suite(s);
 }
