@@ -149,6 +149,27 @@ class Cli(unittest.TestCase):
         r = json.loads(duet("tokenize", "-m", p, "--no-bos", "--json", "Hello world").stdout)
         self.assertEqual(r["ids"], [15043, 3186])
 
+    def test_tokenize_json_is_valid_utf8_with_byte_pieces(self):
+        # An emoji SentencePiece lacks falls back to four byte tokens, and an
+        # invalid byte to one; byte-level BPE cuts the emoji into pieces that
+        # are not whole characters. The output must still be strict UTF-8
+        # JSON: such bytes are shown as <0xNN>.
+        text = "Hi \U0001F999".encode() + b" \xff ok"
+        spm = os.path.join(MODELS, "ggml-vocab-llama-spm.gguf")
+        for vocab in (spm, os.path.join(MODELS, "ggml-vocab-gpt-2.gguf")):
+            p = subprocess.run([DUET, "tokenize", "-m", vocab, "--no-bos", "--json", text], capture_output=True,
+                               timeout=60)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            r = json.loads(p.stdout.decode("utf-8"))  # strict: raises on invalid UTF-8
+            self.assertEqual(len(r["ids"]), len(r["pieces"]))
+            if vocab == spm:
+                self.assertEqual(r["ids"], [6324, 29871, 243, 162, 169, 156, 29871, 258, 3431])
+                self.assertEqual(r["pieces"], [" Hi", " ", "<0xF0>", "<0x9F>", "<0xA6>", "<0x99>", " ", "<0xFF>",
+                                               " ok"])
+            else:
+                self.assertIn("<0xFF>", r["pieces"])
+                self.assertEqual("".join(r["pieces"]).count("<0x"), 5)
+
     def test_errors_are_clear_and_nonzero(self):
         bad = os.path.join(self.tmp.name, "garbage.gguf")
         with open(bad, "wb") as fh:
