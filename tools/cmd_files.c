@@ -6,6 +6,10 @@
 
 #include "cli.h"
 
+#define MKMODEL_USAGE                                                                                        \
+    "usage: duet mkmodel --shape tiny|small|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] [-o FILE]\n" \
+    "  without -o the model goes into duet's cache (once per parameter set) and its path is printed\n"
+
 int cmd_mkmodel(int argc, char **argv) {
     static const struct option opts[] = {{"shape", required_argument, 0, 's'}, {"type", required_argument, 0, 'T'},
                                          {"seed", required_argument, 0, 'S'},  {"ctx", required_argument, 0, 'c'},
@@ -28,14 +32,18 @@ int cmd_mkmodel(int argc, char **argv) {
             break;
         case 'o': out = optarg; break;
         case 'h':
-            printf("usage: duet mkmodel --shape tiny|small|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] -o FILE\n");
+            printf(MKMODEL_USAGE);
             return 0;
         default: return 2;
         }
     }
     if (!out) {
-        fprintf(stderr, "usage: duet mkmodel --shape tiny|small|125m|1b|7b --type f32|f16|q8_0 [--seed S] [--ctx N] -o FILE\n");
-        return 2;
+        /* Into duet's cache, once per parameter set (safe to race). */
+        static char path[4096];
+        duet_status st = duet_mkmodel_cached(&p, path, sizeof path, NULL);
+        if (st) return cli_fail("mkmodel", st);
+        printf("%s\n", path);
+        return 0;
     }
     duet_status st = duet_mkmodel(&p, out);
     if (st) return cli_fail("mkmodel", st);

@@ -11,7 +11,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: duet run [-m MODEL] -p PROMPT [options]\n"
-            "  -m, --model FILE        GGUF model (default: a synthetic 125m q8_0 model, generated once)\n"
+            "  -m, --model FILE        GGUF model (default: the cached SmolLM2-135M-Instruct)\n"
             "  -p, --prompt TEXT       prompt text\n"
             "  -n, --n-predict N       tokens to generate (default 128)\n"
             "      --backend NAME      auto|cpu|vulkan|opencl (default auto)\n"

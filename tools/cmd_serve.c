@@ -18,7 +18,7 @@
 static void usage(FILE *f) {
     fprintf(f,
             "usage: duet serve [-m MODEL] [options]\n"
-            "  -m, --model FILE            GGUF model (default: a synthetic 125m q8_0 model, generated once)\n"
+            "  -m, --model FILE            GGUF model (default: the cached SmolLM2-135M-Instruct)\n"
             "      --host ADDR             address to listen on (default 127.0.0.1; 0.0.0.0 or :: for all)\n"
             "      --port N                port (default 8000; 0 = any free port, printed at start)\n"
             "      --served-model-name S   the model's name in the API (default: the file name less .gguf)\n"

@@ -10,6 +10,7 @@ static const struct {
     const char *help;
 } commands[] = {
     {"run", cmd_run, "generate text from a prompt"},
+    {"chat", cmd_chat, "chat with a model in the terminal, through its chat template"},
     {"serve", cmd_serve, "serve the OpenAI-compatible HTTP API"},
     {"info", cmd_info, "describe a GGUF model file"},
     {"devices", cmd_devices, "list backends and devices with their features"},
