@@ -114,6 +114,14 @@ TOOL_CALL = {
         }
     ],
 }
+TOOL_CALL_STR = {  # OpenAI's shape: the arguments as a JSON string
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [
+        {"id": "call_2", "type": "function", "function": {"name": "search", "arguments": '{"query": "Paris"}'}}
+    ],
+}
+USER_PARTS = {"role": "user", "content": [{"type": "text", "text": "Describe this."}, {"type": "text", "text": "Briefly."}]}
 TOOL_RESULT = {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"temperature": 21}'}
 ASSIST_AFTER_TOOL = {"role": "assistant", "content": "It is 21 °C in Paris."}
 
@@ -128,6 +136,7 @@ def conversations(source):
         ("multi-turn", {"messages": [USER1, ASSIST1, USER2], "add_generation_prompt": True}),
         ("multi-turn with system, no generation prompt",
          {"messages": [SYSTEM, USER1, ASSIST1, USER2, ASSIST1], "add_generation_prompt": False}),
+        ("content as text parts", {"messages": [SYSTEM, USER_PARTS], "add_generation_prompt": True}),
     ]
     if "tool" in source:
         convs += [
@@ -137,6 +146,8 @@ def conversations(source):
             ("tool round trip, no generation prompt",
              {"messages": [USER1, TOOL_CALL, TOOL_RESULT, ASSIST_AFTER_TOOL], "tools": TOOLS,
               "add_generation_prompt": False}),
+            ("tool call with string arguments",
+             {"messages": [USER1, TOOL_CALL_STR, TOOL_RESULT], "tools": TOOLS, "add_generation_prompt": True}),
         ]
     return [(name, {**base, **v}) for name, v in convs]
 
