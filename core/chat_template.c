@@ -3,6 +3,13 @@
  * GGUF files carry their chat template as Jinja text
  * (`tokenizer.chat_template`). A template is one of:
  *
+ * - the model's own Jinja (or a .jinja file), run by duet's interpreter
+ *   (core/jinja.c) the way transformers runs it with jinja2: variables
+ *   messages (as the conversation has them, tool calls included), tools
+ *   (when the conversation has them), add_generation_prompt, bos_token and
+ *   eos_token. Named "jinja". A template that does not parse, or fails on a
+ *   probe conversation, falls back to the family its marker strings name,
+ *   and the template says why.
  * - a named family, rendered here in C the way each family's reference
  *   template renders plain text messages: plain, chatml, llama3, llama2,
  *   mistral, zephyr, phi3, gemma. Forced by name, or chosen for a model's
@@ -30,6 +37,7 @@
 
 #include "duet.h"
 #include "duet_internal.h"
+#include "jinja.h"
 
 typedef enum family {
     FAM_PLAIN,   /* no template: "User: ...\nAssistant: ..." */
@@ -47,8 +55,12 @@ static const char *const family_names[FAM_COUNT] = {"plain",   "chatml", "llama3
                                                     "mistral", "zephyr", "phi3",   "gemma"};
 
 struct duet_chat_template {
-    family fam;
-    char reason[256]; /* why "auto" fell back to a family ("" when it did not) */
+    family fam;                  /* the family rendered; for Jinja, the one its markers name (for stops) */
+    bool fam_known;              /* for Jinja: whether the markers named a family */
+    duet__jinja_template *jinja; /* the template's own source, when it runs; NULL: the family renders */
+    char *bos, *eos;             /* what bos_token and eos_token stand for */
+    bool strip_bos;              /* leave a leading BOS text out: tokenizing with add_special adds it */
+    char reason[512];            /* why the model's template fell back to a family ("" when it did not) */
 };
 
 /* ---- families ----------------------------------------------------------- */
@@ -371,17 +383,65 @@ static duet_status template_new(family f, const char *reason, duet_chat_template
     return DUET_OK;
 }
 
-duet_status duet_chat_template_parse(const char *source, const char *bos_token, const char *eos_token,
-                                     duet_chat_template **out) {
-    (void)bos_token, (void)eos_token;
-    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_chat_template_parse: out is NULL");
+static duet_status render_jinja(const duet_chat_template *t, cJSON *conv, bool add_generation_prompt,
+                                char **out);
+
+/* Every template that runs as Jinja must render this conversation. */
+static const char probe_conversation[] =
+    "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}, {\"role\": \"assistant\", \"content\": "
+    "\"Hi! How can I help?\"}, {\"role\": \"user\", \"content\": \"Tell me a joke.\"}]}";
+
+static duet_status template_from_source(const char *source, const char *bos_token, const char *eos_token,
+                                        bool strip_bos, duet_chat_template **out) {
     *out = NULL;
     bool known;
     family f = detect_family(source, &known);
-    const char *why = !source || !*source ? "the model has no chat template"
-                      : known             ? "duet runs named families of templates, not Jinja"
-                                          : "the template is not one of duet's named families";
-    return template_new(f, why, out);
+    if (!source || !*source) return template_new(f, "the model has no chat template", out);
+    char err[400];
+    duet__jinja_template *j = NULL;
+    duet__jinja_result r = duet__jinja_parse(source, strlen(source), &j, err, sizeof err);
+    if (r == DUET__JINJA_NOMEM) return duet__error(DUET_OUT_OF_MEMORY, "chat template: out of memory");
+    duet_chat_template *t = calloc(1, sizeof *t);
+    if (!t || !(t->bos = strdup(bos_token ? bos_token : "")) ||
+        !(t->eos = strdup(eos_token ? eos_token : ""))) {
+        duet_chat_template_free(t);
+        duet__jinja_free(j);
+        return duet__error(DUET_OUT_OF_MEMORY, "chat template: out of memory");
+    }
+    t->fam = f;
+    t->fam_known = known;
+    t->strip_bos = strip_bos;
+    if (r == DUET__JINJA_OK) {
+        t->jinja = j;
+        cJSON *probe = cJSON_Parse(probe_conversation);
+        char *text = NULL;
+        duet_status st = probe ? render_jinja(t, probe, true, &text) : DUET_OUT_OF_MEMORY;
+        cJSON_Delete(probe);
+        free(text);
+        if (st == DUET_OK) {
+            *out = t;
+            return DUET_OK;
+        }
+        if (st == DUET_OUT_OF_MEMORY) {
+            duet_chat_template_free(t);
+            return st;
+        }
+        snprintf(err, sizeof err, "%s", duet_last_error());
+        duet__jinja_free(t->jinja);
+        t->jinja = NULL;
+    }
+    /* The families render without the Jinja: the fallback. */
+    snprintf(t->reason, sizeof t->reason,
+             "the model's Jinja template does not run in duet (%s); using the %s family%s", err,
+             family_names[f], known ? "" : ", as no family's markers matched");
+    *out = t;
+    return DUET_OK;
+}
+
+duet_status duet_chat_template_parse(const char *source, const char *bos_token, const char *eos_token,
+                                     duet_chat_template **out) {
+    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_chat_template_parse: out is NULL");
+    return template_from_source(source, bos_token, eos_token, true, out);
 }
 
 duet_status duet_chat_template_load(const duet_model *model, const char *name, duet_chat_template **out) {
@@ -414,21 +474,27 @@ duet_status duet_chat_template_load(const duet_model *model, const char *name, d
             duet_model_meta(model, "tokenizer.chat_template", source, (size_t)n + 1);
     }
     const char *bos = NULL, *eos = NULL;
+    bool strip_bos = true;
     if (model && model->tok) {
         bos = duet_tokenizer_piece(model->tok, duet_tokenizer_bos(model->tok));
         eos = duet_tokenizer_piece(model->tok, duet_tokenizer_eos(model->tok));
+        strip_bos = duet_tokenizer_add_bos(model->tok);
     }
-    duet_status st = duet_chat_template_parse(source, bos ? bos : "", eos ? eos : "", out);
+    duet_status st = template_from_source(source, bos ? bos : "", eos ? eos : "", strip_bos, out);
     free(source);
     return st;
 }
 
 void duet_chat_template_free(duet_chat_template *t) {
+    if (!t) return;
+    duet__jinja_free(t->jinja);
+    free(t->bos);
+    free(t->eos);
     free(t);
 }
 
 const char *duet_chat_template_name(const duet_chat_template *t) {
-    return t ? family_names[t->fam] : "plain";
+    return !t ? "plain" : t->jinja ? "jinja" : family_names[t->fam];
 }
 
 const char *duet_chat_template_fallback_reason(const duet_chat_template *t) {
@@ -436,7 +502,49 @@ const char *duet_chat_template_fallback_reason(const duet_chat_template *t) {
 }
 
 const char *const *duet_chat_template_stops(const duet_chat_template *t) {
+    if (t && t->jinja && !t->fam_known) return no_stops; /* the model's end-of-generation tokens end it */
     return family_stops(t ? t->fam : FAM_PLAIN);
+}
+
+/* Renders CONV (its "messages" and "tools" as they are) through the Jinja;
+ * CONV gains the other variables. */
+static duet_status render_jinja(const duet_chat_template *t, cJSON *conv, bool add_generation_prompt,
+                                char **out) {
+    *out = NULL;
+    if (!cJSON_IsObject(conv) || !cJSON_IsArray(cJSON_GetObjectItemCaseSensitive(conv, "messages")))
+        return duet__error(DUET_BAD_REQUEST, "chat: 'messages' must be an array");
+    const cJSON *msg;
+    int i = 0;
+    cJSON_ArrayForEach(msg, cJSON_GetObjectItemCaseSensitive(conv, "messages")) {
+        if (!cJSON_IsObject(msg) || !cJSON_IsString(cJSON_GetObjectItemCaseSensitive(msg, "role")))
+            return duet__error(DUET_BAD_REQUEST, "chat: messages[%d] needs a string 'role'", i);
+        i++;
+    }
+    static const char *const vars[] = {"add_generation_prompt", "bos_token", "eos_token"};
+    for (int k = 0; k < 3; k++)
+        cJSON_DeleteItemFromObjectCaseSensitive(conv, vars[k]);
+    if (!cJSON_AddBoolToObject(conv, "add_generation_prompt", add_generation_prompt) ||
+        !cJSON_AddStringToObject(conv, "bos_token", t->bos) ||
+        !cJSON_AddStringToObject(conv, "eos_token", t->eos))
+        return duet__error(DUET_OUT_OF_MEMORY, "chat: out of memory");
+    char err[400], *text = NULL;
+    size_t len = 0;
+    duet__jinja_options opt = {.now = -1};
+    duet__jinja_result r = duet__jinja_render(t->jinja, conv, &opt, &text, &len, err, sizeof err);
+    switch (r) {
+    case DUET__JINJA_OK:
+        break;
+    case DUET__JINJA_RAISED:
+        return duet__error(DUET_BAD_REQUEST, "chat template: %s", err);
+    case DUET__JINJA_NOMEM:
+        return duet__error(DUET_OUT_OF_MEMORY, "chat template: out of memory");
+    default:
+        return duet__error(DUET_BAD_REQUEST, "chat template: %s", err);
+    }
+    size_t nb = strlen(t->bos);
+    if (t->strip_bos && nb && len >= nb && !memcmp(text, t->bos, nb)) memmove(text, text + nb, len - nb + 1);
+    *out = text;
+    return DUET_OK;
 }
 
 duet_status duet_chat_template_apply(const duet_chat_template *t, const char *conversation_json,
@@ -446,6 +554,11 @@ duet_status duet_chat_template_apply(const duet_chat_template *t, const char *co
     *out = NULL;
     cJSON *conv = cJSON_Parse(conversation_json);
     if (!conv) return duet__error(DUET_BAD_REQUEST, "chat: the conversation is not valid JSON");
+    if (t->jinja) {
+        duet_status st = render_jinja(t, conv, add_generation_prompt, out);
+        cJSON_Delete(conv);
+        return st;
+    }
     message *m = NULL;
     int n = 0;
     duet_status st = read_messages(conv, &m, &n);

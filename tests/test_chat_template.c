@@ -161,12 +161,104 @@ START_TEST(bad_conversations) {
 }
 END_TEST
 
+/* A model's own Jinja template runs as written; a family is still forced by
+ * name; a template duet cannot run falls back to its family with the reason. */
+START_TEST(model_jinja_template) {
+    duet_open_params op = duet_open_params_default();
+    op.vocab_only = true;
+    duet_model *m = NULL;
+    ck_assert_msg(duet_model_open(test_shared_path("models/smollm2-135m-instruct-q4_k_m.gguf"), &op, &m) ==
+                      DUET_OK,
+                  "open: %s", duet_last_error());
+    const char *conv = "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}";
+    duet_chat_template *t = NULL;
+    ck_assert_msg(duet_chat_template_load(m, NULL, &t) == DUET_OK, "%s", duet_last_error());
+    ck_assert_str_eq(duet_chat_template_name(t), "jinja");
+    ck_assert_str_eq(duet_chat_template_fallback_reason(t), "");
+    char *out = render(t, conv, true);
+    /* SmolLM2's template adds its own system prompt, which no family knows. */
+    ck_assert_str_eq(out,
+                     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                     "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    free(out);
+    ck_assert_str_eq(duet_chat_template_stops(t)[0], "<|im_end|>");
+    duet_chat_template_free(t);
+    ck_assert_int_eq(duet_chat_template_load(m, "chatml", &t), DUET_OK);
+    out = render(t, conv, true);
+    ck_assert_str_eq(out, "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    free(out);
+    duet_chat_template_free(t);
+    duet_model_close(m);
+
+    /* Command R's template writes bos_token first: the text leaves it out
+     * when tokenizing with add_special adds it, as the families do. */
+    ck_assert_msg(duet_model_open(test_shared_path("models/ggml-vocab-command-r.gguf"), &op, &m) == DUET_OK,
+                  "open: %s", duet_last_error());
+    ck_assert_msg(duet_chat_template_load(m, "auto", &t) == DUET_OK, "%s", duet_last_error());
+    ck_assert_str_eq(duet_chat_template_name(t), "jinja");
+    out = render(t, conv, true);
+    duet_model_desc d;
+    duet_model_describe(m, &d);
+    const char *bos = "<BOS_TOKEN>"; /* Command R's BOS text */
+    ck_assert_msg((strncmp(out, bos, strlen(bos)) != 0) == d.add_bos, "add_bos %d: %s", d.add_bos, out);
+    ck_assert_msg(strstr(out, "<|START_OF_TURN_TOKEN|><|USER_TOKEN|>Hi<|END_OF_TURN_TOKEN|>"), "%s", out);
+    free(out);
+    duet_chat_template_free(t);
+    duet_model_close(m);
+
+    /* Jinja files: one that runs, one with a tag duet lacks, one that fails
+     * on the probe conversation. */
+    static const struct {
+        const char *src, *name, *reason;
+    } files[] = {
+        {"{% for m in messages %}[{{ m.role }}] {{ m.content | trim }}\n{% endfor %}", "jinja", ""},
+        {"{% include 'x.jinja' %}<|im_start|>", "chatml", "unsupported tag 'include'"},
+        {"{{ messages[0].content.nosuch() }}<|start_header_id|>", "llama3", "line 1"},
+    };
+    for (size_t i = 0; i < sizeof files / sizeof *files; i++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s/test_chat_template_%d_%zu.jinja", DUET_BINARY_DIR, (int)getpid(), i);
+        FILE *f = fopen(path, "w");
+        ck_assert_ptr_nonnull(f);
+        fputs(files[i].src, f);
+        fclose(f);
+        ck_assert_msg(duet_chat_template_load(NULL, path, &t) == DUET_OK, "%s", duet_last_error());
+        remove(path);
+        ck_assert_str_eq(duet_chat_template_name(t), files[i].name);
+        ck_assert_msg(strstr(duet_chat_template_fallback_reason(t), files[i].reason), "file %zu: reason [%s]",
+                      i, duet_chat_template_fallback_reason(t));
+        out = render(t, conv, true);
+        ck_assert_msg(strstr(out, "Hi"), "file %zu: %s", i, out);
+        free(out);
+        duet_chat_template_free(t);
+    }
+
+    /* A template's raise_exception is the request's error. */
+    ck_assert_int_eq(
+        duet_chat_template_parse("{% if messages[-1].role != 'user' %}{{ raise_exception('the last "
+                                 "message must be the user\\'s') }}{% endif %}{{ messages[0].content }}",
+                                 "<s>", "</s>", &t),
+        DUET_OK);
+    ck_assert_str_eq(duet_chat_template_name(t), "jinja");
+    const char *two = "{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", "
+                      "\"content\": \"b\"}]}";
+    out = NULL;
+    ck_assert_int_eq(duet_chat_template_apply(t, two, true, &out), DUET_BAD_REQUEST);
+    ck_assert_ptr_null(out);
+    ck_assert_msg(strstr(duet_last_error(), "the last message must be the user's"), "%s", duet_last_error());
+    duet_chat_template_free(t);
+}
+END_TEST
+
 static Suite *suite(void) {
     Suite *s = suite_create("chat_template");
     TCase *tc = tcase_create("families");
     tcase_add_test(tc, family_for_model_template);
     tcase_add_test(tc, family_rendering);
     tcase_add_test(tc, bad_conversations);
+    suite_add_tcase(s, tc);
+    tc = tcase_create("jinja");
+    tcase_add_test(tc, model_jinja_template);
     suite_add_tcase(s, tc);
     return s;
 }
