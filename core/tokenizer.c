@@ -1574,10 +1574,11 @@ static void split_digits3(const scratch *s, size_t a, size_t b, cuts *c) {
     cut(c, b);
 }
 
-/* Byte-level BPE of the text of one fragment: code points, pre-tokenizer
- * stages, then BPE per pre-token. */
-static duet_status bpe_fragment(const duet_tokenizer *t, scratch *s, const char *text, size_t len,
-                                out_ids *o) {
+/* Pre-tokenizes one fragment: its pieces end at code points
+ * s->ends[0][0..*np_out), code point i starting at byte s->boff[i]. */
+static duet_status pre_split(const duet_tokenizer *t, scratch *s, const char *text, size_t len,
+                             size_t *np_out) {
+    *np_out = 0;
     if (!reserve_cps(s, len)) return duet__error(DUET_OUT_OF_MEMORY, "tokenizer: out of memory");
     size_t n = 0;
     for (size_t i = 0; i < len; n++) {
@@ -1623,6 +1624,17 @@ static duet_status bpe_fragment(const duet_tokenizer *t, scratch *s, const char 
         s->ends[0] = s->ends[1], s->ends[1] = tmp;
         np = c.n;
     }
+    *np_out = np;
+    return DUET_OK;
+}
+
+/* BPE of the text of one fragment: pre-tokenizer stages, then BPE per
+ * pre-token. */
+static duet_status bpe_fragment(const duet_tokenizer *t, scratch *s, const char *text, size_t len,
+                                out_ids *o) {
+    size_t np;
+    duet_status st = pre_split(t, s, text, len, &np);
+    if (st) return st;
     size_t a = 0;
     for (size_t i = 0; i < np; i++) {
         size_t b = s->ends[0][i];
@@ -1656,8 +1668,7 @@ static duet_status bpe_fragment(const duet_tokenizer *t, scratch *s, const char 
                 continue;
             }
         }
-        duet_status st = bpe_word(t, s, w, wl, o);
-        if (st) return st;
+        if ((st = bpe_word(t, s, w, wl, o))) return st;
     }
     return DUET_OK;
 }

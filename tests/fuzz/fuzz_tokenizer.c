@@ -1,7 +1,8 @@
 /* fuzz_tokenizer.c — libFuzzer target for the tokenizers.
  *
- * Loads the stories260K (SentencePiece) and GPT-2 (byte-level BPE)
- * tokenizers once, from $DUET_SHARED/models (default ../shared, then
+ * Loads the stories260K (SentencePiece) and the GPT-2, Llama 3 (whole
+ * pre-tokens as tokens) and DeepSeek-LLM (regexes over UTF-8 text) byte-level
+ * BPE tokenizers once, from $DUET_SHARED/models (default ../shared, then
  * <executable>/../../shared). Each input is tokenized by both, with and
  * without special-token parsing, and streamed back through the detokenizer.
  * Aborts when an id is out of range, when the streamed text is not valid
@@ -18,7 +19,14 @@
 #include "gguf.h"
 #include "tokenizer.h"
 
-static duet_tokenizer *spm, *bpe;
+#define N_BPE 3
+static duet_tokenizer *spm, *bpe[N_BPE];
+static const char *const BPE_FILES[N_BPE] = {"ggml-vocab-gpt-2.gguf", "ggml-vocab-llama-bpe.gguf",
+                                             "ggml-vocab-deepseek-llm.gguf"};
+/* DeepSeek-LLM's vocabulary has the characters of the bytes that never occur
+ * in UTF-8 (0xC0, 0xC1, 0xF5-0xFF) as user-defined tokens, which decode as
+ * their text (as in llama.cpp): lossless on valid UTF-8 only. */
+static const bool BPE_LOSSY_ON_INVALID[N_BPE] = {false, false, true};
 
 static duet_tokenizer *load(const char *root, const char *name) {
     char path[PATH_MAX];
@@ -33,11 +41,18 @@ static duet_tokenizer *load(const char *root, const char *name) {
 
 static bool load_all(const char *root) {
     spm = load(root, "stories260K.gguf");
-    bpe = load(root, "ggml-vocab-gpt-2.gguf");
-    if (spm && bpe) return true;
+    bool ok = spm != NULL;
+    for (int i = 0; i < N_BPE; i++) {
+        bpe[i] = load(root, BPE_FILES[i]);
+        ok = ok && bpe[i];
+    }
+    if (ok) return true;
     duet_tokenizer_free(spm);
-    duet_tokenizer_free(bpe);
-    spm = bpe = NULL;
+    spm = NULL;
+    for (int i = 0; i < N_BPE; i++) {
+        duet_tokenizer_free(bpe[i]);
+        bpe[i] = NULL;
+    }
     return false;
 }
 
@@ -104,7 +119,8 @@ static void check(bool ok, const char *what) {
     }
 }
 
-static void run(const duet_tokenizer *t, bool is_spm, const char *text, size_t len, bool parse_special) {
+static void run(const duet_tokenizer *t, bool is_spm, bool lossy_on_invalid, const char *text, size_t len,
+                bool parse_special) {
     int n = duet_tokenizer_encode(t, text, len, true, parse_special, NULL, 0);
     check(n >= 0, "encode failed");
     int32_t *ids = malloc(sizeof(int32_t) * ((size_t)n + 1));
@@ -144,7 +160,8 @@ static void run(const duet_tokenizer *t, bool is_spm, const char *text, size_t l
         p += bl, m -= bl;
     }
     if (!is_spm) {
-        check(m == len && memcmp(p, text, len) == 0, "byte-level BPE round trip failed");
+        if (!lossy_on_invalid || valid_utf8((const unsigned char *)text, len))
+            check(m == len && memcmp(p, text, len) == 0, "byte-level BPE round trip failed");
     } else if (!parse_special && len > 0) {
         /* SentencePiece reads a literal U+2581 as a space: expect one back. */
         char *want = malloc(len + 1);
@@ -174,8 +191,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     const char *text = (const char *)data;
     if (size > MAX_FUZZ_INPUT) size = MAX_FUZZ_INPUT;
     for (int ps = 0; ps < 2; ps++) {
-        run(spm, true, text, size, ps);
-        run(bpe, false, text, size, ps);
+        run(spm, true, false, text, size, ps);
+        for (int i = 0; i < N_BPE; i++)
+            run(bpe[i], false, BPE_LOSSY_ON_INVALID[i], text, size, ps);
     }
     return 0;
 }
