@@ -267,10 +267,13 @@ class DefaultModel(unittest.TestCase):
                                     "(tools/bootstrap.sh test does)")
 
     def test_chat_answers_through_the_models_template(self):
-        # The README's demo question, greedy, on the cpu backend: the model's
-        # own template (ChatML with a default system prompt) gets Paris.
-        p = duet("chat", "-m", self.path, "-p", "What is the capital of France?", "--temp", "0", "-n", "48",
-                 "--backend", "cpu")
+        # The README's demo question, greedy, on the cpu backend, through the
+        # model's own Jinja template (ChatML), with the demo's system prompt:
+        # without one the template adds its own ("You are a helpful AI
+        # assistant named SmolLM, trained by Hugging Face"), after which this
+        # 135M Q4_1 model answers in broken French.
+        p = duet("chat", "-m", self.path, "-s", "You are a helpful assistant.", "-p",
+                 "What is the capital of France?", "--temp", "0", "-n", "48", "--backend", "cpu")
         self.assertIn("Paris", p.stdout)
         self.assertIn("tokens/s", p.stderr)
         self.assertNotIn("<|im_end|>", p.stdout)

@@ -43,7 +43,7 @@ demo)
     echo "== duet devices"
     ./build/duet devices
     echo "== duet chat (the default model, SmolLM2-135M-Instruct Q4_1, through its own chat template)"
-    ./build/duet chat -p "What is the capital of France?" --temp 0
+    ./build/duet chat -s "You are a helpful assistant." -p "What is the capital of France?" --temp 0
     ;;
 test)
     # Test-only Python tools (the reference GGUF reader) live in a venv.
