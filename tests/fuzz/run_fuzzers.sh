@@ -95,6 +95,7 @@ for t in "${targets[@]}"; do
     # and spend its runs tokenizing megabytes.
     case "$t" in
     *gguf*) cp "$seeds"/* "$corpus/" 2>/dev/null || true ;;
+    *jinja*) cp "$shared"/models/chat-templates/*.jinja "$corpus/" 2>/dev/null || true ;;
     esac
     if [ -d "$here/seeds/$t" ]; then cp -r "$here/seeds/$t/." "$corpus/"; fi
     echo "== $t: $runs runs"
