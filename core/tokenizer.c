@@ -350,6 +350,9 @@ static int parse_byte_piece(const char *s, size_t n) {
  *   one token without merging ("ignore_merges", Llama 3's tokenizer.json
  *   says so): " Việt" is one token of Llama 3, though its merges would give
  *   three.
+ * - A byte of invalid UTF-8 splits like U+FFFD but keeps its own byte, so
+ *   byte-level BPE stays lossless (llama.cpp puts U+FFFD's three bytes in
+ *   its place: the one place duet differs on purpose).
  * - Gemma 4 and Sarvam have SentencePiece-style BPE vocabularies: spaces
  *   become U+2581, pieces are merged as UTF-8 characters, not GPT-2's byte
  *   alphabet, and missing characters fall back to <0xNN> byte tokens.
@@ -387,6 +390,7 @@ enum {
     PRE_RAW_UTF8 = 4,      /* merges over UTF-8 characters, <0xNN> byte fallback */
     PRE_ESCAPE_SPACES = 8, /* spaces become U+2581 first */
     PRE_NEWLINE_RUNS = 16, /* a run of newlines that is a token is taken whole (Gemma 4) */
+    PRE_FORCE_BOS = 32,    /* add_bos whatever the metadata says (Gemma 4) */
 };
 
 typedef struct pre_type {
@@ -521,8 +525,9 @@ static const struct {
     {"glm4", PRE_IGNORE_MERGES},
     {"glm5", PRE_IGNORE_MERGES},
     {"granite-embed-multi-97m", PRE_IGNORE_MERGES},
-    {"gemma4", PRE_RAW_UTF8 | PRE_ESCAPE_SPACES | PRE_ADD_BOS | PRE_NEWLINE_RUNS},
-    {"granite-embed-multi-311m", PRE_RAW_UTF8 | PRE_ESCAPE_SPACES | PRE_ADD_BOS | PRE_NEWLINE_RUNS},
+    {"gemma4", PRE_RAW_UTF8 | PRE_ESCAPE_SPACES | PRE_ADD_BOS | PRE_NEWLINE_RUNS | PRE_FORCE_BOS},
+    {"granite-embed-multi-311m",
+     PRE_RAW_UTF8 | PRE_ESCAPE_SPACES | PRE_ADD_BOS | PRE_NEWLINE_RUNS | PRE_FORCE_BOS},
     {"sarvam-moe", PRE_RAW_UTF8 | PRE_ESCAPE_SPACES},
     {"whitespace", PRE_RAW_UTF8},
 };
@@ -911,6 +916,9 @@ static duet_status load(const duet_gguf *g, duet_tokenizer *t) {
         (st =
              get_flag(g, "tokenizer.ggml.add_space_prefix", t->kind == KIND_SPM, &t->add_space_prefix, NULL)))
         return st;
+    /* Gemma 4 always starts with BOS, whatever its metadata says (as in
+     * llama.cpp). */
+    if (t->pre_flags & PRE_FORCE_BOS) t->add_bos = true, bos_present = false;
     if (t->add_bos && t->bos < 0) {
         if (bos_present)
             return duet__error(DUET_BAD_MODEL, "tokenizer: add_bos_token is set but there is no BOS id");
