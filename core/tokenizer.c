@@ -1445,14 +1445,12 @@ static void cut(cuts *c, size_t at) {
  * the next try is a non-empty match at the same place, else a search from
  * one character further. A resource limit ends matching: the rest is one
  * piece. */
-static void split_regex(const duet_tokenizer *t, scratch *s, const pre_stage *st, size_t a, size_t b,
-                        cuts *c) {
+static void split_regex(scratch *s, const pre_stage *st, size_t a, size_t b, cuts *c) {
     bool utf8 = st->kind == STAGE_UTF8;
     const uint8_t *subj = utf8 ? (const uint8_t *)s->utf8 + s->utf8_off[a] : s->cls + a;
     size_t n = utf8 ? s->utf8_off[b] - s->utf8_off[a] : b - a;
     size_t pos = 0;
     bool after_empty = false;
-    (void)t;
     for (;;) {
         int rc;
         if (after_empty) {
@@ -1625,7 +1623,7 @@ static duet_status pre_split(const duet_tokenizer *t, scratch *s, const char *te
             else if (st->kind == STAGE_DIGITS3)
                 split_digits3(s, a, b, &c);
             else
-                split_regex(t, s, st, a, b, &c);
+                split_regex(s, st, a, b, &c);
             a = b;
         }
         uint32_t *tmp = s->ends[0];
