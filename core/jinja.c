@@ -118,12 +118,13 @@ typedef struct val {
 } val;
 
 /* What a V_LIST stands for in Python: their printing, JSON and len() differ. */
-enum { L_LIST, L_TUPLE, L_GEN /* map, select, ... return generators */, L_VIEW /* dict.items() */ };
+enum { L_LIST, L_TUPLE, L_GEN /* map, select, ... return generators */, L_VIEW /* dict.items() */, L_RANGE };
 
 typedef struct list {
     val *v;
     size_t n, cap;
     int kind;
+    int64_t start, stop, step; /* L_RANGE: what it prints as */
 } list;
 
 typedef struct dict {
@@ -1813,7 +1814,8 @@ static int vcmp(ctx *c, const val *a, const val *b, const char *op) {
         if (r) return r < 0 ? -1 : 1;
         return a->u.s.n < b->u.s.n ? -1 : a->u.s.n > b->u.s.n;
     }
-    if (a->t == V_LIST && b->t == V_LIST) {
+    if (a->t == V_LIST && b->t == V_LIST && a->u.l->kind == b->u.l->kind &&
+        (a->u.l->kind == L_LIST || a->u.l->kind == L_TUPLE)) {
         for (size_t i = 0; i < a->u.l->n && i < b->u.l->n; i++) {
             if (veq(&a->u.l->v[i], &b->u.l->v[i])) continue;
             return vcmp(c, &a->u.l->v[i], &b->u.l->v[i], op);
@@ -1957,6 +1959,16 @@ static void to_str(ctx *c, sbuf *b, const val *v, bool repr) {
         return;
     case V_LIST: {
         int kind = v->u.l->kind;
+        if (kind == L_RANGE) {
+            const list *l = v->u.l;
+            if (l->step == 1)
+                snprintf(buf, sizeof buf, "range(%lld, %lld)", (long long)l->start, (long long)l->stop);
+            else
+                snprintf(buf, sizeof buf, "range(%lld, %lld, %lld)", (long long)l->start, (long long)l->stop,
+                         (long long)l->step);
+            sb_puts(c, b, buf);
+            return;
+        }
         if (kind == L_GEN || kind == L_VIEW)
             rfail(c, "printing a %s is not supported", kind == L_GEN ? "generator" : "dict view");
         if (++c->depth > 100) rfail(c, "values nested too deeply");
@@ -2084,9 +2096,11 @@ static void to_json(ctx *c, sbuf *b, const val *v, const jsonopt *o, int level) 
         json_str(c, b, v->u.s.p, v->u.s.n, o->ensure_ascii);
         return;
     case V_LIST:
-        if (v->u.l->kind == L_GEN || v->u.l->kind == L_VIEW)
+        if (v->u.l->kind == L_GEN || v->u.l->kind == L_VIEW || v->u.l->kind == L_RANGE)
             rfail(c, "Object of type %s is not JSON serializable",
-                  v->u.l->kind == L_GEN ? "generator" : "dict_items");
+                  v->u.l->kind == L_GEN     ? "generator"
+                  : v->u.l->kind == L_RANGE ? "range"
+                                            : "dict_items");
         if (++c->depth > 100) rfail(c, "values nested too deeply");
         if (!v->u.l->n) {
             sb_puts(c, b, "[]");
@@ -2411,12 +2425,20 @@ static void slice_indices(ctx *c, const val *a, const val *b, const val *s, int6
 
 static val do_slice(ctx *c, val obj, const val *a, const val *b, const val *s) {
     int64_t lo, hi, st;
-    if (obj.t == V_LIST && (obj.u.l->kind == L_GEN || obj.u.l->kind == L_VIEW)) return v_undef();
+    if (obj.t == V_LIST && (obj.u.l->kind == L_GEN || obj.u.l->kind == L_VIEW))
+        rfail(c, "'%s' object is not subscriptable", obj.u.l->kind == L_GEN ? "generator" : "dict_items");
     if (obj.t == V_LIST) {
         slice_indices(c, a, b, s, (int64_t)obj.u.l->n, &lo, &hi, &st);
         list *l = list_new(c, 4);
         for (int64_t i = lo; st > 0 ? i < hi : i > hi; i += st)
             list_push(c, l, obj.u.l->v[i]);
+        if (obj.u.l->kind == L_TUPLE || obj.u.l->kind == L_RANGE) {
+            const list *r = obj.u.l;
+            l->kind = r->kind;
+            l->start = r->start + lo * r->step;
+            l->stop = r->start + hi * r->step;
+            l->step = r->step * st;
+        }
         return v_list(l);
     }
     if (obj.t == V_STR) {
@@ -2436,7 +2458,7 @@ static val do_slice(ctx *c, val obj, const val *a, const val *b, const val *s) {
         return o.p ? v_sb(&o) : v_str("");
     }
     if (obj.t == V_UNDEF) rfail(c, "cannot slice an undefined value");
-    return v_undef();
+    rfail(c, "'%s' object is not subscriptable", type_name(&obj));
 }
 
 /* ---- iteration ---- */
@@ -2530,16 +2552,59 @@ static bool py_space(unsigned char ch) {
     return is_space((char)ch) || (ch >= 0x1c && ch <= 0x1f);
 }
 
+/* Decodes the UTF-8 sequence at p[i] (n bytes in all); *len gets its byte
+ * length. Invalid bytes decode as themselves, one byte long. */
+static uint32_t u8_decode(const char *p, size_t n, size_t i, size_t *len) {
+    unsigned char ch = (unsigned char)p[i];
+    int extra = ch >= 0xF0 ? 3 : ch >= 0xE0 ? 2 : ch >= 0xC0 ? 1 : 0;
+    if (i + (size_t)extra >= n) extra = 0;
+    uint32_t cp = extra ? ch & (0x3F >> extra) : ch;
+    for (int k = 1; k <= extra; k++) {
+        unsigned char cc = (unsigned char)p[i + (size_t)k];
+        if ((cc & 0xC0) != 0x80) {
+            *len = 1;
+            return ch;
+        }
+        cp = (cp << 6) | (cc & 0x3F);
+    }
+    *len = (size_t)extra + 1;
+    return cp;
+}
+
+static bool cp_space(uint32_t cp) {
+    return cp < 0x80 ? py_space((unsigned char)cp)
+                     : cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
+                           cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
+}
+
+/* Byte length of the Python whitespace character at p[i], or 0. */
+static size_t ws_at(const char *p, size_t n, size_t i) {
+    size_t len;
+    uint32_t cp = u8_decode(p, n, i, &len);
+    return cp_space(cp) ? len : 0;
+}
+
+/* Byte length of the Python whitespace character that ends at p[i], or 0. */
+static size_t ws_before(const char *p, size_t i) {
+    size_t k = i - 1;
+    while (k > 0 && i - k < 4 && ((unsigned char)p[k] & 0xC0) == 0x80)
+        k--;
+    size_t len;
+    uint32_t cp = u8_decode(p, i, k, &len);
+    return k + len == i && cp_space(cp) ? len : 0;
+}
+
 static val str_strip(ctx *c, val s, val chars, int sides) {
     const char *p = s.u.s.p;
     size_t a = 0, b = s.u.s.n;
     if (chars.t == V_NONE || chars.t == V_UNDEF) {
+        size_t k;
         if (sides & 1)
-            while (a < b && py_space((unsigned char)p[a]))
-                a++;
+            while (a < b && (k = ws_at(p, b, a)))
+                a += k;
         if (sides & 2)
-            while (b > a && py_space((unsigned char)p[b - 1]))
-                b--;
+            while (b > a && (k = ws_before(p + a, b - a)))
+                b -= k;
     } else {
         chars = need_str(c, chars, "strip's argument");
         /* chars are compared as code points */
@@ -2573,21 +2638,24 @@ static val str_split(ctx *c, val s, val sep, int64_t maxsplit) {
     const char *p = s.u.s.p;
     size_t n = s.u.s.n;
     if (sep.t == V_NONE || sep.t == V_UNDEF) {
-        size_t i = 0;
+        size_t i = 0, k;
         while (i < n) {
-            while (i < n && py_space((unsigned char)p[i]))
-                i++;
+            while (i < n && (k = ws_at(p, n, i)))
+                i += k;
             if (i >= n) break;
             if (maxsplit >= 0 && (int64_t)l->n >= maxsplit) {
                 size_t e = n;
-                while (e > i && py_space((unsigned char)p[e - 1]))
-                    e--;
+                while (e > i && (k = ws_before(p + i, e - i)))
+                    e -= k;
                 list_push(c, l, v_strn(p + i, e - i));
                 break;
             }
             size_t j = i;
-            while (j < n && !py_space((unsigned char)p[j]))
-                j++;
+            while (j < n && !ws_at(p, n, j)) {
+                size_t len;
+                u8_decode(p, n, j, &len);
+                j += len;
+            }
             list_push(c, l, v_strn(p + i, j - i));
             i = j;
         }
@@ -2638,34 +2706,122 @@ static val str_replace(ctx *c, val s, val old, val new_, int64_t count) {
     return o.p ? v_sb(&o) : v_str("");
 }
 
-static val str_case(ctx *c, val s, int mode) { /* 0 upper, 1 lower, 2 title, 3 capitalize, 4 swapcase */
-    char *o = ralloc(c, s.u.s.n + 1);
-    bool prev_cased = false;
-    for (size_t i = 0; i < s.u.s.n; i++) {
-        unsigned char ch = (unsigned char)s.u.s.p[i];
-        bool alpha = isalpha(ch) && ch < 0x80;
+/* Python's upper (UPPER) or lower case of CP, for ASCII, Latin-1, Latin
+ * Extended-A, Greek and Cyrillic, and the caseless scripts (CJK, Arabic,
+ * Hebrew, Indic, symbols, emoji...); *cased: whether Python counts CP as a
+ * cased letter. Returns UINT32_MAX for a character whose mapping is not
+ * known here (or depends on context, like Greek final sigma): the caller
+ * refuses rather than guess. */
+static uint32_t cp_case(uint32_t cp, bool upper, bool *cased) {
+    *cased = false;
+    if (cp < 0x80) {
+        *cased = isalpha((int)cp) != 0;
+        return (uint32_t)(upper ? toupper((int)cp) : tolower((int)cp));
+    }
+    if (cp < 0x100) {
+        if (cp == 0xAA || cp == 0xBA || cp == 0xDF)
+            return UINT32_MAX; /* ª º (cased, no pair); ß uppers to SS */
+        if (cp == 0xB5) return *cased = true, upper ? 0x39C : cp;
+        if (cp < 0xC0 || cp == 0xD7 || cp == 0xF7) return cp;
+        *cased = true;
+        if (cp == 0xFF) return upper ? 0x178 : cp;
+        return cp < 0xDF ? (upper ? cp : cp + 0x20) : (upper ? cp - 0x20 : cp);
+    }
+    if (cp < 0x180) {
+        *cased = true;
+        if (cp == 0x130 || cp == 0x131 || cp == 0x149)
+            return UINT32_MAX;      /* İ ı ŉ: multi-character or Turkic */
+        if (cp == 0x138) return cp; /* ĸ */
+        if (cp == 0x178) return upper ? cp : 0xFF;
+        if (cp == 0x17F) return upper ? 'S' : cp;
+        bool odd_upper = (cp >= 0x139 && cp <= 0x148) || (cp >= 0x179 && cp <= 0x17E);
+        bool is_up = odd_upper ? (cp & 1) : !(cp & 1);
+        return upper ? (is_up ? cp : cp - 1) : (is_up ? cp + 1 : cp);
+    }
+    if (cp >= 0x391 && cp <= 0x3C9 && cp != 0x3A2) {
+        *cased = true;
+        if (cp == 0x3A3 && !upper) return UINT32_MAX; /* Σ: σ or final ς */
+        if (cp == 0x3C2) return upper ? 0x3A3 : cp;
+        if (cp <= 0x3A9) return upper ? cp : cp + 0x20;
+        if (cp >= 0x3B1) return upper ? cp - 0x20 : cp;
+        return UINT32_MAX; /* accented capitals 0x3AA-0x3B0 */
+    }
+    if (cp >= 0x400 && cp <= 0x45F) {
+        *cased = true;
+        if (cp < 0x410) return upper ? cp : cp + 0x50;
+        if (cp < 0x430) return upper ? cp : cp + 0x20;
+        if (cp < 0x450) return upper ? cp - 0x20 : cp;
+        return upper ? cp - 0x50 : cp;
+    }
+    /* scripts and symbols without case */
+    if ((cp >= 0x590 && cp <= 0x109F) || (cp >= 0x1100 && cp <= 0x11FF) || (cp >= 0x2000 && cp <= 0x20CF) ||
+        (cp >= 0x2190 && cp <= 0x245F) || (cp >= 0x2500 && cp <= 0x2BFF) || (cp >= 0x2E80 && cp <= 0xA4CF) ||
+        (cp >= 0xAC00 && cp <= 0xD7AF) || (cp >= 0xE000 && cp <= 0xFAFF) || (cp >= 0xFE00 && cp <= 0xFE6F) ||
+        (cp >= 0xFF01 && cp <= 0xFF20) || (cp >= 0xFF3B && cp <= 0xFF40) || (cp >= 0xFF5B && cp <= 0xFFEF) ||
+        (cp >= 0x1F000 && cp <= 0x1FAFF) || (cp >= 0x20000 && cp <= 0x3FFFF))
+        return cp;
+    return UINT32_MAX;
+}
+
+static void sb_cp(ctx *c, sbuf *b, uint32_t cp) {
+    char o[4];
+    size_t n;
+    if (cp < 0x80)
+        o[0] = (char)cp, n = 1;
+    else if (cp < 0x800)
+        o[0] = (char)(0xC0 | (cp >> 6)), o[1] = (char)(0x80 | (cp & 63)), n = 2;
+    else if (cp < 0x10000)
+        o[0] = (char)(0xE0 | (cp >> 12)), o[1] = (char)(0x80 | ((cp >> 6) & 63)),
+        o[2] = (char)(0x80 | (cp & 63)), n = 3;
+    else
+        o[0] = (char)(0xF0 | (cp >> 18)), o[1] = (char)(0x80 | ((cp >> 12) & 63)),
+        o[2] = (char)(0x80 | ((cp >> 6) & 63)), o[3] = (char)(0x80 | (cp & 63)), n = 4;
+    sb_add(c, b, o, n);
+}
+
+/* Case changes as Python's str methods make them: 0 upper, 1 lower, 2
+ * title (str.title), 3 capitalize, 4 swapcase; 5 is jinja2's title filter
+ * (each word's first character upper, the rest lower, words split at
+ * whitespace and -({[<). */
+static val str_case(ctx *c, val s, int mode) {
+    sbuf o = {0};
+    bool prev_cased = false, word_start = true;
+    for (size_t i = 0; i < s.u.s.n;) {
+        size_t len;
+        uint32_t cp = u8_decode(s.u.s.p, s.u.s.n, i, &len);
+        bool cased, up;
         switch (mode) {
         case 0:
-            ch = (unsigned char)(ch < 0x80 ? toupper(ch) : ch);
+            up = true;
             break;
         case 1:
-            ch = (unsigned char)(ch < 0x80 ? tolower(ch) : ch);
+            up = false;
             break;
         case 2:
-            if (alpha) ch = (unsigned char)(prev_cased ? tolower(ch) : toupper(ch));
-            prev_cased = alpha;
+            up = !prev_cased;
             break;
         case 3:
-            ch = (unsigned char)(ch < 0x80 ? (i == 0 ? toupper(ch) : tolower(ch)) : ch);
+            up = i == 0;
             break;
-        case 4:
-            ch = (unsigned char)(ch < 0x80 ? (isupper(ch) ? tolower(ch) : toupper(ch)) : ch);
+        case 4: {
+            bool c2;
+            uint32_t lo = cp_case(cp, false, &c2);
+            up = lo == cp; /* lower case (or caseless): swap to upper */
             break;
         }
-        o[i] = (char)ch;
+        default:
+            up = word_start;
+            break;
+        }
+        uint32_t m = cp_case(cp, up, &cased);
+        if (m == UINT32_MAX) rfail(c, "changing the case of U+%04X is not supported", (unsigned)cp);
+        sb_cp(c, &o, m);
+        prev_cased = cased;
+        word_start = cp_space(cp) || cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<';
+        i += len;
     }
-    o[s.u.s.n] = 0;
-    return v_strn(o, s.u.s.n);
+    val r = o.p ? v_sb(&o) : v_str("");
+    return r;
 }
 
 static bool str_has_affix(ctx *c, val s, val affix, bool end) {
@@ -2732,7 +2888,16 @@ static val str_format(ctx *c, val s, const args *a) {
 
 /* ---- tests ---- */
 
+static val arith(ctx *c, int op, val x, val y);
+
 static bool run_test(ctx *c, const char *name, val x, const args *a) {
+    static const char *const one_arg[] = {
+        "sameas", "eq",          "equalto", "==", "ne", "!=",          "lt", "lessthan", "<",    "le", "<=",
+        "gt",     "greaterthan", ">",       "ge", ">=", "divisibleby", "in", "filter",   "test", NULL};
+    int want = in_names(one_arg, name) ? 1 : 0;
+    if (a->npos + a->nkw != want)
+        rfail(c, "test_%s() takes %d positional argument%s but %d were given", name, want + 1,
+              want ? "s" : "", a->npos + a->nkw + 1);
     val y = a->npos ? a->pos[0] : v_undef();
     if (!strcmp(name, "defined")) return x.t != V_UNDEF;
     if (!strcmp(name, "undefined")) return x.t == V_UNDEF;
@@ -2749,7 +2914,8 @@ static bool run_test(ctx *c, const char *name, val x, const args *a) {
     if (!strcmp(name, "sequence"))
         return (x.t == V_LIST && x.u.l->kind != L_GEN && x.u.l->kind != L_VIEW) || x.t == V_DICT ||
                x.t == V_STR || x.t == V_UNDEF;
-    if (!strcmp(name, "callable")) return x.t == V_MACRO || x.t == V_FUNC || x.t == V_METHOD;
+    if (!strcmp(name, "callable")) /* Undefined has a __call__ (that raises) */
+        return x.t == V_MACRO || x.t == V_FUNC || x.t == V_METHOD || x.t == V_UNDEF;
     if (!strcmp(name, "escaped")) return false;
     if (!strcmp(name, "filter")) return y.t == V_STR && in_names(known_filters, y.u.s.p);
     if (!strcmp(name, "test")) return y.t == V_STR && in_names(known_tests, y.u.s.p);
@@ -2783,22 +2949,24 @@ static bool run_test(ctx *c, const char *name, val x, const args *a) {
         return vcmp(c, &x, &y, ">") > 0;
     if (!strcmp(name, "ge") || !strcmp(name, ">=")) return vcmp(c, &x, &y, ">=") >= 0;
     if (!strcmp(name, "odd") || !strcmp(name, "even") || !strcmp(name, "divisibleby")) {
-        if (x.t != V_INT && x.t != V_BOOL) rfail(c, "the '%s' test needs an integer", name);
-        int64_t v = num_i(&x);
-        if (!strcmp(name, "odd")) return v % 2 != 0;
-        if (!strcmp(name, "even")) return v % 2 == 0;
-        if (!is_num(&y) || num_i(&y) == 0) rfail(c, "divisibleby needs a non-zero number");
-        return v % num_i(&y) == 0;
+        /* value % 2 == 1, value % 2 == 0, value % num == 0 */
+        val m = arith(c, OP_MOD, x, name[0] == 'd' ? y : v_int(2)), one = v_int(name[0] == 'o');
+        return veq(&m, &one);
     }
-    if (!strcmp(name, "lower") || !strcmp(name, "upper")) {
-        if (x.t != V_STR) rfail(c, "the '%s' test needs a string", name);
+    if (!strcmp(name, "lower") || !strcmp(name, "upper")) { /* str(value).islower() / .isupper() */
+        val s = vstr(c, &x);
         bool cased = false;
-        for (size_t i = 0; i < x.u.s.n; i++) {
-            unsigned char ch = (unsigned char)x.u.s.p[i];
-            if (isalpha(ch) && ch < 0x80) {
-                cased = true;
-                if (name[0] == 'l' ? isupper(ch) : islower(ch)) return false;
-            }
+        for (size_t i = 0; i < s.u.s.n;) {
+            size_t len;
+            uint32_t cp = u8_decode(s.u.s.p, s.u.s.n, i, &len);
+            bool cs;
+            uint32_t lo = cp_case(cp, false, &cs), up = cp_case(cp, true, &cs);
+            if (lo == UINT32_MAX || up == UINT32_MAX)
+                rfail(c, "the case of U+%04X is not known here", (unsigned)cp);
+            i += len;
+            if (!cs) continue;
+            cased = true;
+            if (name[0] == 'l' ? lo != cp : up != cp) return false;
         }
         return cased;
     }
@@ -3029,7 +3197,7 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
     if (!strcmp(name, "upper") || !strcmp(name, "lower") || !strcmp(name, "title") ||
         !strcmp(name, "capitalize")) {
         check_args(c, a, 0, NULL);
-        int mode = name[0] == 'u' ? 0 : name[0] == 'l' ? 1 : name[0] == 't' ? 2 : 3;
+        int mode = name[0] == 'u' ? 0 : name[0] == 'l' ? 1 : name[0] == 't' ? 5 : 3;
         val s = vstr(c, &x), r = str_case(c, s, mode);
         r.safe = s.safe;
         return r;
@@ -3233,6 +3401,7 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
         check_args(c, a, 2, nm);
         val def = arg(c, a, 0, "default", v_int(0));
         if (arg(c, a, 1, "base", v_int(10)).u.i != 10) rfail(c, "int's base is not supported");
+        if (x.t == V_UNDEF) rfail(c, "int of an undefined value");
         bool ok;
         int64_t v = py_int_of(c, x, &ok);
         return ok ? v_int(v) : def;
@@ -3241,6 +3410,7 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
         static const char *const nm[] = {"default", NULL};
         check_args(c, a, 1, nm);
         val def = arg(c, a, 0, "default", v_float(0));
+        if (x.t == V_UNDEF) rfail(c, "float of an undefined value");
         if (is_num(&x)) return v_float(num_f(&x));
         if (x.t == V_STR) {
             char *end;
@@ -3302,7 +3472,9 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
             for (int64_t i = 0; i < num_i(&w) && i < 256; i++)
                 sb_putc(c, &ind, ' ');
         if (!ind.p) sb_add(c, &ind, "", 0);
-        val s = vstr(c, &x);
+        if (x.t != V_STR)
+            rfail(c, "indent needs a string, not %s", type_name(&x)); /* jinja2 appends "\n" to it */
+        val s = x;
         /* s + "\n", split into lines (\n, \r\n, \r) */
         list *lines = list_new(c, 8);
         {
@@ -3603,6 +3775,10 @@ static val call_func(ctx *c, int fn, const args *a) {
         list *l = list_new(c, (size_t)n + 1);
         for (int64_t i = 0; i < n; i++)
             list_push(c, l, v_int(lo + i * st));
+        l->kind = L_RANGE;
+        l->start = lo;
+        l->stop = hi;
+        l->step = st;
         return v_list(l);
     }
     case FN_NAMESPACE:

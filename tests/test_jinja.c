@@ -180,6 +180,17 @@ static const struct {
      "3 is le 3 }}{{ [1] is sameas [1] }}{{ none is sameas none }}",
      "TrueTrueTrueTrueTrueTrueFalseTrue"},
     {"{% macro r(n) %}{% if n > 0 %}{{ n }}{{ r(n - 1) }}{% endif %}{% endmacro %}{{ r(5) }}", "54321"},
+    {"{{ u8|upper }}|{{ u8.upper() }}|{{ 'ÉCOLE Ÿ Ω Ж'|lower }}|{{ 'élan vital-x (a)b'|title }}|{{ 'élan "
+     "vital-x (a)b'.title() }}|{{ \"it's o'neil\"|title }}|{{ \"it's o'neil\".title() }}|{{ 'ÿ ł ő'.upper() "
+     "}}|{{ 'aBc'.swapcase() }}",
+     "HÉLLO WÖRLD 日本|HÉLLO WÖRLD 日本|école ÿ ω ж|Élan Vital-X (A)b|Élan Vital-X (A)B|It's O'neil|It'S "
+     "O'Neil|Ÿ Ł Ő|AbC"},
+    {"{{ ' \\u00a0x\\u3000 '|trim }}|{{ 'a\\u2003b  c'.split() }}|{{ '\\u00a0'|length }}|{{ "
+     "'x\\u00a0'.rstrip() }}|",
+     "x|['a', 'b', 'c']|1|x|"},
+    {"{{ range(3) }}|{{ range(1, 10, 2) }}|{{ range(10)[2:5] }}|{{ range(3)|list }}|{{ range(3) == [0, 1, 2] "
+     "}}|{{ range(3)|length }}|{{ (1, 2, 3)[1:] }}",
+     "range(0, 3)|range(1, 10, 2)|range(2, 5)|[0, 1, 2]|False|3|(2, 3)"},
 };
 
 START_TEST(test_render_like_jinja2) {
@@ -232,6 +243,15 @@ static const struct {
     {"{{ 1 < 'a' }}", DUET__JINJA_RENDER, "not supported between instances of 'int' and 'str'"},
     {"{{ s.nomethod() }}", DUET__JINJA_RENDER, "line 1"},
     {"{% for x in [1] recursive %}{% endfor %}", DUET__JINJA_SYNTAX, "recursive loops are not supported"},
+    {"{{ 'straße'|upper }}", DUET__JINJA_RENDER, "changing the case of U+00DF is not supported"},
+    {"{{ 'ΣΑ'|lower }}", DUET__JINJA_RENDER, "U+03A3"},
+    {"{{ 1 is none 2 }}", DUET__JINJA_RENDER, "test_none() takes 1 positional argument but 2 were given"},
+    {"{{ true[::-1] }}", DUET__JINJA_RENDER, "'bool' object is not subscriptable"},
+    {"{{ 3|indent }}", DUET__JINJA_RENDER, "indent needs a string"},
+    {"{{ x|int }}", DUET__JINJA_RENDER, "undefined"},
+    {"{{ [1] < (1,) }}", DUET__JINJA_RENDER, "not supported between instances"},
+    {"{{ [1]|map('string') }}", DUET__JINJA_RENDER, "printing a generator is not supported"},
+    {"{{ '%s' % 1 }}", DUET__JINJA_RENDER, "printf-style"},
 };
 
 START_TEST(test_errors) {
