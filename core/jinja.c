@@ -974,7 +974,10 @@ static node *parse_subscript_arg(parser *P) {
         }
         break;
     }
-    if (!slice) return parts[0];
+    if (!slice) {
+        if (!parts[0]) ps_fail(P, "expected an expression");
+        return parts[0];
+    }
     node *n = mk(P, E_SLICE, line);
     n->a = parts[0];
     n->b = parts[1];

@@ -252,6 +252,7 @@ static const struct {
     {"{{ [1] < (1,) }}", DUET__JINJA_RENDER, "not supported between instances"},
     {"{{ [1]|map('string') }}", DUET__JINJA_RENDER, "printing a generator is not supported"},
     {"{{ '%s' % 1 }}", DUET__JINJA_RENDER, "printf-style"},
+    {"{{ d[] }}", DUET__JINJA_SYNTAX, "expected an expression"}, /* found by fuzz_jinja */
 };
 
 START_TEST(test_errors) {
