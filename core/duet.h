@@ -169,9 +169,11 @@ int duet_token_piece(const duet_model *model, int32_t id, char *buf, size_t size
 /* ---- chat templates --------------------------------------------------- */
 
 /* A conversation to prompt text, the way the model's own template writes it.
- * Named families (plain, chatml, llama3, llama2, mistral, zephyr, phi3,
- * gemma) are rendered in C; "auto" takes the model's
- * `tokenizer.chat_template`. */
+ * "auto" runs the model's `tokenizer.chat_template` (Jinja) the way
+ * transformers runs it with jinja2; a template duet's Jinja cannot run falls
+ * back to the named family its marker strings suggest, and says why. Named
+ * families (plain, chatml, llama3, llama2, mistral, zephyr, phi3, gemma) are
+ * rendered in C and may be forced by name. */
 typedef struct duet_chat_template duet_chat_template;
 
 /* name: NULL or "auto" (the model's template), a family name, or the path
@@ -189,8 +191,13 @@ const char *duet_chat_template_name(const duet_chat_template *t);
 const char *duet_chat_template_fallback_reason(const duet_chat_template *t);
 /* Renders conversation_json, OpenAI-shaped: {"messages": [{"role": ...,
  * "content": ...}, ...], "tools": [...]}; with add_generation_prompt, the
- * opening of the assistant's reply follows. *out is malloc'd for the
- * caller to free. */
+ * opening of the assistant's reply follows. A Jinja template sees messages
+ * and tools as given (tool_calls, tool results and content parts included);
+ * a BOS text it writes first is left out when the model's tokenizer adds
+ * BOS itself, as the families leave it out: tokenize the result with
+ * add_special and parse_special. The template's raise_exception() is a
+ * DUET_BAD_REQUEST with its message. *out is malloc'd for the caller to
+ * free. */
 duet_status duet_chat_template_apply(const duet_chat_template *t, const char *conversation_json,
                                      bool add_generation_prompt, char **out);
 /* Texts that end the assistant's turn when the model writes them as text
