@@ -1574,6 +1574,7 @@ typedef struct ctx {
     arena ar;
     size_t max_output, max_steps, steps;
     int64_t now;
+    bool jinja2_tojson;
     sbuf *out;
     frame *root;
     int depth, line;
@@ -1654,6 +1655,15 @@ static val v_str(const char *p) {
 }
 static val v_sb(sbuf *b) {
     return v_strn(b->p ? b->p : "", b->n);
+}
+
+/* A string value's bytes, NUL-terminated (values made by slicing, split,
+ * strip... point into other strings without a terminator). */
+static const char *zstr(ctx *c, val s) {
+    char *p = ralloc(c, s.u.s.n + 1);
+    memcpy(p, s.u.s.p, s.u.s.n);
+    p[s.u.s.n] = 0;
+    return p;
 }
 
 static list *list_new(ctx *c, size_t cap) {
@@ -2362,9 +2372,8 @@ static val getitem_v(ctx *c, val obj, val key) {
     case V_NS: {
         val *v = dict_find(obj.u.d, &key);
         if (v) return *v;
-        if (key.t == V_STR && obj.t == V_DICT && in_names(dict_methods, key.u.s.p) &&
-            strlen(key.u.s.p) == key.u.s.n)
-            return mk_method(c, obj, key.u.s.p);
+        if (key.t == V_STR && obj.t == V_DICT && in_names(dict_methods, zstr(c, key)))
+            return mk_method(c, obj, zstr(c, key));
         return v_undef();
     }
     case V_LIST:
@@ -2386,7 +2395,7 @@ static val getitem_v(ctx *c, val obj, val key) {
         }
         return v_undef();
     case V_LOOP:
-        if (key.t == V_STR) return loop_attr(c, obj.u.lp, key.u.s.p);
+        if (key.t == V_STR) return loop_attr(c, obj.u.lp, zstr(c, key));
         return v_undef();
     default:
         return v_undef();
@@ -2920,8 +2929,8 @@ static bool run_test(ctx *c, const char *name, val x, const args *a) {
     if (!strcmp(name, "callable")) /* Undefined has a __call__ (that raises) */
         return x.t == V_MACRO || x.t == V_FUNC || x.t == V_METHOD || x.t == V_UNDEF;
     if (!strcmp(name, "escaped")) return false;
-    if (!strcmp(name, "filter")) return y.t == V_STR && in_names(known_filters, y.u.s.p);
-    if (!strcmp(name, "test")) return y.t == V_STR && in_names(known_tests, y.u.s.p);
+    if (!strcmp(name, "filter")) return y.t == V_STR && in_names(known_filters, zstr(c, y));
+    if (!strcmp(name, "test")) return y.t == V_STR && in_names(known_tests, zstr(c, y));
     if (!strcmp(name, "sameas")) {
         if (x.t != y.t) return false;
         switch (x.t) {
@@ -3142,9 +3151,10 @@ static bool select_item(ctx *c, val item, const args *a, int first, bool attr) {
     if (attr) item = attr_path(c, item, arg(c, a, 0, NULL, v_undef()));
     if (a->npos <= first) return vtrue(&item);
     val tn = need_str(c, a->pos[first], "the test name");
-    if (!in_names(known_tests, tn.u.s.p)) rfail(c, "no test named '%s'", tn.u.s.p);
-    args ta = {.pos = a->pos + first + 1, .npos = a->npos - first - 1, .what = tn.u.s.p};
-    return run_test(c, tn.u.s.p, item, &ta);
+    const char *tname = zstr(c, tn);
+    if (!in_names(known_tests, tname)) rfail(c, "no test named '%s'", tname);
+    args ta = {.pos = a->pos + first + 1, .npos = a->npos - first - 1, .what = tname};
+    return run_test(c, tname, item, &ta);
 }
 
 static val apply_filter(ctx *c, const char *name, val x, const args *a) {
@@ -3213,6 +3223,38 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
                            vstr(c, (val[]){arg(c, a, 1, "new", v_undef())}),
                            cnt.t == V_NONE ? -1 : num_i(&cnt));
     }
+    if (!strcmp(name, "tojson") && c->jinja2_tojson) {
+        /* jinja2's own: htmlsafe_json_dumps(x, sort_keys=True, indent=indent), Markup */
+        static const char *const nm[] = {"indent", NULL};
+        check_args(c, a, 1, nm);
+        val ind = arg(c, a, 0, "indent", v_none());
+        jsonopt o = {
+            .indent = -1, .item_sep = ", ", .key_sep = ": ", .sort_keys = true, .ensure_ascii = true};
+        if (ind.t != V_NONE) {
+            if (ind.t != V_INT || ind.u.i < 0 || ind.u.i > 64)
+                rfail(c, "tojson's indent must be a small integer");
+            o.indent = (int)ind.u.i;
+            o.item_sep = ",";
+        }
+        sbuf b = {0}, h = {0};
+        to_json(c, &b, &x, &o, 0);
+        for (size_t i = 0; i < b.n; i++) {
+            char ch = b.p[i];
+            if (ch == '<')
+                sb_puts(c, &h, "\\u003c");
+            else if (ch == '>')
+                sb_puts(c, &h, "\\u003e");
+            else if (ch == '&')
+                sb_puts(c, &h, "\\u0026");
+            else if (ch == '\'')
+                sb_puts(c, &h, "\\u0027");
+            else
+                sb_putc(c, &h, ch);
+        }
+        val r = v_sb(&h);
+        r.safe = 1;
+        return r;
+    }
     if (!strcmp(name, "tojson")) {
         /* transformers: tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) */
         static const char *const nm[] = {"ensure_ascii", "indent", "separators", "sort_keys", NULL};
@@ -3233,8 +3275,8 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
         if (sep.t != V_NONE) {
             if (sep.t != V_LIST || sep.u.l->n != 2 || sep.u.l->v[0].t != V_STR || sep.u.l->v[1].t != V_STR)
                 rfail(c, "tojson's separators must be two strings");
-            o.item_sep = sep.u.l->v[0].u.s.p;
-            o.key_sep = sep.u.l->v[1].u.s.p;
+            o.item_sep = zstr(c, sep.u.l->v[0]);
+            o.key_sep = zstr(c, sep.u.l->v[1]);
         }
         sbuf b = {0};
         to_json(c, &b, &x, &o, 0);
@@ -3290,9 +3332,9 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
         for (size_t i = 0; i < x.u.d->n; i++)
             list_push(c, l, mk_pair(c, x.u.d->k[i], x.u.d->v[i]));
         sortkey k = {.case_sensitive = vtrue(&cs), .attribute = v_undef(), .by = 0};
-        if (by.t == V_STR && !strcmp(by.u.s.p, "value"))
+        if (by.t == V_STR && !strcmp(zstr(c, by), "value"))
             k.by = 1;
-        else if (!(by.t == V_STR && !strcmp(by.u.s.p, "key")))
+        else if (!(by.t == V_STR && !strcmp(zstr(c, by), "key")))
             rfail(c, "You can only sort by either \"key\" or \"value\"");
         sort_vals(c, l->v, l->n, cmp_by_key, &k);
         if (vtrue(&rev)) reverse_vals(l->v, l->n);
@@ -3377,10 +3419,11 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
         }
         if (!a->npos) rfail(c, "map needs a filter name or attribute=");
         val fname = need_str(c, a->pos[0], "map's filter name");
-        if (!in_names(known_filters, fname.u.s.p)) rfail(c, "no filter named '%s'", fname.u.s.p);
+        const char *fn = zstr(c, fname);
+        if (!in_names(known_filters, fn)) rfail(c, "no filter named '%s'", fn);
         args fa = {.pos = a->pos + 1, .npos = a->npos - 1, .kwn = a->kwn, .kwv = a->kwv, .nkw = a->nkw};
         for (size_t i = 0; i < l->n; i++)
-            list_push(c, o, apply_filter(c, fname.u.s.p, l->v[i], &fa));
+            list_push(c, o, apply_filter(c, fn, l->v[i], &fa));
         o->kind = L_GEN;
         return v_list(o);
     }
@@ -3440,9 +3483,9 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
         val pr = arg(c, a, 0, "precision", v_int(0)), me = arg(c, a, 1, "method", v_str("common"));
         if (!is_num(&x)) rfail(c, "round needs a number");
         double m = pow(10, (double)num_i(&pr)), v = num_f(&x) * m;
-        if (me.t == V_STR && !strcmp(me.u.s.p, "floor"))
+        if (me.t == V_STR && !strcmp(zstr(c, me), "floor"))
             v = floor(v);
-        else if (me.t == V_STR && !strcmp(me.u.s.p, "ceil"))
+        else if (me.t == V_STR && !strcmp(zstr(c, me), "ceil"))
             v = ceil(v);
         else
             v = nearbyint(v);
@@ -3814,7 +3857,7 @@ static val call_func(ctx *c, int fn, const args *a) {
         else
             gmtime_r(&t, &tm);
         char buf[512];
-        size_t n = strftime(buf, sizeof buf, a->pos[0].u.s.p, &tm);
+        size_t n = strftime(buf, sizeof buf, zstr(c, a->pos[0]), &tm);
         char *p = ralloc(c, n + 1);
         memcpy(p, buf, n);
         p[n] = 0;
@@ -4270,6 +4313,7 @@ duet__jinja_result duet__jinja_render(const duet__jinja_template *t, const cJSON
     c->max_steps = opt && opt->max_steps ? opt->max_steps : 10000000;
     c->ar.limit = opt && opt->max_memory ? opt->max_memory : (size_t)256 << 20;
     c->now = opt ? opt->now : -1;
+    c->jinja2_tojson = opt && opt->jinja2_tojson;
     if (setjmp(c->e.jb)) {
         duet__jinja_result r = c->e.code;
         arena_free(&c->ar);

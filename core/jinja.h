@@ -49,6 +49,8 @@ typedef struct duet__jinja_options {
     size_t max_output; /* bytes; 0: 16 MiB */
     size_t max_steps;  /* loop iterations + macro calls; 0: 10 million */
     size_t max_memory; /* arena bytes; 0: 256 MiB */
+    bool jinja2_tojson; /* jinja2's own tojson (sorted keys, ASCII, <>&' escaped, indent only) instead of
+                           transformers' json.dumps(ensure_ascii=False) */
 } duet__jinja_options;
 
 /* Parses SRC (LEN bytes). On failure writes a message ("line N: ...") to

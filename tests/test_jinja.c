@@ -332,6 +332,33 @@ START_TEST(test_whitespace) {
 }
 END_TEST
 
+/* jinja2's own tojson (the option), against jinja2 3.1.6's outputs. */
+START_TEST(test_jinja2_tojson) {
+    static const char *const vars = "{\"d\": {\"b\": 2, \"a\": 1, \"c\": [1, 2.5, null, true, \"x\"]}, "
+                                    "\"s\": \"<a href='x'>&é日</a>\"}";
+    static const struct {
+        const char *src, *want;
+    } cases[] = {
+        {"{{ d|tojson }}", "{\"a\": 1, \"b\": 2, \"c\": [1, 2.5, null, true, \"x\"]}"},
+        {"{{ d|tojson(indent=2) }}", "{\n  \"a\": 1,\n  \"b\": 2,\n  \"c\": [\n    1,\n    2.5,\n    null,\n "
+                                     "   true,\n    \"x\"\n  ]\n}"},
+        {"{{ s|tojson }}", "\"\\u003ca href=\\u0027x\\u0027\\u003e\\u0026\\u00e9\\u65e5\\u003c/a\\u003e\""},
+        {"{{ (s|tojson) + \"<\" }}",
+         "\"\\u003ca href=\\u0027x\\u0027\\u003e\\u0026\\u00e9\\u65e5\\u003c/a\\u003e\"&lt;"},
+    };
+    duet__jinja_options o = {.jinja2_tojson = true};
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char *out = NULL, err[256];
+        ck_assert_msg(render(cases[i].src, vars, &o, &out, err, sizeof err) == DUET__JINJA_OK, "%s", err);
+        ck_assert_msg(!strcmp(out, cases[i].want), "case %zu: got [%s] want [%s]", i, out, cases[i].want);
+        free(out);
+    }
+    char *out = NULL, err[256];
+    ck_assert_int_eq(render("{{ d|tojson(sort_keys=false) }}", vars, &o, &out, err, sizeof err),
+                     DUET__JINJA_RENDER);
+}
+END_TEST
+
 /* One parsed template renders many times, with different variables. */
 START_TEST(test_reuse) {
     const char *src = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}";
@@ -362,6 +389,7 @@ int main(void) {
     tcase_add_test(tc, test_limits);
     tcase_add_test(tc, test_whitespace);
     tcase_add_test(tc, test_reuse);
+    tcase_add_test(tc, test_jinja2_tojson);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);
