@@ -3482,14 +3482,25 @@ static val apply_filter(ctx *c, const char *name, val x, const args *a) {
         check_args(c, a, 2, nm);
         val pr = arg(c, a, 0, "precision", v_int(0)), me = arg(c, a, 1, "method", v_str("common"));
         if (!is_num(&x)) rfail(c, "round needs a number");
-        double m = pow(10, (double)num_i(&pr)), v = num_f(&x) * m;
-        if (me.t == V_STR && !strcmp(zstr(c, me), "floor"))
-            v = floor(v);
-        else if (me.t == V_STR && !strcmp(zstr(c, me), "ceil"))
-            v = ceil(v);
-        else
-            v = nearbyint(v);
-        return v_float(v / m);
+        if (!is_num(&pr) || pr.t == V_FLOAT) rfail(c, "round's precision must be an integer");
+        int64_t p = num_i(&pr);
+        if (p > 300 || p < -300) rfail(c, "round's precision is out of range");
+        const char *method = me.t == V_STR ? zstr(c, me) : "";
+        if (!strcmp(method, "floor") || !strcmp(method, "ceil")) { /* math.floor(value * 10**p) / 10**p */
+            double m = pow(10, (double)p), v = num_f(&x) * m;
+            return v_float((method[0] == 'f' ? floor(v) : ceil(v)) / m);
+        }
+        if (strcmp(method, "common")) rfail(c, "method must be common, ceil or floor");
+        /* Python's round(): an int stays an int; a float rounds its exact
+         * value half to even, as printf does */
+        if (x.t != V_FLOAT && p >= 0) return v_int(num_i(&x));
+        if (p < 0) {
+            double m = pow(10, (double)-p), v = nearbyint(num_f(&x) / m) * m;
+            return x.t == V_FLOAT ? v_float(v) : v_int((int64_t)v);
+        }
+        char buf[400];
+        snprintf(buf, sizeof buf, "%.*f", (int)p, x.u.f);
+        return v_float(strtod(buf, NULL));
     }
     if (!strcmp(name, "sum")) {
         static const char *const nm[] = {"attribute", "start", NULL};
@@ -3869,10 +3880,11 @@ static val call_func(ctx *c, int fn, const args *a) {
 }
 
 static val eval_call(ctx *c, frame *f, const node *n) {
-    if (n->a->kind == E_ATTR) {
+    val fn;
+    if (n->a->kind == E_ATTR) { /* obj.name(...): the object is evaluated once */
         val obj = eval(c, f, n->a->a);
+        const char *name = n->a->name;
         if (obj.t == V_STR || obj.t == V_LIST || obj.t == V_DICT) {
-            const char *name = n->a->name;
             bool is_method = obj.t == V_STR    ? in_names(str_methods, name)
                              : obj.t == V_LIST ? in_names(list_methods, name)
                                                : in_names(dict_methods, name);
@@ -3882,8 +3894,13 @@ static val eval_call(ctx *c, frame *f, const node *n) {
                 return call_method(c, obj, name, &a);
             }
         }
+        c->line = n->line;
+        if (obj.t == V_UNDEF && n->a->a->kind == E_NAME) rfail(c, "'%s' is undefined", n->a->a->name);
+        fn = getattr_v(c, obj, name);
+        if (fn.t == V_UNDEF) rfail(c, "'%s' object has no attribute '%s'", type_name(&obj), name);
+    } else {
+        fn = eval(c, f, n->a);
     }
-    val fn = eval(c, f, n->a);
     args a = eval_args(c, f, n, "call");
     c->line = n->line;
     switch (fn.t) {
@@ -3895,7 +3912,6 @@ static val eval_call(ctx *c, frame *f, const node *n) {
         return call_method(c, fn.u.me->obj, fn.u.me->name, &a);
     case V_UNDEF:
         if (n->a->kind == E_NAME) rfail(c, "'%s' is undefined", n->a->name);
-        if (n->a->kind == E_ATTR) rfail(c, "'%s' has no attribute '%s' to call", "object", n->a->name);
         rfail(c, "cannot call an undefined value");
     default:
         rfail(c, "'%s' object is not callable", type_name(&fn));

@@ -191,6 +191,9 @@ static const struct {
     {"{{ range(3) }}|{{ range(1, 10, 2) }}|{{ range(10)[2:5] }}|{{ range(3)|list }}|{{ range(3) == [0, 1, 2] "
      "}}|{{ range(3)|length }}|{{ (1, 2, 3)[1:] }}",
      "range(0, 3)|range(1, 10, 2)|range(2, 5)|[0, 1, 2]|False|3|(2, 3)"},
+    {"{{ 1|round }}|{{ 2.5|round }}|{{ 3.5|round }}|{{ 2.675|round(2) }}|{{ 1.234|round(1, 'floor') }}|{{ "
+     "1.21|round(1, 'ceil') }}|{{ 7|round(0, 'floor') }}|{{ -2.5|round }}|{{ 1234.5|round(-2) }}",
+     "1|2.0|4.0|2.67|1.2|1.3|7.0|-2.0|1200.0"},
 };
 
 START_TEST(test_render_like_jinja2) {
