@@ -293,7 +293,7 @@ typedef enum duet_op_kind {
     DUET_OP_RMSNORM,     /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w            */
     DUET_OP_MATMUL,      /* out[t][o] = sum_i W[o][i] x[t][i] (+ bias[o]) (+ out)    */
     DUET_OP_ROPE_KV,     /* rotate q, k in place; store k, v into the KV cache        */
-    DUET_OP_ATTENTION,   /* causal softmax(q K^T * scale) V over a sequence's cache   */
+    DUET_OP_ATTENTION,   /* causal (windowed) softmax(q K^T * scale) V over the cache */
     DUET_OP_SWIGLU,      /* out = silu(gate) * up                                     */
     DUET_OP_ADD,         /* out = a + b (out may alias a)                             */
     DUET_OP_GATHER_ROWS, /* out[i][:] = x[rows[i]][:]                                */
@@ -364,10 +364,15 @@ typedef struct duet_op {
         struct {
             duet_view q, k, v;  /* f32 [n_tokens][n_head*head_dim], k/v [n_tokens][n_head_kv*head_dim] */
             duet_view pos, seq; /* i32 [n_tokens]: position and sequence slot of each token */
-            duet_kv_pages kv;   /* k, v are stored at (seq, pos) */
+            /* f32 [n_rot/2]: pair i turns by theta_i = pos * freqs[i]. The
+             * caller computes the inverse frequencies once (base^(-2i/n_rot)
+             * with any scaling: linear, llama3's per-band factors, YaRN's
+             * ramp), so one kernel serves every RoPE variant. */
+            duet_view freqs;
+            duet_kv_pages kv; /* k, v are stored at (seq, pos) */
             int n_head, n_head_kv, head_dim, n_rot;
-            float freq_base; /* theta_i = pos * base^(-2i/n_rot) on pairs (2i, 2i+1) */
-            bool neox;       /* pairs (i, i + n_rot/2) instead of adjacent */
+            float mscale; /* cos and sin are multiplied by this (YaRN's attention factor); 0 reads as 1 */
+            bool neox;    /* pairs (i, i + n_rot/2) instead of (2i, 2i+1) */
         } rope_kv;
         struct {
             duet_view q;        /* f32 [n_tokens][n_head*head_dim], already rotated */
@@ -381,6 +386,9 @@ typedef struct duet_op {
              * an error where the backend can see it, else gets zeros (or,
              * from a kernel that does not split, the whole context). */
             int n_keys;
+            /* Sliding window: > 0, token t sees only positions
+             * pos[t] - window + 1 .. pos[t]; 0: the whole context. */
+            int window;
             duet_view out;    /* f32 [n_tokens][n_head*head_dim] */
             duet_view out_q8; /* optional q8_0 [n_tokens][n_head*head_dim/32] */
         } attention;

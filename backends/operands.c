@@ -78,8 +78,8 @@ duet_status duet_op_check_shape(const duet_op *op) {
         CHECK(check_kv_pages(name, &op->rope_kv.kv, hd, nh, nkv));
         REQUIRE(op->rope_kv.n_rot >= 0 && op->rope_kv.n_rot <= hd && op->rope_kv.n_rot % 2 == 0,
                 "rope_kv: n_rot %d must be even and at most head_dim %d", op->rope_kv.n_rot, hd);
-        REQUIRE(op->rope_kv.n_rot == 0 || op->rope_kv.freq_base > 0.0f, "rope_kv: freq_base %g",
-                (double)op->rope_kv.freq_base);
+        REQUIRE(op->rope_kv.mscale >= 0.0f && op->rope_kv.mscale < 1e6f, "rope_kv: mscale %g",
+                (double)op->rope_kv.mscale);
         return DUET_OK;
     }
     case DUET_OP_ATTENTION: {
@@ -91,6 +91,7 @@ duet_status duet_op_check_shape(const duet_op *op) {
                     (int64_t)op->attention.n_keys <= (int64_t)kv->max_blocks * kv->block_size,
                 "attention: n_keys %d outside [0, %lld] (the table's capacity)", op->attention.n_keys,
                 (long long)kv->max_blocks * kv->block_size);
+        REQUIRE(op->attention.window >= 0, "attention: window %d", op->attention.window);
         return check_outputs(name, op->attention.out, op->attention.out_q8, nh * hd);
     }
     case DUET_OP_SWIGLU:
@@ -204,6 +205,9 @@ int duet_op_operands(const duet_op *op, duet_operand out[DUET_MAX_OPERANDS]) {
         add(&l, "v", op->rope_kv.v, mul3(nt, kw, 4), 4, DUET_READ, false);
         add(&l, "pos", op->rope_kv.pos, nt * 4, 4, DUET_READ, false);
         add(&l, "seq", op->rope_kv.seq, nt * 4, 4, DUET_READ, false);
+        /* Read only when something turns. */
+        add(&l, "freqs", op->rope_kv.freqs, (uint64_t)(op->rope_kv.n_rot / 2) * 4, 4, DUET_READ,
+            op->rope_kv.n_rot == 0);
         add_kv(&l, &op->rope_kv.kv, (int)kw, DUET_READ_WRITE);
         break;
     }

@@ -1,8 +1,8 @@
 /* forward.c — the Llama forward pass as a stream of HAL ops.
  *
  *   x = embed(tokens)
- *   per layer:  xn = rmsnorm(x);  q,k,v = xn·Wq,Wk,Wv (+bias);  rope(q,k) + store k,v
- *               att = attention(q, cache);  x += att·Wo            (fused residual)
+ *   per layer:  xn = rmsnorm(x);  q,k,v = xn·Wq,Wk,Wv (+bias);  (qwen3: rmsnorm of each q, k head)
+ *               rope(q,k) + store k,v;  att = attention(q, cache (sliding window));  x += att·Wo
  *               xn = rmsnorm(x);  gate = silu(xn·Wg) * (xn·Wu);  x += gate·Wd
  *   logits = rmsnorm(x[out rows])·Wout
  */
@@ -295,6 +295,13 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
         TRY(op_matmul(be, n, &L->wk, xn, L->bk.buf ? &L->bk : NULL, false, s->k));
         TRY(op_matmul(be, n, &L->wv, xn, L->bv.buf ? &L->bv : NULL, false, s->v));
 
+        if (hp->qk_norm) { /* qwen3: RMS norm of every head of q and k, rows of head_dim */
+            TRY(op_rmsnorm(be, n * hp->n_head, s->q, &L->q_norm, hp->norm_eps, (act){s->q, NULL},
+                           hp->head_dim));
+            TRY(op_rmsnorm(be, n * hp->n_head_kv, s->k, &L->k_norm, hp->norm_eps, (act){s->k, NULL},
+                           hp->head_dim));
+        }
+
         op = (duet_op){.kind = DUET_OP_ROPE_KV, .n_tokens = n};
         op.rope_kv.q = V(s->q);
         op.rope_kv.k = V(s->k);
@@ -306,7 +313,8 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
         op.rope_kv.n_head_kv = hp->n_head_kv;
         op.rope_kv.head_dim = hp->head_dim;
         op.rope_kv.n_rot = hp->n_rot;
-        op.rope_kv.freq_base = hp->rope_base;
+        op.rope_kv.freqs = V(w->rope_freqs.buf);
+        op.rope_kv.mscale = hp->rope_mscale;
         op.rope_kv.neox = hp->rope_neox;
         TRY(duet_step_op(be, &op));
 
@@ -322,6 +330,7 @@ duet_status duet__forward(duet_state *s, const duet_hparams *hp, const duet_weig
         op.attention.head_dim = hp->head_dim;
         op.attention.scale = 1.0f / sqrtf((float)hp->head_dim);
         op.attention.n_keys = n_keys;
+        op.attention.window = hp->sliding_window;
         op.attention.out = V(att.f32);
         op.attention.out_q8 = V(att.q8);
         TRY(duet_step_op(be, &op));

@@ -104,6 +104,12 @@ duet_status duet_file_info(const char *path, bool json, char **out) {
         cJSON_AddNumberToObject(o, "n_ctx_train", hp.n_ctx_train);
         cJSON_AddNumberToObject(o, "rope_base", hp.rope_base);
         cJSON_AddNumberToObject(o, "norm_eps", hp.norm_eps);
+        static const char *const scalings[] = {"none", "linear", "yarn"};
+        cJSON_AddStringToObject(o, "rope_scaling",
+                                hp.rope_factor != 1.0f ? scalings[hp.rope_scaling] : "none");
+        cJSON_AddNumberToObject(o, "rope_factor", hp.rope_factor);
+        cJSON_AddBoolToObject(o, "rope_freqs", duet_gguf_find_tensor(g, "rope_freqs.weight") != NULL);
+        cJSON_AddNumberToObject(o, "sliding_window", hp.sliding_window);
     }
     cJSON_AddNumberToObject(o, "n_tensors", (double)g->n_tensors);
     cJSON_AddNumberToObject(o, "n_params", (double)params);
@@ -144,6 +150,13 @@ duet_status duet_file_info(const char *path, bool json, char **out) {
                           "rope base %g, eps %g\n",
                           hp.n_vocab, hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.head_dim, hp.n_ff,
                           hp.n_ctx_train, hp.rope_base, hp.norm_eps);
+        if (have_hp &&
+            (hp.rope_factor != 1.0f || hp.sliding_window || duet_gguf_find_tensor(g, "rope_freqs.weight")))
+            n += snprintf(buf + n, sizeof buf - n, "  rope: %s x%g%s; sliding window %d\n",
+                          hp.rope_scaling == DUET_ROPE_SCALING_YARN ? "yarn" : "linear", hp.rope_factor,
+                          duet_gguf_find_tensor(g, "rope_freqs.weight") ? ", per-pair factors (rope_freqs)"
+                                                                        : "",
+                          hp.sliding_window);
         n += snprintf(buf + n, sizeof buf - n, "  tensors: %llu, %.2fM parameters:", (unsigned long long)g->n_tensors,
                       (double)params / 1e6);
         for (int k = 0; k < N_TYPE_IDS; k++)

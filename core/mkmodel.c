@@ -15,15 +15,50 @@ typedef struct shape {
     const char *name;
     int n_embd, n_layer, n_head, n_head_kv, n_ff, n_vocab, n_ctx;
     bool tied;
+    /* The other architectures and RoPE variants (0/NULL: a plain llama). */
+    const char *arch;    /* "llama" when NULL; qwen2 gets q/k/v biases, qwen3 q/k norms */
+    int head_dim;        /* attention.key_length, when not n_embd / n_head */
+    float rope_base;     /* 10000 when 0 */
+    const char *scaling; /* rope.scaling.type */
+    float factor;        /* rope.scaling.factor; with llama3: the rope_freqs tensor's */
+    int orig_ctx;        /* rope.scaling.original_context_length; with llama3: the factors' */
+    bool llama3;         /* a rope_freqs tensor of Llama 3.1's per-band factors */
+    int window;          /* attention.sliding_window */
 } shape;
 
+/* Rows name only the fields they use. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 static const shape shapes[] = {
     {"tiny", 64, 2, 4, 2, 192, 512, 512, false},
     {"small", 128, 2, 4, 2, 384, 512, 4096, false}, /* head_dim 32: q8_0 KV, long-context tests */
     {"125m", 768, 12, 12, 12, 2048, 32000, 2048, true},
     {"1b", 2048, 22, 32, 4, 5632, 32000, 2048, false},   /* TinyLlama-1.1B */
     {"7b", 4096, 32, 32, 32, 11008, 32000, 4096, false}, /* Llama-2-7B */
+    /* tiny models of each variant real files use */
+    {"tiny-llama3", 64, 2, 4, 2, 192, 512, 512, true, .rope_base = 500000, .factor = 8, .orig_ctx = 64,
+     .llama3 = true}, /* Llama 3.1/3.2: rope_freqs */
+    {"tiny-yarn", 64, 2, 4, 2, 192, 512, 512, false, "qwen2", .rope_base = 1000000, .scaling = "yarn",
+     .factor = 4, .orig_ctx = 128},
+    {"tiny-qwen3", 64, 2, 4, 2, 192, 512, 512, true, "qwen3", .head_dim = 32, .rope_base = 1000000},
+    {"tiny-swa", 64, 2, 4, 2, 192, 512, 512, false, .window = 32}, /* Mistral's sliding window */
 };
+#pragma GCC diagnostic pop
+#define SHAPE_NAMES "tiny, small, 125m, 1b, 7b, tiny-llama3, tiny-yarn, tiny-qwen3, tiny-swa"
+
+/* Llama 3.1's rope_freqs as convert_hf_to_gguf computes them (low_freq_factor
+ * 1, high_freq_factor 4): 1 for wavelengths under orig/4, factor over orig,
+ * a smooth blend between. */
+static void llama3_factors(const shape *sh, int n_rot, float base, float *ff) {
+    const double lo_wl = sh->orig_ctx, hi_wl = sh->orig_ctx / 4.0;
+    for (int i = 0; i < n_rot / 2; i++) {
+        const double wl = 2 * M_PI * pow(base, 2.0 * i / n_rot);
+        const double smooth = (sh->orig_ctx / wl - 1) / (4 - 1);
+        ff[i] = wl < hi_wl   ? 1.0f
+                : wl > lo_wl ? sh->factor
+                             : (float)(1 / ((1 - smooth) / sh->factor + smooth));
+    }
+}
 
 /* splitmix64: a fast, well-mixed generator; one stream per tensor. */
 static uint64_t splitmix64(uint64_t *s) {
@@ -156,8 +191,9 @@ duet_status duet_mkmodel(const duet_mkmodel_params *p, const char *path) {
     const shape *sh = NULL;
     for (size_t i = 0; i < sizeof shapes / sizeof *shapes; i++)
         if (p->shape && strcmp(p->shape, shapes[i].name) == 0) sh = &shapes[i];
-    if (!sh) return duet__error(DUET_INVALID_ARGUMENT, "mkmodel: unknown shape '%s' (have: tiny, small, 125m, 1b, 7b)",
-                                p->shape ? p->shape : "(null)");
+    if (!sh)
+        return duet__error(DUET_INVALID_ARGUMENT, "mkmodel: unknown shape '%s' (have: " SHAPE_NAMES ")",
+                           p->shape ? p->shape : "(null)");
     duet_dtype type;
     if (!p->type || strcmp(p->type, "f32") == 0) type = DUET_DTYPE_F32;
     else if (strcmp(p->type, "f16") == 0) type = DUET_DTYPE_F16;
@@ -170,19 +206,35 @@ duet_status duet_mkmodel(const duet_mkmodel_params *p, const char *path) {
     if (!w) return duet__error(DUET_OUT_OF_MEMORY, "mkmodel: out of memory");
     char name[64];
     snprintf(name, sizeof name, "duet-synthetic-%s-%s", sh->name, duet_dtype_name(type));
-    duet_gguf_set_str(w, "general.architecture", "llama");
+    const char *arch = sh->arch ? sh->arch : "llama";
+    const int hd = sh->head_dim ? sh->head_dim : sh->n_embd / sh->n_head;
+    const float base = sh->rope_base ? sh->rope_base : 10000.0f;
+    char key[96];
+#define KEY(suffix) (snprintf(key, sizeof key, "%s.%s", arch, suffix), key)
+    duet_gguf_set_str(w, "general.architecture", arch);
     duet_gguf_set_str(w, "general.name", name);
     duet_gguf_set_u32(w, "general.file_type", type == DUET_DTYPE_F32 ? 0 : type == DUET_DTYPE_F16 ? 1 : 7);
-    duet_gguf_set_u32(w, "llama.context_length", (uint32_t)(p->n_ctx ? p->n_ctx : sh->n_ctx));
-    duet_gguf_set_u32(w, "llama.embedding_length", (uint32_t)sh->n_embd);
-    duet_gguf_set_u32(w, "llama.block_count", (uint32_t)sh->n_layer);
-    duet_gguf_set_u32(w, "llama.feed_forward_length", (uint32_t)sh->n_ff);
-    duet_gguf_set_u32(w, "llama.attention.head_count", (uint32_t)sh->n_head);
-    duet_gguf_set_u32(w, "llama.attention.head_count_kv", (uint32_t)sh->n_head_kv);
-    duet_gguf_set_u32(w, "llama.rope.dimension_count", (uint32_t)(sh->n_embd / sh->n_head));
-    duet_gguf_set_f32(w, "llama.rope.freq_base", 10000.0f);
-    duet_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
-    duet_gguf_set_u32(w, "llama.vocab_size", (uint32_t)sh->n_vocab);
+    duet_gguf_set_u32(w, KEY("context_length"), (uint32_t)(p->n_ctx ? p->n_ctx : sh->n_ctx));
+    duet_gguf_set_u32(w, KEY("embedding_length"), (uint32_t)sh->n_embd);
+    duet_gguf_set_u32(w, KEY("block_count"), (uint32_t)sh->n_layer);
+    duet_gguf_set_u32(w, KEY("feed_forward_length"), (uint32_t)sh->n_ff);
+    duet_gguf_set_u32(w, KEY("attention.head_count"), (uint32_t)sh->n_head);
+    duet_gguf_set_u32(w, KEY("attention.head_count_kv"), (uint32_t)sh->n_head_kv);
+    if (sh->head_dim) {
+        duet_gguf_set_u32(w, KEY("attention.key_length"), (uint32_t)hd);
+        duet_gguf_set_u32(w, KEY("attention.value_length"), (uint32_t)hd);
+    }
+    duet_gguf_set_u32(w, KEY("rope.dimension_count"), (uint32_t)hd);
+    duet_gguf_set_f32(w, KEY("rope.freq_base"), base);
+    if (sh->scaling) {
+        duet_gguf_set_str(w, KEY("rope.scaling.type"), sh->scaling);
+        duet_gguf_set_f32(w, KEY("rope.scaling.factor"), sh->factor);
+        duet_gguf_set_u32(w, KEY("rope.scaling.original_context_length"), (uint32_t)sh->orig_ctx);
+    }
+    if (sh->window) duet_gguf_set_u32(w, KEY("attention.sliding_window"), (uint32_t)sh->window);
+    duet_gguf_set_f32(w, KEY("attention.layer_norm_rms_epsilon"), 1e-5f);
+    duet_gguf_set_u32(w, KEY("vocab_size"), (uint32_t)sh->n_vocab);
+#undef KEY
 
     float *scores = malloc((size_t)sh->n_vocab * sizeof(float));
     int32_t *types = malloc((size_t)sh->n_vocab * sizeof(int32_t));
@@ -209,7 +261,8 @@ duet_status duet_mkmodel(const duet_mkmodel_params *p, const char *path) {
     free(types);
 
     const int64_t E = sh->n_embd, F = sh->n_ff, V = sh->n_vocab;
-    const int64_t hd = E / sh->n_head, KV = hd * sh->n_head_kv;
+    const int64_t Q = hd * sh->n_head, KV = hd * sh->n_head_kv;
+    const bool bias = strcmp(arch, "qwen2") == 0, qk_norm = strcmp(arch, "qwen3") == 0;
     /* Weights scaled like a trained model's (std ~ 1/sqrt(fan_in)) so the
      * residual stream stays well conditioned through every layer. */
     const float s_in = 1.0f / sqrtf((float)E), s_ff = 1.0f / sqrtf((float)F);
@@ -223,6 +276,11 @@ duet_status duet_mkmodel(const duet_mkmodel_params *p, const char *path) {
     ADD("token_embd.weight", type, E, V, 1.0f, 0.0f);
     ADD("output_norm.weight", DUET_DTYPE_F32, E, 1, 0.05f, 1.0f);
     if (!sh->tied) ADD("output.weight", type, E, V, s_in, 0.0f);
+    if (sh->llama3 && !st) {
+        float ff[512];
+        llama3_factors(sh, hd, base, ff);
+        duet_gguf_add_tensor(w, "rope_freqs.weight", DUET_DTYPE_F32, 1, (int64_t[1]){hd / 2}, ff, false);
+    }
     for (int l = 0; l < sh->n_layer && !st; l++) {
         char n[96];
 #define LAYER(suffix, ty, cols, rows, std, mean)                                                         \
@@ -231,10 +289,19 @@ duet_status duet_mkmodel(const duet_mkmodel_params *p, const char *path) {
         ADD(n, ty, cols, rows, std, mean);                                                               \
     } while (0)
         LAYER("attn_norm.weight", DUET_DTYPE_F32, E, 1, 0.05f, 1.0f);
-        LAYER("attn_q.weight", type, E, E, s_in, 0.0f);
+        LAYER("attn_q.weight", type, E, Q, s_in, 0.0f);
         LAYER("attn_k.weight", type, E, KV, s_in, 0.0f);
         LAYER("attn_v.weight", type, E, KV, s_in, 0.0f);
-        LAYER("attn_output.weight", type, E, E, s_in * 0.5f, 0.0f);
+        if (bias) {
+            LAYER("attn_q.bias", DUET_DTYPE_F32, Q, 1, 0.1f, 0.0f);
+            LAYER("attn_k.bias", DUET_DTYPE_F32, KV, 1, 0.1f, 0.0f);
+            LAYER("attn_v.bias", DUET_DTYPE_F32, KV, 1, 0.1f, 0.0f);
+        }
+        if (qk_norm) {
+            LAYER("attn_q_norm.weight", DUET_DTYPE_F32, hd, 1, 0.05f, 1.0f);
+            LAYER("attn_k_norm.weight", DUET_DTYPE_F32, hd, 1, 0.05f, 1.0f);
+        }
+        LAYER("attn_output.weight", type, Q, E, s_in * 0.5f, 0.0f);
         LAYER("ffn_norm.weight", DUET_DTYPE_F32, E, 1, 0.05f, 1.0f);
         LAYER("ffn_gate.weight", type, E, F, s_in, 0.0f);
         LAYER("ffn_up.weight", type, E, F, s_in, 0.0f);

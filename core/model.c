@@ -1,4 +1,5 @@
 /* model.c — hyperparameters and weights of a Llama-family GGUF model. */
+#include <math.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -6,7 +7,21 @@
 
 #include "model.h"
 
-static const char *const supported_archs[] = {"llama", "qwen2", "mistral"};
+/* The architectures duet runs: Llama's block with these differences. */
+typedef struct arch_desc {
+    const char *name;
+    float rope_base; /* when the file gives no rope.freq_base */
+    bool neox;       /* RoPE pairs (i, i + n_rot/2) */
+    bool qkv_bias;   /* q, k, v projections have biases */
+    bool qk_norm;    /* per-head RMS norm of q and k before RoPE */
+} arch_desc;
+
+static const arch_desc archs[] = {
+    {"llama", 10000.0f, false, false, false}, /* Llama 2/3/3.1/3.2, SmolLM, TinyLlama, Mistral's GGUFs */
+    {"mistral", 10000.0f, false, false, false},
+    {"qwen2", 1000000.0f, true, true, false},
+    {"qwen3", 1000000.0f, true, false, true},
+};
 
 /* Larger than any released vocabulary (Gemma's 256k), small enough that
  * n_vocab-sized logit rows stay a sane allocation. */
@@ -38,17 +53,96 @@ static duet_status need_int(const duet_gguf *g, const char *arch, const char *su
     return DUET_OK;
 }
 
+/* ---- RoPE scaling ----------------------------------------------------------------------- */
+
+/* <arch>.rope.scaling.*, with llama.cpp's defaults (llama-model.cpp,
+ * llama-context.cpp): no type key means linear, no factor means 1; YaRN's
+ * extrapolation mix defaults to 1, its betas to 32 and 1, its original
+ * context to context_length. */
+static duet_status rope_scaling_load(const duet_gguf *g, const char *a, duet_hparams *hp) {
+    char type[32] = "linear", key[128];
+    snprintf(key, sizeof key, "%s.rope.scaling.type", a);
+    duet_gguf_get_str(g, key, type, sizeof type);
+    if (strcmp(type, "none") == 0)
+        hp->rope_scaling = DUET_ROPE_SCALING_NONE;
+    else if (strcmp(type, "linear") == 0)
+        hp->rope_scaling = DUET_ROPE_SCALING_LINEAR;
+    else if (strcmp(type, "yarn") == 0)
+        hp->rope_scaling = DUET_ROPE_SCALING_YARN;
+    else
+        return duet__error(DUET_UNSUPPORTED,
+                           "model: %s.rope.scaling.type '%s' is not supported (none, linear, yarn)", a, type);
+    hp->rope_factor = 1.0f;
+    if (!get_arch_f32(g, a, "rope.scaling.factor", &hp->rope_factor))
+        get_arch_f32(g, a, "rope.scale_linear", &hp->rope_factor); /* the older name */
+    if (hp->rope_factor == 0.0f || hp->rope_scaling == DUET_ROPE_SCALING_NONE) hp->rope_factor = 1.0f;
+    if (!(hp->rope_factor > 0.0f && hp->rope_factor < 1e6f))
+        return duet__error(DUET_BAD_MODEL, "model: rope.scaling.factor %g out of range", hp->rope_factor);
+    int64_t v = hp->n_ctx_train;
+    get_arch_int(g, a, "rope.scaling.original_context_length", &v);
+    if (v < 1 || v > INT32_MAX)
+        return duet__error(DUET_BAD_MODEL, "model: rope.scaling.original_context_length %lld", (long long)v);
+    hp->rope_n_ctx_orig = (int)v;
+    hp->rope_attn_factor = 1.0f;
+    get_arch_f32(g, a, "rope.scaling.attn_factor", &hp->rope_attn_factor);
+    hp->yarn_ext_factor = hp->rope_scaling == DUET_ROPE_SCALING_YARN ? 1.0f : 0.0f;
+    get_arch_f32(g, a, "rope.scaling.yarn_ext_factor", &hp->yarn_ext_factor);
+    hp->yarn_beta_fast = 32.0f;
+    hp->yarn_beta_slow = 1.0f;
+    get_arch_f32(g, a, "rope.scaling.yarn_beta_fast", &hp->yarn_beta_fast);
+    get_arch_f32(g, a, "rope.scaling.yarn_beta_slow", &hp->yarn_beta_slow);
+    if (!(hp->rope_attn_factor > 0.0f && hp->rope_attn_factor < 1e3f) ||
+        !(hp->yarn_ext_factor >= 0.0f && hp->yarn_ext_factor <= 1.0f) || !(hp->yarn_beta_fast > 0.0f) ||
+        !(hp->yarn_beta_slow > 0.0f))
+        return duet__error(
+            DUET_BAD_MODEL,
+            "model: RoPE scaling out of range (attn_factor %g, yarn ext_factor %g, betas %g, %g)",
+            hp->rope_attn_factor, hp->yarn_ext_factor, hp->yarn_beta_fast, hp->yarn_beta_slow);
+    /* The magnitude of cos and sin: llama.cpp's yarn_attn_factor,
+     * get_mscale(factor) / (1 + 0.1 ln factor), times rope_yarn's own
+     * 1 + 0.1 ln factor, times attn_factor. */
+    const float f = hp->rope_factor;
+    hp->rope_mscale = hp->rope_attn_factor;
+    if (hp->yarn_ext_factor != 0.0f && f > 1.0f) hp->rope_mscale *= 1.0f + 0.1f * logf(f);
+    return DUET_OK;
+}
+
+/* ggml_rope_yarn_corr_dim: the pair index whose wavelength fits n_rot
+ * rotations into the original context (in float, as ggml computes it). */
+static float yarn_corr_dim(int n_dims, int n_ctx_orig, float n_rot, float base) {
+    return (float)n_dims * logf((float)n_ctx_orig / (n_rot * 2.0f * (float)M_PI)) / (2.0f * logf(base));
+}
+
+void duet__rope_freqs(const duet_hparams *hp, const float *factors, float *freqs) {
+    const int n = hp->n_rot;
+    const float fs = 1.0f / hp->rope_factor, ext = hp->yarn_ext_factor;
+    float lo = floorf(yarn_corr_dim(n, hp->rope_n_ctx_orig, hp->yarn_beta_fast, hp->rope_base));
+    float hi = ceilf(yarn_corr_dim(n, hp->rope_n_ctx_orig, hp->yarn_beta_slow, hp->rope_base));
+    lo = lo > 0 ? lo : 0;
+    hi = hi < (float)(n - 1) ? hi : (float)(n - 1);
+    for (int i = 0; i < n / 2; i++) {
+        double extrap = pow((double)hp->rope_base, -2.0 * i / n) / (factors ? factors[i] : 1.0f);
+        /* theta = interp * (1 - mix) + extrap * mix, interp = fs * extrap. */
+        double mix = 0;
+        if (ext != 0.0f) {
+            float y = ((float)i - lo) / (hi - lo > 0.001f ? hi - lo : 0.001f);
+            mix = (1.0 - (y < 0 ? 0 : y > 1 ? 1 : y)) * ext;
+        }
+        freqs[i] = (float)(extrap * (fs * (1.0 - mix) + mix));
+    }
+}
+
 duet_status duet__hparams_load(const duet_gguf *g, duet_hparams *hp) {
     memset(hp, 0, sizeof *hp);
     if (!duet_gguf_get_str(g, "general.architecture", hp->arch, sizeof hp->arch))
         return duet__error(DUET_BAD_MODEL, "model: missing 'general.architecture'");
-    bool known = false;
-    for (size_t i = 0; i < sizeof supported_archs / sizeof *supported_archs; i++)
-        known |= strcmp(hp->arch, supported_archs[i]) == 0;
-    if (!known)
-        return duet__error(DUET_UNSUPPORTED,
-                           "model: architecture '%s' is not supported (supported: llama, qwen2, mistral)",
-                           hp->arch);
+    const arch_desc *ad = NULL;
+    for (size_t i = 0; i < sizeof archs / sizeof *archs; i++)
+        if (strcmp(hp->arch, archs[i].name) == 0) ad = &archs[i];
+    if (!ad)
+        return duet__error(
+            DUET_UNSUPPORTED,
+            "model: architecture '%s' is not supported (supported: llama, mistral, qwen2, qwen3)", hp->arch);
     const char *a = hp->arch;
     duet_status st;
     if ((st = need_int(g, a, "embedding_length", 1 << 16, &hp->n_embd)) ||
@@ -80,12 +174,19 @@ duet_status duet__hparams_load(const duet_gguf *g, duet_hparams *hp) {
     get_arch_f32(g, a, "attention.layer_norm_rms_epsilon", &hp->norm_eps);
     if (!(hp->norm_eps > 0 && hp->norm_eps < 1))
         return duet__error(DUET_BAD_MODEL, "model: rms epsilon %g out of range (0, 1)", hp->norm_eps);
-    hp->rope_base = strcmp(a, "qwen2") == 0 ? 1000000.0f : 10000.0f;
+    hp->rope_base = ad->rope_base;
     get_arch_f32(g, a, "rope.freq_base", &hp->rope_base);
     if (!(hp->rope_base > 1))
         return duet__error(DUET_BAD_MODEL, "model: rope.freq_base %g must be > 1", hp->rope_base);
-    hp->rope_neox = strcmp(a, "qwen2") == 0;
-    hp->qkv_bias = strcmp(a, "qwen2") == 0;
+    hp->rope_neox = ad->neox;
+    hp->qkv_bias = ad->qkv_bias;
+    hp->qk_norm = ad->qk_norm;
+    if ((st = rope_scaling_load(g, a, hp))) return st;
+    v = 0;
+    get_arch_int(g, a, "attention.sliding_window", &v);
+    if (v < 0 || v > INT32_MAX)
+        return duet__error(DUET_BAD_MODEL, "model: attention.sliding_window %lld out of range", (long long)v);
+    hp->sliding_window = (int)v;
 
     /* The vocabulary size comes from the embedding (what the weights hold). */
     const duet_gguf_tensor *emb = duet_gguf_find_tensor(g, "token_embd.weight");
@@ -178,6 +279,41 @@ static duet_status load_weight(const duet_gguf *g, const char *name, int64_t col
     return upload_tensor(t, as, be, w);
 }
 
+/* The rope_kv op's table: duet__rope_freqs with the file's rope_freqs
+ * tensor (Llama 3.1/3.2's llama3 per-band factors, f32 [n_rot/2]) if any,
+ * uploaded once. */
+static duet_status rope_freqs_load(const duet_gguf *g, const duet_hparams *hp, duet_backend *be,
+                                   duet_weight *w) {
+    const int half = hp->n_rot / 2;
+    const duet_gguf_tensor *t = duet_gguf_find_tensor(g, "rope_freqs.weight");
+    if (t && (t->n_dims != 1 || t->ne[0] != half || !duet_dtype_is_weight(t->type) ||
+              duet_dtype_block(t->type) != 1))
+        return duet__error(
+            DUET_BAD_MODEL,
+            "model: tensor 'rope_freqs.weight' must be %d scalars (n_rot / 2), has %lld of type %s", half,
+            (long long)t->ne[0], duet_dtype_name(t->type) ? duet_dtype_name(t->type) : "?");
+    float *factors = t ? malloc(sizeof(float) * (size_t)half) : NULL,
+          *freqs = malloc(sizeof(float) * (size_t)half);
+    duet_status st = DUET_OK;
+    if (!freqs || (t && !factors)) st = duet__error(DUET_OUT_OF_MEMORY, "model: out of memory");
+    if (!st && t) {
+        duet_dequantize_row(t->type, t->data, factors, half);
+        for (int i = 0; i < half && !st; i++)
+            if (!(factors[i] > 0.0f && factors[i] < 1e30f))
+                st = duet__error(DUET_BAD_MODEL, "model: rope_freqs.weight[%d] = %g is not a positive factor",
+                                 i, factors[i]);
+    }
+    if (!st) {
+        duet__rope_freqs(hp, factors, freqs);
+        *w = (duet_weight){.type = DUET_DTYPE_F32, .rows = 1, .cols = half};
+        st = duet_buffer_alloc(be, sizeof(float) * (size_t)half, &w->buf);
+        if (!st) st = duet_buffer_upload(be, w->buf, 0, freqs, sizeof(float) * (size_t)half);
+    }
+    free(factors);
+    free(freqs);
+    return st;
+}
+
 duet_status duet__weights_load(const duet_gguf *g, const duet_hparams *hp, duet_backend *be,
                                duet_weights *w) {
     memset(w, 0, sizeof *w);
@@ -192,6 +328,7 @@ duet_status duet__weights_load(const duet_gguf *g, const duet_hparams *hp, duet_
         w->output = w->tok_embd;
         w->tied = true;
     }
+    if ((st = rope_freqs_load(g, hp, be, &w->rope_freqs))) goto fail;
     w->layers = calloc((size_t)hp->n_layer, sizeof *w->layers);
     w->n_layer = hp->n_layer;
     if (!w->layers) {
@@ -200,12 +337,14 @@ duet_status duet__weights_load(const duet_gguf *g, const duet_hparams *hp, duet_
     }
     for (int l = 0; l < hp->n_layer; l++) {
         duet_layer *L = &w->layers[l];
-        char n[12][96];
-        static const char *const names[12] = {"attn_norm.weight", "attn_q.weight", "attn_k.weight",
-                                              "attn_v.weight", "attn_output.weight", "ffn_norm.weight",
-                                              "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
-                                              "attn_q.bias", "attn_k.bias", "attn_v.bias"};
-        for (int i = 0; i < 12; i++) snprintf(n[i], sizeof n[i], "blk.%d.%s", l, names[i]);
+        char n[14][96];
+        static const char *const names[14] = {"attn_norm.weight",   "attn_q.weight",      "attn_k.weight",
+                                              "attn_v.weight",      "attn_output.weight", "ffn_norm.weight",
+                                              "ffn_gate.weight",    "ffn_up.weight",      "ffn_down.weight",
+                                              "attn_q.bias",        "attn_k.bias",        "attn_v.bias",
+                                              "attn_q_norm.weight", "attn_k_norm.weight"};
+        for (int i = 0; i < 14; i++)
+            snprintf(n[i], sizeof n[i], "blk.%d.%s", l, names[i]);
         if ((st = load_weight(g, n[0], E, 0, true, true, be, &L->attn_norm)) ||
             (st = load_weight(g, n[1], E, Q, true, false, be, &L->wq)) ||
             (st = load_weight(g, n[2], E, KV, true, false, be, &L->wk)) ||
@@ -218,6 +357,11 @@ duet_status duet__weights_load(const duet_gguf *g, const duet_hparams *hp, duet_
             (st = load_weight(g, n[9], Q, 0, hp->qkv_bias, true, be, &L->bq)) ||
             (st = load_weight(g, n[10], KV, 0, hp->qkv_bias, true, be, &L->bk)) ||
             (st = load_weight(g, n[11], KV, 0, hp->qkv_bias, true, be, &L->bv)))
+            goto fail;
+        /* Only an architecture that has them reads them (a stray norm in
+         * a llama file must not change its math unnoticed: it is ignored). */
+        if (hp->qk_norm && ((st = load_weight(g, n[12], hp->head_dim, 0, true, true, be, &L->q_norm)) ||
+                            (st = load_weight(g, n[13], hp->head_dim, 0, true, true, be, &L->k_norm))))
             goto fail;
         const duet_weight *mats[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->w_gate, &L->w_up, &L->w_down};
         for (int i = 0; i < 7; i++)
@@ -239,10 +383,12 @@ void duet__weights_free(duet_backend *be, duet_weights *w) {
     /* Layers are calloc'd, so entries never loaded are NULL and safe to free. */
     for (int l = 0; w->layers && l < w->n_layer; l++) {
         duet_layer *L = &w->layers[l];
-        duet_weight *all[12] = {&L->attn_norm, &L->wq, &L->wk, &L->wv, &L->wo, &L->ffn_norm,
-                                &L->w_gate, &L->w_up, &L->w_down, &L->bq, &L->bk, &L->bv};
-        for (int i = 0; i < 12; i++) free_weight(be, all[i]);
+        duet_weight *all[14] = {&L->attn_norm, &L->wq,     &L->wk, &L->wv, &L->wo, &L->ffn_norm, &L->w_gate,
+                                &L->w_up,      &L->w_down, &L->bq, &L->bk, &L->bv, &L->q_norm,   &L->k_norm};
+        for (int i = 0; i < 14; i++)
+            free_weight(be, all[i]);
     }
+    free_weight(be, &w->rope_freqs);
     free_weight(be, &w->tok_embd);
     if (!w->tied) free_weight(be, &w->output);
     free_weight(be, &w->output_norm);

@@ -217,7 +217,7 @@ kernel void attn_decode(gbytes q, ulong q_off, gbytes pos, ulong pos_off, gbytes
                         ulong kp_off, gbytes vp, ulong vp_off, gbytes tab, ulong tab_off, global float *part,
                         global uchar *out, ulong out_off, global uchar *oq, ulong oq_off, int n_head, int n_head_kv,
                         float scale, int split_len, int n_splits, int bs, int n_blocks, int n_seqs, int max_blocks,
-                        int flags) {
+                        int flags, int window) {
     local float qs[ATT_G * ATT_HD];
     local float sc[ATT_G * ATT_SPLIT]; /* scores, then probabilities; then the V-pass combine */
 #if ATT_WG > 1
@@ -239,11 +239,15 @@ kernel void attn_decode(gbytes q, ulong q_off, gbytes pos, ulong pos_off, gbytes
     /* A split past the token's position (or a token outside the table)
      * has no keys: it runs through the barriers doing nothing (see the
      * note on returns below); attn_reduce ignores its partial. */
-    const int k0 = sp * split_len;
+    const int ks = sp * split_len;
     /* A position past the last split (the host planned the splits for
      * fewer keys) is a bad slot too, not silently fewer keys. */
-    const bool valid = ps.x >= 0 && ps.x < n_splits * split_len && k0 <= ps.x;
-    const int n = valid ? min(split_len, ps.x + 1 - k0) : 0;
+    const bool valid = ps.x >= 0 && ps.x < n_splits * split_len && ks <= ps.x;
+    /* Keys k0 .. k0 + n - 1: the split's, from the sliding window's first
+     * on (a split wholly before it sees none: m = -inf, l = 0, weight 0
+     * in attn_reduce). */
+    const int k0 = window > 0 ? max(ks, ps.x - window + 1) : ks;
+    const int n = valid ? max(0, min(ks + split_len, ps.x + 1) - k0) : 0;
     global const int *table = AT_CONST(int, tab, tab_off);
     gbytes kbase = kp + kp_off, vbase = vp + vp_off;
 
@@ -475,7 +479,7 @@ kernel void attn_reduce(gbytes pos, ulong pos_off, gbytes seq, ulong seq_off, gl
 kernel void attn_prefill(gbytes q, ulong q_off, gbytes pos, ulong pos_off, gbytes seq, ulong seq_off, gbytes kp,
                          ulong kp_off, gbytes vp, ulong vp_off, gbytes tab, ulong tab_off, global uchar *out,
                          ulong out_off, global uchar *oq, ulong oq_off, int n_tokens, int n_head, int n_head_kv,
-                         float scale, int bs, int n_blocks, int n_seqs, int max_blocks, int flags) {
+                         float scale, int bs, int n_blocks, int n_seqs, int max_blocks, int flags, int window) {
     local float qs[ATT_BQ * ATT_QS];
     local float ks[ATT_BK * ATT_QS];
     local float vs[ATT_BK * ATT_HD];
@@ -564,7 +568,8 @@ kernel void attn_prefill(gbytes q, ulong q_off, gbytes pos, ulong pos_off, gbyte
             float mt = -INFINITY;
             for (int i = 0; i < ATT_BK / ATT_TPR; i++) {
                 const int c = j + i * ATT_TPR;
-                const float s = active && kb + c <= my_pos ? sacc[i] : -INFINITY;
+                const float s = active && kb + c <= my_pos && (window == 0 || kb + c > my_pos - window) ? sacc[i]
+                                                                                                      : -INFINITY;
                 ss[r * ATT_SS + c] = s;
                 mt = fmax(mt, s);
             }

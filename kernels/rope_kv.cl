@@ -1,8 +1,9 @@
 /* rope_kv.cl — ROPE_KV: rotate q and k in place at each token's position,
  * then store k and v into the paged KV pools (KV_TYPE f32, f16 or q8_0) at
- * the token's (sequence, position) row. theta_i = pos * base^(-2i/n_rot)
- * on pairs (2i, 2i+1), or (i, i + n_rot/2) when neox; dims past n_rot stay
- * as they are.
+ * the token's (sequence, position) row. theta_i = pos * freqs[i] (the
+ * host's table of inverse frequencies, every scaling folded in) on pairs
+ * (2i, 2i+1), or (i, i + n_rot/2) when neox, cos and sin scaled by mscale;
+ * dims past n_rot stay as they are.
  *
  * One work-group of ROPE_WG work-items per token, NDRange (ROPE_WG,
  * n_tokens): the angles are computed once per token into local memory,
@@ -38,8 +39,9 @@ inline void kv_store(global uchar *pool, ulong off, ulong idx, float v) {
 
 kernel void rope_kv(global uchar *q, ulong q_off, global uchar *k, ulong k_off, gbytes v, ulong v_off, gbytes pos,
                     ulong pos_off, gbytes seq, ulong seq_off, global uchar *kp, ulong kp_off, global uchar *vp,
-                    ulong vp_off, gbytes tab, ulong tab_off, int n_head, int n_head_kv, int hd, int n_rot,
-                    float freq_base, int neox, int bs, int n_blocks, int n_seqs, int max_blocks) {
+                    ulong vp_off, gbytes tab, ulong tab_off, gbytes freqs, ulong freqs_off, int n_head,
+                    int n_head_kv, int hd, int n_rot, float mscale, int neox, int bs, int n_blocks, int n_seqs,
+                    int max_blocks) {
     local float cs[ROPE_HALF_MAX], sn[ROPE_HALF_MAX];
     const int lid = get_local_id(0), t = get_group_id(1);
     const int half_rot = n_rot / 2;
@@ -50,15 +52,16 @@ kernel void rope_kv(global uchar *q, ulong q_off, global uchar *k, ulong k_off, 
     const int half_work = valid ? half_rot : 0;
 
     for (int j = lid; j < half_work; j += ROPE_WG) {
+        const float f = AT_CONST(float, freqs, freqs_off)[j];
 #ifdef HAVE_FP64
         /* Angles reach pos radians: double keeps them as exact as the cpu's. */
-        const double th = (double)p * pow((double)freq_base, -2.0 * j / n_rot);
-        cs[j] = (float)cos(th);
-        sn[j] = (float)sin(th);
+        const double th = (double)p * (double)f;
+        cs[j] = (float)(cos(th) * mscale);
+        sn[j] = (float)(sin(th) * mscale);
 #else
-        const float th = (float)p * pow(freq_base, -2.0f * j / (float)n_rot);
-        cs[j] = cos(th);
-        sn[j] = sin(th);
+        const float th = (float)p * f;
+        cs[j] = cos(th) * mscale;
+        sn[j] = sin(th) * mscale;
 #endif
     }
     barrier(CLK_LOCAL_MEM_FENCE);

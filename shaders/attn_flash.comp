@@ -57,6 +57,7 @@ layout(push_constant) uniform P {
     float scale;
     uint n_split, chunk; // split s covers keys [s * chunk, (s + 1) * chunk)
     uint gh, bq;         // heads and tokens per workgroup (gh * bq <= WG / C)
+    uint window;         // > 0: a row sees keys pos - window + 1 .. pos only
 } p;
 
 const uint RW = WG / C;   // rows
@@ -236,7 +237,7 @@ void main() {
 #endif
             float mt = m;
             [[unroll]] for (uint j = 0u; j < KT; j++) {
-                bool ok = mine && j < n && int(kb + j) <= pos;
+                bool ok = mine && j < n && int(kb + j) <= pos && (p.window == 0u || int(kb + j) > pos - int(p.window));
                 s[j] = ok ? s[j] : NEG;
                 mt = max(mt, s[j]);
             }

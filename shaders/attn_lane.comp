@@ -68,6 +68,7 @@ layout(push_constant) uniform P {
     float scale;
     uint n_split, chunk; // split s covers keys [s * chunk, (s + 1) * chunk)
     uint gh, bq;         // (attn_flash only)
+    uint window;         // > 0: a row sees keys pos - window + 1 .. pos only
 } p;
 
 const float NEG = -3.0e38; // a finite -inf: exp() of it underflows to 0 everywhere
@@ -132,6 +133,8 @@ void main() {
         atomicOr(status, (bad_pos ? ST_BAD_POS : 0u) | (bad_seq ? ST_BAD_SEQ : 0u));
     uint klo = split * p.chunk;
     uint kend = live && !bad ? min(uint(pos) + 1u, klo + p.chunk) : 0u; // keys [klo, kend)
+    // A sliding window starts the row's keys at pos - window + 1.
+    if (p.window != 0u && kend > 0u && uint(pos) + 1u > p.window) klo = max(klo, uint(pos) + 1u - p.window);
 
     // q, pre-scaled: this lane's units c, c + C, ... (read once, element by element).
     vec4 qv[NU * V4], acc[NU * V4];

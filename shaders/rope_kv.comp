@@ -6,8 +6,10 @@
 // rope_kv: rotate q and k in place, then store k and v into the paged KV
 // pools at (seq, pos). One workgroup per token: first every rotation pair
 // is turned by its own invocation, then (after a barrier, so the rotated k
-// is seen) the pool rows are written. cos/sin come from a table the host
-// computed in double precision, as the cpu backend does.
+// is seen) the pool rows are written. Pair i turns by pos * freqs[i] (the
+// host's table of inverse frequencies, every scaling folded in), an angle
+// reduced exactly enough that cos/sin stay near the cpu's double ones (see
+// rope_cs), both scaled by mscale.
 //
 // f16 rows may start mid-word (odd widths) and q8_0 blocks are 34 bytes:
 // words shared with a neighbour are written with atomics on their own half.
@@ -21,7 +23,7 @@ layout(constant_id = 2) const bool NEOX = false; // pairs (i, i + n_rot/2) inste
 layout(binding = 0) uniform usamplerBuffer POS;
 layout(binding = 1) uniform usamplerBuffer SEQ;
 layout(binding = 2) uniform usamplerBuffer V;
-layout(binding = 3) uniform usamplerBuffer TAB; // [n_pos][n_rot/2] (cos, sin)
+layout(binding = 3) uniform usamplerBuffer FR;  // f32 [n_rot/2] inverse frequencies
 layout(binding = 4) uniform usamplerBuffer BT;  // i32 [n_seqs][max_blocks]
 layout(std430, binding = 5) buffer Q { float q[]; };
 layout(std430, binding = 6) coherent buffer K { float k[]; };
@@ -30,14 +32,51 @@ layout(std430, binding = 8) buffer VP { uint vp[]; };
 layout(std430, binding = 9) buffer Status { uint status; };
 
 layout(push_constant) uniform P {
-    uint q_off, k_off;                           // words
-    uint v_off, pos_off, seq_off, tab_off, bt_off; // bytes
+    uint q_off, k_off;                          // words
+    uint v_off, pos_off, seq_off, fr_off, bt_off; // bytes
     uint kp_off, vp_off; // of the binding's first row: f32 words, f16 halves, q8_0 bytes
     uint n_head, n_head_kv, hd, n_rot, n_pos;
     uint block_size, n_blocks, max_blocks, n_seqs;
     uint blk_lo, blk_hi; // the blocks this dispatch's pool bindings hold
     uint rotate;         // this dispatch rotates q and k (the first window)
+    float mscale;        // of cos and sin
 } p;
+
+// (cos, sin) of pos * f, within ~1e-7 of the double-precision values the
+// cpu backend computes even where pos * f is thousands of radians (an f32
+// product alone would be off by pos * f * 6e-8). pos and f are split into
+// halves of at most 12 significant bits, so their four products are
+// exact; the nearest multiple n of 2 pi comes off as n times six 8-bit
+// parts of 2 pi (exact for n < 2^16); the ten exact terms are summed with
+// error-free additions (TwoSum; precise keeps the compiler from fusing or
+// reordering them: no fma is needed, which some drivers do not fuse).
+vec2 rope_cs(uint pos, float f) {
+    precise float fh = uintBitsToFloat(floatBitsToUint(f) & 0xfffff000u);
+    precise float fl = f - fh;
+    precise float ph = float(pos & 0xfffff000u), pl = float(pos & 0xfffu);
+    float n = round(float(pos) * f * 0.159154943091895336);
+    precise float t[10];
+    t[0] = ph * fh;
+    t[1] = -n * 6.28125;
+    t[2] = pl * fh;
+    t[3] = ph * fl;
+    t[4] = -n * 0.00193023681640625;
+    t[5] = pl * fl;
+    t[6] = -n * 5.066394805908203e-06;
+    t[7] = -n * 3.958120942115784e-09;
+    t[8] = -n * 1.0231815394945443e-11;
+    t[9] = -n * 2.1538326677728037e-14;
+    precise float sum = 0.0, err = 0.0;
+    [[unroll]] for (uint i = 0u; i < 10u; i++) {
+        precise float x = t[i];
+        precise float u = sum + x;
+        precise float bp = u - sum;
+        err += (sum - (u - bp)) + (x - bp);
+        sum = u;
+    }
+    precise float r = sum + err;
+    return vec2(cos(r), sin(r)) * p.mscale;
+}
 
 DEFINE_Q8_STORE(store_k_q8, kp)
 DEFINE_Q8_STORE(store_v_q8, vp)
@@ -84,8 +123,8 @@ void main() {
             uint v = is_q ? u : u - nq;
             uint h = v / half_rot, i = v % half_rot;
             uint a = NEOX ? i : 2u * i, b = NEOX ? i + half_rot : 2u * i + 1u;
-            uint tw = (uint(pos) * half_rot + i) * 8u + p.tab_off;
-            float c = f32_at(TAB, tw), s = f32_at(TAB, tw + 4u);
+            vec2 cs = rope_cs(uint(pos), f32_at(FR, p.fr_off + i * 4u));
+            float c = cs.x, s = cs.y;
             if (is_q) {
                 uint base = p.q_off + t * p.n_head * p.hd + h * p.hd;
                 float x0 = q[base + a], x1 = q[base + b];

@@ -52,6 +52,8 @@ typedef struct bo_case {
     int q8act;
     int block;   /* rope/attention: KV block size (0 = 16) */
     int lens[6]; /* rope/attention: context length of each sequence (0 = from pos0) */
+    int window;  /* rope: a scaled table (uneven per-pair factors, mscale) when 1;
+                  * attention: the sliding window (0 = none) */
 } bo_case;
 
 #define F32 DUET_DTYPE_F32
@@ -269,6 +271,18 @@ static const bo_case bo_cases[] = {
     BO_BLOCK_PERF(DUET_DTYPE_Q3_K), BO_BLOCK_PERF(DUET_DTYPE_Q4_K), BO_BLOCK_PERF(DUET_DTYPE_Q5_K),
     BO_BLOCK_PERF(DUET_DTYPE_Q6_K), BO_BLOCK_PERF(DUET_DTYPE_IQ4_XS),
 #undef BO_BLOCK_PERF
+
+    /* ---- RoPE variants and sliding windows (appended, as above) ----
+     * rope_kv with a scaled table (llama3/YaRN-like uneven factors, mscale),
+     * adjacent and NeoX pairs, positions into the thousands; attention with
+     * a window: decodes whose early key splits see nothing and a prefill
+     * whose early tokens still see everything, the last two under every
+     * forced attention path (PA). */
+    {"scaled",      DUET_OP_ROPE_KV,     F32,   9, 64,    4096,  4, 2, 3, 3000, 64, false, false, false, false, T, 0, 16, {0}, 1},
+    {"scaled",      DUET_OP_ROPE_KV,     F16,   5, 128,    300,  2, 1, 1, 250, 128, false, false, true,  false, T, 0, 16, {0}, 1},
+    {"window",      DUET_OP_ATTENTION,   F16,   3, 64,     300,  4, 2, 3, 0,   0, false, false, false, false, T, 0, 16, {300, 90, 200}, 100},
+    {"window-pf",   DUET_OP_ATTENTION,   F32,  24, 32,      64,  4, 1, 1, 0,   0, false, false, false, false, T|PA, 0, 16, {40}, 7},
+    {"window-q8",   DUET_OP_ATTENTION,   Q8,    2, 32,     100,  2, 2, 2, 0,   0, false, false, false, false, T|PA, 0, 32, {100, 33}, 32},
 };
 // clang-format on
 /* clang-format on */
@@ -436,9 +450,10 @@ static inline void bo_case_label(const bo_case *c, char *buf, size_t size) {
         break;
     case DUET_OP_ROPE_KV:
     case DUET_OP_ATTENTION:
-        snprintf(buf, size, "%s kv=%s %s t=%d hd=%d heads=%d/%d seqs=%d pos0=%d%s%s", bo_op_name(c->kind), dt,
-                 c->shape, c->n_tokens, c->dim, c->n_head, c->n_head_kv, c->n_seqs, c->pos0,
-                 c->neox ? " neox" : "", c->inplace ? " inplace" : "");
+        snprintf(buf, size, "%s kv=%s %s t=%d hd=%d heads=%d/%d seqs=%d pos0=%d%s%s%s", bo_op_name(c->kind),
+                 dt, c->shape, c->n_tokens, c->dim, c->n_head, c->n_head_kv, c->n_seqs, c->pos0,
+                 c->neox ? " neox" : "", c->inplace ? " inplace" : "",
+                 c->window ? (c->kind == DUET_OP_ROPE_KV ? " scaled" : " window") : "");
         break;
     default:
         snprintf(buf, size, "%s %s %s t=%d dim=%d%s", bo_op_name(c->kind), dt, c->shape, c->n_tokens, c->dim,
@@ -570,7 +585,7 @@ static inline void *bo_quantize_rows(const float *x, size_t rows, int width) {
 
 /* Builds the host operands of case `ci`. Operand order per op:
  *   embed: tokens table out | rmsnorm: x w out? out_q8? | matmul: w x|x_q8 bias? out
- *   rope_kv: q k v pos seq block_table k_pool v_pool
+ *   rope_kv: q k v freqs? pos seq block_table k_pool v_pool
  *   attention: q pos seq block_table k_pool v_pool out? out_q8?
  *   swiglu: gate up out? out_q8? | add: a b out | gather: x rows out | argmax: x out
  * The op refers to operands by name (bo_dev_setup). */
@@ -626,6 +641,16 @@ static inline void bo_host_build_case(const bo_case *c, int ci, bo_host *h) {
         if (rope) {
             bo_add(h, "k", T * kvw * 4, bo_fill_f32(T * kvw, seed + 2, 1.0f), BO_ELEM_F32, true);
             bo_add(h, "v", T * kvw * 4, bo_fill_f32(T * kvw, seed + 3, 1.0f), BO_ELEM_F32, false);
+            /* The table of inverse frequencies: base 10000, or with uneven
+             * per-pair factors as llama3 and YaRN scaling give them. */
+            const int half = c->n_rot / 2;
+            if (half > 0) {
+                float *fr = (float *)malloc(sizeof(float) * (size_t)half);
+                oracle_rope_freqs(10000.0f, c->n_rot, fr);
+                for (int i = 0; c->window && i < half; i++)
+                    fr[i] *= i < half / 4 ? 1.0f : i < half / 2 ? 1.0f / (1.0f + (float)i / half) : 0.125f;
+                bo_add(h, "freqs", (size_t)half * 4, fr, BO_ELEM_F32, false);
+            }
         }
         int32_t *pos = bo_ints(T), *seq = bo_ints(T);
         bo_positions(c, pos, seq);
@@ -815,7 +840,8 @@ static inline void bo_op_build(const bo_host *h, const duet_view *views, duet_op
         op->rope_kv.n_head_kv = c->n_head_kv;
         op->rope_kv.head_dim = c->dim;
         op->rope_kv.n_rot = c->n_rot;
-        op->rope_kv.freq_base = 10000.0f;
+        op->rope_kv.freqs = VW("freqs");
+        op->rope_kv.mscale = c->window ? 1.1386f : 0.0f; /* YaRN's 1 + 0.1 ln(4) */
         op->rope_kv.neox = c->neox;
         break;
     case DUET_OP_ATTENTION:
@@ -832,6 +858,7 @@ static inline void bo_op_build(const bo_host *h, const duet_view *views, duet_op
         /* n_keys as the forward pass gives it: the largest position + 1
          * (splits then cover the keys in use, not the table's capacity). */
         op->attention.n_keys = bo_n_keys(h);
+        op->attention.window = c->window;
         break;
     case DUET_OP_SWIGLU:
         op->swiglu.gate = VW("gate");

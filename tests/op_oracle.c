@@ -231,42 +231,51 @@ void oracle_matmul(const void *w, duet_dtype dtype, const float *x, const duet_b
     free(xs);
 }
 
-void oracle_rope(float *x, int n_heads, int head_dim, int n_rot, float freq_base, bool neox, int pos) {
+void oracle_rope_freqs(float base, int n_rot, float *freqs) {
+    for (int i = 0; i < n_rot / 2; i++)
+        freqs[i] = (float)pow((double)base, -2.0 * i / n_rot);
+}
+
+void oracle_rope(float *x, int n_heads, int head_dim, int n_rot, const float *freqs, float mscale, bool neox,
+                 int pos) {
     const int half = n_rot / 2;
+    const double m = mscale == 0.0f ? 1.0 : mscale;
     for (int h = 0; h < n_heads; h++) {
         float *v = x + (size_t)h * head_dim;
         for (int i = 0; i < half; i++) {
-            const double theta = pos * pow((double)freq_base, -2.0 * i / n_rot);
+            const double theta = pos * (double)freqs[i];
             const int a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
-            const double x0 = v[a], x1 = v[b];
-            v[a] = (float)(x0 * cos(theta) - x1 * sin(theta));
-            v[b] = (float)(x0 * sin(theta) + x1 * cos(theta));
+            const double x0 = v[a], x1 = v[b], c = cos(theta) * m, s = sin(theta) * m;
+            v[a] = (float)(x0 * c - x1 * s);
+            v[b] = (float)(x0 * s + x1 * c);
         }
     }
 }
 
 void oracle_rope_kv(float *q, float *k, const float *v, const int32_t *pos, const int32_t *seq, int n_tokens,
-                    int n_head, int n_head_kv, int head_dim, int n_rot, float freq_base, bool neox,
-                    oracle_kv *kv) {
+                    int n_head, int n_head_kv, int head_dim, int n_rot, const float *freqs, float mscale,
+                    bool neox, oracle_kv *kv) {
     const size_t qw = (size_t)n_head * head_dim, kvw = (size_t)n_head_kv * head_dim;
     for (int t = 0; t < n_tokens; t++) {
-        oracle_rope(q + t * qw, n_head, head_dim, n_rot, freq_base, neox, pos[t]);
-        oracle_rope(k + t * kvw, n_head_kv, head_dim, n_rot, freq_base, neox, pos[t]);
+        oracle_rope(q + t * qw, n_head, head_dim, n_rot, freqs, mscale, neox, pos[t]);
+        oracle_rope(k + t * kvw, n_head_kv, head_dim, n_rot, freqs, mscale, neox, pos[t]);
         oracle_kv_store(kv, seq[t], pos[t], k + t * kvw, v + t * kvw);
     }
 }
 
 /* One token's attention, all heads: out_t[n_head * head_dim]. */
 static void attend_token(const float *qt, int seq, int pos, int n_head, int n_head_kv, int head_dim,
-                         double scale, const oracle_kv *kv, float *out_t) {
-    const int n_keys = pos + 1, group = n_head / n_head_kv;
+                         double scale, int window, const oracle_kv *kv, float *out_t) {
+    /* Keys first .. pos: the whole context, or the window's last ones. */
+    const int first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+    const int n_keys = pos + 1 - first, group = n_head / n_head_kv;
     double *score = oracle_alloc(sizeof(double) * (size_t)n_head * n_keys);
     double *acc = calloc((size_t)n_head * head_dim, sizeof(double));
     float *row = oracle_alloc(sizeof(float) * (size_t)kv->width);
     if (!acc) oracle_fail("out of memory");
     /* Scores, then a softmax per head (max subtracted before exp). */
     for (int j = 0; j < n_keys; j++) {
-        oracle_kv_load(kv, kv->k, kv_row_checked(kv, seq, j), row);
+        oracle_kv_load(kv, kv->k, kv_row_checked(kv, seq, first + j), row);
         for (int h = 0; h < n_head; h++)
             score[(size_t)h * n_keys + j] =
                 dot(qt + (size_t)h * head_dim, row + (size_t)(h / group) * head_dim, head_dim) * scale;
@@ -282,7 +291,7 @@ static void attend_token(const float *qt, int seq, int pos, int n_head, int n_he
     }
     /* The probability-weighted V rows. */
     for (int j = 0; j < n_keys; j++) {
-        oracle_kv_load(kv, kv->v, kv_row_checked(kv, seq, j), row);
+        oracle_kv_load(kv, kv->v, kv_row_checked(kv, seq, first + j), row);
         for (int h = 0; h < n_head; h++) {
             const double p = score[(size_t)h * n_keys + j];
             const float *vr = row + (size_t)(h / group) * head_dim;
@@ -299,12 +308,12 @@ static void attend_token(const float *qt, int seq, int pos, int n_head, int n_he
 }
 
 void oracle_attention(const float *q, const int32_t *pos, const int32_t *seq, int n_tokens, int n_head,
-                      int n_head_kv, int head_dim, float scale, const oracle_kv *kv, float *out,
+                      int n_head_kv, int head_dim, float scale, int window, const oracle_kv *kv, float *out,
                       duet_block_q8_0 *out_q8) {
     const size_t qw = (size_t)n_head * head_dim;
     float *y = oracle_alloc(sizeof(float) * qw); /* out may be q: a token's row is written when done */
     for (int t = 0; t < n_tokens; t++) {
-        attend_token(q + t * qw, seq[t], pos[t], n_head, n_head_kv, head_dim, scale, kv, y);
+        attend_token(q + t * qw, seq[t], pos[t], n_head, n_head_kv, head_dim, scale, window, kv, y);
         if (out) memcpy(out + t * qw, y, sizeof(float) * qw);
         if (out_q8) quantize_rows(y, 1, (int)qw, out_q8 + t * (qw / DUET_QK8_0));
     }
@@ -372,7 +381,7 @@ void oracle_run(const duet_op *op, oracle_map_fn map, void *ctx) {
         oracle_rope_kv((float *)H(op->rope_kv.q), (float *)H(op->rope_kv.k), (const float *)H(op->rope_kv.v),
                        (const int32_t *)H(op->rope_kv.pos), (const int32_t *)H(op->rope_kv.seq), T,
                        op->rope_kv.n_head, op->rope_kv.n_head_kv, op->rope_kv.head_dim, op->rope_kv.n_rot,
-                       op->rope_kv.freq_base, op->rope_kv.neox, &kv);
+                       (const float *)H(op->rope_kv.freqs), op->rope_kv.mscale, op->rope_kv.neox, &kv);
         break;
     }
     case DUET_OP_ATTENTION: {
@@ -381,8 +390,9 @@ void oracle_run(const duet_op *op, oracle_map_fn map, void *ctx) {
                                       H(p->v_pool), (int32_t *)H(p->block_table));
         oracle_attention((const float *)H(op->attention.q), (const int32_t *)H(op->attention.pos),
                          (const int32_t *)H(op->attention.seq), T, op->attention.n_head,
-                         op->attention.n_head_kv, op->attention.head_dim, op->attention.scale, &kv,
-                         (float *)H(op->attention.out), (duet_block_q8_0 *)H(op->attention.out_q8));
+                         op->attention.n_head_kv, op->attention.head_dim, op->attention.scale,
+                         op->attention.window, &kv, (float *)H(op->attention.out),
+                         (duet_block_q8_0 *)H(op->attention.out_q8));
         break;
     }
     case DUET_OP_SWIGLU:

@@ -99,20 +99,26 @@ void oracle_rmsnorm(const float *x, const float *w, int n_tokens, int dim, float
 void oracle_matmul(const void *w, duet_dtype dtype, const float *x, const duet_block_q8_0 *x_q8,
                    const float *bias, bool accumulate, int n_tokens, int n_in, int n_out, float *out);
 
+/* The plain RoPE table: freqs[i] = base^(-2i/n_rot), for i < n_rot/2. */
+void oracle_rope_freqs(float base, int n_rot, float *freqs);
+
 /* Rotates one token's heads in place: pairs (2i, 2i+1), or (i, i + n_rot/2)
- * with neox, by theta_i = pos * base^(-2i/n_rot), for i < n_rot/2. */
-void oracle_rope(float *x, int n_heads, int head_dim, int n_rot, float freq_base, bool neox, int pos);
+ * with neox, by theta_i = pos * freqs[i], for i < n_rot/2; cos and sin
+ * scaled by mscale (0 reads as 1). */
+void oracle_rope(float *x, int n_heads, int head_dim, int n_rot, const float *freqs, float mscale, bool neox,
+                 int pos);
 
 /* rope_kv: rotates q and k in place and stores k and v at (seq[t], pos[t]). */
 void oracle_rope_kv(float *q, float *k, const float *v, const int32_t *pos, const int32_t *seq, int n_tokens,
-                    int n_head, int n_head_kv, int head_dim, int n_rot, float freq_base, bool neox,
-                    oracle_kv *kv);
+                    int n_head, int n_head_kv, int head_dim, int n_rot, const float *freqs, float mscale,
+                    bool neox, oracle_kv *kv);
 
 /* Causal attention: token t attends to positions 0..pos[t] of sequence
- * seq[t] through the cache (head h reads KV head h / (n_head / n_head_kv)).
+ * seq[t] through the cache (head h reads KV head h / (n_head / n_head_kv)),
+ * or with window > 0 only to pos[t] - window + 1 .. pos[t].
  * out and/or out_q8 may be NULL; out may be q. */
 void oracle_attention(const float *q, const int32_t *pos, const int32_t *seq, int n_tokens, int n_head,
-                      int n_head_kv, int head_dim, float scale, const oracle_kv *kv, float *out,
+                      int n_head_kv, int head_dim, float scale, int window, const oracle_kv *kv, float *out,
                       duet_block_q8_0 *out_q8);
 
 /* out = silu(gate) * up; out and/or out_q8 may be NULL; out may be gate or up. */

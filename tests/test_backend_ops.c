@@ -269,8 +269,10 @@ static size_t attention_scratch(const duet_backend_iface *iface, int n_ctx, int 
     duet_backend *be;
     ck_assert_msg(iface->open(0, &(duet_backend_params){0}, &be) == DUET_OK, "%s: %s", iface->name,
                   duet_last_error());
+    // clang-format off
     const bo_case c = {"mem", DUET_OP_ATTENTION, DUET_DTYPE_F16, n_tokens, 64, n_ctx, 8, 2, n_seqs, 0, 0,
-                       false, false, false, false, BO_TEST, 0, 32, {n_ctx, n_ctx, n_ctx, n_ctx}};
+                       false, false, false, false, BO_TEST, 0, 32, {n_ctx, n_ctx, n_ctx, n_ctx}, 0};
+    // clang-format on
     bo_host h;
     bo_host_build_case(&c, 7, &h);
     bo_dev dev;

@@ -81,6 +81,13 @@ static duet_buffer *mkbuf(duet_backend *be, const void *data, size_t bytes) {
     return b;
 }
 
+/* The plain RoPE table of base for n_rot dims (n_rot <= 1024), as a buffer. */
+static duet_buffer *freqs_buf(duet_backend *be, float base, int n_rot) {
+    float f[512];
+    oracle_rope_freqs(base, n_rot, f);
+    return mkbuf(be, f, sizeof(float) * (size_t)(n_rot / 2 > 0 ? n_rot / 2 : 1));
+}
+
 /* Output buffers: GUARD bytes of 0xa5 on both sides of the payload. */
 #define GUARD 64
 typedef struct gbuf {
@@ -882,7 +889,7 @@ static void ref_attention(const oracle_kv *p, const float *q, const int32_t *pos
                           int nh, int nkv, int hd, float scale, double *out) {
     const size_t n = (size_t)nt * nh * hd;
     float *f = malloc(sizeof(float) * n);
-    oracle_attention(q, pos, seq, nt, nh, nkv, hd, scale, p, f, NULL);
+    oracle_attention(q, pos, seq, nt, nh, nkv, hd, scale, 0, p, f, NULL);
     for (size_t i = 0; i < n; i++)
         out[i] = f[i];
     free(f);
@@ -1190,9 +1197,11 @@ START_TEST(test_rope_kv) {
             float *qt = malloc(sizeof(float) * qw * nt), *kt = malloc(sizeof(float) * kw * nt);
             memcpy(qt, q, sizeof(float) * qw * nt);
             memcpy(kt, kk, sizeof(float) * kw * nt);
+            float fr[512];
+            oracle_rope_freqs(base, rc.n_rot, fr);
             for (int t = 0; t < nt; t++) {
-                oracle_rope(qt + t * qw, rc.n_head, rc.head_dim, rc.n_rot, base, rc.neox, pos[t]);
-                oracle_rope(kt + t * kw, rc.n_head_kv, rc.head_dim, rc.n_rot, base, rc.neox, pos[t]);
+                oracle_rope(qt + t * qw, rc.n_head, rc.head_dim, rc.n_rot, fr, 0.0f, rc.neox, pos[t]);
+                oracle_rope(kt + t * kw, rc.n_head_kv, rc.head_dim, rc.n_rot, fr, 0.0f, rc.neox, pos[t]);
             }
             for (int i = 0; i < qw * nt; i++) qr[i] = qt[i];
             for (int i = 0; i < kw * nt; i++) kr[i] = kt[i];
@@ -1205,7 +1214,8 @@ START_TEST(test_rope_kv) {
             op.rope_kv.pos = (duet_view){pb, 0}, op.rope_kv.seq = (duet_view){sb, 0};
             op.rope_kv.kv = paged_view(&p, dev);
             op.rope_kv.n_head = rc.n_head, op.rope_kv.n_head_kv = rc.n_head_kv, op.rope_kv.head_dim = rc.head_dim;
-            op.rope_kv.n_rot = rc.n_rot, op.rope_kv.freq_base = base, op.rope_kv.neox = rc.neox;
+            duet_buffer *fb = freqs_buf(be, base, rc.n_rot);
+            op.rope_kv.n_rot = rc.n_rot, op.rope_kv.freqs = (duet_view){fb, 0}, op.rope_kv.neox = rc.neox;
             char what[128];
             snprintf(what, sizeof what, "rope_kv case %zu %s bs %d [%s, %d threads]", k,
                      duet_dtype_name(rc.kvt), p.block_size, CONFIGS[ci].isa, CONFIGS[ci].threads);
@@ -1231,7 +1241,7 @@ START_TEST(test_rope_kv) {
             free(mark), free(kc), free(vc);
             paged_dev_free(be, dev);
             duet_buffer_free(be, qb.buf), duet_buffer_free(be, kb.buf), duet_buffer_free(be, vb);
-            duet_buffer_free(be, pb), duet_buffer_free(be, sb);
+            duet_buffer_free(be, pb), duet_buffer_free(be, sb), duet_buffer_free(be, fb);
             free(q), free(kk), free(v), free(qg), free(kg), free(qr), free(kr), free(qt), free(kt);
             oracle_kv_free(&p);
         }
@@ -1262,7 +1272,8 @@ START_TEST(test_rope_then_attention) {
         rp.rope_kv.q = (duet_view){qb, 0}, rp.rope_kv.k = (duet_view){kb, 0}, rp.rope_kv.v = (duet_view){vb, 0};
         rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0}, rp.rope_kv.kv = paged_view(&p, dev);
         rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NKV, rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD;
-        rp.rope_kv.freq_base = 10000.0f;
+        duet_buffer *fb = freqs_buf(be, 10000.0f, HD);
+        rp.rope_kv.freqs = (duet_view){fb, 0};
         duet_op at = {.kind = DUET_OP_ATTENTION, .n_tokens = NT};
         at.attention.q = (duet_view){qb, 0}, at.attention.pos = (duet_view){pb, 0}, at.attention.seq = (duet_view){sb, 0};
         at.attention.kv = paged_view(&p, dev), at.attention.n_head = NH, at.attention.n_head_kv = NKV;
@@ -1286,8 +1297,9 @@ START_TEST(test_rope_then_attention) {
         for (int i = 0; i < NKV * HD; i++) vref[i] = v[(NT - 1) * NKV * HD + i];
         check_nmse(vrow, vref, NKV * HD, 1e-4, "v row in q8_0");
         paged_dev_free(be, dev);
-        duet_buffer *all[] = {qb, kb, vb, pb, sb, ob};
-        for (int i = 0; i < 6; i++) duet_buffer_free(be, all[i]);
+        duet_buffer *all[] = {qb, kb, vb, pb, sb, ob, fb};
+        for (int i = 0; i < 7; i++)
+            duet_buffer_free(be, all[i]);
         oracle_kv_free(&p);
         duet_backend_close(be);
     }
@@ -1444,7 +1456,8 @@ START_TEST(test_bounds) {
     rp.rope_kv.q = (duet_view){q, 0}, rp.rope_kv.k = (duet_view){k, 0}, rp.rope_kv.v = (duet_view){v, 0};
     rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0}, rp.rope_kv.kv = kv;
     rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NH;
-    rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD, rp.rope_kv.freq_base = 10000;
+    rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD,
+    rp.rope_kv.freqs = (duet_view){freqs_buf(be, 10000, HD), 0};
     RUN_OK(be, &rp, "the valid rope_kv");
     rp.n_tokens = 2;
     expect_invalid(be, &rp, "rope_kv", "position max_blocks * block_size");
@@ -1576,7 +1589,8 @@ START_TEST(test_bad_block_table) {
             rp.rope_kv.q = gview(qb), rp.rope_kv.k = gview(kb), rp.rope_kv.v = (duet_view){vb, 0};
             rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0}, rp.rope_kv.kv = paged_view(&p, dev);
             rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NH, rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD;
-            rp.rope_kv.freq_base = 10000.0f;
+            duet_buffer *fb = freqs_buf(be, 10000.0f, HD);
+            rp.rope_kv.freqs = (duet_view){fb, 0};
             duet_op at = {.kind = DUET_OP_ATTENTION, .n_tokens = NT};
             at.attention.q = gview(qb), at.attention.pos = rp.rope_kv.pos, at.attention.seq = rp.rope_kv.seq;
             at.attention.kv = rp.rope_kv.kv, at.attention.n_head = NH, at.attention.n_head_kv = NH;
@@ -1613,6 +1627,7 @@ START_TEST(test_bad_block_table) {
             }
             duet_buffer_free(be, qb.buf), duet_buffer_free(be, kb.buf), duet_buffer_free(be, out.buf);
             duet_buffer_free(be, o8.buf), duet_buffer_free(be, vb), duet_buffer_free(be, pb), duet_buffer_free(be, sb);
+            duet_buffer_free(be, fb);
         }
         oracle_kv_free(&p);
         duet_backend_close(be);

@@ -2,6 +2,9 @@
  * run in the same order, on small models the test writes itself: llama
  * (adjacent-pair RoPE, GQA), qwen2 (q/k/v biases, NeoX RoPE, own rope base),
  * tied and separate outputs, and every weight type (f32, f16, bf16, q8_0).
+ * "archs" runs the variants real files use on cpu, Vulkan and OpenCL:
+ * Llama 3.1's rope_freqs, linear and YaRN RoPE scaling, a sliding window,
+ * qwen3's per-head q/k norms, and refuses other architectures by name.
  * Also: a token's logits do not depend on the rest of its batch (bit for
  * bit), hostile hyperparameters and arguments get errors, and a failing
  * device op reports its own message. */
@@ -14,7 +17,11 @@
 #include "fault_backend.h"
 #include "gguf.h"
 #include "op_oracle.h"
+#include "test_backends.h"
 #include "test_util.h"
+
+/* cfg literals name only the fields they use. */
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
 
 typedef struct cfg {
     const char *arch;
@@ -22,7 +29,19 @@ typedef struct cfg {
     bool tied;
     int E, L, H, HKV, F, V;
     float rope_base;
+    /* The variants real files use (all optional, 0/NULL: none). */
+    int hd;              /* attention.key_length when not E / H */
+    const char *scaling; /* rope.scaling.type: "linear", "yarn", ... */
+    float factor;        /* rope.scaling.factor */
+    int orig_ctx;        /* rope.scaling.original_context_length */
+    float attn_factor;   /* rope.scaling.attn_factor */
+    bool llama3;         /* a rope_freqs tensor of Llama 3.1's per-band factors */
+    int window;          /* attention.sliding_window */
 } cfg;
+
+static int head_dim(const cfg *c) {
+    return c->hd ? c->hd : c->E / c->H;
+}
 
 static uint64_t rng_state;
 static float frand(float scale) {
@@ -68,6 +87,27 @@ static void add(duet_gguf_writer *w, const char *name, duet_dtype type, int64_t 
     duet_gguf_add_tensor(w, name, type, rows > 1 ? 2 : 1, ne, q, false);
 }
 
+/* Llama 3.1's rope_freqs, as convert_hf_to_gguf computes them from
+ * rope_scaling {rope_type llama3, factor 8, low_freq_factor 1,
+ * high_freq_factor 4, original_max_position_embeddings 256} (the file
+ * gets no rope.scaling keys, only the tensor): 1 for short
+ * wavelengths, factor for long ones, a smooth blend between. */
+static void llama3_factors(const cfg *c, int n_rot, float *ff) {
+    const double factor = 8, lo_f = 1, hi_f = 4, orig = 256; /* 8 pairs of 16 dims: all three bands */
+    const double lo_wl = orig / lo_f, hi_wl = orig / hi_f;
+    for (int i = 0; i < n_rot / 2; i++) {
+        const double wl = 2 * M_PI * pow(c->rope_base, 2.0 * i / n_rot); /* 2 pi / frequency */
+        if (wl < hi_wl)
+            ff[i] = 1;
+        else if (wl > lo_wl)
+            ff[i] = (float)factor;
+        else {
+            const double smooth = (orig / wl - lo_f) / (hi_f - lo_f);
+            ff[i] = (float)(1 / ((1 - smooth) / factor + smooth));
+        }
+    }
+}
+
 static void write_model(const cfg *c, const char *path) {
     n_tensors = 0;
     rng_state = 12345;
@@ -83,6 +123,15 @@ static void write_model(const cfg *c, const char *path) {
     duet_gguf_set_u32(w, KEY("context_length"), 256);
     duet_gguf_set_f32(w, KEY("rope.freq_base"), c->rope_base);
     duet_gguf_set_f32(w, KEY("attention.layer_norm_rms_epsilon"), 1e-6f);
+    if (c->hd) {
+        duet_gguf_set_u32(w, KEY("attention.key_length"), c->hd);
+        duet_gguf_set_u32(w, KEY("attention.value_length"), c->hd);
+    }
+    if (c->scaling) duet_gguf_set_str(w, KEY("rope.scaling.type"), c->scaling);
+    if (c->factor) duet_gguf_set_f32(w, KEY("rope.scaling.factor"), c->factor);
+    if (c->orig_ctx) duet_gguf_set_u32(w, KEY("rope.scaling.original_context_length"), c->orig_ctx);
+    if (c->attn_factor) duet_gguf_set_f32(w, KEY("rope.scaling.attn_factor"), c->attn_factor);
+    if (c->window) duet_gguf_set_u32(w, KEY("attention.sliding_window"), c->window);
     /* A byte-level vocabulary: <unk> <s> </s> and 256 byte tokens + fillers. */
     const char **toks = malloc(sizeof(char *) * c->V);
     char(*store)[16] = malloc(16 * (size_t)c->V);
@@ -103,23 +152,37 @@ static void write_model(const cfg *c, const char *path) {
     duet_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", 2);
     free(toks), free(store), free(scores), free(types);
 
-    const int hd = c->E / c->H, KV = hd * c->HKV;
+    const int hd = head_dim(c), KV = hd * c->HKV, Q = hd * c->H;
     add(w, "token_embd.weight", c->type, c->E, c->V, 1.0f, 0);
+    if (c->llama3) { /* what convert_hf_to_gguf writes for rope_scaling llama3 */
+        ref_tensor *t = &tensors[n_tensors++];
+        snprintf(t->name, sizeof t->name, "rope_freqs.weight");
+        t->type = DUET_DTYPE_F32, t->rows = 1, t->cols = hd / 2;
+        float *f = malloc(sizeof(float) * (size_t)(hd / 2));
+        llama3_factors(c, hd, f);
+        t->data = f;
+        int64_t ne[1] = {hd / 2};
+        duet_gguf_add_tensor(w, t->name, DUET_DTYPE_F32, 1, ne, f, false);
+    }
     add(w, "output_norm.weight", DUET_DTYPE_F32, c->E, 1, 0.2f, 1.0f);
     if (!c->tied) add(w, "output.weight", c->type, c->E, c->V, 0.3f, 0);
     for (int l = 0; l < c->L; l++) {
         char n[64];
 #define LAYER(s, ty, cols, rows, sc, mean) (snprintf(n, sizeof n, "blk.%d.%s", l, s), add(w, n, ty, cols, rows, sc, mean))
         LAYER("attn_norm.weight", DUET_DTYPE_F32, c->E, 1, 0.2f, 1.0f);
-        LAYER("attn_q.weight", c->type, c->E, c->E, 0.3f, 0);
+        LAYER("attn_q.weight", c->type, c->E, Q, 0.3f, 0);
         LAYER("attn_k.weight", c->type, c->E, KV, 0.3f, 0);
         LAYER("attn_v.weight", c->type, c->E, KV, 0.3f, 0);
         if (!strcmp(c->arch, "qwen2")) {
-            LAYER("attn_q.bias", DUET_DTYPE_F32, c->E, 1, 0.5f, 0);
+            LAYER("attn_q.bias", DUET_DTYPE_F32, Q, 1, 0.5f, 0);
             LAYER("attn_k.bias", DUET_DTYPE_F32, KV, 1, 0.5f, 0);
             LAYER("attn_v.bias", DUET_DTYPE_F32, KV, 1, 0.5f, 0);
         }
-        LAYER("attn_output.weight", c->type, c->E, c->E, 0.3f, 0);
+        if (!strcmp(c->arch, "qwen3")) {
+            LAYER("attn_q_norm.weight", DUET_DTYPE_F32, hd, 1, 0.5f, 1.0f);
+            LAYER("attn_k_norm.weight", DUET_DTYPE_F32, hd, 1, 0.5f, 1.0f);
+        }
+        LAYER("attn_output.weight", c->type, Q, c->E, 0.3f, 0);
         LAYER("ffn_norm.weight", DUET_DTYPE_F32, c->E, 1, 0.2f, 1.0f);
         LAYER("ffn_gate.weight", c->type, c->E, c->F, 0.3f, 0);
         LAYER("ffn_up.weight", c->type, c->E, c->F, 0.3f, 0);
@@ -173,15 +236,51 @@ static void ref_matmul(const ref_tensor *w, const ref_tensor *bias, const float 
                   (int)w->rows, out);
 }
 
+/* RoPE as llama.cpp computes it (ggml's rope_yarn and
+ * ggml_rope_yarn_corr_dims, llama-context.cpp's attention factor), written
+ * out plainly: pair i of a token at position p turns by
+ *   theta = fs * te (1 - mix_i) + te mix_i,  te = p base^(-2i/n) / ff_i,
+ * fs = 1/factor, mix_i YaRN's ramp (0 unless YaRN), and cos/sin are scaled
+ * by mscale. The angle is linear in p, so freqs[i] is theta at p = 1. */
+static void reference_rope(const cfg *c, int n_rot, float *freqs, float *mscale) {
+    const bool yarn = c->scaling && !strcmp(c->scaling, "yarn");
+    const bool none = c->scaling && !strcmp(c->scaling, "none");
+    const double factor = c->factor > 0 && !none ? c->factor : 1.0, fs = 1.0 / factor;
+    const double ext = yarn ? 1.0 : 0.0, base = c->rope_base;
+    const int orig = c->orig_ctx ? c->orig_ctx : 256; /* else context_length */
+    /* The dims whose wavelength fits beta_fast (32) and beta_slow (1)
+     * rotations into the original context. */
+    double lo = floor(n_rot * log(orig / (32 * 2 * M_PI)) / (2 * log(base)));
+    double hi = ceil(n_rot * log(orig / (1 * 2 * M_PI)) / (2 * log(base)));
+    lo = fmax(lo, 0), hi = fmin(hi, n_rot - 1);
+    float ff[512];
+    if (c->llama3) llama3_factors(c, n_rot, ff);
+    for (int i = 0; i < n_rot / 2; i++) {
+        const double te = pow(base, -2.0 * i / n_rot) / (c->llama3 ? ff[i] : 1.0);
+        const double y = (i - lo) / fmax(0.001, hi - lo);
+        const double mix = (1 - fmin(1, fmax(0, y))) * ext;
+        freqs[i] = (float)(fs * te * (1 - mix) + te * mix);
+    }
+    double m = c->attn_factor ? c->attn_factor : 1.0;
+    if (ext != 0) {
+        const double get_mscale = factor <= 1 ? 1.0 : 0.1 * log(factor) + 1;
+        m *= get_mscale / (1 + 0.1 * log(factor)) * (1 + 0.1 * log(1 / fs));
+    }
+    *mscale = (float)m;
+}
+
 /* Logits of the last of n tokens: every layer over the whole sequence
  * (one sequence, positions 0..n-1), through an f32 KV cache. */
 static void reference_logits(const cfg *c, const int32_t *tok, int n, double *logits) {
-    const int E = c->E, hd = E / c->H, KV = hd * c->HKV, F = c->F;
-    const bool qwen = !strcmp(c->arch, "qwen2");
+    const int E = c->E, hd = head_dim(c), KV = hd * c->HKV, Q = hd * c->H, F = c->F;
+    const bool qwen = !strcmp(c->arch, "qwen2") || !strcmp(c->arch, "qwen3");
+    const bool bias = !strcmp(c->arch, "qwen2"), qk_norm = !strcmp(c->arch, "qwen3");
     const float eps = 1e-6f;
+    float freqs[512], mscale;
+    reference_rope(c, hd, freqs, &mscale);
     float *x = malloc(sizeof(float) * (size_t)n * E), *xn = malloc(sizeof(float) * (size_t)n * E);
-    float *q = malloc(sizeof(float) * (size_t)n * E), *k = malloc(sizeof(float) * (size_t)n * KV),
-          *v = malloc(sizeof(float) * (size_t)n * KV), *att = malloc(sizeof(float) * (size_t)n * E);
+    float *q = malloc(sizeof(float) * (size_t)n * Q), *k = malloc(sizeof(float) * (size_t)n * KV),
+          *v = malloc(sizeof(float) * (size_t)n * KV), *att = malloc(sizeof(float) * (size_t)n * Q);
     float *g = malloc(sizeof(float) * (size_t)n * F), *u = malloc(sizeof(float) * (size_t)n * F);
     float *lg = malloc(sizeof(float) * (size_t)c->V);
     int32_t *pos = malloc(sizeof(int32_t) * (size_t)n), *seq = calloc((size_t)n, sizeof(int32_t));
@@ -198,11 +297,16 @@ static void reference_logits(const cfg *c, const int32_t *tok, int n, double *lo
 #define W(s) (snprintf(nm, sizeof nm, "blk.%d.%s", l, s), T(nm))
     for (int l = 0; l < c->L; l++) {
         oracle_rmsnorm(x, W("attn_norm.weight")->data, n, E, eps, xn, NULL);
-        ref_matmul(W("attn_q.weight"), qwen ? W("attn_q.bias") : NULL, xn, n, false, q);
-        ref_matmul(W("attn_k.weight"), qwen ? W("attn_k.bias") : NULL, xn, n, false, k);
-        ref_matmul(W("attn_v.weight"), qwen ? W("attn_v.bias") : NULL, xn, n, false, v);
-        oracle_rope_kv(q, k, v, pos, seq, n, c->H, c->HKV, hd, hd, c->rope_base, qwen, &kv);
-        oracle_attention(q, pos, seq, n, c->H, c->HKV, hd, 1.0f / sqrtf((float)hd), &kv, att, NULL);
+        ref_matmul(W("attn_q.weight"), bias ? W("attn_q.bias") : NULL, xn, n, false, q);
+        ref_matmul(W("attn_k.weight"), bias ? W("attn_k.bias") : NULL, xn, n, false, k);
+        ref_matmul(W("attn_v.weight"), bias ? W("attn_v.bias") : NULL, xn, n, false, v);
+        if (qk_norm) { /* every head of q and k: an RMS norm over head_dim */
+            oracle_rmsnorm(q, W("attn_q_norm.weight")->data, n * c->H, hd, eps, q, NULL);
+            oracle_rmsnorm(k, W("attn_k_norm.weight")->data, n * c->HKV, hd, eps, k, NULL);
+        }
+        oracle_rope_kv(q, k, v, pos, seq, n, c->H, c->HKV, hd, hd, freqs, mscale, qwen, &kv);
+        oracle_attention(q, pos, seq, n, c->H, c->HKV, hd, 1.0f / sqrtf((float)hd), c->window, &kv, att,
+                         NULL);
         ref_matmul(W("attn_output.weight"), NULL, att, n, true, x);
         oracle_rmsnorm(x, W("ffn_norm.weight")->data, n, E, eps, xn, NULL);
         ref_matmul(W("ffn_gate.weight"), NULL, xn, n, false, g);
@@ -233,12 +337,13 @@ static duet_status count_op(duet_backend *be, const duet_op *op) {
     return count_real->op(be, op);
 }
 
-static void check_model(const cfg *c, double tol) {
+/* The model of c on `backend` against the reference. */
+static void check_model_on(const cfg *c, double tol, const char *backend) {
     char path[512];
     snprintf(path, sizeof path, "%s/test_forward_%s_%s.gguf", DUET_BINARY_DIR, c->arch, duet_dtype_name(c->type));
     write_model(c, path);
     duet_open_params p = duet_open_params_default();
-    p.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    p.backend = backend;
     p.kv_type = "f32";
     p.n_ctx = 256;
     duet_model *m;
@@ -264,13 +369,18 @@ static void check_model(const cfg *c, double tol) {
             den += want[i] * want[i];
         }
         double nmse = num / den;
-        ck_assert_msg(nmse < tol, "%s %s: %d tokens: NMSE %g >= %g", c->arch, duet_dtype_name(c->type), n, nmse, tol);
+        ck_assert_msg(nmse < tol, "%s %s on %s: %d tokens: NMSE %g >= %g", c->arch, duet_dtype_name(c->type),
+                      backend, n, nmse, tol);
     }
     free(got), free(want);
     m->be->iface = count_real;
     duet_model_close(m);
     free_tensors();
     remove(path);
+}
+
+static void check_model(const cfg *c, double tol) {
+    check_model_on(c, tol, getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu");
 }
 
 /* The activations of q8_0 matmuls are quantized to 8 bits: a looser bound. */
@@ -331,6 +441,116 @@ START_TEST(unknown_arch_and_missing_tensor) {
     ck_assert_msg(strstr(duet_last_error(), "blk.0.ffn_up.weight"), "message: %s", duet_last_error());
     remove(path);
     remove(path2);
+}
+END_TEST
+
+/* ---- the architectures and RoPE variants real files use, on every backend ---- */
+
+/* Small f32 models (head_dim 16 throughout, so each backend compiles one set
+ * of kernels for all of them), 40 positions: enough for a window of 9 to
+ * cut most of the context and for YaRN's and llama3's bands to differ. */
+static void check_archs(const cfg *c) {
+    static const char *const backends[] = {"cpu", "vulkan", "opencl"};
+    for (int i = 0; i < 3; i++)
+        if (test_backend_usable(backends[i], c->arch)) check_model_on(c, 1e-9, backends[i]);
+}
+
+/* Llama 3.1/3.2: the rope_freqs tensor's per-band factors, no scaling keys. */
+START_TEST(llama31_rope_freqs) {
+    check_archs(&(cfg){"llama", DUET_DTYPE_F32, false, 64, 2, 4, 2, 96, 300, 500000, .llama3 = true});
+}
+END_TEST
+/* Linear scaling (rope.scaling.type linear, factor 4) and Mistral's
+ * sliding window (attention.sliding_window 9). */
+START_TEST(llama_linear_sliding_window) {
+    check_archs(&(cfg){"llama", DUET_DTYPE_F32, true, 64, 2, 4, 1, 96, 300, 10000, .scaling = "linear",
+                       .factor = 4, .window = 9});
+}
+END_TEST
+/* YaRN on qwen2 (biases, NeoX pairs): factor 4 over an original context
+ * of 64, so the ramp runs through the 8 pairs; an attention factor too. */
+START_TEST(qwen2_yarn) {
+    check_archs(&(cfg){"qwen2", DUET_DTYPE_F32, false, 64, 2, 4, 2, 96, 300, 10000, .scaling = "yarn",
+                       .factor = 4, .orig_ctx = 64, .attn_factor = 0.9f});
+}
+END_TEST
+/* qwen3: per-head q/k RMS norms, a head_dim (16) that is not n_embd /
+ * n_head (48 / 4), NeoX pairs, no biases. */
+START_TEST(qwen3_qk_norm) {
+    check_archs(&(cfg){"qwen3", DUET_DTYPE_F32, false, 48, 2, 4, 2, 96, 300, 1000000, .hd = 16});
+}
+END_TEST
+
+/* duet mkmodel writes each variant (for benchmarks and the CLI): they load
+ * with the hyperparameters meant, and run. */
+START_TEST(mkmodel_variants_load_and_run) {
+    static const struct {
+        const char *shape, *arch;
+        duet_rope_scaling scaling;
+        bool qk_norm;
+        int window;
+    } cases[] = {
+        {"tiny-llama3", "llama", DUET_ROPE_SCALING_LINEAR, false, 0},
+        {"tiny-yarn", "qwen2", DUET_ROPE_SCALING_YARN, false, 0},
+        {"tiny-qwen3", "qwen3", DUET_ROPE_SCALING_LINEAR, true, 0},
+        {"tiny-swa", "llama", DUET_ROPE_SCALING_LINEAR, false, 32},
+    };
+    char path[512];
+    snprintf(path, sizeof path, "%s/test_forward_mkmodel.gguf", DUET_BINARY_DIR);
+    duet_open_params p = duet_open_params_default();
+    p.backend = "cpu";
+    p.n_ctx = 64;
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        duet_mkmodel_params mp = {.shape = cases[i].shape, .type = "f32"};
+        ck_assert_msg(duet_mkmodel(&mp, path) == DUET_OK, "%s: %s", cases[i].shape, duet_last_error());
+        duet_model *m;
+        ck_assert_msg(duet_model_open(path, &p, &m) == DUET_OK, "%s: %s", cases[i].shape, duet_last_error());
+        ck_assert_str_eq(m->hp.arch, cases[i].arch);
+        ck_assert_int_eq(m->hp.rope_scaling, cases[i].scaling);
+        ck_assert_int_eq(m->hp.qk_norm, cases[i].qk_norm);
+        ck_assert_int_eq(m->hp.sliding_window, cases[i].window);
+        int32_t tok[40];
+        for (int t = 0; t < 40; t++)
+            tok[t] = (t * 37 + 5) % m->hp.n_vocab;
+        float *logits = malloc(sizeof(float) * (size_t)m->hp.n_vocab);
+        ck_assert_int_eq(duet_eval(m, tok, 40, 0, logits), DUET_OK);
+        for (int v = 0; v < m->hp.n_vocab; v++)
+            ck_assert_msg(isfinite(logits[v]), "%s: logit %d", cases[i].shape, v);
+        free(logits);
+        duet_model_close(m);
+    }
+    remove(path);
+}
+END_TEST
+
+/* Anything else is refused at load, naming what: an architecture, a RoPE
+ * scaling type. */
+START_TEST(unsupported_arch_and_scaling_are_named) {
+    char path[512];
+    snprintf(path, sizeof path, "%s/test_forward_refused.gguf", DUET_BINARY_DIR);
+    duet_open_params p = duet_open_params_default();
+    p.backend = "cpu";
+    static const struct {
+        cfg c;
+        const char *needle;
+    } cases[] = {
+        {{"gemma2", DUET_DTYPE_F32, false, 64, 1, 4, 4, 96, 300, 10000},
+         "architecture 'gemma2' is not supported"},
+        {{"phi3", DUET_DTYPE_F32, false, 64, 1, 4, 4, 96, 300, 10000},
+         "architecture 'phi3' is not supported"},
+        {{"llama", DUET_DTYPE_F32, false, 64, 1, 4, 4, 96, 300, 10000, .scaling = "longrope"},
+         "rope.scaling.type 'longrope' is not supported"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        write_model(&cases[i].c, path);
+        free_tensors();
+        duet_model *m = NULL;
+        ck_assert_int_eq(duet_model_open(path, &p, &m), DUET_UNSUPPORTED);
+        ck_assert_ptr_null(m);
+        ck_assert_msg(strstr(duet_last_error(), cases[i].needle), "message '%s' lacks '%s'",
+                      duet_last_error(), cases[i].needle);
+    }
+    remove(path);
 }
 END_TEST
 
@@ -648,7 +868,7 @@ END_TEST
 
 int main(void) {
     Suite *s = suite_create("forward");
-    TCase *tc = tcase_create("vs the oracle");
+    TCase *tc = tcase_create("oracle");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, llama_f32);
     tcase_add_test(tc, llama_f16_tied);
@@ -667,5 +887,14 @@ int main(void) {
     tcase_add_test(tc, failed_op_keeps_its_message);
     tcase_add_test(tc, long_token_text_is_delivered_whole);
     suite_add_tcase(s, tc);
+    TCase *ta = tcase_create("archs");
+    tcase_set_timeout(ta, 300);
+    tcase_add_test(ta, llama31_rope_freqs);
+    tcase_add_test(ta, llama_linear_sliding_window);
+    tcase_add_test(ta, qwen2_yarn);
+    tcase_add_test(ta, qwen3_qk_norm);
+    tcase_add_test(ta, mkmodel_variants_load_and_run);
+    tcase_add_test(ta, unsupported_arch_and_scaling_are_named);
+    suite_add_tcase(s, ta);
     return test_run_suite(s);
 }

@@ -606,7 +606,10 @@ START_TEST(test_attention_bad_table) {
         rope.rope_kv.kv = paged_views(&pg, d);
         rope.rope_kv.n_head = 2, rope.rope_kv.n_head_kv = 1, rope.rope_kv.head_dim = 32,
         rope.rope_kv.n_rot = 32;
-        rope.rope_kv.freq_base = 10000.0f;
+        float fr[16];
+        oracle_rope_freqs(10000.0f, 32, fr);
+        duet_buffer *bfr = dev_buf(be, fr, sizeof fr);
+        rope.rope_kv.freqs = dv(bfr);
         ck_assert_msg(run_op(be, &rope) == DUET_OK, "rope_kv with a bad table: %s", duet_last_error());
         duet_op op = {.kind = DUET_OP_ATTENTION, .n_tokens = 3};
         op.attention.q = dv(bq), op.attention.pos = dv(bpos), op.attention.seq = dv(bseq);
@@ -622,7 +625,8 @@ START_TEST(test_attention_bad_table) {
         free(dev_get(be, d.v, oracle_kv_pool_bytes(&pg.kv), "v pool (bad table)"));
         paged_dev_free(be, d);
         duet_buffer_free(be, bq), duet_buffer_free(be, bpos), duet_buffer_free(be, bseq);
-        duet_buffer_free(be, bo), duet_buffer_free(be, bkk), duet_buffer_free(be, bvv);
+        duet_buffer_free(be, bo), duet_buffer_free(be, bkk), duet_buffer_free(be, bvv),
+            duet_buffer_free(be, bfr);
         oracle_kv_free(&pg.kv);
         duet_backend_close(be);
     }
@@ -652,7 +656,7 @@ static const char *attention_check(duet_backend *be, const paged *pg, int n_head
     ck_assert_ptr_nonnull(plan);
     ck_assert_msg(run_op(be, &op) == DUET_OK, "%s: %s", what, duet_last_error());
     float *got = dev_get(be, bo, qbytes, what);
-    oracle_attention(q, pg->pos, pg->seq, nt, n_head, n_head_kv, hd, scale, &pg->kv, want, NULL);
+    oracle_attention(q, pg->pos, pg->seq, nt, n_head, n_head_kv, hd, scale, 0, &pg->kv, want, NULL);
     check_close(got, want, (int64_t)nt * width, 2e-5, 2e-5, what);
     free(got), free(q), free(want);
     duet_buffer_free(be, bq), duet_buffer_free(be, bpos), duet_buffer_free(be, bseq);

@@ -470,7 +470,7 @@ static void paged_free(paged *p) {
 
 static void ref_attention(const paged *p, const float *q, const int32_t *pos, const int32_t *seq, int n_tok, float scale,
                           float *out) {
-    oracle_attention(q, pos, seq, n_tok, p->nh, p->nkv, p->hd, scale, &p->kv, out, NULL);
+    oracle_attention(q, pos, seq, n_tok, p->nh, p->nkv, p->hd, scale, 0, &p->kv, out, NULL);
 }
 
 /* The device's paged operands. */
@@ -589,7 +589,9 @@ static void check_rope_kv(duet_backend *vk, duet_dtype dt, int hd, bool neox, co
     ops[0].rope_kv.n_head_kv = p.nkv;
     ops[0].rope_kv.head_dim = hd;
     ops[0].rope_kv.n_rot = hd & ~1;
-    ops[0].rope_kv.freq_base = 10000.0f;
+    float fr[512];
+    oracle_rope_freqs(10000.0f, hd & ~1, fr);
+    ops[0].rope_kv.freqs = sv(&s, solo_buf(&s, sizeof(float) * (size_t)((hd / 2) > 0 ? hd / 2 : 1), fr));
     ops[0].rope_kv.neox = neox;
     ops[1].attention.q = sv(&s, qi);
     ops[1].attention.pos = sv(&s, pi);
@@ -602,7 +604,7 @@ static void check_rope_kv(duet_backend *vk, duet_dtype dt, int hd, bool neox, co
     ops[1].attention.out = sv(&s, oi);
     solo_run(vk, ops, 2);
 
-    oracle_rope_kv(q, k, v, b.pos, b.seq, n, p.nh, p.nkv, hd, hd & ~1, 10000.0f, neox, &p.kv);
+    oracle_rope_kv(q, k, v, b.pos, b.seq, n, p.nh, p.nkv, hd, hd & ~1, fr, 0.0f, neox, &p.kv);
     float *gq = solo_get(&s, qi), *gk = solo_get(&s, ki);
     double e;
     ck_assert_msg((e = nmse(q, gq, (size_t)n * qw)) < 1e-12, "%s: rotated q NMSE %g", what, e);
@@ -698,7 +700,9 @@ static void bad_table(bool staged) {
     ops[0].rope_kv.kv = paged_view(&s, &p, d);
     ops[0].rope_kv.n_head = ops[0].rope_kv.n_head_kv = 2;
     ops[0].rope_kv.head_dim = ops[0].rope_kv.n_rot = 32;
-    ops[0].rope_kv.freq_base = 10000.0f;
+    float fr[16];
+    oracle_rope_freqs(10000.0f, 32, fr);
+    ops[0].rope_kv.freqs = sv(&s, solo_buf(&s, sizeof fr, fr));
     ops[1].attention.q = sv(&s, qi);
     ops[1].attention.pos = sv(&s, pi);
     ops[1].attention.seq = sv(&s, si);
@@ -1000,7 +1004,9 @@ START_TEST(validation_int8_layer) {
     ops[4].rope_kv.q = sv(&s, qi), ops[4].rope_kv.k = sv(&s, ki), ops[4].rope_kv.v = sv(&s, vi);
     ops[4].rope_kv.pos = sv(&s, pi), ops[4].rope_kv.seq = sv(&s, si), ops[4].rope_kv.kv = paged_view(&s, &p, d);
     ops[4].rope_kv.n_head = ops[4].rope_kv.n_head_kv = H, ops[4].rope_kv.head_dim = ops[4].rope_kv.n_rot = HD;
-    ops[4].rope_kv.freq_base = 10000.0f;
+    float fr[32]; /* HD / 2 */
+    oracle_rope_freqs(10000.0f, HD, fr);
+    ops[4].rope_kv.freqs = sv(&s, solo_buf(&s, sizeof fr, fr));
     ops[5].kind = DUET_OP_ATTENTION;
     ops[5].attention.q = sv(&s, qi), ops[5].attention.pos = sv(&s, pi), ops[5].attention.seq = sv(&s, si);
     ops[5].attention.kv = ops[4].rope_kv.kv, ops[5].attention.n_head = ops[5].attention.n_head_kv = H;
@@ -1262,7 +1268,9 @@ START_TEST(steady_state_allocates_nothing) {
     ops[5].rope_kv.q = sv(&s, qi), ops[5].rope_kv.k = sv(&s, ki), ops[5].rope_kv.v = sv(&s, vi);
     ops[5].rope_kv.pos = sv(&s, pi), ops[5].rope_kv.seq = sv(&s, si), ops[5].rope_kv.kv = paged_view(&s, &p, d);
     ops[5].rope_kv.n_head = ops[5].rope_kv.n_head_kv = H, ops[5].rope_kv.head_dim = ops[5].rope_kv.n_rot = HD;
-    ops[5].rope_kv.freq_base = 10000.0f;
+    float fr[32]; /* HD / 2 */
+    oracle_rope_freqs(10000.0f, HD, fr);
+    ops[5].rope_kv.freqs = sv(&s, solo_buf(&s, sizeof fr, fr));
     ops[6].kind = DUET_OP_ATTENTION;
     ops[6].attention.q = sv(&s, qi), ops[6].attention.pos = sv(&s, pi), ops[6].attention.seq = sv(&s, si);
     ops[6].attention.kv = ops[5].rope_kv.kv, ops[6].attention.n_head = ops[6].attention.n_head_kv = H;

@@ -173,7 +173,6 @@ static void cpu_close(duet_backend *base) {
     free(be->act.p);
     free(be->work.p);
     free(be->attn.p);
-    free(be->rope_freq);
     free(be);
 }
 
@@ -340,8 +339,8 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
         CHECK(check_pages("rope_kv", kv, at(kv->block_table), at(op->rope_kv.pos), at(op->rope_kv.seq),
                           op->n_tokens));
         return duet__cpu_rope_kv(be, op, at(op->rope_kv.q), at(op->rope_kv.k), at(op->rope_kv.v),
-                                 at(op->rope_kv.pos), at(op->rope_kv.seq), at(kv->block_table),
-                                 at(kv->k_pool), at(kv->v_pool));
+                                 at(op->rope_kv.pos), at(op->rope_kv.seq), at(op->rope_kv.freqs),
+                                 at(kv->block_table), at(kv->k_pool), at(kv->v_pool));
     }
     case DUET_OP_ATTENTION: {
         const duet_kv_pages *kv = &op->attention.kv;
@@ -438,8 +437,7 @@ static void cpu_profile(duet_backend *base, duet_profile *out) {
  * close, so the current sizes are the high-water mark. */
 static size_t cpu_scratch_bytes(duet_backend *base) {
     const cpu_backend *be = (const cpu_backend *)base;
-    size_t rope = be->rope_freq ? (size_t)(be->rope_n_rot / 2) * sizeof(double) : 0;
-    return be->act.size + be->work.size + be->attn.size + rope;
+    return be->act.size + be->work.size + be->attn.size;
 }
 
 const duet_backend_iface duet_cpu_backend_iface = {

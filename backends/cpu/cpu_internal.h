@@ -107,9 +107,6 @@ typedef struct cpu_backend {
     cpu_scratch act;   /* matmul: quantized activations */
     cpu_scratch work;  /* per-thread rows: attention tiles, rope tables, q8 rows */
     cpu_scratch attn;  /* attention: query tiles and split partials (linear in tokens) */
-    double *rope_freq; /* inverse frequencies for (rope_base, rope_n_rot) */
-    float rope_base;
-    int rope_n_rot;
     /* $DUET_PROFILE: wall time of each op (ops run when recorded). */
     bool profile;
     int prof_steps;
@@ -142,8 +139,8 @@ duet_status duet__cpu_rmsnorm(cpu_backend *be, const duet_op *op, const float *x
                               duet_block_q8_0 *out_q8);
 /* Paged KV: table is the validated i32 [n_seqs][max_blocks] block table. */
 duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, float *k, const float *v,
-                              const int32_t *pos, const int32_t *seq, const int32_t *table, void *k_pool,
-                              void *v_pool);
+                              const int32_t *pos, const int32_t *seq, const float *freqs,
+                              const int32_t *table, void *k_pool, void *v_pool);
 duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float *q, const int32_t *pos,
                                 const int32_t *seq, const int32_t *table, const void *k_pool,
                                 const void *v_pool, float *out, duet_block_q8_0 *out_q8);

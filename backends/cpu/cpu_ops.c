@@ -950,8 +950,9 @@ typedef struct rope_ctx {
     int bs, max_blocks;
     int n_head, n_head_kv, hd, n_rot;
     bool neox;
-    const double *freq;
-    uint8_t *scratch; /* per thread: cos[n_rot/2], sin[n_rot/2] */
+    const float *freq; /* inverse frequency of each pair */
+    double mscale;     /* of cos and sin */
+    uint8_t *scratch;  /* per thread: cos[n_rot/2], sin[n_rot/2] */
     size_t scratch_stride;
 } rope_ctx;
 
@@ -983,8 +984,8 @@ static void rope_row(const void *p, int64_t t, int worker) {
     int32_t pos = c->pos[t];
     for (int i = 0; i < half; i++) { /* double: angles reach pos * 1 rad */
         double th = (double)pos * c->freq[i];
-        cs[i] = (float)cos(th);
-        sn[i] = (float)sin(th);
+        cs[i] = (float)(cos(th) * c->mscale);
+        sn[i] = (float)(sin(th) * c->mscale);
     }
     int64_t qw = (int64_t)c->n_head * c->hd, kw = (int64_t)c->n_head_kv * c->hd;
     for (int h = 0; h < c->n_head; h++)
@@ -1000,21 +1001,9 @@ static void rope_row(const void *p, int64_t t, int worker) {
 }
 
 duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, float *k, const float *v,
-                              const int32_t *pos, const int32_t *seq, const int32_t *table, void *k_pool,
-                              void *v_pool) {
+                              const int32_t *pos, const int32_t *seq, const float *freqs,
+                              const int32_t *table, void *k_pool, void *v_pool) {
     int half = op->rope_kv.n_rot / 2;
-    /* Inverse frequencies base^(-2i/n_rot), in double, cached across ops
-     * (every layer uses the same ones). */
-    if (half > 0 &&
-        (!be->rope_freq || be->rope_base != op->rope_kv.freq_base || be->rope_n_rot != op->rope_kv.n_rot)) {
-        double *f = realloc(be->rope_freq, (size_t)half * sizeof(double));
-        if (!f) return duet__error(DUET_OUT_OF_MEMORY, "rope_kv: frequency table");
-        for (int i = 0; i < half; i++)
-            f[i] = pow((double)op->rope_kv.freq_base, -2.0 * i / op->rope_kv.n_rot);
-        be->rope_freq = f;
-        be->rope_base = op->rope_kv.freq_base;
-        be->rope_n_rot = op->rope_kv.n_rot;
-    }
     size_t stride;
     duet_status st = work_reserve(be, (size_t)(half > 0 ? half : 1) * 2 * sizeof(float), &stride);
     if (st != DUET_OK) return st;
@@ -1039,7 +1028,8 @@ duet_status duet__cpu_rope_kv(cpu_backend *be, const duet_op *op, float *q, floa
         .hd = op->rope_kv.head_dim,
         .n_rot = op->rope_kv.n_rot,
         .neox = op->rope_kv.neox,
-        .freq = be->rope_freq,
+        .freq = freqs,
+        .mscale = op->rope_kv.mscale == 0.0f ? 1.0 : op->rope_kv.mscale,
         .scratch = be->work.p,
         .scratch_stride = stride,
     };
@@ -1074,6 +1064,7 @@ typedef struct attn_ctx {
     int bs, max_blocks;
     int n_head, n_head_kv, group, hd;
     float scale;
+    int window; /* > 0: keys before pos - window + 1 are masked */
     float *out;
     duet_block_q8_0 *out_q8;
     /* Query tiles: tile i is tokens [tiles[i], tiles[i+1]) of one sequence;
@@ -1215,9 +1206,17 @@ static void attn_item(const void *p, int64_t item, int worker) {
     const int64_t qw = (int64_t)c->n_head * hd;
     attn_scratch a;
     attn_scratch_layout(c->rows_max, hd, c->scratch + (size_t)worker * c->stride, &a);
-    /* Split: this item is chunk `chunk`; else every chunk, folded here. */
-    const int64_t lo = c->split ? (int64_t)chunk * ATT_CHUNK : 0;
+    /* Split: this item is chunk `chunk`; else every chunk, folded here.
+     * A sliding window skips whole chunks before every row's window (they
+     * would fold nothing), so split and unsplit runs still agree. */
+    int64_t lo = c->split ? (int64_t)chunk * ATT_CHUNK : 0;
     const int64_t hi = c->split && lo + ATT_CHUNK < kmax ? lo + ATT_CHUNK : kmax;
+    int64_t first_min = kmax; /* the earliest key any row of the tile sees */
+    for (int i = 0; i < ntok; i++) {
+        const int64_t f = c->window > 0 ? (int64_t)c->pos[t0 + i] - c->window + 1 : 0;
+        first_min = f < first_min ? (f > 0 ? f : 0) : first_min;
+    }
+    if (!c->split) lo = first_min / ATT_CHUNK * ATT_CHUNK;
 
     for (int r = 0; r < R; r++)
         a.m[r] = -INFINITY, a.l[r] = 0.0f;
@@ -1263,20 +1262,30 @@ static void attn_item(const void *p, int64_t item, int worker) {
             prefetch_span(c->vp + row, span);
             if (++pf_off == c->bs) pf_off = 0, pf_blk++;
         }
+        int masked[ATT_ROWS]; /* per token: keys of the tile before its window */
         for (int i = 0; i < ntok; i++) {
             int64_t nv = c->pos[t0 + i] - p0 + 1;
             nv = nv < 0 ? 0 : nv > nk ? nk : nv;
+            int64_t mk = c->window > 0 ? (int64_t)c->pos[t0 + i] - c->window + 1 - p0 : 0;
+            mk = mk < 0 ? 0 : mk;
+            if (mk >= nv) nv = 0, mk = 0; /* nothing of this tile in the window */
+            masked[i] = (int)mk;
             for (int hh = 0; hh < nkh; hh++)
                 for (int j = 0; j < g; j++)
                     a.nvalid[hh * rh + i * g + j] = (int)nv;
         }
         /* Scores of every head, one softmax step over all rows (their
-         * reductions overlap), then every head's values. */
+         * reductions overlap), then every head's values. Keys before a
+         * row's window score -inf: a prefix of its valid keys. */
         const uint8_t *rows[ATT_TK];
         for (int hh = 0; hh < nkh; hh++) {
             const int r0 = hh * rh;
             attn_tile_rows(c, &a, c->kp, kvh0 + hh, nk, stage, a.kst, rows);
             c->ak->qk[kvi](a.qs + (size_t)r0 * hd, rh, rows, nk, hd, a.s + r0 * ATT_TK);
+            for (int i = 0; i < ntok; i++)
+                for (int j = 0; j < g; j++)
+                    for (int e = 0; e < masked[i]; e++)
+                        a.s[(r0 + i * g + j) * ATT_TK + e] = -INFINITY;
         }
         c->ak->softmax(a.s, R, a.nvalid, a.cm, a.cl, a.cacc, hd);
         for (int hh = 0; hh < nkh; hh++) {
@@ -1420,6 +1429,7 @@ duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float 
         .group = g,
         .hd = hd,
         .scale = op->attention.scale,
+        .window = op->attention.window,
         .out = out,
         .out_q8 = out_q8,
         .tiles = tiles,

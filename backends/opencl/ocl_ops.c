@@ -418,11 +418,13 @@ static duet_status op_rope_kv(ocl_backend *be, const duet_op *op) {
     arg_view(&a, kv->k_pool);
     arg_view(&a, kv->v_pool);
     arg_view(&a, kv->block_table);
+    /* Never read without rotary pairs: any buffer stands in. */
+    arg_view(&a, op->rope_kv.n_rot > 0 ? op->rope_kv.freqs : kv->block_table);
     arg_int(&a, op->rope_kv.n_head);
     arg_int(&a, op->rope_kv.n_head_kv);
     arg_int(&a, op->rope_kv.head_dim);
     arg_int(&a, op->rope_kv.n_rot);
-    arg_float(&a, op->rope_kv.freq_base);
+    arg_float(&a, op->rope_kv.mscale == 0.0f ? 1.0f : op->rope_kv.mscale);
     arg_int(&a, op->rope_kv.neox ? 1 : 0);
     arg_kv_shape(&a, kv);
     TRY(args_done(&a, "rope_kv"));
@@ -608,6 +610,7 @@ static duet_status op_attention(ocl_backend *be, const duet_op *op) {
         arg_float(&a, op->attention.scale);
         arg_kv_shape(&a, kv);
         arg_int(&a, flags);
+        arg_int(&a, op->attention.window);
         TRY(args_done(&a, "attn_prefill"));
         const size_t rows = (size_t)nt * (size_t)(nh / op->attention.n_head_kv);
         const size_t wg = (size_t)p.bq * (size_t)t->att_tpr;
@@ -631,6 +634,7 @@ static duet_status op_attention(ocl_backend *be, const duet_op *op) {
         arg_int(&a, p.n_splits);
         arg_kv_shape(&a, kv);
         arg_int(&a, flags | (p.direct ? 4 : 0));
+        arg_int(&a, op->attention.window);
         TRY(args_done(&a, "attn_decode"));
         size_t g[2] = {(size_t)t->att_wg * (size_t)(nh / p.g) * (size_t)nt, (size_t)p.n_splits};
         size_t l[2] = {(size_t)t->att_wg, 1};

@@ -108,51 +108,6 @@ static duet_status host_tokens(const vk_backend *be, const char *op, duet_view p
 
 /* ---- rope_kv ---------------------------------------------------------------------------- */
 
-/* cos/sin of pos * base^(-2i/n_rot) for positions [0, n_pos) and every
- * pair, computed in double like the cpu backend: [n_pos][n_rot/2] (cos,
- * sin). Grown geometrically (up to the table's capacity `cap`) as contexts
- * grow, so decoding does not rebuild it every step. */
-static duet_status rope_table(vk_backend *be, float base, int n_rot, int64_t need, int64_t cap) {
-    if (be->rope_table && be->rope_base == base && be->rope_n_rot == n_rot && be->rope_n_pos >= need)
-        return DUET_OK;
-    int64_t n_pos = need < 256 ? 256 : need;
-    if (be->rope_table && be->rope_base == base && be->rope_n_rot == n_rot &&
-        n_pos < 2 * (int64_t)be->rope_n_pos)
-        n_pos = 2 * (int64_t)be->rope_n_pos;
-    if (n_pos > cap) n_pos = cap;
-    const int half = n_rot / 2;
-    const uint64_t bytes = (uint64_t)n_pos * (uint64_t)half * 8;
-    if (bytes > ((uint64_t)256 << 20))
-        return duet__error(DUET_UNSUPPORTED, "rope_kv: a RoPE table for %lld positions (%llu bytes)",
-                           (long long)n_pos, (unsigned long long)bytes);
-    float *tab = malloc(bytes);
-    if (!tab) return duet__error(DUET_OUT_OF_MEMORY, "rope_kv: cos/sin table");
-    for (int i = 0; i < half; i++) {
-        double f = pow((double)base, -2.0 * i / n_rot);
-        for (int64_t p = 0; p < n_pos; p++) {
-            double th = (double)p * f;
-            tab[((size_t)p * half + i) * 2] = (float)cos(th);
-            tab[((size_t)p * half + i) * 2 + 1] = (float)sin(th);
-        }
-    }
-    /* A new buffer each time: dispatches recorded earlier in this step may
-     * still read the old table. */
-    duet_buffer *nb;
-    duet_status st = duet__vk_own_buffer_create(be, bytes, false, &nb);
-    if (st == DUET_OK) st = duet__vk_write(be, nb, 0, tab, bytes);
-    free(tab);
-    if (st == DUET_OK) st = duet__vk_retire(be, be->rope_table);
-    if (st != DUET_OK) {
-        duet__vk_buffer_destroy(be, nb);
-        return st;
-    }
-    be->rope_table = nb;
-    be->rope_base = base;
-    be->rope_n_rot = n_rot;
-    be->rope_n_pos = (int)n_pos;
-    return DUET_OK;
-}
-
 duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
     const char *name = "rope_kv";
     const int nh = op->rope_kv.n_head, nkv = op->rope_kv.n_head_kv, hd = op->rope_kv.head_dim,
@@ -171,21 +126,22 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
     tok_info ti;
     CHECK(host_tokens(be, name, pos, seq, op->n_tokens, kv, false, &ti));
     const int64_t cap = (int64_t)kv->max_blocks * kv->block_size;
-    if (n_rot > 0)
-        CHECK(rope_table(be, op->rope_kv.freq_base, n_rot, ti.known ? (int64_t)ti.max_ctx : cap, cap));
+    const uint64_t fr_bytes = (uint64_t)(n_rot / 2) * 4;
 
     const uint32_t spec[3] = {(uint32_t)be->tune.ew_wg, kv_code(kv->dtype), op->rope_kv.neox};
     vk_dispatch d = {.kind = DUET_OP_ROPE_KV};
     CHECK(duet__vk_pipeline_get(be, VK_SHADER_ROPE_KV, 5, 5, 3, spec, &d.pipe));
     struct {
-        uint32_t q_off, k_off, v_off, pos_off, seq_off, tab_off, bt_off, kp_off, vp_off;
+        uint32_t q_off, k_off, v_off, pos_off, seq_off, fr_off, bt_off, kp_off, vp_off;
         uint32_t n_head, n_head_kv, hd, n_rot, n_pos, block_size, n_blocks, max_blocks, n_seqs, blk_lo,
             blk_hi, rotate;
+        float mscale;
     } pc = {.n_head = (uint32_t)nh,
             .n_head_kv = (uint32_t)nkv,
             .hd = (uint32_t)hd,
             .n_rot = (uint32_t)n_rot,
-            .n_pos = n_rot > 0 ? (uint32_t)be->rope_n_pos : (uint32_t)(cap > UINT32_MAX ? UINT32_MAX : cap),
+            .n_pos = (uint32_t)(cap > UINT32_MAX ? UINT32_MAX : cap),
+            .mscale = op->rope_kv.mscale == 0.0f ? 1.0f : op->rope_kv.mscale,
             .block_size = (uint32_t)kv->block_size,
             .n_blocks = (uint32_t)kv->n_blocks,
             .max_blocks = (uint32_t)kv->max_blocks,
@@ -196,8 +152,8 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
     CHECK(duet__vk_tex_bind(be, name, "seq", seq.buf, seq.offset, nt * 4, &d.bind[1], &pc.seq_off));
     CHECK(duet__vk_tex_bind(be, name, "v", v.buf, v.offset, kbytes, &d.bind[2], &pc.v_off));
     if (n_rot > 0)
-        CHECK(duet__vk_tex_bind(be, name, "rope table", be->rope_table, 0, be->rope_table->head.size,
-                                &d.bind[3], &pc.tab_off));
+        CHECK(duet__vk_tex_bind(be, name, "freqs", op->rope_kv.freqs.buf, op->rope_kv.freqs.offset, fr_bytes,
+                                &d.bind[3], &pc.fr_off));
     else
         d.bind[3] = d.bind[0]; /* unread */
     CHECK(duet__vk_tex_bind(be, name, "block_table", kv->block_table.buf, kv->block_table.offset, bt_bytes,
@@ -238,7 +194,8 @@ duet_status duet__vk_rec_rope_kv(vk_backend *be, const duet_op *op) {
         d.reads[d.n_reads++] = vk_rng(seq.buf, seq.offset, nt * 4);
         d.reads[d.n_reads++] = vk_rng(v.buf, v.offset, kbytes);
         d.reads[d.n_reads++] = vk_rng(kv->block_table.buf, kv->block_table.offset, bt_bytes);
-        if (n_rot > 0) d.reads[d.n_reads++] = vk_rng(be->rope_table, 0, be->rope_table->head.size);
+        if (n_rot > 0)
+            d.reads[d.n_reads++] = vk_rng(op->rope_kv.freqs.buf, op->rope_kv.freqs.offset, fr_bytes);
         d.writes[d.n_writes++] = vk_rng(q.buf, q.offset, qbytes);
         d.writes[d.n_writes++] = vk_rng(k.buf, k.offset, kbytes);
         d.writes[d.n_writes++] = vk_rng(kv->k_pool.buf, kv->k_pool.offset + b0 * blk_bytes, bytes);
@@ -430,7 +387,7 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
         uint32_t q_off, pos_off, seq_off, bt_off, kp_off, vp_off, out_off;
         uint32_t n_tok, n_head, n_head_kv, hd, block_size, n_blocks, max_blocks, n_seqs;
         float scale;
-        uint32_t n_split, chunk, gh, bq;
+        uint32_t n_split, chunk, gh, bq, window;
     } pc = {.n_tok = (uint32_t)nt,
             .n_head = (uint32_t)nh,
             .n_head_kv = (uint32_t)nkv,
@@ -443,7 +400,8 @@ duet_status duet__vk_rec_attention(vk_backend *be, const duet_op *op) {
             .n_split = pl.n_split,
             .chunk = pl.chunk,
             .gh = pl.gh,
-            .bq = pl.bq};
+            .bq = pl.bq,
+            .window = (uint32_t)op->attention.window};
     uint32_t rel;
     CHECK(duet__vk_tex_bind(be, name, "q", q.buf, q.offset, qbytes, &d.bind[0], &pc.q_off));
     CHECK(duet__vk_tex_bind(be, name, "pos", pos.buf, pos.offset, nt * 4, &d.bind[1], &pc.pos_off));

@@ -380,7 +380,6 @@ static void vk_close(duet_backend *base) {
         vkDeviceWaitIdle(be->dev);
         duet__vk_pipeline_cache_save(be);
         duet__vk_buffer_destroy(be, be->xq);
-        duet__vk_buffer_destroy(be, be->rope_table);
         duet__vk_buffer_destroy(be, be->attn_part);
         duet__vk_buffer_destroy(be, be->status);
         duet__vk_buffer_destroy(be, be->staging);

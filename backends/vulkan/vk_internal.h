@@ -301,9 +301,6 @@ typedef struct vk_backend {
     uint64_t xq_src_id; /* the activation range xq currently holds */
     size_t xq_src_off, xq_src_bytes;
     int xq_tokens, xq_n_in;
-    duet_buffer *rope_table;
-    float rope_base;
-    int rope_n_rot, rope_n_pos;
     duet_buffer *retired[8]; /* scratch replaced during a step, freed at wait */
     int n_retired;
 
