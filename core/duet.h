@@ -292,10 +292,28 @@ typedef struct duet_request {
      * STOP, and none of its text is delivered. */
     const char *const *stop;
     int n_stop;
+    /* Log-probabilities under the model's raw next-token distribution (the
+     * log-softmax of the logits, before penalties, temperature and top-k/p):
+     * with `logprobs`, every TOKEN event carries its token's and those of
+     * the top_logprobs (0..DUET_MAX_TOP_LOGPROBS) most likely tokens. With
+     * prompt_logprobs too, PROMPT_TOKEN events first give each prompt
+     * token's (the logits of every prompt position are then computed). */
+    bool logprobs, prompt_logprobs;
+    int top_logprobs;
 } duet_request;
 #define DUET_MAX_STOP 32
+#define DUET_MAX_TOP_LOGPROBS 20
 
-typedef enum duet_event_kind { DUET_EVENT_TOKEN, DUET_EVENT_DONE } duet_event_kind;
+/* One token and its log-probability. */
+typedef struct duet_token_logprob {
+    int32_t token;
+    float logprob;
+} duet_token_logprob;
+
+/* PROMPT_TOKEN (only with prompt_logprobs): prompt token `token` at stream
+ * position `position` (1 .. n_prompt-1, in order, each once, all before
+ * the first TOKEN) and its logprob given the tokens before it. */
+typedef enum duet_event_kind { DUET_EVENT_TOKEN, DUET_EVENT_DONE, DUET_EVENT_PROMPT_TOKEN } duet_event_kind;
 
 typedef enum duet_finish {
     DUET_FINISH_NONE = 0,
@@ -308,7 +326,13 @@ typedef enum duet_finish {
 typedef struct duet_event {
     duet_event_kind kind;
     uint64_t request_id;
-    int32_t token;           /* TOKEN: the sampled id */
+    int32_t token; /* TOKEN: the sampled id (-1: text flushed at the end); PROMPT_TOKEN: the prompt's */
+    int position;  /* PROMPT_TOKEN: its index in the prompt */
+    /* TOKEN (token >= 0) and PROMPT_TOKEN of a request with logprobs: */
+    bool has_logprob;
+    float logprob;                 /* log p(token) */
+    int n_top;                     /* entries in top (the request's top_logprobs) */
+    const duet_token_logprob *top; /* the most likely tokens, best first */
     const char *text;        /* TOKEN: UTF-8 text it completes (may be empty) */
     size_t text_len;
     duet_finish finish;      /* DONE */

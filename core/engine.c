@@ -53,6 +53,14 @@ typedef struct engine_req {
     char *pend;
     size_t pend_len;
     bool stop_hit; /* the text reached a stop string: nothing more is delivered */
+    /* Logprobs: asked for (top_n >= 0), prompt positions still to report
+     * (from prompt_lp_next), and the current token's, for its TOKEN event. */
+    int top_n;
+    bool prompt_lp;
+    int prompt_lp_next;
+    bool lp_valid;
+    float lp;
+    duet_token_logprob top[DUET_MAX_TOP_LOGPROBS];
 } engine_req;
 
 struct duet_engine {
@@ -74,6 +82,9 @@ struct duet_engine {
     /* Step scratch, sized once (max_tokens / max_seqs). */
     duet_sched_seq *plan_seqs;
     int32_t *tok, *pos, *seq, *out;
+    int32_t *row_of; /* [max_tokens] the plan entry of each batch token */
+    bool *want;      /* [max_tokens] the token's logits are wanted */
+    float *raw;      /* [n_vocab] a row's logits before sampling changes them (logprobs) */
     int32_t *tables; /* [max_seqs][max_blocks] this step's KV block tables */
     int max_blocks;
     duet_sched_result *results;
@@ -134,6 +145,13 @@ static void release_req(engine_req *r) {
 static void emit_token(engine_req *r, int32_t token, const char *text, size_t len) {
     duet_event ev = {
         .kind = DUET_EVENT_TOKEN, .request_id = r->id, .token = token, .text = text, .text_len = len};
+    if (token >= 0 && r->lp_valid) {
+        ev.has_logprob = true;
+        ev.logprob = r->lp;
+        ev.n_top = r->top_n;
+        ev.top = r->top;
+        r->lp_valid = false;
+    }
     r->fn(&ev, r->user);
 }
 
@@ -213,6 +231,12 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
         duet__metrics_request_refused(e->metrics, prio, "invalid");
         return duet__error(DUET_CONTEXT_FULL, "the prompt has %d tokens; the context holds %d", q->n_prompt,
                            m->n_ctx);
+    }
+    if (q->logprobs &&
+        (q->top_logprobs < 0 || q->top_logprobs > DUET_MAX_TOP_LOGPROBS || q->top_logprobs > m->hp.n_vocab)) {
+        duet__metrics_request_refused(e->metrics, prio, "invalid");
+        return duet__error(DUET_BAD_REQUEST, "top_logprobs %d: 0 to %d", q->top_logprobs,
+                           DUET_MAX_TOP_LOGPROBS);
     }
     if (q->n_stop < 0 || q->n_stop > DUET_MAX_STOP || (q->n_stop && !q->stop)) {
         duet__metrics_request_refused(e->metrics, prio, "invalid");
@@ -320,6 +344,10 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     r->stops = stops, r->n_stops = q->n_stop;
     r->pend = pend, r->pend_len = 0;
     r->stop_hit = false;
+    r->top_n = q->logprobs ? q->top_logprobs : -1;
+    r->prompt_lp = q->logprobs && q->prompt_logprobs;
+    r->prompt_lp_next = 1;
+    r->lp_valid = false;
     if (id) *id = rid;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
@@ -398,68 +426,114 @@ static void update_gauges(duet_engine *e) {
     duet__metrics_set_gauges(e->metrics, &g);
 }
 
+/* Samples the next token of plan entry i from its logits row, streams it
+ * and decides whether the request is done (unlocked, in run_step). */
+static void sample_row(duet_engine *e, engine_req *r, int i, float *logits) {
+    duet_model *m = e->model;
+    duet_sched_result *res = &e->results[i];
+    res->n_generated = 1;
+    /* Logprobs come from the raw distribution: kept before the sampler's
+     * penalties change the row in place. */
+    if (r->top_n >= 0) memcpy(e->raw, logits, (size_t)m->hp.n_vocab * sizeof *logits);
+    int32_t id = duet_sampler_sample(r->smp, logits);
+    if (r->top_n >= 0) {
+        r->lp = duet_logprobs(e->raw, m->hp.n_vocab, id, r->top_n, r->top);
+        r->lp_valid = true;
+    }
+    duet_sampler_accept(r->smp, id);
+    r->stream[r->n_prompt + r->n_gen++] = id;
+    int64_t now = now_ns();
+    if (!r->t_first_token)
+        r->t_first_token = now;
+    else
+        duet__metrics_inter_token(e->metrics, secs(now - r->t_last_token));
+    r->t_last_token = now;
+    bool eog = !r->ignore_eos && duet_tokenizer_is_eog(m->tok, id);
+    if (eog)
+        e->step_finish[i] = DUET_FINISH_STOP;
+    else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= m->n_ctx)
+        e->step_finish[i] = DUET_FINISH_LENGTH;
+    res->finished = e->step_finish[i] != DUET_FINISH_NONE;
+    if (r->cancelled) return; /* its DONE is owed; no more tokens */
+    int len = eog ? 0 : duet_detok_push(&r->detok, id, e->text, m->detok_size);
+    if (deliver(r, id, e->text, (size_t)(len > 0 ? len : 0))) {
+        e->step_finish[i] = DUET_FINISH_STOP; /* a stop string */
+        res->finished = true;
+    }
+}
+
 /* Runs one planned step (unlocked). Fills e->results and e->step_finish;
  * returns the forward's status. Request fields that other threads read
  * (finish) are left for the caller to set under the lock. */
 static duet_status run_step(duet_engine *e, int n_seqs) {
     duet_model *m = e->model;
-    int n = 0, n_out = 0;
+    const int V = m->hp.n_vocab;
+    int n = 0;
     for (int i = 0; i < n_seqs; i++) {
         const duet_sched_seq *s = &e->plan_seqs[i];
         engine_req *r = find_req(e, s->id);
         for (int t = 0; t < s->n_tokens; t++) {
-            e->tok[n] = r->stream[s->pos + t];
-            e->pos[n] = s->pos + t;
+            int p = s->pos + t;
+            e->tok[n] = r->stream[p];
+            e->pos[n] = p;
             e->seq[n] = s->slot;
+            e->row_of[n] = i;
+            /* The last token samples; with prompt logprobs, every prompt
+             * position not yet reported scores the prompt token after it. */
+            e->want[n] = (t == s->n_tokens - 1 && s->logits) ||
+                         (r->prompt_lp && p + 1 < r->n_prompt && p + 1 >= r->prompt_lp_next);
             n++;
         }
-        if (s->logits) e->out[n_out++] = n - 1;
-    }
-    duet_batch b = {.n_tokens = n,
-                    .tokens = e->tok,
-                    .pos = e->pos,
-                    .seq = e->seq,
-                    .n_out = n_out,
-                    .out = e->out,
-                    .block_tables = e->tables};
-    int64_t t0 = now_ns();
-    duet_status st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
-    duet__metrics_step(e->metrics, n_seqs, n, secs(now_ns() - t0));
-    if (st) return st;
-
-    /* Sample, stream, and decide who is done. */
-    int row = 0;
-    for (int i = 0; i < n_seqs; i++) {
-        const duet_sched_seq *s = &e->plan_seqs[i];
-        engine_req *r = find_req(e, s->id);
-        duet_sched_result *res = &e->results[i];
-        *res = (duet_sched_result){.id = s->id};
+        e->results[i] = (duet_sched_result){.id = s->id};
         e->step_finish[i] = DUET_FINISH_NONE;
-        if (!s->logits) continue;
-        float *logits = m->logits + (size_t)(row++) * m->hp.n_vocab;
-        res->n_generated = 1;
-        int32_t id = duet_sampler_sample(r->smp, logits);
-        duet_sampler_accept(r->smp, id);
-        r->stream[r->n_prompt + r->n_gen++] = id;
-        int64_t now = now_ns();
-        if (!r->t_first_token)
-            r->t_first_token = now;
-        else
-            duet__metrics_inter_token(e->metrics, secs(now - r->t_last_token));
-        r->t_last_token = now;
-        bool eog = !r->ignore_eos && duet_tokenizer_is_eog(m->tok, id);
-        if (eog)
-            e->step_finish[i] = DUET_FINISH_STOP;
-        else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= m->n_ctx)
-            e->step_finish[i] = DUET_FINISH_LENGTH;
-        res->finished = e->step_finish[i] != DUET_FINISH_NONE;
-        if (r->cancelled) continue; /* its DONE is owed; no more tokens */
-        int len = eog ? 0 : duet_detok_push(&r->detok, id, e->text, m->detok_size);
-        if (deliver(r, id, e->text, (size_t)(len > 0 ? len : 0))) {
-            e->step_finish[i] = DUET_FINISH_STOP; /* a stop string */
-            res->finished = true;
-        }
     }
+    /* One forward pass, or several when more rows want logits than the
+     * logits buffer holds (prompt logprobs): each piece takes the tokens in
+     * order, so every sequence's earlier tokens are in the KV cache first. */
+    int64_t t0 = now_ns();
+    for (int start = 0; start < n;) {
+        int n_out = 0, end = start;
+        while (end < n && (n_out < m->max_out || !e->want[end])) {
+            if (e->want[end]) e->out[n_out++] = end - start;
+            end++;
+        }
+        duet_batch b = {.n_tokens = end - start,
+                        .tokens = e->tok + start,
+                        .pos = e->pos + start,
+                        .seq = e->seq + start,
+                        .n_out = n_out,
+                        .out = e->out,
+                        .block_tables = e->tables};
+        duet_status st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
+        if (st) {
+            duet__metrics_step(e->metrics, n_seqs, n, secs(now_ns() - t0));
+            return st;
+        }
+        for (int k = 0; k < n_out; k++) {
+            int j = start + e->out[k];
+            float *logits = m->logits + (size_t)k * V;
+            const duet_sched_seq *s = &e->plan_seqs[e->row_of[j]];
+            engine_req *r = find_req(e, s->id);
+            int p = e->pos[j];
+            if (p + 1 < r->n_prompt) { /* a prompt logprob */
+                r->prompt_lp_next = p + 2;
+                if (r->cancelled) continue;
+                duet_event ev = {.kind = DUET_EVENT_PROMPT_TOKEN,
+                                 .request_id = r->id,
+                                 .token = r->stream[p + 1],
+                                 .position = p + 1,
+                                 .has_logprob = true,
+                                 .n_top = r->top_n,
+                                 .top = r->top};
+                ev.logprob = duet_logprobs(logits, V, ev.token, r->top_n, r->top);
+                r->fn(&ev, r->user);
+                continue;
+            }
+            sample_row(e, r, e->row_of[j], logits);
+        }
+        start = end;
+    }
+    duet__metrics_step(e->metrics, n_seqs, n, secs(now_ns() - t0));
     return DUET_OK;
 }
 
@@ -577,6 +651,7 @@ static void engine_free(duet_engine *e) {
     free(e->cancel_list);
     free(e->plan_seqs);
     free(e->tok), free(e->pos), free(e->seq), free(e->out), free(e->tables);
+    free(e->row_of), free(e->want), free(e->raw);
     free(e->results);
     free(e->step_finish);
     free(e->text);
@@ -671,6 +746,9 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     e->pos = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
     e->seq = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
     e->out = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
+    e->row_of = calloc((size_t)p.max_batch_tokens, sizeof(int32_t));
+    e->want = calloc((size_t)p.max_batch_tokens, sizeof(bool));
+    e->raw = malloc((size_t)m->hp.n_vocab * sizeof(float));
     e->tables = malloc((size_t)p.max_batch_seqs * blocks_per_seq * sizeof(int32_t));
     if (e->tables)
         memset(e->tables, 0xff, (size_t)p.max_batch_seqs * blocks_per_seq * sizeof(int32_t)); /* -1 */
@@ -678,7 +756,8 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     e->text = malloc(m->detok_size);
     e->err = calloc(1, ENGINE_ERR_SIZE);
     if (!e->metrics || !e->reqs || !e->cancel_list || !e->plan_seqs || !e->results || !e->tok || !e->pos ||
-        !e->seq || !e->out || !e->tables || !e->step_finish || !e->text || !e->err) {
+        !e->seq || !e->out || !e->tables || !e->row_of || !e->want || !e->raw || !e->step_finish ||
+        !e->text || !e->err) {
         st = duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory");
         goto fail;
     }

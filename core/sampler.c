@@ -326,6 +326,40 @@ int32_t duet_argmax(const float *x, int n) {
     return best < 0 ? 0 : best;
 }
 
+float duet_logprobs(const float *logits, int n, int32_t token, int k, duet_token_logprob *top) {
+    assert(logits && n > 0 && k >= 0 && k <= n && (k == 0 || top));
+    float mx = -INFINITY;
+    for (int i = 0; i < n; i++)
+        if (logits[i] > mx) mx = logits[i]; /* NaN compares false */
+    if (!isfinite(mx)) mx = mx > 0 ? FLT_MAX : 0;
+    /* Top k by insertion into a sorted list: after the first few tokens
+     * almost every logit fails the first comparison. */
+    int have = 0;
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        float x = logits[i];
+        if (isnan(x)) x = -INFINITY;
+        if (x > FLT_MAX) x = FLT_MAX;
+        sum += exp((double)x - mx);
+        if (k == 0 || (have == k && !(x > top[k - 1].logprob))) continue;
+        int j = have < k ? have++ : k - 1;
+        while (j > 0 && x > top[j - 1].logprob) {
+            top[j] = top[j - 1];
+            j--;
+        }
+        top[j] = (duet_token_logprob){i, x};
+    }
+    double lse = mx + log(sum);
+    for (int i = 0; i < have; i++)
+        top[i].logprob = (float)((double)top[i].logprob - lse);
+    for (int i = have; i < k; i++)
+        top[i] = (duet_token_logprob){-1, -INFINITY};
+    float x = token >= 0 && token < n ? logits[token] : -INFINITY;
+    if (isnan(x)) x = -INFINITY;
+    if (x > FLT_MAX) x = FLT_MAX;
+    return (float)((double)x - lse);
+}
+
 /* top-k for small k: one pass over the logits keeping a heap of the k best
  * (root = the worst of them), so most tokens cost a single comparison.
  * Writes the kept candidates (unordered) to c and returns how many (fewer

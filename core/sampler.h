@@ -52,6 +52,11 @@ void duet_sampler_reset(duet_sampler *smp);
  * ids[] ascend. Does not advance the RNG. */
 int duet_sampler_dist(duet_sampler *smp, float *logits, int32_t *ids, float *probs);
 
+/* Log-softmax of the raw logits[n] (no penalties, temperature or
+ * truncation): returns log p(token) and writes the k (<= n) most likely
+ * tokens, best first (ties: lower id first), to top[]. NaN counts as -inf. */
+float duet_logprobs(const float *logits, int n, int32_t token, int k, duet_token_logprob *top);
+
 /* Argmax with the lowest index winning ties (what greedy uses). */
 int32_t duet_argmax(const float *x, int n);
 

@@ -7,6 +7,7 @@ vLLM-named metrics that dashboards and gateways read).
 usage: test_openai_client.py DUET_BINARY SHARED_DIR BUILD_DIR
 """
 import json
+import math
 import os
 import re
 import signal
@@ -152,7 +153,7 @@ class OpenAIClient(unittest.TestCase):
         self.assertEqual(text, want)
 
     def test_bad_requests_raise_bad_request_error(self):
-        bad = [dict(temperature=5), dict(max_tokens=-1), dict(top_p=0), dict(n=50), dict(model="no-such-model"),
+        bad = [dict(temperature=5), dict(max_tokens=-1), dict(top_p=0), dict(n=50),
                dict(prompt="dog " * 3000), dict(extra_body={"priority": "urgent"})]
         for kw in bad:
             args = dict(model=self.model, prompt="x", max_tokens=4)
@@ -166,6 +167,114 @@ class OpenAIClient(unittest.TestCase):
             self.assertEqual(body.get("type"), "invalid_request_error")
         with self.assertRaises(openai.BadRequestError):
             self.client.chat.completions.create(model=self.model, messages=[{"role": "wizard", "content": "x"}])
+        # An unknown model: 404 with OpenAI's error shape, as OpenAI and vLLM answer.
+        with self.assertRaises(openai.NotFoundError) as cm:
+            self.client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
+        self.assertEqual(cm.exception.body.get("code"), "model_not_found")
+        self.assertEqual(cm.exception.body.get("type"), "invalid_request_error")
+        # Unknown fields and `user` are ignored; max_completion_tokens is max_tokens' newer name.
+        r = self.client.chat.completions.create(model=self.model, messages=[{"role": "user", "content": "hi"}],
+                                                max_completion_tokens=3, user="someone", temperature=0,
+                                                extra_body={"no_such_field": {"x": 1}, "ignore_eos": True})
+        self.assertEqual(r.usage.completion_tokens, 3)
+
+    def post(self, path, body):
+        req = urllib.request.Request(self.server.base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req) as resp:
+            return json.loads(resp.read())
+
+    def test_tokenize_detokenize(self):
+        # llama.cpp's server endpoints: /tokenize {content, add_special, with_pieces}, /detokenize {tokens}.
+        text = "Once upon a time, a cat"
+        ids = self.post("/tokenize", {"content": text})["tokens"]
+        self.assertTrue(ids and all(isinstance(t, int) for t in ids))
+        with_bos = self.post("/tokenize", {"content": text, "add_special": True})["tokens"]
+        self.assertEqual(with_bos[1:], ids)
+        pieces = self.post("/tokenize", {"content": text, "with_pieces": True})["tokens"]
+        self.assertEqual([p["id"] for p in pieces], ids)
+        self.assertEqual("".join(p["piece"] for p in pieces).strip(), text)
+        self.assertEqual(self.post("/detokenize", {"tokens": ids})["content"].strip(), text)
+        # The tokens are what a completion's usage counts.
+        r = self.client.completions.create(model=self.model, prompt=text, max_tokens=1)
+        self.assertEqual(r.usage.prompt_tokens, len(with_bos))
+
+    def test_completion_logprobs_are_greedy_and_stream_alike(self):
+        args = dict(model=self.model, prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=3,
+                    extra_body={"ignore_eos": True})
+        r = self.client.completions.create(**args)
+        lp = r.choices[0].logprobs
+        self.assertEqual(len(lp.tokens), r.usage.completion_tokens)
+        self.assertEqual("".join(lp.tokens), r.choices[0].text)
+        for tok, tlp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+            self.assertLessEqual(len(top), 3 + 1)
+            best = max(top, key=top.get)
+            self.assertEqual(best, tok, "the top-1 logprob token is the greedy token")
+            self.assertAlmostEqual(top[best], tlp, places=5)
+            self.assertLessEqual(tlp, 0)
+        tokens, lps = [], []
+        for chunk in self.client.completions.create(**args, stream=True):
+            for c in chunk.choices:
+                if c.logprobs:
+                    tokens += c.logprobs.tokens
+                    lps += c.logprobs.token_logprobs
+        self.assertEqual(tokens, lp.tokens)
+        self.assertEqual(lps, lp.token_logprobs)
+
+    def test_echo_logprobs_agree_with_duet_eval(self):
+        # lm-evaluation-harness's local-completions: echo with max_tokens 1 and logprobs 1.
+        text = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
+        r = self.client.completions.create(model=self.model, prompt=text, max_tokens=1, temperature=0,
+                                           logprobs=1, echo=True)
+        c = r.choices[0]
+        self.assertTrue(c.text.startswith(text))
+        n = r.usage.prompt_tokens
+        self.assertEqual(len(c.logprobs.tokens), n + 1)
+        self.assertIsNone(c.logprobs.token_logprobs[0])
+        self.assertIsNone(c.logprobs.top_logprobs[0])
+        prompt_lps = c.logprobs.token_logprobs[1:n]
+        # The same text through the same model as `duet eval` scores it (teacher forcing, BOS first).
+        with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+            f.write(text)
+        try:
+            out = subprocess.run([DUET, "eval", "-m", STORIES, "--ref", STORIES, "--backend", "cpu", "--text", f.name,
+                                  "--json"], capture_output=True, text=True, check=True).stdout
+        finally:
+            os.unlink(f.name)
+        ev = json.loads(out)
+        self.assertEqual(ev["positions"], n - 1)
+        ppl = math.exp(-sum(prompt_lps) / len(prompt_lps))
+        self.assertAlmostEqual(ppl / ev["ppl"], 1.0, delta=1e-3, msg=f"echo {ppl} vs duet eval {ev['ppl']}")
+        # Token ids as the prompt (lm-eval's tokenized requests): the same logprobs, echoed ids included.
+        ids = self.post("/tokenize", {"content": text, "add_special": True})["tokens"]
+        r2 = self.client.completions.create(model=self.model, prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                            echo=True)
+        for a, b in zip(r2.choices[0].logprobs.token_logprobs[1:n], prompt_lps):
+            self.assertAlmostEqual(a, b, places=3)
+
+    def test_chat_logprobs(self):
+        msgs = [{"role": "user", "content": "Tell me about a dog."}]
+        args = dict(model=self.model, messages=msgs, max_completion_tokens=10, temperature=0, logprobs=True,
+                    top_logprobs=5, extra_body={"ignore_eos": True})
+        r = self.client.chat.completions.create(**args)
+        content = r.choices[0].logprobs.content
+        self.assertEqual(len(content), r.usage.completion_tokens)
+        for e in content:
+            self.assertEqual(len(e.top_logprobs), 5)
+            self.assertEqual(e.top_logprobs[0].token, e.token, "the top-1 logprob token is the greedy token")
+            self.assertAlmostEqual(e.top_logprobs[0].logprob, e.logprob, places=5)
+            self.assertEqual(sorted((t.logprob for t in e.top_logprobs), reverse=True),
+                             [t.logprob for t in e.top_logprobs])
+            self.assertEqual(bytes(e.bytes).decode(errors="replace"), e.token)
+        streamed = []
+        for chunk in self.client.chat.completions.create(**args, stream=True):
+            for c in chunk.choices:
+                if c.logprobs and c.logprobs.content:
+                    streamed += c.logprobs.content
+        self.assertEqual([(e.token, e.logprob) for e in streamed], [(e.token, e.logprob) for e in content])
+        # Without logprobs the field stays null.
+        r = self.client.chat.completions.create(model=self.model, messages=msgs, max_completion_tokens=2)
+        self.assertIsNone(r.choices[0].logprobs)
 
     def test_vllm_extensions_and_priority(self):
         r = self.client.completions.create(model=self.model, prompt="The sun", max_tokens=10, temperature=0.7,

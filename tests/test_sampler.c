@@ -940,11 +940,32 @@ START_TEST(test_golden_reference) {
 }
 END_TEST
 
+START_TEST(test_logprobs) {
+    float x[6] = {1.0f, 3.0f, NAN, 3.0f, -INFINITY, 0.5f};
+    double z = exp(1.0) + 2 * exp(3.0) + exp(0.5);
+    duet_token_logprob top[6];
+    float lp = duet_logprobs(x, 6, 5, 6, top);
+    ck_assert_double_eq_tol(lp, 0.5 - log(z), 1e-6);
+    /* Best first, ties by lower id; NaN and -inf last with -inf. */
+    static const int32_t want[4] = {1, 3, 0, 5};
+    for (int i = 0; i < 4; i++)
+        ck_assert_int_eq(top[i].token, want[i]);
+    ck_assert_double_eq_tol(top[0].logprob, 3.0 - log(z), 1e-6);
+    ck_assert(top[4].logprob == -INFINITY && top[5].logprob == -INFINITY);
+    ck_assert(duet_logprobs(x, 6, 2, 0, NULL) == -INFINITY);
+    double sum = 0;
+    for (int i = 0; i < 6; i++)
+        sum += exp(duet_logprobs(x, 6, i, 0, NULL));
+    ck_assert_double_eq_tol(sum, 1.0, 1e-6);
+}
+END_TEST
+
 static Suite *sampler_suite(void) {
     Suite *s = suite_create("sampler");
     TCase *tc = tcase_create("core");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_argmax);
+    tcase_add_test(tc, test_logprobs);
     tcase_add_test(tc, test_greedy);
     tcase_add_test(tc, test_topk1_is_greedy);
     tcase_add_test(tc, test_determinism);

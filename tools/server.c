@@ -53,9 +53,10 @@
 #define CONN_STACK (2u << 20)   /* per connection thread: cJSON recursion up to its nesting limit fits */
 #define CONN_MARGIN 64          /* connections past max_connections that still get their 503 */
 
-enum { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_METRICS, R_OTHER, N_ROUTES };
-static const char *const route_paths[N_ROUTES] = {"/v1/completions", "/v1/chat/completions", "/v1/models",
-                                                  "/health", "/metrics", "other"};
+enum { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_OTHER, N_ROUTES };
+static const char *const route_paths[N_ROUTES] = {
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+    "/tokenize",       "/detokenize",          "other"};
 
 /* Status codes counted per endpoint; the last column counts every other one. */
 static const int tracked_codes[] = {200, 204, 400, 401, 403, 404, 405, 408, 413, 415, 429, 499, 500, 503};
@@ -124,8 +125,10 @@ typedef struct slot {
     int prompt; /* which prompt it answers */
     uint64_t id;
     bool submitted, done, failed;
-    srv_text text; /* the generated text (the engine cuts it at a stop string) */
+    srv_text text; /* the generated text (the engine cuts it at a stop string); echo: the prompt's first */
     int tokens, prompt_tokens;
+    srv_lp *lp; /* logprob records (echo: the prompt's tokens first) */
+    int n_lp, cap_lp;
     duet_finish finish;
     char error[256];
 } slot;
@@ -134,6 +137,7 @@ typedef struct slot {
 typedef struct sse_ev {
     int slot;
     size_t end;
+    int lp_end; /* the slot's logprob records then */
     bool finish;
 } sse_ev;
 
@@ -160,6 +164,7 @@ struct job {
     int fd;
     int ev_sent;
     size_t *sent_end;
+    int *sent_lp;
     bool role_sent, stream_done;
     srv_text out;
     size_t out_off;
@@ -195,9 +200,12 @@ static uint64_t fresh_u64(srv *s) { return splitmix64(s->salt ^ atomic_fetch_add
 /* ---- jobs --------------------------------------------------------------- */
 
 static void job_free(job *j) {
-    for (int i = 0; i < j->n_slots; i++)
+    for (int i = 0; i < j->n_slots; i++) {
         srv_text_free(&j->slots[i].text);
+        free(j->slots[i].lp);
+    }
     free(j->slots);
+    free(j->sent_lp);
     free(j->ev);
     free(j->sent_end);
     srv_text_free(&j->out);
@@ -224,21 +232,47 @@ static void push_event(job *j, int slot_i, size_t end, bool finish) {
         j->ev = ev;
         j->cap_ev = cap;
     }
-    j->ev[j->n_ev++] = (sse_ev){slot_i, end, finish};
+    j->ev[j->n_ev++] = (sse_ev){slot_i, end, j->slots[slot_i].n_lp, finish};
 }
 
 /* The engine's event callback: runs on the engine thread, so it only
  * appends and signals. Stop strings are the engine's: the text it sends
  * never holds one, and a request cut by one ends as STOP. */
+/* Under j->mu: appends a logprob record; false when out of memory. */
+static bool add_lp(slot *sl, int32_t token, const duet_event *ev) {
+    if (sl->n_lp == sl->cap_lp) {
+        int cap = sl->cap_lp ? sl->cap_lp * 2 : 32;
+        srv_lp *lp = realloc(sl->lp, (size_t)cap * sizeof *lp);
+        if (!lp) return false;
+        sl->lp = lp;
+        sl->cap_lp = cap;
+    }
+    srv_lp *l = &sl->lp[sl->n_lp++];
+    l->token = token;
+    l->has = ev && ev->has_logprob;
+    l->logprob = l->has ? ev->logprob : 0;
+    l->n_top = l->has ? ev->n_top : 0;
+    if (l->n_top) memcpy(l->top, ev->top, (size_t)l->n_top * sizeof *l->top);
+    return true;
+}
+
 static void on_event(const duet_event *ev, void *user) {
     slot *sl = user;
     job *j = sl->j;
     bool cancel = false, last = false;
     pthread_mutex_lock(&j->mu);
-    if (ev->kind == DUET_EVENT_TOKEN) {
+    if (ev->kind == DUET_EVENT_PROMPT_TOKEN) {
+        if (!sl->failed && !add_lp(sl, ev->token, ev)) {
+            snprintf(sl->error, sizeof sl->error, "out of memory for the logprobs");
+            sl->failed = cancel = true;
+        }
+    } else if (ev->kind == DUET_EVENT_TOKEN) {
         if (!sl->failed && !sl->done) {
             if (ev->token >= 0) sl->tokens++;
-            if (ev->text_len && !srv_text_append(&sl->text, ev->text, ev->text_len)) {
+            if (ev->token >= 0 && j->req.logprobs && !add_lp(sl, ev->token, ev)) {
+                snprintf(sl->error, sizeof sl->error, "out of memory for the logprobs");
+                sl->failed = cancel = true;
+            } else if (ev->text_len && !srv_text_append(&sl->text, ev->text, ev->text_len)) {
                 snprintf(sl->error, sizeof sl->error, "out of memory for the generated text");
                 sl->failed = cancel = true; /* end here and free the sequence */
             } else if (ev->text_len) {
@@ -504,6 +538,98 @@ static enum MHD_Result get_health(srv *s, conn *cn, struct MHD_Connection *c) {
                      strdup(draining ? "{\"status\":\"draining\"}" : "{\"status\":\"ok\"}"));
 }
 
+/* ---- /tokenize and /detokenize, as llama.cpp's server has them ------------ */
+
+static int tokenize(const duet_model *m, const char *text, size_t len, int32_t **out);
+
+static cJSON *body_json(conn *cn) {
+    return cn->body.p ? cJSON_ParseWithLength(cn->body.p, cn->body.len) : NULL;
+}
+
+static enum MHD_Result send_cjson(srv *s, conn *cn, struct MHD_Connection *c, cJSON *o) {
+    char *t = o ? cJSON_PrintUnformatted(o) : NULL;
+    char *body = t ? strdup(t) : NULL;
+    cJSON_free(t);
+    cJSON_Delete(o);
+    return send_json(s, cn, c, 200, body);
+}
+
+/* {"content": "...", "add_special": false, "with_pieces": false} ->
+ * {"tokens": [ids]} or, with_pieces, {"tokens": [{"id", "piece"}]}. */
+static enum MHD_Result post_tokenize(srv *s, conn *cn, struct MHD_Connection *c) {
+    cJSON *in = body_json(cn);
+    const cJSON *content = cJSON_GetObjectItemCaseSensitive(in, "content");
+    const cJSON *as = cJSON_GetObjectItemCaseSensitive(in, "add_special");
+    const cJSON *wp = cJSON_GetObjectItemCaseSensitive(in, "with_pieces");
+    srv_error err;
+    if (!cJSON_IsObject(in) || !cJSON_IsString(content) || (as && !cJSON_IsBool(as)) ||
+        (wp && !cJSON_IsBool(wp))) {
+        cJSON_Delete(in);
+        srv_bad(&err, "content", "invalid_value",
+                "the body must be {\"content\": string, \"add_special\": bool, \"with_pieces\": bool}");
+        return send_error(s, cn, c, &err);
+    }
+    const char *text = content->valuestring;
+    size_t len = strlen(text);
+    int32_t *ids = NULL;
+    int n = len ? tokenize(s->model, text, len, &ids) : 0;
+    if (n >= 0 && !cJSON_IsTrue(as) && n > 0 && ids[0] == s->bos) /* tokenize() adds BOS as the model asks */
+        memmove(ids, ids + 1, (size_t)--n * sizeof *ids);
+    if (n < 0) {
+        cJSON_Delete(in);
+        free(ids);
+        srv_bad(&err, "content", NULL, "cannot tokenize: %s", duet_last_error());
+        return send_error(s, cn, c, &err);
+    }
+    cJSON *o = cJSON_CreateObject(), *arr = cJSON_AddArrayToObject(o, "tokens");
+    for (int i = 0; i < n; i++) {
+        if (cJSON_IsTrue(wp)) {
+            cJSON *t = cJSON_CreateObject();
+            cJSON_AddNumberToObject(t, "id", ids[i]);
+            cJSON_AddItemToObject(t, "piece", srv_token_json(s->model, ids[i], NULL, NULL));
+            cJSON_AddItemToArray(arr, t);
+        } else {
+            cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+        }
+    }
+    free(ids);
+    cJSON_Delete(in);
+    return send_cjson(s, cn, c, o);
+}
+
+/* {"tokens": [ids]} -> {"content": "..."} (the pieces joined; bytes that
+ * are not UTF-8 become U+FFFD). */
+static enum MHD_Result post_detokenize(srv *s, conn *cn, struct MHD_Connection *c) {
+    cJSON *in = body_json(cn);
+    const cJSON *toks = cJSON_GetObjectItemCaseSensitive(in, "tokens");
+    srv_error err;
+    duet_model_desc d;
+    duet_model_describe(s->model, &d);
+    bool ok = cJSON_IsObject(in) && cJSON_IsArray(toks);
+    for (const cJSON *t = ok ? toks->child : NULL; t; t = t->next)
+        if (!cJSON_IsNumber(t) || t->valuedouble != (double)(int)t->valuedouble || t->valueint < 0 ||
+            t->valueint >= d.n_vocab)
+            ok = false;
+    if (!ok) {
+        cJSON_Delete(in);
+        srv_bad(&err, "tokens", "invalid_value", "the body must be {\"tokens\": [token ids in [0, %d)]}",
+                d.n_vocab);
+        return send_error(s, cn, c, &err);
+    }
+    srv_text t = {0};
+    char piece[256];
+    for (const cJSON *it = toks->child; it; it = it->next) {
+        int n = duet_token_piece(s->model, it->valueint, piece, sizeof piece);
+        if (n > 0) srv_text_append(&t, piece, (size_t)(n < (int)sizeof piece ? n : (int)sizeof piece));
+    }
+    cJSON_Delete(in);
+    srv_utf8_sanitize(&t);
+    cJSON *o = cJSON_CreateObject();
+    cJSON_AddStringToObject(o, "content", t.p ? t.p : "");
+    srv_text_free(&t);
+    return send_cjson(s, cn, c, o);
+}
+
 /* ---- generation ------------------------------------------------------ */
 
 /* Tokenizes text into a malloc'd array; returns the count or a negative status. */
@@ -596,11 +722,31 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
     j->n_slots = n_prompts * r->n;
     j->slots = calloc((size_t)j->n_slots, sizeof *j->slots);
     j->sent_end = calloc((size_t)j->n_slots, sizeof *j->sent_end);
-    if (!j->slots || !j->sent_end) return *err = server_error(500, "server_error", NULL, "out of memory"), false;
+    j->sent_lp = calloc((size_t)j->n_slots, sizeof *j->sent_lp);
+    if (!j->slots || !j->sent_end || !j->sent_lp)
+        return *err = server_error(500, "server_error", NULL, "out of memory"), false;
     for (int i = 0; i < j->n_slots; i++) {
-        j->slots[i].j = j;
-        j->slots[i].index = i;
-        j->slots[i].prompt = i / r->n;
+        slot *sl = &j->slots[i];
+        sl->j = j;
+        sl->index = i;
+        sl->prompt = i / r->n;
+        /* echo: the choice starts with its prompt (its text, or the ids'
+         * pieces) and, with logprobs, the prompt's tokens (the first has
+         * none; the engine's PROMPT_TOKEN events give the rest). */
+        if (!r->echo) continue;
+        const char *pt = r->prompts[sl->prompt].text;
+        bool ok = true;
+        if (pt)
+            ok = srv_text_append(&sl->text, pt, strlen(pt));
+        else
+            for (int k = 0; ok && k < n_ids[sl->prompt]; k++) {
+                char piece[256];
+                int len = duet_token_piece(s->model, ids[sl->prompt][k], piece, sizeof piece);
+                if (len > 0) ok = srv_text_append(&sl->text, piece, (size_t)(len < 256 ? len : 256));
+            }
+        if (ok && !pt) srv_utf8_sanitize(&sl->text);
+        if (ok && r->logprobs) ok = add_lp(sl, ids[sl->prompt][0], NULL);
+        if (!ok) return *err = server_error(500, "server_error", NULL, "out of memory"), false;
     }
     /* Stop strings: the request's, then the template's end-of-turn markers. */
     for (int i = 0; i < r->n_stop; i++) j->stops[j->n_stops++] = r->stop[i];
@@ -622,7 +768,10 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
                           .priority = r->priority,
                           .ignore_eos = r->ignore_eos,
                           .stop = (const char *const *)j->stops,
-                          .n_stop = j->n_stops};
+                          .n_stop = j->n_stops,
+                          .logprobs = r->logprobs,
+                          .prompt_logprobs = r->echo,
+                          .top_logprobs = r->top_logprobs};
         /* Default length: OpenAI's 16 for completions, the rest of the
          * context for chat. */
         int room = s->n_ctx - n_ids[p];
@@ -696,13 +845,29 @@ static void stream_fill(job *j) {
     srv_text *texts = n ? calloc((size_t)n, sizeof *texts) : NULL;
     duet_finish *fin = n ? calloc((size_t)n, sizeof *fin) : NULL;
     char(*errs)[256] = n ? calloc((size_t)n, sizeof *errs) : NULL;
-    if (n && (!evs || !texts || !fin || !errs)) n = 0; /* retried on the next call */
+    srv_choice_result *lps = n ? calloc((size_t)n, sizeof *lps) : NULL;
+    size_t *offs = n ? calloc((size_t)n, sizeof *offs) : NULL;
+    if (n && (!evs || !texts || !fin || !errs || !lps || !offs)) n = 0; /* retried on the next call */
     for (int k = 0; k < n; k++) {
         evs[k] = j->ev[j->ev_sent + k];
         slot *sl = &j->slots[evs[k].slot];
         size_t from = j->sent_end[evs[k].slot];
         if (!evs[k].finish && evs[k].end > from) srv_text_append(&texts[k], sl->text.p + from, evs[k].end - from);
         if (!evs[k].finish) j->sent_end[evs[k].slot] = evs[k].end;
+        offs[k] = from;
+        /* The logprobs of the tokens since the last chunk (at the end, all the rest). */
+        int lp_from = j->sent_lp[evs[k].slot], lp_to = evs[k].finish ? sl->n_lp : evs[k].lp_end;
+        if (r->logprobs && lp_to > lp_from) {
+            srv_lp *copy = malloc((size_t)(lp_to - lp_from) * sizeof *copy);
+            if (copy) {
+                memcpy(copy, sl->lp + lp_from, (size_t)(lp_to - lp_from) * sizeof *copy);
+                lps[k] = (srv_choice_result){
+                    .logprobs = true, .lp = copy, .n_lp = lp_to - lp_from, .model = s->model};
+                j->sent_lp[evs[k].slot] = lp_to;
+            }
+        } else if (r->logprobs) {
+            lps[k] = (srv_choice_result){.logprobs = true, .model = s->model};
+        }
         fin[k] = sl->finish;
         memcpy(errs[k], sl->error, sizeof errs[k]);
     }
@@ -714,8 +879,8 @@ static void stream_fill(job *j) {
     for (int k = 0; k < n; k++) {
         if (!evs[k].finish) {
             if (texts[k].len)
-                srv_chunk_sse(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, texts[k].p, texts[k].len, NULL,
-                              false, usage_null);
+                srv_chunk_sse_lp(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, texts[k].p,
+                                 texts[k].len, NULL, false, usage_null, &lps[k], offs[k]);
         } else if (fin[k] == DUET_FINISH_ERROR || (j->timed_out && fin[k] == DUET_FINISH_CANCELLED)) {
             if (fin[k] != DUET_FINISH_ERROR && j->timeout_sent) continue; /* one timeout event per stream */
             srv_error e = fin[k] == DUET_FINISH_ERROR ? server_error(500, "server_error", NULL, errs[k])
@@ -725,11 +890,14 @@ static void stream_fill(job *j) {
             if (ej) srv_text_printf(&j->out, "data: %s\n\n", ej);
             free(ej);
         } else {
-            srv_chunk_sse(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, "", 0, finish_name(fin[k]), false,
-                          usage_null);
+            srv_chunk_sse_lp(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, "", 0,
+                             finish_name(fin[k]), false, usage_null, lps[k].n_lp ? &lps[k] : NULL, offs[k]);
         }
         srv_text_free(&texts[k]);
+        free((void *)lps[k].lp);
     }
+    free(lps);
+    free(offs);
     free(evs);
     free(texts);
     free(fin);
@@ -784,7 +952,8 @@ static char *plain_answer(srv *s, job *j, int *code) {
     srv_choice_result *res = calloc((size_t)(j->n_slots > 0 ? j->n_slots : 1), sizeof *res);
     for (int i = 0; res && i < j->n_slots; i++) {
         slot *sl = &j->slots[i];
-        res[i] = (srv_choice_result){sl->text.p, sl->text.len, finish_name(sl->finish)};
+        res[i] = (srv_choice_result){
+            sl->text.p, sl->text.len, finish_name(sl->finish), j->req.logprobs, sl->lp, sl->n_lp, s->model};
     }
     char *body =
         res ? srv_response_json(j->req.kind, j->id, j->created, s->name, res, j->n_slots, job_usage(j))
@@ -1182,6 +1351,12 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         break;
     case R_METRICS:
         if (get) return get_metrics(s, cn, c);
+        break;
+    case R_TOKENIZE:
+        if (post) return post_tokenize(s, cn, c);
+        break;
+    case R_DETOKENIZE:
+        if (post) return post_detokenize(s, cn, c);
         break;
     default:
         err = server_error(404, "invalid_request_error", "not_found", "");

@@ -92,6 +92,10 @@ typedef struct srv_request {
     int n_stop;
     duet_priority priority;
     double timeout_s; /* "timeout": seconds until it is cancelled and answered (0: the server's) */
+    /* Logprobs: completions' "logprobs": N (then top_logprobs = N) and
+     * "echo"; chat's "logprobs": true and "top_logprobs": N. */
+    bool logprobs, echo;
+    int top_logprobs;
 } srv_request;
 
 /* What validation needs to know about the served model. */
@@ -113,10 +117,31 @@ char *srv_conversation_json(const srv_request *r);
 
 /* ---- responses ------------------------------------------------------- */
 
+/* One token's logprob record (the response's "logprobs"). */
+typedef struct srv_lp {
+    int32_t token;
+    bool has; /* false: no logprob (an echoed prompt's first token: null) */
+    float logprob;
+    int n_top;
+    duet_token_logprob top[DUET_MAX_TOP_LOGPROBS];
+} srv_lp;
+
+/* The "logprobs" object of a choice or chunk for records lp[0..n): chat's
+ * {"content": [...]} or completions' {"tokens", "token_logprobs",
+ * "top_logprobs", "text_offset"} with offsets from text_offset0. Returns a
+ * cJSON * (void * keeps cJSON out of this header). */
+void *srv_logprobs_json(srv_kind kind, const duet_model *m, const srv_lp *lp, int n, size_t text_offset0);
+
 typedef struct srv_choice_result {
     const char *text;
     size_t len;
     const char *finish; /* "stop", "length", ... */
+    /* With logprobs asked for (logprobs true): the records and the model
+     * that names their tokens. */
+    bool logprobs;
+    const srv_lp *lp;
+    int n_lp;
+    const duet_model *model;
 } srv_choice_result;
 
 typedef struct srv_usage {
@@ -132,8 +157,24 @@ char *srv_response_json(srv_kind kind, const char *id, long created, const char 
  * null_usage adds "usage": null (stream_options.include_usage). */
 bool srv_chunk_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, int index,
                    const char *text, size_t len, const char *finish, bool role, bool null_usage);
+/* srv_chunk_sse with the logprobs of the chunk's tokens (lp->logprobs set). */
+bool srv_chunk_sse_lp(srv_text *out, srv_kind kind, const char *id, long created, const char *model,
+                      int index, const char *text, size_t len, const char *finish, bool role, bool null_usage,
+                      const srv_choice_result *lp, size_t text_offset0);
 /* The usage chunk (empty choices) that ends a stream with include_usage. */
 bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, srv_usage u);
+
+/* ---- token text ------------------------------------------------------ */
+
+/* Length of the longest prefix of s[0..n) that is whole, valid UTF-8. */
+size_t srv_utf8_valid_prefix(const char *s, size_t n);
+/* Replaces every byte that is not part of valid UTF-8 with U+FFFD. */
+void srv_utf8_sanitize(srv_text *t);
+/* A token's bytes as a JSON string (a cJSON *, declared void * here so this
+ * header needs no cJSON): the text when its bytes are whole UTF-8, else
+ * OpenAI's "bytes:\\xe2\\x80" spelling. *bytes_out (may be NULL) gets the raw
+ * bytes and *n_bytes their count (at most 255). */
+void *srv_token_json(const duet_model *m, int32_t id, unsigned char *bytes_out, int *n_bytes);
 
 /* ---- the server ------------------------------------------------------ */
 

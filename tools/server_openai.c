@@ -56,6 +56,64 @@ void srv_text_free(srv_text *t) {
     memset(t, 0, sizeof *t);
 }
 
+/* ---- token text ------------------------------------------------------- */
+
+/* Bytes of the UTF-8 sequence at s[0..n) (1..4), or 0 when it is not one. */
+static int utf8_seq(const unsigned char *s, size_t n) {
+    unsigned c = s[0];
+    int len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+    if (!len || (size_t)len > n) return 0;
+    uint32_t cp = len == 1 ? c : len == 2 ? c & 0x1F : len == 3 ? c & 0x0F : c & 0x07;
+    for (int i = 1; i < len; i++) {
+        if ((s[i] & 0xC0) != 0x80) return 0;
+        cp = cp << 6 | (s[i] & 0x3F);
+    }
+    static const uint32_t min[5] = {0, 0, 0x80, 0x800, 0x10000};
+    if (cp < min[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+    return len;
+}
+
+size_t srv_utf8_valid_prefix(const char *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        int k = utf8_seq((const unsigned char *)s + i, n - i);
+        if (!k) break;
+        i += (size_t)k;
+    }
+    return i;
+}
+
+void srv_utf8_sanitize(srv_text *t) {
+    if (!t->p || srv_utf8_valid_prefix(t->p, t->len) == t->len) return;
+    srv_text o = {0};
+    for (size_t i = 0; i < t->len;) {
+        int k = utf8_seq((const unsigned char *)t->p + i, t->len - i);
+        if (k)
+            srv_text_append(&o, t->p + i, (size_t)k), i += (size_t)k;
+        else
+            srv_text_append(&o, "\xEF\xBF\xBD", 3), i++;
+    }
+    srv_text_free(t);
+    *t = o;
+}
+
+void *srv_token_json(const duet_model *m, int32_t id, unsigned char *bytes_out, int *n_bytes) {
+    char piece[256];
+    int n = duet_token_piece(m, id, piece, sizeof piece);
+    if (n < 0) n = 0;
+    if (n > (int)sizeof piece - 1) n = (int)sizeof piece - 1;
+    piece[n] = 0;
+    if (bytes_out) memcpy(bytes_out, piece, (size_t)n);
+    if (n_bytes) *n_bytes = n;
+    if (srv_utf8_valid_prefix(piece, (size_t)n) == (size_t)n && !memchr(piece, 0, (size_t)n))
+        return cJSON_CreateString(piece);
+    char esc[4 * 256 + 8] = "bytes:";
+    size_t k = 6;
+    for (int i = 0; i < n; i++)
+        k += (size_t)snprintf(esc + k, sizeof esc - k, "\\x%02x", (unsigned char)piece[i]);
+    return cJSON_CreateString(esc);
+}
+
 /* ---- errors ------------------------------------------------------------- */
 
 bool srv_bad(srv_error *err, const char *param, const char *code, const char *fmt, ...) {
@@ -144,16 +202,9 @@ static bool read_bool(const cJSON *o, const char *key, bool *out, srv_error *err
  * accepted when they hold their "off" value. */
 static bool refuse_unsupported(const cJSON *o, srv_kind kind, srv_error *err) {
     const cJSON *v;
-    v = cJSON_GetObjectItemCaseSensitive(o, "logprobs");
-    if (given(v) && !cJSON_IsFalse(v)) return srv_bad(err, "logprobs", "unsupported", "logprobs are not supported");
-    v = cJSON_GetObjectItemCaseSensitive(o, "top_logprobs");
-    if (given(v) && !(cJSON_IsNumber(v) && v->valuedouble == 0))
-        return srv_bad(err, "top_logprobs", "unsupported", "top_logprobs is not supported");
     v = cJSON_GetObjectItemCaseSensitive(o, "logit_bias");
     if (given(v) && !(cJSON_IsObject(v) && !v->child))
         return srv_bad(err, "logit_bias", "unsupported", "logit_bias is not supported");
-    v = cJSON_GetObjectItemCaseSensitive(o, "echo");
-    if (given(v) && !cJSON_IsFalse(v)) return srv_bad(err, "echo", "unsupported", "echo is not supported");
     v = cJSON_GetObjectItemCaseSensitive(o, "suffix");
     if (given(v) && !(cJSON_IsString(v) && !v->valuestring[0]))
         return srv_bad(err, "suffix", "unsupported", "suffix is not supported");
@@ -166,6 +217,25 @@ static bool refuse_unsupported(const cJSON *o, srv_kind kind, srv_error *err) {
         if (given(v) && !(cJSON_IsString(ty) && !strcmp(ty->valuestring, "text")))
             return srv_bad(err, "response_format", "unsupported", "only response_format {\"type\": \"text\"} is supported");
     }
+    return true;
+}
+
+/* Completions: "logprobs": N (0..20) and "echo". Chat: "logprobs": true
+ * and "top_logprobs": N (0..20, only with logprobs). */
+static bool parse_logprobs(const cJSON *o, srv_request *r, srv_error *err) {
+    double x = 0;
+    bool present;
+    if (r->kind == SRV_COMPLETION) {
+        if (!read_int(o, "logprobs", 0, DUET_MAX_TOP_LOGPROBS, &x, &present, err)) return false;
+        r->logprobs = present;
+        r->top_logprobs = (int)x;
+        return read_bool(o, "echo", &r->echo, err);
+    }
+    if (!read_bool(o, "logprobs", &r->logprobs, err)) return false;
+    if (!read_int(o, "top_logprobs", 0, DUET_MAX_TOP_LOGPROBS, &x, &present, err)) return false;
+    if (present && x > 0 && !r->logprobs)
+        return srv_bad(err, "top_logprobs", "invalid_value", "'top_logprobs' needs \"logprobs\": true");
+    r->top_logprobs = (int)x;
     return true;
 }
 
@@ -307,8 +377,11 @@ static bool parse_model(const cJSON *o, const srv_limits *lim, srv_error *err) {
     if (!cJSON_IsString(v)) return srv_bad(err, "model", "invalid_type", "'model' must be a string");
     if (!strcmp(v->valuestring, lim->model_name) || (lim->model_alias && !strcmp(v->valuestring, lim->model_alias)))
         return true;
-    return srv_bad(err, "model", "model_not_found", "The model '%.200s' does not exist; this server serves '%.200s'",
-                   v->valuestring, lim->model_name);
+    /* OpenAI and vLLM answer an unknown model with 404. */
+    srv_bad(err, "model", "model_not_found", "The model '%.200s' does not exist; this server serves '%.200s'",
+            v->valuestring, lim->model_name);
+    err->http = 404;
+    return false;
 }
 
 static bool parse_fields(const cJSON *o, const srv_limits *lim, srv_request *r, srv_error *err) {
@@ -361,7 +434,7 @@ static bool parse_fields(const cJSON *o, const srv_limits *lim, srv_request *r, 
     }
     /* timeout: duet's own field, seconds until the server gives up on it. */
     if (!read_number(o, "timeout", 0, 86400 * 7, true, &r->timeout_s, err)) return false;
-    return parse_stop(o, r, err) && parse_priority(o, r, err);
+    return parse_stop(o, r, err) && parse_priority(o, r, err) && parse_logprobs(o, r, err);
 }
 
 /* True when a JSON string in body holds the escape \u0000. cJSON decodes
@@ -481,7 +554,11 @@ char *srv_response_json(srv_kind kind, const char *id, long created, const char 
         } else {
             cJSON_AddItemToObject(c, "text", text);
         }
-        cJSON_AddNullToObject(c, "logprobs");
+        if (choices[i].logprobs)
+            cJSON_AddItemToObject(
+                c, "logprobs", srv_logprobs_json(kind, choices[i].model, choices[i].lp, choices[i].n_lp, 0));
+        else
+            cJSON_AddNullToObject(c, "logprobs");
         cJSON_AddStringToObject(c, "finish_reason", choices[i].finish);
         cJSON_AddItemToArray(arr, c);
     }
@@ -499,6 +576,79 @@ static bool append_sse(srv_text *out, cJSON *o) {
 
 bool srv_chunk_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, int index,
                    const char *text, size_t len, const char *finish, bool role, bool null_usage) {
+    return srv_chunk_sse_lp(out, kind, id, created, model, index, text, len, finish, role, null_usage, NULL,
+                            0);
+}
+
+/* OpenAI writes -inf as -9999. */
+static double lp_num(float x) {
+    return isfinite(x) ? x : -9999.0;
+}
+
+static cJSON *bytes_array(const unsigned char *b, int n) {
+    cJSON *a = cJSON_CreateArray();
+    for (int i = 0; i < n; i++)
+        cJSON_AddItemToArray(a, cJSON_CreateNumber(b[i]));
+    return a;
+}
+
+void *srv_logprobs_json(srv_kind kind, const duet_model *m, const srv_lp *lp, int n, size_t text_offset0) {
+    cJSON *o = cJSON_CreateObject();
+    unsigned char bytes[256];
+    int nb;
+    if (kind == SRV_CHAT) {
+        cJSON *content = cJSON_AddArrayToObject(o, "content");
+        for (int i = 0; i < n; i++) {
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddItemToObject(e, "token", srv_token_json(m, lp[i].token, bytes, &nb));
+            cJSON_AddNumberToObject(e, "logprob", lp_num(lp[i].logprob));
+            cJSON_AddItemToObject(e, "bytes", bytes_array(bytes, nb));
+            cJSON *top = cJSON_AddArrayToObject(e, "top_logprobs");
+            for (int k = 0; k < lp[i].n_top; k++) {
+                cJSON *t = cJSON_CreateObject();
+                cJSON_AddItemToObject(t, "token", srv_token_json(m, lp[i].top[k].token, bytes, &nb));
+                cJSON_AddNumberToObject(t, "logprob", lp_num(lp[i].top[k].logprob));
+                cJSON_AddItemToObject(t, "bytes", bytes_array(bytes, nb));
+                cJSON_AddItemToArray(top, t);
+            }
+            cJSON_AddItemToArray(content, e);
+        }
+        return o;
+    }
+    cJSON *tokens = cJSON_AddArrayToObject(o, "tokens"), *tlp = cJSON_AddArrayToObject(o, "token_logprobs");
+    cJSON *top = cJSON_AddArrayToObject(o, "top_logprobs"), *off = cJSON_AddArrayToObject(o, "text_offset");
+    size_t at = text_offset0;
+    for (int i = 0; i < n; i++) {
+        cJSON *name = srv_token_json(m, lp[i].token, bytes, &nb);
+        cJSON_AddItemToArray(off, cJSON_CreateNumber((double)at));
+        at += (size_t)nb;
+        if (!lp[i].has) {
+            cJSON_AddItemToArray(tokens, name);
+            cJSON_AddItemToArray(tlp, cJSON_CreateNull());
+            cJSON_AddItemToArray(top, cJSON_CreateNull());
+            continue;
+        }
+        /* The top tokens as {text: logprob}, with the chosen one added as
+         * vLLM does (a dict keeps one entry per distinct text). */
+        cJSON *d = cJSON_CreateObject();
+        for (int k = 0; k < lp[i].n_top; k++) {
+            cJSON *t = srv_token_json(m, lp[i].top[k].token, NULL, NULL);
+            if (t && !cJSON_GetObjectItemCaseSensitive(d, t->valuestring))
+                cJSON_AddNumberToObject(d, t->valuestring, lp_num(lp[i].top[k].logprob));
+            cJSON_Delete(t);
+        }
+        if (lp[i].n_top > 0 && !cJSON_GetObjectItemCaseSensitive(d, name->valuestring))
+            cJSON_AddNumberToObject(d, name->valuestring, lp_num(lp[i].logprob));
+        cJSON_AddItemToArray(tokens, name);
+        cJSON_AddItemToArray(tlp, cJSON_CreateNumber(lp_num(lp[i].logprob)));
+        cJSON_AddItemToArray(top, d);
+    }
+    return o;
+}
+
+bool srv_chunk_sse_lp(srv_text *out, srv_kind kind, const char *id, long created, const char *model,
+                      int index, const char *text, size_t len, const char *finish, bool role, bool null_usage,
+                      const srv_choice_result *lp, size_t text_offset0) {
     cJSON *o = response_head(kind, true, id, created, model);
     cJSON *c = cJSON_CreateObject();
     cJSON_AddNumberToObject(c, "index", index);
@@ -513,7 +663,11 @@ bool srv_chunk_sse(srv_text *out, srv_kind kind, const char *id, long created, c
     } else {
         cJSON_AddItemToObject(c, "text", string_n(text ? text : "", text ? len : 0));
     }
-    cJSON_AddNullToObject(c, "logprobs");
+    if (lp && lp->logprobs && !role)
+        cJSON_AddItemToObject(c, "logprobs",
+                              srv_logprobs_json(kind, lp->model, lp->lp, lp->n_lp, text_offset0));
+    else
+        cJSON_AddNullToObject(c, "logprobs");
     if (finish) cJSON_AddStringToObject(c, "finish_reason", finish);
     else cJSON_AddNullToObject(c, "finish_reason");
     cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "choices"), c);
