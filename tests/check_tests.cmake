@@ -32,6 +32,7 @@ set(DUET_TEST_COLD_SECONDS
   test_vulkan.attention=17
   test_quants_reference.py=55
   test_long_context=17
+  test_forward.archs=25
   test_engine.faults=14
   test_cpu_ops.ops=11
   test_vulkan.matmul=9
