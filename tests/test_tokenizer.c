@@ -1153,17 +1153,21 @@ END_TEST
 
 int main(void) {
     Suite *s = suite_create("tokenizer");
+    /* llama.cpp's vocabulary test vectors, one line per vocabulary. */
+    TCase *tv = tcase_create("vectors");
+    tcase_set_timeout(tv, 120);
+    tcase_add_test(tv, test_vectors_llama_spm);
+    tcase_add_test(tv, test_vectors_gpt2);
+    tcase_add_test(tv, test_vectors_deepseek_coder);
+    tcase_add_test(tv, test_vectors_command_r);
+    tcase_add_test(tv, test_vectors_deepseek_llm);
+    tcase_add_test(tv, test_vectors_llama_bpe);
+    tcase_add_test(tv, test_vectors_qwen2);
+    tcase_add_test(tv, test_vectors_qwen35);
+    suite_add_tcase(s, tv);
     TCase *tc = tcase_create("core");
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, test_stories_reference);
-    tcase_add_test(tc, test_vectors_llama_spm);
-    tcase_add_test(tc, test_vectors_gpt2);
-    tcase_add_test(tc, test_vectors_deepseek_coder);
-    tcase_add_test(tc, test_vectors_command_r);
-    tcase_add_test(tc, test_vectors_deepseek_llm);
-    tcase_add_test(tc, test_vectors_llama_bpe);
-    tcase_add_test(tc, test_vectors_qwen2);
-    tcase_add_test(tc, test_vectors_qwen35);
     tcase_add_test(tc, test_metadata_and_pieces);
     tcase_add_test(tc, test_detok_every_token_fits);
     tcase_add_test(tc, test_detok_streaming_emoji);
