@@ -273,57 +273,64 @@ START_TEST(matmul_q8_random) {
 END_TEST
 
 /* The other block types: a token's result is the same bits alone or in a
- * batch of any size (the 4-, 2- and 1-token tiles, row tails), with f32 x
- * or its q8_0 blocks, on every ISA and thread count. */
+ * batch of any size, with f32 x or its q8_0 blocks, on every ISA and thread
+ * count: 9 rows (the 4-, 2- and 1-token tiles, row tails), and 37 rows by 37
+ * tokens (avx512's 16-row panels, the last moved back; token groups of 16,
+ * 4 and 1 from a kept pack; a row of 17 chunks for the 32-blocks: a partial
+ * pack unit). */
+static void blocks_batch_invariant(duet_dtype type, int n_out, int n_in, int T) {
+    float *wf = malloc(sizeof(float) * n_in), *x = malloc(sizeof(float) * T * n_in);
+    float *batch = malloc(sizeof(float) * T * n_out), *viaq = malloc(sizeof(float) * T * n_out);
+    float *alone = malloc(sizeof(float) * n_out);
+    duet_block_q8_0 *xq = malloc(sizeof *xq * T * (n_in / 32));
+    for (int i = 0; i < T * n_in; i++)
+        x[i] = rng_uniform(-2.0f, 2.0f);
+    for (int t = 0; t < T; t++)
+        duet_quantize_row_q8_0(x + t * n_in, xq + t * (n_in / 32), n_in);
+    const size_t rb = duet_dtype_row_bytes(type, n_in);
+    uint8_t *w = malloc(rb * n_out);
+    for (int o = 0; o < n_out; o++) {
+        for (int i = 0; i < n_in; i++)
+            wf[i] = rng_uniform(-1.0f, 1.0f);
+        duet_convert_row(type, wf, w + o * rb, n_in);
+    }
+    for (int isa = 0; isa < n_isas(); isa++)
+        for (int th = 1; th <= 3; th += 2) {
+            setenv("DUET_CPU_ISA", ISA_NAMES[isa], 1);
+            duet_backend *be;
+            ck_assert_int_eq(duet_backend_open("cpu", 0, &(duet_backend_params){.n_threads = th}, &be),
+                             DUET_OK);
+            unsetenv("DUET_CPU_ISA");
+            duet_op op = {.kind = DUET_OP_MATMUL, .n_tokens = T};
+            op.matmul.dtype = type;
+            op.matmul.n_in = n_in;
+            op.matmul.n_out = n_out;
+            ck_assert_int_eq(duet__cpu_matmul((cpu_backend *)be, &op, w, x, NULL, NULL, batch), DUET_OK);
+            ck_assert_int_eq(duet__cpu_matmul((cpu_backend *)be, &op, w, NULL, xq, NULL, viaq), DUET_OK);
+            ck_assert_msg(memcmp(batch, viaq, sizeof(float) * T * n_out) == 0, "%s/%s: f32 x and x_q8 differ",
+                          duet_dtype_name(type), ISA_NAMES[isa]);
+            op.n_tokens = 1;
+            for (int t = 0; t < T; t++) {
+                ck_assert_int_eq(
+                    duet__cpu_matmul((cpu_backend *)be, &op, w, NULL, xq + t * (n_in / 32), NULL, alone),
+                    DUET_OK);
+                ck_assert_msg(memcmp(alone, batch + t * n_out, sizeof(float) * n_out) == 0,
+                              "%s/%s/%d threads, %d rows: token %d alone differs from the batch",
+                              duet_dtype_name(type), ISA_NAMES[isa], th, n_out, t);
+            }
+            duet_backend_close(be);
+        }
+    free(w), free(wf), free(x), free(batch), free(viaq), free(xq), free(alone);
+}
+
 START_TEST(matmul_blocks_batch_invariant) {
     static const duet_dtype types[] = {DUET_DTYPE_Q4_0,   DUET_DTYPE_Q4_1, DUET_DTYPE_Q5_0,  DUET_DTYPE_Q5_1,
                                        DUET_DTYPE_IQ4_NL, DUET_DTYPE_Q2_K, DUET_DTYPE_Q3_K,  DUET_DTYPE_Q4_K,
                                        DUET_DTYPE_Q5_K,   DUET_DTYPE_Q6_K, DUET_DTYPE_IQ4_XS};
-    enum { N_OUT = 9, N_IN = 512, T = 11 };
-    float *wf = malloc(sizeof(float) * N_IN), *x = malloc(sizeof(float) * T * N_IN);
-    float *batch = malloc(sizeof(float) * T * N_OUT), *viaq = malloc(sizeof(float) * T * N_OUT), alone[N_OUT];
-    duet_block_q8_0 *xq = malloc(sizeof *xq * T * (N_IN / 32));
-    for (int i = 0; i < T * N_IN; i++)
-        x[i] = rng_uniform(-2.0f, 2.0f);
-    for (int t = 0; t < T; t++)
-        duet_quantize_row_q8_0(x + t * N_IN, xq + t * (N_IN / 32), N_IN);
     for (size_t k = 0; k < sizeof types / sizeof types[0]; k++) {
-        const size_t rb = duet_dtype_row_bytes(types[k], N_IN);
-        uint8_t *w = malloc(rb * N_OUT);
-        for (int o = 0; o < N_OUT; o++) {
-            for (int i = 0; i < N_IN; i++)
-                wf[i] = rng_uniform(-1.0f, 1.0f);
-            duet_convert_row(types[k], wf, w + o * rb, N_IN);
-        }
-        for (int isa = 0; isa < n_isas(); isa++)
-            for (int th = 1; th <= 3; th += 2) {
-                setenv("DUET_CPU_ISA", ISA_NAMES[isa], 1);
-                duet_backend *be;
-                ck_assert_int_eq(duet_backend_open("cpu", 0, &(duet_backend_params){.n_threads = th}, &be),
-                                 DUET_OK);
-                unsetenv("DUET_CPU_ISA");
-                duet_op op = {.kind = DUET_OP_MATMUL, .n_tokens = T};
-                op.matmul.dtype = types[k];
-                op.matmul.n_in = N_IN;
-                op.matmul.n_out = N_OUT;
-                ck_assert_int_eq(duet__cpu_matmul((cpu_backend *)be, &op, w, x, NULL, NULL, batch), DUET_OK);
-                ck_assert_int_eq(duet__cpu_matmul((cpu_backend *)be, &op, w, NULL, xq, NULL, viaq), DUET_OK);
-                ck_assert_msg(memcmp(batch, viaq, sizeof(float) * T * N_OUT) == 0,
-                              "%s/%s: f32 x and x_q8 differ", duet_dtype_name(types[k]), ISA_NAMES[isa]);
-                op.n_tokens = 1;
-                for (int t = 0; t < T; t++) {
-                    ck_assert_int_eq(
-                        duet__cpu_matmul((cpu_backend *)be, &op, w, NULL, xq + t * (N_IN / 32), NULL, alone),
-                        DUET_OK);
-                    ck_assert_msg(memcmp(alone, batch + t * N_OUT, sizeof alone) == 0,
-                                  "%s/%s/%d threads: token %d alone differs from the batch",
-                                  duet_dtype_name(types[k]), ISA_NAMES[isa], th, t);
-                }
-                duet_backend_close(be);
-            }
-        free(w);
+        blocks_batch_invariant(types[k], 9, 512, 11);
+        blocks_batch_invariant(types[k], 37, duet_dtype_block(types[k]) == 32 ? 544 : 512, 37);
     }
-    free(wf), free(x), free(batch), free(viaq), free(xq);
 }
 END_TEST
 

@@ -594,42 +594,21 @@ AVX512_F_TILE(avx512_bf16_tile, DUET_DTYPE_BF16)
 /* ---- the q8_0 panel ------------------------------------------------------- */
 
 /* Loads block b of the 16 rows from w (ws bytes apart) and transposes it:
- * v[c] lane l = bytes
- * 4c..4c+3 of row l's quants, XORed with 0x80 (= q + 128: vpdpbusd's
- * unsigned operand). Two rows share a register (8 dwords each), then an
- * 8 x 8 dword transpose runs in both 256-bit halves at once. Which rows
- * share a register is chosen so that the final 128-bit shuffle leaves lane l
- * holding row l. */
+ * v[c] lane l = bytes 4c..4c+3 of row l's quants, XORed with 0x80 (= q + 128:
+ * vpdpbusd's unsigned operand). */
 CPU_AVX512 CPU_INLINE void avx512_panel_transpose(const uint8_t *w, size_t ws, int64_t b, __m512i v[8]) {
-    __m512i z[8], t[8], u[8];
     /* Row addresses are plain w + r * ws (scalar arithmetic on ports the
      * vector work leaves free). */
     const uint8_t *q = w + b * sizeof(duet_block_q8_0) + 2;
-#pragma GCC unroll 8
-    for (int r = 0; r < 8; r++) {
-        size_t ra = r < 4 ? r : r + 4, rb = r < 4 ? r + 4 : r + 8;
-        __m256i a = _mm256_loadu_si256((const __m256i *)(q + ra * ws));
-        z[r] = _mm512_inserti64x4(_mm512_castsi256_si512(a),
-                                  _mm256_loadu_si256((const __m256i *)(q + rb * ws)), 1);
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < 8; r += 2) { /* per 128-bit lane: rows r, r+1 x dwords (0,1 | 2,3) */
-        t[r] = _mm512_unpacklo_epi32(z[r], z[r + 1]);
-        t[r + 1] = _mm512_unpackhi_epi32(z[r], z[r + 1]);
-    }
-#pragma GCC unroll 2
-    for (int g = 0; g < 8; g += 4) { /* u[g + c] lanes: rows of 4 registers x dword c | c + 4 */
-        u[g + 0] = _mm512_unpacklo_epi64(t[g + 0], t[g + 2]);
-        u[g + 1] = _mm512_unpackhi_epi64(t[g + 0], t[g + 2]);
-        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-    }
+    __m256i rows[16];
+#pragma GCC unroll 16
+    for (int r = 0; r < 16; r++)
+        rows[r] = _mm256_loadu_si256((const __m256i *)(q + (size_t)r * ws));
+    avx512_transpose_16x8d(rows, v);
     const __m512i x80 = _mm512_set1_epi8((char)0x80);
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; c++) {
-        v[c] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[c], u[c + 4], 0x88), x80);
-        v[c + 4] = _mm512_xor_si512(_mm512_shuffle_i32x4(u[c], u[c + 4], 0xdd), x80);
-    }
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; c++)
+        v[c] = _mm512_xor_si512(v[c], x80);
 }
 
 /* Lane l of a token's int32 accumulator gets row l's dot product for one

@@ -25,9 +25,8 @@
 #include "cpu_internal.h"
 #include "cpu_simd.h"
 
-#define BLK_MR 4 /* tile: rows */
-#define BLK_MT                                                                                               \
-    4 /* tile: tokens, at most (avx512's 32 vector registers hold 4x4 sums; avx2 and scalar take 2) */
+#define BLK_MR 8 /* tile: rows (8 at decode, else 4) */
+#define BLK_MT 4 /* tile: tokens, at most (avx2 takes 2) */
 
 typedef float blk_res[BLK_MR][BLK_MT];
 
@@ -62,6 +61,42 @@ static inline bool has_min(duet_dtype t) {
 
 static inline bool signed_q(duet_dtype t) {
     return t == DUET_DTYPE_IQ4_NL || t == DUET_DTYPE_IQ4_XS;
+}
+
+/* Chunks of 32 per block, and bytes per block: constants once inlined with
+ * a constant type (the SIMD kernels' shifts and offsets then are too). */
+static inline int blk_cps(duet_dtype t) {
+    return t == DUET_DTYPE_Q4_0 || t == DUET_DTYPE_Q4_1 || t == DUET_DTYPE_Q5_0 || t == DUET_DTYPE_Q5_1 ||
+                   t == DUET_DTYPE_IQ4_NL
+               ? 1
+               : 8;
+}
+
+static inline size_t blk_bytes(duet_dtype t) {
+    switch (t) {
+    case DUET_DTYPE_Q4_0:
+        return sizeof(duet_block_q4_0);
+    case DUET_DTYPE_Q4_1:
+        return sizeof(duet_block_q4_1);
+    case DUET_DTYPE_Q5_0:
+        return sizeof(duet_block_q5_0);
+    case DUET_DTYPE_Q5_1:
+        return sizeof(duet_block_q5_1);
+    case DUET_DTYPE_IQ4_NL:
+        return sizeof(duet_block_iq4_nl);
+    case DUET_DTYPE_Q2_K:
+        return sizeof(duet_block_q2_K);
+    case DUET_DTYPE_Q3_K:
+        return sizeof(duet_block_q3_K);
+    case DUET_DTYPE_Q4_K:
+        return sizeof(duet_block_q4_K);
+    case DUET_DTYPE_Q5_K:
+        return sizeof(duet_block_q5_K);
+    case DUET_DTYPE_Q6_K:
+        return sizeof(duet_block_q6_K);
+    default:
+        return sizeof(duet_block_iq4_xs);
+    }
 }
 
 /* ---- scales (scalar: once per block and row) --------------------------------------------------- */
@@ -183,16 +218,28 @@ static inline uint16_t rd16(const uint8_t *p) {
 typedef struct blk_act {
     const int8_t *q; /* [tokens][qs] */
     const float *d;  /* [tokens][ds] */
-    const float *xl; /* [tokens][8 * ds]: dx * the sum of each 4 qx */
+    const float *xl; /* [tokens][8 * ds]: dx * the sum of each 4 qx (the tiles) */
+    /* The panel: per block dx * the sum of the first 16 qx, the last 16, all
+     * 32 (xh), and -128 times those sums (nc, the offset of signed q). */
+    const float *xh;   /* [tokens][3 * ds] */
+    const int32_t *nc; /* [tokens][3 * ds] */
     int64_t qs, ds;
 } blk_act;
 
-static void act_layout(const duet_block_q8_0 *xb, int64_t nb, int8_t *q, float *d, float *xl) {
+static void act_layout(const duet_block_q8_0 *xb, int64_t nb, int8_t *q, float *d, float *xl, float *xh,
+                       int32_t *nc) {
     for (int64_t b = 0; b < nb; b++) {
         const float dx = duet_fp16_to_fp32(xb[b].d);
+        int half[2] = {0, 0};
         for (int l = 0; l < 8; l++) {
             const int s = xb[b].qs[4 * l] + xb[b].qs[4 * l + 1] + xb[b].qs[4 * l + 2] + xb[b].qs[4 * l + 3];
             xl[8 * b + l] = dx * (float)s;
+            half[l / 4] += s;
+        }
+        const int sums[3] = {half[0], half[1], half[0] + half[1]};
+        for (int h = 0; h < 3; h++) {
+            xh[3 * b + h] = dx * (float)sums[h];
+            nc[3 * b + h] = -128 * sums[h];
         }
         memcpy(q + b * 32, xb[b].qs, 32);
         d[b] = dx;
@@ -470,6 +517,247 @@ CPU_AVX2 CPU_INLINE __m256i simd_unpack(duet_dtype DT, const uint8_t *b, int c) 
 #undef BLK_NAME
 #undef BLK_DOT
 #undef BLK_TILE_MT
+
+/* ---- avx512: the panel ------------------------------------------------------------------------- */
+
+/* As the q8_0 panel (cpu_matmul.c): 16 weight rows, one per vector lane, so
+ * each token's 4 activation bytes are broadcast against 16 rows at once
+ * (vpdpbusd), and the row's scales are lane vectors. The rows are unpacked
+ * and transposed into a pack (per 32-value chunk: 8 vectors of q, then the
+ * scales and mins of both 16-value halves), 8 chunks at a time; with more
+ * tokens than one group takes, the panel's whole pack is kept and reused.
+ * Per token and chunk the sum is
+ *     acc += dot_lo * (s_lo dx) + dot_hi * (s_hi dx) - m_lo xh_lo - m_hi xh_hi
+ * (one dot and one scale when both halves share theirs), the same ops in
+ * the same order for every token, and the same as the tiles' (see
+ * cpu_matmul_blocks_tile.h): a token's result does not depend on the batch
+ * or on which of the two ran it. */
+#define BLK_PANEL_ROWS 16
+#define BLK_PANEL_TOKENS 16
+#define BLK_PANEL_MIN_TOKENS 8 /* fewer tokens run the tiles */
+#define BLK_UNIT 8             /* chunks packed at a time (a k-quant super-block) */
+#define BLK_PACK_VECS 12       /* per chunk: 8 vectors of q, s_lo, s_hi, m_lo, m_hi */
+
+typedef void (*blk_pack_fn)(const uint8_t *w, size_t ws, int64_t c0, int nc, __m512i *o);
+
+enum { BLK_DIRECT, BLK_STORE, BLK_LOAD }; /* pack and use; pack, keep and use; use the kept pack */
+
+typedef struct blk_panel {
+    const uint8_t *w; /* the panel's first row */
+    size_t ws;
+    int first; /* rows before this belong to the panel before (the last panel moves back) */
+    int64_t nchunks;
+    const blk_act *x;
+    int64_t tok; /* first token */
+    blk_pack_fn pack_fn;
+    __m512i *pack; /* nchunks * BLK_PACK_VECS vectors: the kept pack */
+    int pack_mode;
+    const float *bias; /* at the panel's first row, or NULL */
+    bool accumulate;
+    float *out; /* token tok, row 0 of the panel */
+    int64_t os;
+} blk_panel;
+
+/* Chunks c0 .. c0 + nc of the 16 rows into o (c0 is a whole block's first
+ * chunk). */
+CPU_AVX512 CPU_INLINE void blk_panel_pack(duet_dtype DT, const uint8_t *w, size_t ws, int64_t c0, int nc,
+                                          __m512i *o) {
+    const int cps = blk_cps(DT);
+    const size_t bb = blk_bytes(DT);
+    const float offset = DT == DUET_DTYPE_Q6_K ? 32.0f : DT == DUET_DTYPE_Q3_K ? 4.0f : 0.0f;
+    const __m512i sidx =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)(sizeof(blk_scales) / sizeof(float))));
+    /* The 32-blocks start with their fp16 scale (and Q4_1/Q5_1's min after
+     * it): one gather of the 16 rows' first dwords gives both. */
+    const __m512i widx = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)ws));
+    for (int k0 = 0; k0 < nc; k0 += cps) {
+        const int64_t blk = (c0 + k0) / cps;
+        blk_scales sc[BLK_PANEL_ROWS];
+        if (cps == 1) {
+            __m512i *v = o + (size_t)k0 * BLK_PACK_VECS;
+            const __m512i dd = _mm512_i32gather_epi32(widx, w + (size_t)blk * bb, 1);
+            const __m512 sv = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dd));
+            __m512 mv = _mm512_setzero_ps();
+            if (DT == DUET_DTYPE_Q4_0 || DT == DUET_DTYPE_Q5_0)
+                mv = _mm512_mul_ps(sv, _mm512_set1_ps(DT == DUET_DTYPE_Q4_0 ? 8.0f : 16.0f));
+            else if (DT == DUET_DTYPE_Q4_1 || DT == DUET_DTYPE_Q5_1)
+                mv = _mm512_sub_ps(_mm512_setzero_ps(),
+                                   _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dd, 16))));
+            _mm512_store_ps((float *)(v + 8), sv); /* one scale: only the _lo pair is read */
+            _mm512_store_ps((float *)(v + 10), mv);
+        } else {
+            for (int i = 0; i < BLK_PANEL_ROWS; i++)
+                simd_scales(DT, w + (size_t)i * ws + (size_t)blk * bb, &sc[i]);
+        }
+#pragma GCC unroll 8
+        for (int c = 0; c < cps; c++) {
+            __m512i *v = o + (size_t)(k0 + c) * BLK_PACK_VECS;
+            __m256i rows[BLK_PANEL_ROWS];
+#pragma GCC unroll 16
+            for (int i = 0; i < BLK_PANEL_ROWS; i++) {
+                const __m256i q = simd_unpack(DT, w + (size_t)i * ws + (size_t)blk * bb, c);
+                rows[i] = signed_q(DT) ? _mm256_xor_si256(q, _mm256_set1_epi8((char)0x80)) : q;
+            }
+            __m512i t[8];
+            avx512_transpose_16x8d(rows, t);
+#pragma GCC unroll 8
+            for (int r = 0; r < 8; r++)
+                _mm512_store_si512(v + r, t[r]);
+            for (int h = 0; h < 2 && cps > 1; h++) {
+                const __m512 sv = _mm512_i32gather_ps(sidx, &sc[0].s[2 * c + h], 4);
+                __m512 mv = _mm512_setzero_ps();
+                if (offset != 0.0f)
+                    mv = _mm512_mul_ps(sv, _mm512_set1_ps(offset));
+                else if (has_min(DT))
+                    mv = _mm512_i32gather_ps(sidx, &sc[0].m[2 * c + h], 4);
+                _mm512_store_ps((float *)(v + 8 + h), sv);
+                _mm512_store_ps((float *)(v + 10 + h), mv);
+            }
+        }
+    }
+}
+
+#define BLK_PACKER(T, name)                                                                                  \
+    CPU_AVX512 static void name(const uint8_t *w, size_t ws, int64_t c0, int nc, __m512i *o) {               \
+        blk_panel_pack(T, w, ws, c0, nc, o);                                                                 \
+    }
+BLK_PACKER(DUET_DTYPE_Q4_0, pack_q4_0)
+BLK_PACKER(DUET_DTYPE_Q4_1, pack_q4_1)
+BLK_PACKER(DUET_DTYPE_Q5_0, pack_q5_0)
+BLK_PACKER(DUET_DTYPE_Q5_1, pack_q5_1)
+BLK_PACKER(DUET_DTYPE_IQ4_NL, pack_iq4_nl)
+BLK_PACKER(DUET_DTYPE_Q2_K, pack_q2_K)
+BLK_PACKER(DUET_DTYPE_Q3_K, pack_q3_K)
+BLK_PACKER(DUET_DTYPE_Q4_K, pack_q4_K)
+BLK_PACKER(DUET_DTYPE_Q5_K, pack_q5_K)
+BLK_PACKER(DUET_DTYPE_Q6_K, pack_q6_K)
+BLK_PACKER(DUET_DTYPE_IQ4_XS, pack_iq4_xs)
+#undef BLK_PACKER
+
+static blk_pack_fn blk_packer(duet_dtype t) {
+    switch (t) {
+    case DUET_DTYPE_Q4_0:
+        return pack_q4_0;
+    case DUET_DTYPE_Q4_1:
+        return pack_q4_1;
+    case DUET_DTYPE_Q5_0:
+        return pack_q5_0;
+    case DUET_DTYPE_Q5_1:
+        return pack_q5_1;
+    case DUET_DTYPE_IQ4_NL:
+        return pack_iq4_nl;
+    case DUET_DTYPE_Q2_K:
+        return pack_q2_K;
+    case DUET_DTYPE_Q3_K:
+        return pack_q3_K;
+    case DUET_DTYPE_Q4_K:
+        return pack_q4_K;
+    case DUET_DTYPE_Q5_K:
+        return pack_q5_K;
+    case DUET_DTYPE_Q6_K:
+        return pack_q6_K;
+    default:
+        return pack_iq4_xs;
+    }
+}
+
+/* NT tokens against the panel. TWO: the halves have their own scales (q2_K,
+ * q3_K, q6_K); SGN: signed q (IQ4: stored + 128, no mins). */
+CPU_AVX512 CPU_INLINE void blk_panel_body(const int NT, const bool TWO, const bool SGN, const blk_panel *p) {
+    const blk_act *x = p->x;
+    __m512 acc[BLK_PANEL_TOKENS];
+#pragma GCC unroll 16
+    for (int j = 0; j < NT; j++)
+        acc[j] = _mm512_setzero_ps();
+    __m512i local[BLK_UNIT * BLK_PACK_VECS];
+    for (int64_t u0 = 0; u0 < p->nchunks; u0 += BLK_UNIT) {
+        const int nc = (int)(p->nchunks - u0 < BLK_UNIT ? p->nchunks - u0 : BLK_UNIT);
+        const __m512i *pk = p->pack_mode == BLK_DIRECT ? local : p->pack + (size_t)u0 * BLK_PACK_VECS;
+        if (p->pack_mode != BLK_LOAD) p->pack_fn(p->w, p->ws, u0, nc, (__m512i *)pk);
+        for (int k = 0; k < nc; k++) {
+            const int64_t b = u0 + k;
+            const __m512i *v = pk + (size_t)k * BLK_PACK_VECS;
+            const __m512 s_lo = _mm512_load_ps((const float *)(v + 8)),
+                         s_hi = _mm512_load_ps((const float *)(v + 9));
+            const __m512 m_lo = _mm512_load_ps((const float *)(v + 10)),
+                         m_hi = _mm512_load_ps((const float *)(v + 11));
+            __m512i w[8];
+#pragma GCC unroll 8
+            for (int c = 0; c < 8; c++)
+                w[c] = _mm512_load_si512(v + c);
+#pragma GCC unroll 16
+            for (int j = 0; j < NT; j++) {
+                const int64_t t = p->tok + j;
+                const int8_t *q = x->q + t * x->qs + b * 32;
+                const float *xh = x->xh + t * 3 * x->ds + 3 * b;
+                const int32_t *ncx = x->nc + t * 3 * x->ds + 3 * b;
+                const __m512 dx = _mm512_set1_ps(x->d[t * x->ds + b]);
+                int32_t q4[8];
+                memcpy(q4, q, 32);
+                if (TWO) {
+                    __m512i r0 = SGN ? _mm512_set1_epi32(ncx[0]) : _mm512_setzero_si512();
+                    __m512i r1 = SGN ? _mm512_set1_epi32(ncx[1]) : _mm512_setzero_si512();
+#pragma GCC unroll 4
+                    for (int c = 0; c < 4; c++) {
+                        r0 = _mm512_dpbusd_epi32(r0, w[c], _mm512_set1_epi32(q4[c]));
+                        r1 = _mm512_dpbusd_epi32(r1, w[c + 4], _mm512_set1_epi32(q4[c + 4]));
+                    }
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r0), _mm512_mul_ps(s_lo, dx), acc[j]);
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r1), _mm512_mul_ps(s_hi, dx), acc[j]);
+                    if (!SGN) {
+                        acc[j] = _mm512_fnmadd_ps(m_lo, _mm512_set1_ps(xh[0]), acc[j]);
+                        acc[j] = _mm512_fnmadd_ps(m_hi, _mm512_set1_ps(xh[1]), acc[j]);
+                    }
+                } else {
+                    __m512i r = SGN ? _mm512_set1_epi32(ncx[2]) : _mm512_setzero_si512();
+#pragma GCC unroll 8
+                    for (int c = 0; c < 8; c++)
+                        r = _mm512_dpbusd_epi32(r, w[c], _mm512_set1_epi32(q4[c]));
+                    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r), _mm512_mul_ps(s_lo, dx), acc[j]);
+                    if (!SGN) acc[j] = _mm512_fnmadd_ps(m_lo, _mm512_set1_ps(xh[2]), acc[j]);
+                }
+            }
+        }
+    }
+    const __mmask16 m = (__mmask16)(0xffffu << p->first);
+    const __m512 bias = p->bias ? _mm512_maskz_loadu_ps(m, p->bias) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+    for (int j = 0; j < NT; j++) {
+        float *o = p->out + j * p->os;
+        __m512 v = _mm512_add_ps(acc[j], bias);
+        if (p->accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m, o), v);
+        _mm512_mask_storeu_ps(o, m, v);
+    }
+}
+
+typedef void (*blk_panel_fn)(const blk_panel *p);
+#define BLK_PANEL(NT, TWO, SGN)                                                                              \
+    CPU_AVX512 static void blk_panel_##NT##_##TWO##SGN(const blk_panel *p) {                                 \
+        blk_panel_body(NT, TWO, SGN, p);                                                                     \
+    }
+#define BLK_PANELS(TWO, SGN)                                                                                 \
+    BLK_PANEL(1, TWO, SGN)                                                                                   \
+    BLK_PANEL(2, TWO, SGN) BLK_PANEL(4, TWO, SGN) BLK_PANEL(8, TWO, SGN) BLK_PANEL(16, TWO, SGN)
+BLK_PANELS(0, 0)
+BLK_PANELS(1, 0)
+BLK_PANELS(0, 1)
+#undef BLK_PANELS
+#undef BLK_PANEL
+
+/* The kernels for 16, 8, 4, 2 and 1 tokens of a type. */
+static const blk_panel_fn *blk_panels(duet_dtype t) {
+    static const blk_panel_fn one[5] = {blk_panel_16_00, blk_panel_8_00, blk_panel_4_00, blk_panel_2_00,
+                                        blk_panel_1_00};
+    static const blk_panel_fn two[5] = {blk_panel_16_10, blk_panel_8_10, blk_panel_4_10, blk_panel_2_10,
+                                        blk_panel_1_10};
+    static const blk_panel_fn sgn[5] = {blk_panel_16_01, blk_panel_8_01, blk_panel_4_01, blk_panel_2_01,
+                                        blk_panel_1_01};
+    if (signed_q(t)) return sgn;
+    if (t == DUET_DTYPE_Q2_K || t == DUET_DTYPE_Q3_K || t == DUET_DTYPE_Q6_K) return two;
+    return one;
+}
 #endif /* CPU_X86 */
 
 /* ---- driver ------------------------------------------------------------------------------------------ */
@@ -491,6 +779,13 @@ typedef struct blk_task {
     duet_block_q8_0 *xbuf;     /* x quantised here, or NULL (x_q8 given) */
     blk_act act;
     int64_t token_chunk; /* tokens whose activations stay in L2 while W rows cycle */
+#if CPU_X86
+    bool panel;
+    blk_pack_fn pack_fn;
+    const blk_panel_fn *panels; /* 16, 8, 4, 2, 1 tokens */
+    __m512i *packs;             /* per worker: pack_vecs vectors */
+    size_t pack_vecs;
+#endif
 } blk_task;
 
 static void blk_prepare_task(void *p, int chunk, int n_chunks, int worker) {
@@ -501,7 +796,8 @@ static void blk_prepare_task(void *p, int chunk, int n_chunks, int worker) {
     for (int64_t i = lo; i < hi; i++) {
         if (t->xbuf) duet__cpu_quantize_q8_0(t->be, t->x + i * t->n_in, t->xbuf + i * t->nb, t->n_in);
         act_layout(t->xb + i * t->nb, t->nb, (int8_t *)t->act.q + i * t->act.qs,
-                   (float *)t->act.d + i * t->act.ds, (float *)t->act.xl + i * 8 * t->act.ds);
+                   (float *)t->act.d + i * t->act.ds, (float *)t->act.xl + i * 8 * t->act.ds,
+                   (float *)t->act.xh + i * 3 * t->act.ds, (int32_t *)t->act.nc + i * 3 * t->act.ds);
     }
 }
 
@@ -529,6 +825,46 @@ static void blk_rows_task(void *p, int chunk, int n_chunks, int worker) {
         }
     }
 }
+
+#if CPU_X86
+/* Panels of 16 rows; per token chunk each panel meets the chunk's tokens in
+ * groups of 16, 8, 4, 2 and 1. With more than one group the first packs the
+ * panel and keeps the pack for the others. */
+static void blk_panel_task(void *p, int chunk, int n_chunks, int worker) {
+    blk_task *t = p;
+    int64_t lo, hi;
+    cpu_split(t->n_out, chunk, n_chunks, BLK_PANEL_ROWS, &lo, &hi);
+    blk_panel pn = {.ws = t->ws,
+                    .nchunks = t->nb,
+                    .x = &t->act,
+                    .pack_fn = t->pack_fn,
+                    .pack = t->packs + (size_t)worker * t->pack_vecs,
+                    .accumulate = t->accumulate,
+                    .os = t->n_out};
+    for (int64_t t0 = 0; t0 < t->n_tokens; t0 += t->token_chunk) {
+        const int64_t t1 = t0 + t->token_chunk < t->n_tokens ? t0 + t->token_chunk : t->n_tokens;
+        for (int64_t r = lo; r < hi; r += BLK_PANEL_ROWS) {
+            const int64_t r0 = hi - r < BLK_PANEL_ROWS ? hi - BLK_PANEL_ROWS : r; /* n_out >= 16 */
+            pn.first = (int)(r - r0);
+            pn.w = t->w + (size_t)r0 * t->ws;
+            pn.bias = t->bias ? t->bias + r0 : NULL;
+            const bool one_group =
+                t1 - t0 == 1 || t1 - t0 == 2 || t1 - t0 == 4 || t1 - t0 == 8 || t1 - t0 == 16;
+            pn.pack_mode = one_group ? BLK_DIRECT : BLK_STORE;
+            for (int64_t tok = t0; tok < t1;) {
+                int g = 0; /* the largest group that fits: 16, 8, 4, 2, 1 */
+                while ((BLK_PANEL_TOKENS >> g) > t1 - tok)
+                    g++;
+                pn.tok = tok;
+                pn.out = t->out + tok * t->n_out + r0;
+                t->panels[g](&pn);
+                if (pn.pack_mode == BLK_STORE) pn.pack_mode = BLK_LOAD;
+                tok += BLK_PANEL_TOKENS >> g;
+            }
+        }
+    }
+}
+#endif
 
 static size_t align64(size_t n) {
     return (n + 63) & ~(size_t)63;
@@ -559,14 +895,31 @@ duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const vo
     else if (be->isa == CPU_ISA_AVX2)
         t.tile = avx2_tile;
 #endif
-    /* Scratch: x quantised (unless x_q8 came), then the kernels' layout. */
+    /* Scratch: x quantised (unless x_q8 came), the kernels' layout, and
+     * for the panel one pack per worker. */
     const size_t n_blk = (size_t)t.n_tokens * (size_t)t.nb;
     const size_t xbuf_bytes = xq ? 0 : align64(n_blk * sizeof(duet_block_q8_0));
     t.act.qs = t.nb * 32;
     t.act.ds = t.nb;
     const size_t q_bytes = align64((size_t)t.n_tokens * (size_t)t.act.qs);
     const size_t d_bytes = align64((size_t)t.n_tokens * (size_t)t.act.ds * sizeof(float));
-    duet_status st = duet__cpu_scratch_reserve(&be->act, xbuf_bytes + q_bytes + 9 * d_bytes); /* d, then xl */
+    size_t pack_bytes = 0;
+#if CPU_X86
+    /* The panel for batches (it and the tiles agree bit for bit, so the
+     * choice may depend on n_tokens): decode's tile reads each row once
+     * and transposes nothing. */
+    t.panel = be->isa == CPU_ISA_AVX512 && t.n_out >= BLK_PANEL_ROWS && t.n_tokens >= BLK_PANEL_MIN_TOKENS &&
+              t.ws * (BLK_PANEL_ROWS - 1) <= (size_t)INT32_MAX; /* the scale gathers' offsets */
+    if (t.panel) {
+        t.pack_fn = blk_packer(dt);
+        t.panels = blk_panels(dt);
+        t.pack_vecs = (size_t)((t.nb + BLK_UNIT - 1) / BLK_UNIT * BLK_UNIT) * BLK_PACK_VECS;
+        pack_bytes = t.pack_vecs * sizeof(__m512i) * (size_t)be->pool.n_threads;
+    }
+#endif
+    /* d, xl (8 per block), xh and nc (3 each per block), then the packs. */
+    duet_status st =
+        duet__cpu_scratch_reserve(&be->act, xbuf_bytes + q_bytes + 15 * d_bytes + pack_bytes + 64);
     if (st != DUET_OK) return st;
     uint8_t *sp = be->act.p;
     t.xbuf = xq ? NULL : (duet_block_q8_0 *)sp;
@@ -574,8 +927,26 @@ duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const vo
     t.act.q = (const int8_t *)(sp + xbuf_bytes);
     t.act.d = (const float *)(sp + xbuf_bytes + q_bytes);
     t.act.xl = (const float *)(sp + xbuf_bytes + q_bytes + d_bytes);
+    t.act.xh = (const float *)(sp + xbuf_bytes + q_bytes + 9 * d_bytes);
+    t.act.nc = (const int32_t *)(sp + xbuf_bytes + q_bytes + 12 * d_bytes);
+#if CPU_X86
+    if (t.panel)
+        t.packs = (__m512i *)(((uintptr_t)(sp + xbuf_bytes + q_bytes + 15 * d_bytes) + 63) & ~(uintptr_t)63);
+#endif
     duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1, blk_prepare_task,
                        &t);
+#if CPU_X86
+    if (t.panel) {
+        int64_t chunk = (256 * 1024) / (t.act.qs > 0 ? t.act.qs : 1);
+        chunk = chunk / BLK_PANEL_TOKENS * BLK_PANEL_TOKENS;
+        t.token_chunk = chunk < BLK_PANEL_TOKENS ? BLK_PANEL_TOKENS : chunk;
+        const int64_t work = t.n_tokens * t.n_in * t.n_out;
+        const int64_t units = (t.n_out + BLK_PANEL_ROWS - 1) / BLK_PANEL_ROWS;
+        duet__cpu_pool_run(&be->pool, work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1, blk_panel_task,
+                           &t);
+        return DUET_OK;
+    }
+#endif
     /* Keep ~256 KiB of activations in L2 while a thread's W rows cycle. */
     int64_t chunk = (256 * 1024) / (t.act.qs > 0 ? t.act.qs : 1);
     chunk = chunk / BLK_MT * BLK_MT;

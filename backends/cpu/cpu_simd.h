@@ -121,6 +121,37 @@ CPU_AVX512 CPU_INLINE __m512 avx512_maskload_bf16(const uint16_t *p, __mmask16 m
 CPU_AVX512 CPU_INLINE __mmask16 avx512_tail_mask(int64_t n) {
     return (__mmask16)((1u << n) - 1);
 }
+
+/* 16 rows of 32 bytes -> 8 vectors, v[c] lane l = bytes 4c..4c+3 of row l
+ * (the panels' layout: one row per lane). Two rows share a register (8
+ * dwords each), then an 8 x 8 dword transpose runs in both 256-bit halves at
+ * once; which rows share a register is chosen so that the final 128-bit
+ * shuffle leaves lane l holding row l. */
+CPU_AVX512 CPU_INLINE void avx512_transpose_16x8d(const __m256i rows[16], __m512i v[8]) {
+    __m512i z[8], t[8], u[8];
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; r++) {
+        const int ra = r < 4 ? r : r + 4, rb = r < 4 ? r + 4 : r + 8;
+        z[r] = _mm512_inserti64x4(_mm512_castsi256_si512(rows[ra]), rows[rb], 1);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < 8; r += 2) { /* per 128-bit lane: rows r, r+1 x dwords (0,1 | 2,3) */
+        t[r] = _mm512_unpacklo_epi32(z[r], z[r + 1]);
+        t[r + 1] = _mm512_unpackhi_epi32(z[r], z[r + 1]);
+    }
+#pragma GCC unroll 2
+    for (int g = 0; g < 8; g += 4) { /* u[g + c] lanes: rows of 4 registers x dword c | c + 4 */
+        u[g + 0] = _mm512_unpacklo_epi64(t[g + 0], t[g + 2]);
+        u[g + 1] = _mm512_unpackhi_epi64(t[g + 0], t[g + 2]);
+        u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+        u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        v[c] = _mm512_shuffle_i32x4(u[c], u[c + 4], 0x88);
+        v[c + 4] = _mm512_shuffle_i32x4(u[c], u[c + 4], 0xdd);
+    }
+}
 #endif /* CPU_X86 */
 
 #endif /* DUET_CPU_SIMD_H */
