@@ -268,6 +268,16 @@ duet_status duet_generate(duet_model *model, const int32_t *prompt, int n_prompt
  * NULL. Lets tests and tools compare logits step by step. */
 duet_status duet_eval(duet_model *model, const int32_t *tokens, int n, int pos0, float *logits);
 
+/* ---- structured output ------------------------------------------------ */
+
+/* A JSON Schema (JSON text; the common subset: types, properties and
+ * required, enum, const, items with minItems/maxItems, string lengths,
+ * anyOf/oneOf, $ref to $defs; formats and patterns left free) as a GBNF
+ * grammar for duet_request.grammar whose sentences satisfy the schema.
+ * NULL: any JSON object. *out is malloc'd for the caller to free.
+ * DUET_BAD_REQUEST with a message for what the subset cannot express. */
+duet_status duet_json_schema_to_gbnf(const char *schema_json, char **out);
+
 /* ---- serving engine -------------------------------------------------- */
 
 /* An engine is one model instance on one device with its own thread, KV
@@ -322,6 +332,12 @@ typedef struct duet_request {
      * token's (the logits of every prompt position are then computed). */
     bool logprobs, prompt_logprobs;
     int top_logprobs;
+    /* A GBNF grammar (llama.cpp's notation, start rule `root`; copied at
+     * submit) that the generated text must follow: tokens it refuses are
+     * never drawn, end-of-generation comes only where its sentence is
+     * whole, and generation stops (finish STOP) once nothing may follow.
+     * NULL: none. A grammar that does not parse is DUET_BAD_REQUEST. */
+    const char *grammar;
 } duet_request;
 #define DUET_MAX_STOP 32
 #define DUET_MAX_TOP_LOGPROBS 20

@@ -85,6 +85,7 @@ struct duet_engine {
     int32_t *row_of; /* [max_tokens] the plan entry of each batch token */
     bool *want;      /* [max_tokens] the token's logits are wanted */
     float *raw;      /* [n_vocab] a row's logits before sampling changes them (logprobs) */
+    duet_vocab *vocab; /* token bytes for grammars, built at the first one (under mu) */
     int32_t *tables; /* [max_seqs][max_blocks] this step's KV block tables */
     int max_blocks;
     duet_sched_result *results;
@@ -206,6 +207,39 @@ static void emit_done(duet_engine *e, engine_req *r, duet_finish finish, const c
 
 /* ---- submit / cancel (any thread) ----------------------------------------- */
 
+/* The vocabulary as grammars see it (built once, at the first grammar): each
+ * token's bytes (none for control, unknown and unused tokens). */
+static const duet_vocab *engine_vocab(duet_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    if (!e->vocab) {
+        const duet_tokenizer *t = e->model->tok;
+        int n = e->model->hp.n_vocab;
+        char **bytes = calloc((size_t)n, sizeof *bytes);
+        int *len = calloc((size_t)n, sizeof *len);
+        bool *eog = calloc((size_t)n, sizeof *eog);
+        bool ok = bytes && len && eog;
+        for (int i = 0; ok && i < n; i++) {
+            duet_token_type ty = duet_tokenizer_token_type(t, i);
+            eog[i] = duet_tokenizer_is_eog(t, i);
+            if (ty == DUET_TOKEN_CONTROL || ty == DUET_TOKEN_UNKNOWN || ty == DUET_TOKEN_UNUSED) continue;
+            char buf[512];
+            int k = duet_tokenizer_token_bytes(t, i, false, buf, sizeof buf);
+            if (k <= 0 || k > (int)sizeof buf) continue;
+            if (!(bytes[i] = malloc((size_t)k)))
+                ok = false;
+            else
+                memcpy(bytes[i], buf, (size_t)k), len[i] = k;
+        }
+        if (ok) duet_vocab_new(n, (const char *const *)bytes, len, eog, &e->vocab);
+        for (int i = 0; bytes && i < n; i++)
+            free(bytes[i]);
+        free(bytes), free(len), free(eog);
+    }
+    const duet_vocab *v = e->vocab;
+    pthread_mutex_unlock(&e->mu);
+    return v;
+}
+
 duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event_fn fn, void *user,
                                uint64_t *id) {
     if (!e || !q || !fn) return duet__error(DUET_INVALID_ARGUMENT, "submit: NULL argument");
@@ -281,6 +315,18 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     }
     for (int i = 0; i < q->n_prompt; i++)
         duet_sampler_accept(smp, q->prompt[i]);
+    if (q->grammar) {
+        duet_grammar *g = NULL;
+        const duet_vocab *voc = engine_vocab(e);
+        st = voc ? duet_grammar_parse(q->grammar, &g) : DUET_OUT_OF_MEMORY;
+        if (!st) st = duet_sampler_set_grammar(smp, g, voc);
+        if (st) {
+            free(stops), free(pend);
+            duet_sampler_free(smp);
+            duet__metrics_request_refused(e->metrics, prio, "invalid");
+            return st == DUET_OUT_OF_MEMORY ? st : DUET_BAD_REQUEST;
+        }
+    }
 
     pthread_mutex_lock(&e->mu);
     if (e->stopping) {
@@ -449,7 +495,7 @@ static void sample_row(duet_engine *e, engine_req *r, int i, float *logits) {
         duet__metrics_inter_token(e->metrics, secs(now - r->t_last_token));
     r->t_last_token = now;
     bool eog = !r->ignore_eos && duet_tokenizer_is_eog(m->tok, id);
-    if (eog)
+    if (eog || duet_sampler_grammar_done(r->smp)) /* the grammar's sentence is closed */
         e->step_finish[i] = DUET_FINISH_STOP;
     else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= m->n_ctx)
         e->step_finish[i] = DUET_FINISH_LENGTH;
@@ -652,6 +698,7 @@ static void engine_free(duet_engine *e) {
     free(e->plan_seqs);
     free(e->tok), free(e->pos), free(e->seq), free(e->out), free(e->tables);
     free(e->row_of), free(e->want), free(e->raw);
+    duet_vocab_free(e->vocab);
     free(e->results);
     free(e->step_finish);
     free(e->text);

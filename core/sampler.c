@@ -21,9 +21,11 @@
 #include <float.h>
 #include <math.h>
 #include <stdbool.h>
+#include <string.h>
 #include <stdlib.h>
 
 #include "../backends/backend.h"
+#include "grammar.h"
 
 /* Largest top_k served by the one-pass heap; above it, quickselect. */
 #define HEAP_MAX_K 1024
@@ -57,6 +59,15 @@ struct duet_sampler {
     cand *c;                /* n_vocab candidates (scratch) */
     float *pv;              /* n_vocab probabilities by id (scratch) */
     double mass[TOPP_BINS]; /* top-p: probability mass per bin */
+
+    /* The constraint (duet_sampler_set_grammar), or NULL. */
+    duet_grammar *g;
+    duet_grammar_state *gs;
+    const duet_vocab *voc;
+    float *orig;    /* [n_vocab] the logits before the first draw changed them */
+    uint32_t *mask; /* [(n_vocab + 31) / 32] tokens the grammar allows */
+    bool g_done;    /* the grammar is closed: nothing may follow */
+    bool g_eager;   /* mask before every draw (DUET_GRAMMAR_EAGER=1: to measure the mask's cost) */
 };
 
 /* ---- RNG: splitmix64 expands the seed, xoshiro256** draws --------------- */
@@ -178,7 +189,34 @@ void duet_sampler_free(duet_sampler *smp) {
     free(smp->where);
     free(smp->c);
     free(smp->pv);
+    duet_grammar_state_free(smp->gs);
+    duet_grammar_free(smp->g);
+    free(smp->orig);
+    free(smp->mask);
     free(smp);
+}
+
+duet_status duet_sampler_set_grammar(duet_sampler *smp, duet_grammar *g, const duet_vocab *voc) {
+    assert(smp && g && voc && !smp->g);
+    if (duet_vocab_size(voc) != smp->n_vocab) {
+        duet_grammar_free(g);
+        return duet__error(DUET_INVALID_ARGUMENT, "sampler: the vocabulary has %d tokens, the sampler %d",
+                           duet_vocab_size(voc), smp->n_vocab);
+    }
+    smp->g = g;
+    smp->voc = voc;
+    smp->orig = malloc((size_t)smp->n_vocab * sizeof *smp->orig);
+    smp->mask = malloc(((size_t)smp->n_vocab + 31) / 32 * sizeof *smp->mask);
+    duet_status st = smp->orig && smp->mask ? duet_grammar_state_new(g, &smp->gs)
+                                            : duet__error(DUET_OUT_OF_MEMORY, "sampler: out of memory");
+    smp->g_done = false;
+    const char *eager = getenv("DUET_GRAMMAR_EAGER");
+    smp->g_eager = eager && eager[0] == '1';
+    return st;
+}
+
+bool duet_sampler_grammar_done(const duet_sampler *smp) {
+    return smp->g_done;
 }
 
 void duet_sampler_reset(duet_sampler *smp) {
@@ -187,6 +225,8 @@ void duet_sampler_reset(duet_sampler *smp) {
     smp->n_distinct = 0;
     smp->len = smp->head = 0;
     rng_seed(smp->rng, smp->s.seed);
+    if (smp->gs) duet_grammar_state_reset(smp->gs);
+    smp->g_done = false;
 }
 
 /* ---- penalty window --------------------------------------------------------- */
@@ -211,6 +251,8 @@ static void window_remove(duet_sampler *smp, int32_t t) {
 void duet_sampler_accept(duet_sampler *smp, int32_t token) {
     /* An id outside the vocabulary cannot be penalised; it is ignored. */
     if (token < 0 || token >= smp->n_vocab) return;
+    if (smp->gs && duet_grammar_accept_token(smp->gs, smp->voc, token))
+        smp->g_done = !duet_grammar_can_continue(smp->gs);
     if (smp->cap > 0) {
         if (smp->len == smp->cap) {
             window_remove(smp, smp->ring[smp->head]);
@@ -553,7 +595,43 @@ static int build_dist(duet_sampler *smp, float *logits, double *total) {
     return n;
 }
 
+static int32_t sample_plain(duet_sampler *smp, float *logits);
+
+/* With a grammar: draw as usual and keep the token when the grammar allows
+ * it; otherwise draw again from the original logits with every token the
+ * grammar refuses masked out. Keeping an allowed first draw and redrawing
+ * from the masked distribution after a refused one picks each allowed
+ * token with its masked probability p / p(allowed), so the mask is only
+ * computed when the model strays. */
 int32_t duet_sampler_sample(duet_sampler *smp, float *logits) {
+    if (!smp->gs) return sample_plain(smp, logits);
+    const int n = smp->n_vocab;
+    memcpy(smp->orig, logits, (size_t)n * sizeof *logits);
+    int32_t id = -1;
+    if (!smp->g_eager) {
+        id = sample_plain(smp, logits);
+        if (duet_grammar_allows(smp->gs, smp->voc, id)) return id;
+    }
+    if (duet_grammar_mask(smp->gs, smp->voc, smp->mask) == 0) {
+        /* A dead end (cannot happen with a grammar that closes): end here. */
+        for (int i = 0; i < n; i++)
+            if (duet_grammar_allows(smp->gs, smp->voc, i) || duet_vocab_is_eog(smp->voc, i)) return i;
+        return id >= 0 ? id : duet_argmax(logits, n);
+    }
+    const uint32_t *m = smp->mask;
+    for (int i = 0; i < n; i++)
+        if (!((m[i >> 5] >> (i & 31)) & 1)) smp->orig[i] = -INFINITY;
+    id = sample_plain(smp, smp->orig);
+    if ((m[id >> 5] >> (id & 31)) & 1) return id;
+    /* Every allowed token was cut by truncation or has no finite logit:
+     * the allowed token with the largest original logit. */
+    int32_t best = -1;
+    for (int i = 0; i < n; i++)
+        if (((m[i >> 5] >> (i & 31)) & 1) && (best < 0 || logits[i] > logits[best])) best = i;
+    return best;
+}
+
+static int32_t sample_plain(duet_sampler *smp, float *logits) {
     double total = 0.0;
     int n = build_dist(smp, logits, &total);
     if (n == 0) return duet_argmax(logits, smp->n_vocab);

@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "duet.h"
+#include "grammar.h"
 
 typedef struct duet_sampler duet_sampler;
 
@@ -51,6 +52,18 @@ void duet_sampler_reset(duet_sampler *smp);
  * many there are (>= 1). Greedy settings give the argmax with probability 1.
  * ids[] ascend. Does not advance the RNG. */
 int duet_sampler_dist(duet_sampler *smp, float *logits, int32_t *ids, float *probs);
+
+/* Constrains the tokens drawn from here on to those the grammar accepts
+ * (core/grammar.h), end-of-generation tokens only where its sentence is
+ * whole; duet_sampler_accept advances it (call this after accepting the
+ * prompt). Takes `g` (freed with the sampler, also on failure); `voc`
+ * must outlive the sampler. duet_sampler_dist ignores the grammar. */
+duet_status duet_sampler_set_grammar(duet_sampler *smp, duet_grammar *g, const duet_vocab *voc);
+/* The mask is computed only when a first draw is refused (see sampler.c);
+ * DUET_GRAMMAR_EAGER=1 in the environment computes it before every draw
+ * instead, to measure what it costs. */
+/* Whether the grammar is closed after the accepted tokens (nothing may follow). */
+bool duet_sampler_grammar_done(const duet_sampler *smp);
 
 /* Log-softmax of the raw logits[n] (no penalties, temperature or
  * truncation): returns log p(token) and writes the k (<= n) most likely

@@ -22,20 +22,25 @@ DUET, SHARED, BUILD = sys.argv[1], sys.argv[2], sys.argv[3]
 STORIES = os.path.join(SHARED, "models", "stories260K.gguf")
 
 try:
+    import jsonschema
     import openai
     from prometheus_client.parser import text_string_to_metric_families
 except ImportError as e:  # CI installs them; a missing module is a failure, not a skip
-    sys.exit(f"test_openai_client.py: needs the PyPI packages openai and prometheus-client ({e}); "
-             "pip install openai prometheus-client")
+    sys.exit(f"test_openai_client.py: needs the PyPI packages openai, prometheus-client and jsonschema ({e}); "
+             "pip install openai prometheus-client jsonschema")
+
+SMOLLM2 = os.environ.get("DUET_SMOLLM2_Q4_1") or os.path.expanduser(
+    "~/.cache/duet/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 
 class Server:
     """A `duet serve` on a free port, stopped with SIGTERM."""
 
-    def __init__(self, *extra):
+    def __init__(self, *extra, model=STORIES):
         self.log = tempfile.NamedTemporaryFile(prefix="duet-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(
-            [DUET, "serve", "-m", STORIES, "--backend", "cpu", "--port", "0", "-c", "1024", *extra],
+            [DUET, "serve", "-m", model, "--backend", "cpu", "--port", "0", "-c", "1024", *extra],
             stdout=self.log, stderr=subprocess.STDOUT)
         self.port = None
         deadline = time.time() + 120
@@ -276,6 +281,43 @@ class OpenAIClient(unittest.TestCase):
         r = self.client.chat.completions.create(model=self.model, messages=msgs, max_completion_tokens=2)
         self.assertIsNone(r.choices[0].logprobs)
 
+    def test_structured_outputs_on_a_tiny_model(self):
+        # stories260K knows no JSON: the grammar alone makes the answers valid.
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["a", "b", 7]},
+                                                   "n": {"type": "integer"},
+                                                   "xs": {"type": "array", "items": {"type": "null"}, "maxItems": 2}},
+                  "required": ["ok", "kind", "xs"]}
+        rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+        msgs = [{"role": "user", "content": "Tell me about a cat."}]
+        for seed in range(3):
+            r = self.client.chat.completions.create(model=self.model, messages=msgs, max_tokens=200, seed=seed,
+                                                    response_format=rf)
+            self.assertEqual(r.choices[0].finish_reason, "stop", r.choices[0].message.content)
+            jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+        streamed = "".join(c.delta.content or "" for ch in self.client.chat.completions.create(
+            model=self.model, messages=msgs, max_tokens=200, seed=0, response_format=rf, stream=True)
+            for c in ch.choices)
+        jsonschema.validate(json.loads(streamed), schema)
+        # json_object: any object (finished or cut by max_tokens, it is a prefix of one).
+        r = self.client.chat.completions.create(model=self.model, messages=msgs, max_tokens=60, seed=3,
+                                                response_format={"type": "json_object"})
+        self.assertTrue(r.choices[0].message.content.startswith("{"))
+        if r.choices[0].finish_reason == "stop":
+            self.assertIsInstance(json.loads(r.choices[0].message.content), dict)
+        # llama.cpp's GBNF "grammar" on completions.
+        for seed in range(3):
+            r = self.client.completions.create(model=self.model, prompt="Lily said", max_tokens=20, seed=seed,
+                                               extra_body={"grammar": 'root ::= " " ("yes" | "no") "!"{1,2}'})
+            self.assertIn(r.choices[0].text, (" yes!", " no!", " yes!!", " no!!"))
+            self.assertEqual(r.choices[0].finish_reason, "stop")
+        for bad in ('root ::= undefined', 'root ::= "a', 'x ::= "a"'):
+            with self.assertRaises(openai.BadRequestError):
+                self.client.completions.create(model=self.model, prompt="x", max_tokens=4,
+                                               extra_body={"grammar": bad})
+        with self.assertRaises(openai.BadRequestError):
+            self.client.chat.completions.create(model=self.model, messages=msgs, max_tokens=4, response_format={
+                "type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "tuple"}}})
+
     def test_vllm_extensions_and_priority(self):
         r = self.client.completions.create(model=self.model, prompt="The sun", max_tokens=10, temperature=0.7,
                                            extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
@@ -308,6 +350,30 @@ class OpenAIClient(unittest.TestCase):
         self.assertGreaterEqual(gen, 8)
         count = [s.value for s in fams["vllm:e2e_request_latency_seconds"].samples if s.name.endswith("_count")]
         self.assertGreaterEqual(count[0], 1)
+
+
+@unittest.skipUnless(os.path.exists(SMOLLM2), f"needs SmolLM2-135M-Instruct Q4_1 ({SMOLLM2}; tools/fetch_smollm2.sh)")
+class StructuredOutputsSmolLM2(unittest.TestCase):
+    """A few of bench/structured_outputs.py's requests on the real default
+    model (the bench runs 50 and records the speed)."""
+
+    def test_json_schema_answers_finish_and_validate(self):
+        import structured_outputs as so
+        server = Server(model=SMOLLM2)
+        try:
+            client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+            model = client.models.list().data[0].id
+            reqs = so.requests(15, 1)[::3]  # 5 different schemas
+            stop = 0
+            for req in reqs:
+                r = so.run(client, model, req, 160, True)
+                if r["finish"] == "stop":
+                    stop += 1
+                    jsonschema.validate(json.loads(r["text"]), req["schema"])
+            self.assertGreaterEqual(stop, 4)
+        finally:
+            rc, log = server.stop()
+            self.assertEqual(rc, 0, log)
 
 
 if __name__ == "__main__":

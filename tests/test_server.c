@@ -169,6 +169,19 @@ START_TEST(parse_rejects_bad_input) {
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"priority\":1.5}", "priority"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"ignore_eos\":1}", "ignore_eos"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"logprobs\":21}", "logprobs"},
+        {SRV_COMPLETION, "{\"prompt\":\"x\",\"grammar\":5}", "grammar"},
+        {SRV_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"xml\"}}",
+         "response_format.type"},
+        {SRV_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"json_"
+         "schema\"}}",
+         "response_format.json_schema"},
+        {SRV_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"response_format\":{\"type\":\"json_"
+         "schema\","
+         "\"json_schema\":{\"name\":\"n\",\"schema\":{\"type\":\"tuple\"}}}}",
+         "response_format.json_schema"},
         {SRV_COMPLETION, "{\"prompt\":\"x\",\"echo\":1}", "echo"},
         {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"top_logprobs\":3}",
          "top_logprobs"},

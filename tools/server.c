@@ -771,7 +771,8 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
                           .n_stop = j->n_stops,
                           .logprobs = r->logprobs,
                           .prompt_logprobs = r->echo,
-                          .top_logprobs = r->top_logprobs};
+                          .top_logprobs = r->top_logprobs,
+                          .grammar = r->grammar};
         /* Default length: OpenAI's 16 for completions, the rest of the
          * context for chat. */
         int room = s->n_ctx - n_ids[p];

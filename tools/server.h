@@ -96,6 +96,9 @@ typedef struct srv_request {
      * "echo"; chat's "logprobs": true and "top_logprobs": N. */
     bool logprobs, echo;
     int top_logprobs;
+    /* GBNF the output must follow: the request's "grammar" (llama.cpp), or
+     * from "response_format" json_object / json_schema. NULL: none. */
+    char *grammar;
 } srv_request;
 
 /* What validation needs to know about the served model. */

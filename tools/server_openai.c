@@ -212,10 +212,6 @@ static bool refuse_unsupported(const cJSON *o, srv_kind kind, srv_error *err) {
         v = cJSON_GetObjectItemCaseSensitive(o, "tools");
         if (given(v) && !(cJSON_IsArray(v) && !v->child))
             return srv_bad(err, "tools", "unsupported", "tools are not supported");
-        v = cJSON_GetObjectItemCaseSensitive(o, "response_format");
-        const cJSON *ty = v ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
-        if (given(v) && !(cJSON_IsString(ty) && !strcmp(ty->valuestring, "text")))
-            return srv_bad(err, "response_format", "unsupported", "only response_format {\"type\": \"text\"} is supported");
     }
     return true;
 }
@@ -236,6 +232,49 @@ static bool parse_logprobs(const cJSON *o, srv_request *r, srv_error *err) {
     if (present && x > 0 && !r->logprobs)
         return srv_bad(err, "top_logprobs", "invalid_value", "'top_logprobs' needs \"logprobs\": true");
     r->top_logprobs = (int)x;
+    return true;
+}
+
+/* "response_format": {"type": "text" | "json_object" | "json_schema",
+ * "json_schema": {"name", "schema", "strict"}}, and llama.cpp's "grammar"
+ * (GBNF text): either becomes r->grammar. */
+static bool parse_structured(const cJSON *o, srv_request *r, srv_error *err) {
+    const cJSON *g = cJSON_GetObjectItemCaseSensitive(o, "grammar");
+    if (given(g)) {
+        if (!cJSON_IsString(g))
+            return srv_bad(err, "grammar", "invalid_type", "'grammar' must be a string (GBNF)");
+        if (!(r->grammar = strdup(g->valuestring))) return srv_bad(err, "grammar", NULL, "out of memory");
+    }
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "response_format");
+    if (!given(v)) return true;
+    const cJSON *ty = cJSON_GetObjectItemCaseSensitive(v, "type");
+    if (!cJSON_IsObject(v) || !cJSON_IsString(ty))
+        return srv_bad(err, "response_format", "invalid_type",
+                       "'response_format' must be an object with a string 'type'");
+    if (!strcmp(ty->valuestring, "text")) return true;
+    bool object = !strcmp(ty->valuestring, "json_object");
+    if (!object && strcmp(ty->valuestring, "json_schema"))
+        return srv_bad(err, "response_format.type", "invalid_value",
+                       "response_format type '%.64s' is not text, json_object or json_schema",
+                       ty->valuestring);
+    if (r->grammar)
+        return srv_bad(err, "grammar", "invalid_value",
+                       "'grammar' and a JSON 'response_format' exclude each other");
+    char *schema = NULL;
+    if (!object) {
+        const cJSON *js = cJSON_GetObjectItemCaseSensitive(v, "json_schema");
+        if (!cJSON_IsObject(js))
+            return srv_bad(err, "response_format.json_schema", "invalid_type",
+                           "'json_schema' must be an object {\"name\", \"schema\"}");
+        const cJSON *sc = cJSON_GetObjectItemCaseSensitive(js, "schema");
+        if (given(sc) && !(schema = cJSON_PrintUnformatted(sc)))
+            return srv_bad(err, "response_format", NULL, "out of memory");
+    }
+    duet_status st = duet_json_schema_to_gbnf(schema, &r->grammar);
+    if (schema) cJSON_free(schema);
+    if (st)
+        return srv_bad(err, "response_format.json_schema", st == DUET_OUT_OF_MEMORY ? NULL : "invalid_value",
+                       "%s", duet_last_error());
     return true;
 }
 
@@ -434,7 +473,8 @@ static bool parse_fields(const cJSON *o, const srv_limits *lim, srv_request *r, 
     }
     /* timeout: duet's own field, seconds until the server gives up on it. */
     if (!read_number(o, "timeout", 0, 86400 * 7, true, &r->timeout_s, err)) return false;
-    return parse_stop(o, r, err) && parse_priority(o, r, err) && parse_logprobs(o, r, err);
+    return parse_stop(o, r, err) && parse_priority(o, r, err) && parse_logprobs(o, r, err) &&
+           parse_structured(o, r, err);
 }
 
 /* True when a JSON string in body holds the escape \u0000. cJSON decodes
@@ -498,6 +538,7 @@ void srv_request_free(srv_request *r) {
     for (int i = 0; i < r->n_messages; i++) free(r->messages[i].content);
     free(r->messages);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->grammar);
     memset(r, 0, sizeof *r);
 }
 
