@@ -317,6 +317,15 @@ static duet_status rope_freqs_load(const duet_gguf *g, const duet_hparams *hp, d
 duet_status duet__weights_load(const duet_gguf *g, const duet_hparams *hp, duet_backend *be,
                                duet_weights *w) {
     memset(w, 0, sizeof *w);
+    /* Biases llama.cpp applies when a file has them and duet does not:
+     * refused, rather than answers that are silently off. */
+    static const char *const unapplied[] = {"output.bias", "blk.0.attn_output.bias", "blk.0.ffn_gate.bias",
+                                            "blk.0.ffn_up.bias", "blk.0.ffn_down.bias"};
+    for (size_t i = 0; i < sizeof unapplied / sizeof *unapplied; i++)
+        if (duet_gguf_find_tensor(g, unapplied[i]))
+            return duet__error(DUET_UNSUPPORTED,
+                               "model: tensor '%s' is not supported (%s has no such bias in duet)",
+                               unapplied[i], hp->arch);
     const int64_t E = hp->n_embd, V = hp->n_vocab, F = hp->n_ff;
     const int64_t Q = (int64_t)hp->n_head * hp->head_dim, KV = (int64_t)hp->n_head_kv * hp->head_dim;
     duet_status st;

@@ -527,17 +527,17 @@ kernel void attn_prefill(gbytes q, ulong q_off, gbytes pos, ulong pos_off, gbyte
     for (;;) {
         /* The next sequence to run (uniform: every work-item scans the same
          * local state) and the furthest position any of its rows sees. */
-        int target = -1, kmax = -1;
+        int target = -1, kmax = -1, kmin = INT_MAX; /* kmin: the earliest key a windowed row sees */
         for (int rr = 0; rr < ATT_BQ; rr++)
             if (rstate[rr] == 0) {
                 if (target < 0) target = rseq[rr];
-                if (rseq[rr] == target) kmax = max(kmax, rpos[rr]);
+                if (rseq[rr] == target) kmax = max(kmax, rpos[rr]), kmin = min(kmin, rpos[rr] - window + 1);
             }
         if (target < 0) break;
         const bool active = rstate[r] == 0 && rseq[r] == target;
         const int my_pos = rpos[r];
 
-        for (int kb = 0; kb <= kmax; kb += ATT_BK) {
+        for (int kb = window > 0 ? max(0, kmin) : 0; kb <= kmax; kb += ATT_BK) {
             /* K/V tile: consecutive work-items read consecutive dims of a row. */
             for (int e = lid; e < ATT_BK * ATT_HD; e += ATT_PWG) {
                 int c, d;

@@ -66,7 +66,7 @@ shared vec4 k_sh[KT * HD4];
 shared vec4 v_sh[KT * HD4];
 shared uint key_row[KT];
 shared int row_seq[RW], row_end[RW];
-shared int seg_seq, seg_end;
+shared int seg_seq, seg_end, seg_lo;
 
 const float NEG = -3.0e38; // a finite -inf: exp() of it underflows to 0 everywhere
 
@@ -200,22 +200,24 @@ void main() {
     for (;;) {
         barrier();
         if (l == 0u) {
-            // The next sequence among the rows left, and how far its rows see.
-            int s = -1, e = 0;
+            // The next sequence among the rows left, how far its rows see,
+            // and (sliding window) the first key any of them sees.
+            int s = -1, e = 0, b = 0x7fffffff;
             for (uint i = 0u; i < RW; i++) {
                 if (row_seq[i] < 0) continue;
                 if (s < 0) s = row_seq[i];
-                if (row_seq[i] == s) e = max(e, row_end[i]);
+                if (row_seq[i] == s) e = max(e, row_end[i]), b = min(b, row_end[i]);
             }
             seg_seq = s;
             seg_end = int(min(uint(e), khi));
+            seg_lo = p.window == 0u ? 0 : max(0, b - int(p.window));
         }
         barrier();
         int S = seg_seq;
         if (S < 0) break;
         uint E = uint(seg_end);
         bool mine = valid && seq == S;
-        for (uint kb = klo; kb < E; kb += KT) {
+        for (uint kb = max(klo, uint(seg_lo)); kb < E; kb += KT) {
             uint n = min(KT, E - kb);
             for (uint j = l; j < KT; j += WG) {
                 bool bad_blk = false;

@@ -205,6 +205,7 @@ typedef struct rewrite {
     const char *zero;   /* this tensor's data becomes zeros */
     const char *key;    /* this metadata key is set to the uint64 `value` */
     uint64_t value;
+    const char *add; /* a tensor of 64 zero floats with this name is added */
 } rewrite;
 
 static void rewrite_model(const char *in, const char *out, const rewrite *rw) {
@@ -221,6 +222,10 @@ static void rewrite_model(const char *in, const char *out, const rewrite *rw) {
         void *zeros = rw->zero && !strcmp(name, rw->zero) ? calloc(1, t->size) : NULL;
         duet_gguf_add_tensor(w, name, t->type, t->n_dims, t->ne, zeros ? zeros : t->data, false);
         free(zeros);
+    }
+    if (rw->add) {
+        float zeros[64] = {0};
+        duet_gguf_add_tensor(w, rw->add, DUET_DTYPE_F32, 1, (int64_t[1]){64}, zeros, false);
     }
     ck_assert_msg(duet_gguf_write(w, out) == DUET_OK, "write %s: %s", out, duet_last_error());
     duet_gguf_writer_free(w);
@@ -550,7 +555,18 @@ START_TEST(unsupported_arch_and_scaling_are_named) {
         ck_assert_msg(strstr(duet_last_error(), cases[i].needle), "message '%s' lacks '%s'",
                       duet_last_error(), cases[i].needle);
     }
+    /* A bias llama.cpp would apply and duet does not: refused by name. */
+    char path2[600];
+    snprintf(path2, sizeof path2, "%s.bias", path);
+    write_model(&(cfg){"llama", DUET_DTYPE_F32, false, 64, 1, 4, 4, 96, 300, 10000}, path);
+    free_tensors();
+    rewrite_model(path, path2, &(rewrite){.add = "blk.0.attn_output.bias"});
+    duet_model *m = NULL;
+    ck_assert_int_eq(duet_model_open(path2, &p, &m), DUET_UNSUPPORTED);
+    ck_assert_msg(strstr(duet_last_error(), "'blk.0.attn_output.bias' is not supported"), "message '%s'",
+                  duet_last_error());
     remove(path);
+    remove(path2);
 }
 END_TEST
 
