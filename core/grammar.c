@@ -15,6 +15,8 @@
 #define MAX_STACKS 1024 /* stacks in one state */
 #define MAX_EXPAND 4096 /* rule expansions while finding the next classes */
 #define MASK_CACHE 64   /* masks remembered per state object */
+#define MAX_NESTING 128 /* open parentheses (the parser recurses on them) */
+#define MAX_RULES 4096  /* rules, generated ones included (checks recurse over them) */
 
 enum { E_END, E_RULE, E_CLASS };
 
@@ -85,6 +87,7 @@ typedef struct parser {
     vec rules;  /* prule */
     vec ranges; /* range */
     vec classes;
+    int nesting;
     char err[256];
     bool failed;
 } parser;
@@ -109,6 +112,7 @@ static int rule_find(parser *ps, const char *name, size_t len, bool create) {
     for (int i = 0; i < ps->rules.n; i++)
         if (strlen(r[i].name) == len && !memcmp(r[i].name, name, len)) return i;
     if (!create) return -1;
+    if (ps->rules.n >= MAX_RULES) return fail(ps, "more than %d rules", MAX_RULES), -1;
     prule *n = vec_push(&ps->rules, sizeof *n);
     if (!n) return oom(ps), -1;
     memset(n, 0, sizeof *n);
@@ -119,6 +123,7 @@ static int rule_find(parser *ps, const char *name, size_t len, bool create) {
 }
 
 static int rule_new(parser *ps, const char *base) {
+    if (ps->rules.n >= MAX_RULES) return fail(ps, "more than %d rules", MAX_RULES), -1;
     char name[96];
     snprintf(name, sizeof name, "%s-%d", base, ps->rules.n);
     int r = rule_find(ps, name, strlen(name), true);
@@ -309,8 +314,10 @@ static bool parse_sequence(parser *ps, vec *seq, bool nested) {
             if (ci < 0 || !seq_add(ps, seq, E_CLASS, ci)) return false;
         } else if (c == '(') {
             ps->p++;
+            if (++ps->nesting > MAX_NESTING) return fail(ps, "parentheses nest deeper than %d", MAX_NESTING);
             int r = rule_new(ps, "group");
             if (r < 0 || !parse_alternates(ps, r, true)) return false;
+            ps->nesting--;
             skip_space(ps, true);
             if (*ps->p != ')') return fail(ps, "expected ')'");
             ps->p++;

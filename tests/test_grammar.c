@@ -53,6 +53,18 @@ START_TEST(gbnf_basics) {
                          "root ::= \"a\" )",
                          "root ::= \"a\"\nroot ::= \"b\"",
                          "root ::= \"a\"{3,1}"};
+    /* Too deep or too many rules: refused, not a stack overflow. */
+    static char deep[64 * 1024];
+    strcpy(deep, "root ::= ");
+    for (int i = 0; i < 20000; i++) strcat(deep + 9 + i, "(");
+    duet_grammar *d = NULL;
+    ck_assert_int_eq(duet_grammar_parse(deep, &d), DUET_BAD_REQUEST);
+    char *chain = malloc(10000 * 32);
+    size_t at = (size_t)sprintf(chain, "root ::= r0\n");
+    for (int i = 0; i < 9000; i++) at += (size_t)sprintf(chain + at, "r%d ::= r%d \"x\"\n", i, i + 1);
+    sprintf(chain + at, "r9000 ::= \"y\"\n");
+    ck_assert_int_eq(duet_grammar_parse(chain, &d), DUET_BAD_REQUEST);
+    free(chain);
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         duet_grammar *b = NULL;
         ck_assert_msg(duet_grammar_parse(bad[i], &b) == DUET_BAD_REQUEST, "accepted bad grammar '%s'",
