@@ -42,6 +42,7 @@ set(DUET_TEST_COLD_SECONDS
   test_reference.stories260K=8
   test_reference.smollm2=120
   test_duet_bench.py=8
+  test_openai_client.py=20
   test_sampler=7)
 
 function(duet_test_timing id timeout_out cost_out)
