@@ -399,6 +399,13 @@ duet_status duet_engine_cancel(duet_engine *e, uint64_t id);
  * "device lost: <the driver's message>"). `why` may be NULL. */
 bool duet_engine_healthy(duet_engine *e, char *why, size_t why_size);
 
+/* Runs the model once (a short prompt chunk, then one decode step) outside
+ * any request and the metrics, so that the first request does not pay for
+ * first-use costs (pipeline and kernel builds, first touch of memory). For
+ * servers before they report ready: call it before submitting; it does
+ * nothing when requests are already in flight. */
+duet_status duet_engine_warmup(duet_engine *e);
+
 /* Prometheus text exposition of the engine's metrics (malloc'd; free()). */
 char *duet_engine_metrics(duet_engine *e);
 

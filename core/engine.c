@@ -848,6 +848,52 @@ void duet_engine_stop(duet_engine *e, bool drain) {
     engine_free(e);
 }
 
+duet_status duet_engine_warmup(duet_engine *e) {
+    if (!e) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_warmup: e is NULL");
+    duet_model *m = e->model;
+    pthread_mutex_lock(&e->mu);
+    /* The engine thread plans under mu, so nothing steps while it is held;
+     * an engine that already has work is warm (or soon will be) anyway. */
+    if (duet__sched_busy(e->sched) || e->lost) {
+        pthread_mutex_unlock(&e->mu);
+        return DUET_OK;
+    }
+    /* Slot 0 in KV block 0: a request given that block later writes each
+     * position before it reads it, so what is left there is never seen. */
+    const int bs = m->state->p.block_size;
+    int n = 8;
+    if (n > e->max_tokens) n = e->max_tokens;
+    if (n > m->n_ctx - 1) n = m->n_ctx - 1;
+    if (n > bs - 1) n = bs - 1;
+    for (int j = 0; j < e->max_blocks; j++)
+        e->tables[j] = j ? -1 : 0;
+    duet_status st = DUET_OK;
+    /* A prompt chunk of n tokens, then one decode token: each path's first
+     * run (pipeline and kernel builds, first touches) happens here. */
+    for (int pass = 0; pass < 2 && !st; pass++) {
+        const int k = pass ? 1 : n, pos0 = pass ? n : 0;
+        if (k < 1) continue;
+        for (int i = 0; i < k; i++) {
+            e->tok[i] = 0;
+            e->pos[i] = pos0 + i;
+            e->seq[i] = 0;
+        }
+        e->out[0] = k - 1;
+        duet_batch b = {.n_tokens = k,
+                        .tokens = e->tok,
+                        .pos = e->pos,
+                        .seq = e->seq,
+                        .n_out = 1,
+                        .out = e->out,
+                        .block_tables = e->tables};
+        st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
+    }
+    for (int j = 0; j < e->max_blocks; j++)
+        e->tables[j] = -1;
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
 char *duet_engine_metrics(duet_engine *e) {
     pthread_mutex_lock(&e->mu);
     update_gauges(e);

@@ -530,6 +530,10 @@ static void server_start(server *s, const char *name, const char *const *extra) 
     long code = http(s->port, "GET", "/health", NULL, &x);
     ck_assert_msg(code == 200 && strstr(x.buf, "\"ok\""), "/health: %ld %s", code, x.buf ? x.buf : "");
     xfer_free(&x);
+    /* Ready as soon as it listens: the model was loaded and warmed before. */
+    code = http(s->port, "GET", "/ready", NULL, &x);
+    ck_assert_msg(code == 200 && strstr(x.buf, "\"ready\""), "/ready: %ld %s", code, x.buf ? x.buf : "");
+    xfer_free(&x);
 }
 
 /* SIGTERM and wait; returns the exit status (or -1 when killed / timed out). */
@@ -1101,12 +1105,36 @@ START_TEST(config_file_and_command_line_knobs) {
 }
 END_TEST
 
+static int tcp_connect(int port);
+
+/* GET /ready on an open connection (kept alive): the response, or "" when
+ * none came within 2 s. */
+static void ready_on(int fd, char *buf, size_t cap) {
+    static const char req[] = "GET /ready HTTP/1.1\r\nHost: x\r\n\r\n";
+    size_t len = 0;
+    buf[0] = 0;
+    if (fd < 0 || send(fd, req, sizeof req - 1, MSG_NOSIGNAL) != (ssize_t)(sizeof req - 1)) return;
+    struct timeval tv = {0, 100000};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    for (double t0 = now_s(); now_s() - t0 < 2 && len + 1 < cap;) {
+        ssize_t n = recv(fd, buf + len, cap - 1 - len, 0);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return;
+        if (n > 0) buf[len += (size_t)n] = 0;
+        const char *body = strstr(buf, "\r\n\r\n");
+        if (body && strchr(body, '}')) return;
+    }
+}
+
 typedef struct drain_state {
     server *s;
     xfer *xs;
     int n;
     bool signalled;
     double t_signal;
+    bool probe_ready; /* ask /ready on a connection opened before the signal */
+    int ready_fd;
+    char ready_before[512], ready_after[512]; /* its answers before the signal and during the drain */
+    bool ready_probed;
     long late_code;
     CURLcode late_res;
     bool probed;
@@ -1118,9 +1146,16 @@ static void drain_tick(void *arg) {
     if (!st->signalled) {
         for (int i = 0; i < st->n; i++)
             if (st->xs[i].len < 200) return;
+        if (st->probe_ready) {
+            st->ready_fd = tcp_connect(st->s->port);
+            ready_on(st->ready_fd, st->ready_before, sizeof st->ready_before);
+        }
         kill(st->s->pid, SIGTERM);
         st->signalled = true;
         st->t_signal = now_s();
+    } else if (st->probe_ready && !st->ready_probed && now_s() - st->t_signal > 0.05) {
+        ready_on(st->ready_fd, st->ready_after, sizeof st->ready_after);
+        st->ready_probed = true;
     } else if (!st->probed && now_s() - st->t_signal > 0.3) {
         xfer x;
         xfer_init(&x, st->s->port, "GET", "/health", NULL);
@@ -1142,9 +1177,16 @@ START_TEST(sigterm_drains_then_exits_0) {
         xfer_init(&xs[i], s.port, "POST", "/v1/completions",
                   "{\"prompt\":\"One day\",\"max_tokens\":900,\"ignore_eos\":true,\"temperature\":0,\"stream\":true,"
                   "\"stream_options\":{\"include_usage\":true}}");
-    drain_state st = {.s = &s, .xs = xs, .n = N};
+    drain_state st = {.s = &s, .xs = xs, .n = N, .probe_ready = true, .ready_fd = -1};
     run_multi(xs, N, drain_tick, &st);
     ck_assert_msg(st.signalled, "the streams never started");
+    /* Readiness goes first: 200 before the signal, 503 on the same
+     * connection as soon as the drain starts (new connections are refused). */
+    if (st.ready_fd >= 0) close(st.ready_fd);
+    ck_assert_msg(!strncmp(st.ready_before, "HTTP/1.1 200", 12) && strstr(st.ready_before, "\"ready\""),
+                  "/ready before SIGTERM: %s", st.ready_before);
+    ck_assert_msg(!strncmp(st.ready_after, "HTTP/1.1 503", 12) && strstr(st.ready_after, "\"draining\""),
+                  "/ready during the drain: %s", st.ready_after);
     for (int i = 0; i < N; i++) {
         ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "stream %d: curl %d HTTP %ld", i, (int)xs[i].res,
                       xs[i].code);
@@ -1164,6 +1206,8 @@ START_TEST(sigterm_drains_then_exits_0) {
         if (waitpid(s.pid, &status, WNOHANG) == s.pid) break;
     char *log = read_log(&s);
     ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "duet serve did not exit 0 after draining:\n%s", log);
+    ck_assert_msg(strstr(log, "duet: loaded in ") && strstr(log, "duet: ready in "),
+                  "start-up did not report its progress:\n%s", log);
     free(log);
     unlink(s.log);
 }

@@ -2,7 +2,11 @@
  * engine instance. Options come from a JSON --config file first, then the
  * command line (which wins). SIGTERM or SIGINT stops accepting, lets the
  * requests in flight finish (up to --drain-timeout), then exits 0; a second
- * signal cancels what is left. */
+ * signal cancels what is left.
+ *
+ * Start-up, for an orchestrator's probes: load the model (the port is not
+ * open yet), warm it (duet_engine_warmup), listen, then report ready: GET
+ * /ready answers 200 from then until SIGTERM, when it turns 503 first. */
 #include <cjson/cJSON.h>
 #include <getopt.h>
 #include <pthread.h>
@@ -48,14 +52,15 @@ static void usage(FILE *f) {
             "      --request-timeout S     cancel a request still generating after S seconds and answer it with\n"
             "                              408 (default: none; a request's \"timeout\" field may ask for less)\n"
             "  security:\n"
-            "      --api-key KEY           require Authorization: Bearer KEY on every endpoint but /health\n"
-            "                              (default: $DUET_API_KEY; none when unset)\n"
+            "      --api-key KEY           require Authorization: Bearer KEY on every endpoint but /health and\n"
+            "                              /ready (default: $DUET_API_KEY; none when unset)\n"
             "      --metrics-public        serve /metrics without the API key\n"
             "      --allowed-origins LIST  CORS: web origins allowed to call the API, comma-separated, or '*'\n"
             "                              (default: none; requests from other origins get 403)\n"
             "  -v, --verbose               log one line per request\n"
             "\n"
-            "endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics\n");
+            "endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,\n"
+            "           GET /ready, GET /metrics\n");
 }
 
 enum {
@@ -289,28 +294,43 @@ int cmd_serve(int argc, char **argv) {
 
     duet_engine *e;
     o.ep.served_name = o.srv.model_name; /* the metrics name the model as the API does */
+    const double t_start = mono_seconds();
+    fprintf(stderr, "duet: loading %s\n", o.model);
+    fflush(stderr);
     duet_status st = duet_engine_start(o.model, &o.ep, &e);
     if (st) {
         rc = cli_fail(o.model, st);
         goto out;
     }
+    const double t_loaded = mono_seconds();
+    fprintf(stderr, "duet: loaded in %.2f s; warming up (a first forward pass)\n", t_loaded - t_start);
+    fflush(stderr);
+    if ((st = duet_engine_warmup(e))) {
+        fprintf(stderr, "duet: warm-up failed: %s: %s\n", duet_status_str(st), duet_last_error());
+        duet_engine_stop(e, false);
+        goto out;
+    }
+    const double t_warm = mono_seconds();
     srv *s;
     if (srv_start(e, &o.srv, &s)) {
         duet_engine_stop(e, false);
         goto out;
     }
+    srv_set_ready(s);
     duet_model_desc d;
     duet_model_describe(duet_engine_model(e), &d);
     fprintf(stderr, "duet: serving %s (%s, %s on %s, context %d, chat template %s) on http://%s:%d\n",
             o.srv.model_name, d.arch, d.backend, d.device, d.n_ctx, srv_chat_template_in_use(s), o.srv.host,
             srv_port(s));
+    fprintf(stderr, "duet: ready in %.2f s (load %.2f s, warm-up %.2f s)\n", mono_seconds() - t_start,
+            t_loaded - t_start, t_warm - t_loaded);
     fflush(stderr);
 
     int sig = 0;
     sigwait(&sigs, &sig);
     fprintf(stderr, "duet: %s: no new requests; draining the ones in flight (up to %.0f s)\n",
             sig == SIGTERM ? "SIGTERM" : "SIGINT", o.drain_timeout_s);
-    srv_drain(s);
+    srv_drain(s); /* /ready turns 503 and the port closes */
     /* Drain until idle, the timeout, or a second signal (then cancel). */
     double deadline = mono_seconds() + o.drain_timeout_s;
     bool cancelled = false;

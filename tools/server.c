@@ -53,10 +53,11 @@
 #define CONN_STACK (2u << 20)   /* per connection thread: cJSON recursion up to its nesting limit fits */
 #define CONN_MARGIN 64          /* connections past max_connections that still get their 503 */
 
-enum { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_OTHER, N_ROUTES };
+enum { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_READY, R_OTHER };
+#define N_ROUTES (R_OTHER + 1)
 static const char *const route_paths[N_ROUTES] = {
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-    "/tokenize",       "/detokenize",          "other"};
+    "/tokenize",       "/detokenize",          "/ready",     "other"};
 
 /* Status codes counted per endpoint; the last column counts every other one. */
 static const int tracked_codes[] = {200, 204, 400, 401, 403, 404, 405, 408, 413, 415, 429, 499, 500, 503};
@@ -95,6 +96,7 @@ struct srv {
     uint64_t salt;
     atomic_uint_fast64_t counter;
     atomic_bool draining, cancel_all, stopping;
+    atomic_bool ready;     /* srv_set_ready was called (the model is warm); /ready says so until draining */
     atomic_int open_conns; /* TCP connections libmicrohttpd holds open */
     int max_conns;
     double read_timeout_s, request_timeout_s;
@@ -536,6 +538,19 @@ static enum MHD_Result get_health(srv *s, conn *cn, struct MHD_Connection *c) {
     bool draining = atomic_load(&s->draining);
     return send_json(s, cn, c, draining ? 503 : 200,
                      strdup(draining ? "{\"status\":\"draining\"}" : "{\"status\":\"ok\"}"));
+}
+
+/* /ready, for a readiness probe: 200 {"status":"ready"} once srv_set_ready
+ * was called (the model is loaded and warm) and until draining starts; 503
+ * {"status":"starting"|"draining"|"unhealthy"} otherwise. */
+static enum MHD_Result get_ready(srv *s, conn *cn, struct MHD_Connection *c) {
+    const char *why = atomic_load(&s->draining)             ? "draining"
+                      : !atomic_load(&s->ready)             ? "starting"
+                      : !duet_engine_healthy(s->e, NULL, 0) ? "unhealthy"
+                                                            : NULL;
+    char body[64];
+    snprintf(body, sizeof body, "{\"status\":\"%s\"}", why ? why : "ready");
+    return send_json(s, cn, c, why ? 503 : 200, strdup(body));
 }
 
 /* ---- /tokenize and /detokenize, as llama.cpp's server has them ------------ */
@@ -1266,7 +1281,8 @@ static bool admit(srv *s, conn *cn, struct MHD_Connection *c, const char *method
         *err = (srv_error){.http = 204};
         return false;
     }
-    bool open = cn->route == R_HEALTH || (cn->route == R_METRICS && s->metrics_public);
+    bool open =
+        cn->route == R_HEALTH || cn->route == R_READY || (cn->route == R_METRICS && s->metrics_public);
     if (s->api_key && !open) {
         const char *auth = MHD_lookup_connection_value(c, MHD_HEADER_KIND, MHD_HTTP_HEADER_AUTHORIZATION);
         if (!auth || strncasecmp(auth, "Bearer ", 7) || !key_matches(s->api_key, auth + 7)) {
@@ -1352,6 +1368,9 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         break;
     case R_METRICS:
         if (get) return get_metrics(s, cn, c);
+        break;
+    case R_READY:
+        if (get) return get_ready(s, cn, c);
         break;
     case R_TOKENIZE:
         if (post) return post_tokenize(s, cn, c);
@@ -1633,6 +1652,10 @@ int srv_port(const srv *s) { return s->port; }
 
 const char *srv_chat_template_in_use(const srv *s) {
     return duet_chat_template_name(s->chat);
+}
+
+void srv_set_ready(srv *s) {
+    atomic_store(&s->ready, true);
 }
 
 void srv_drain(srv *s) {

@@ -207,8 +207,11 @@ typedef struct srv srv;
 int srv_start(duet_engine *e, const srv_config *cfg, srv **out);
 int srv_port(const srv *s);
 const char *srv_chat_template_in_use(const srv *s);
+/* From now on GET /ready answers 200 (until srv_drain): call it once the
+ * model is warm (duet_engine_warmup). Before, /ready answers 503. */
+void srv_set_ready(srv *s);
 /* Stops accepting connections; requests arriving on open connections get
- * 503. Requests in flight carry on. */
+ * 503 (and /ready too). Requests in flight carry on. */
 void srv_drain(srv *s);
 /* Waits until no request is in flight (true) or the timeout passes. */
 bool srv_wait_idle(srv *s, double timeout_s);
