@@ -466,7 +466,9 @@ static void update_gauges(duet_engine *e) {
                              .max_batch_seqs = k.max_batch_seqs,
                              .max_batch_tokens = k.max_batch_tokens,
                              .prefill_chunk = k.prefill_chunk,
-                             .batch_timeout_s = secs(k.batch_timeout_ns)};
+                             .batch_timeout_s = secs(k.batch_timeout_ns),
+                             .kv_block_size = e->model->state->p.block_size,
+                             .kv_blocks = e->model->state->p.n_blocks};
     memcpy(g.waiting, st.waiting, sizeof g.waiting);
     memcpy(g.running, st.running, sizeof g.running);
     duet__metrics_set_gauges(e->metrics, &g);

@@ -512,6 +512,13 @@ char *duet__metrics_render(duet_metrics *m) {
     gauge_one(&w, m, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", g->kv_usage);
     gauge_one(&w, m, "vllm:gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (older name).",
               g->kv_usage);
+    if (g->kv_block_size > 0) { /* vLLM's CacheConfig labels that a KV pool of duet's has */
+        family(&w, "vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig");
+        snprintf(extra, sizeof extra,
+                 "block_size=\"%d\",enable_prefix_caching=\"False\",num_gpu_blocks=\"%d\"", g->kv_block_size,
+                 g->kv_blocks);
+        sample(&w, m, "vllm:cache_config_info", extra, 1);
+    }
     counter_one(&w, m, "vllm:num_preemptions_total", "Cumulative number of preemptions.",
                 (double)(c->preemptions[0] + c->preemptions[1]));
     counter_one(&w, m, "vllm:prompt_tokens_total", "Number of prefill tokens processed.", (double)c->prompt_tokens);

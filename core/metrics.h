@@ -37,6 +37,7 @@ typedef struct duet_metrics_gauges {
     double kv_usage;            /* 0..1 */
     int max_batch_seqs, max_batch_tokens, prefill_chunk;
     double batch_timeout_s;
+    int kv_block_size, kv_blocks; /* the KV pool's geometry (vllm:cache_config_info); 0: not known */
 } duet_metrics_gauges;
 void duet__metrics_set_gauges(duet_metrics *m, const duet_metrics_gauges *g);
 /* The engine's health (duet_engine_healthy); a new instance is healthy. */

@@ -169,11 +169,24 @@ START_TEST(steps_gauges_and_aliases) {
     duet__metrics_step(m, 17, 300, 0.03);
     for (int i = 1; i <= 4; i++) duet__metrics_inter_token(m, 0.004 * i);
     duet__metrics_inter_token(m, NAN); /* ignored: would poison the sum */
-    duet_metrics_gauges g = {.waiting = {3, 5}, .running = {2, 7}, .kv_usage = 0.375, .max_batch_seqs = 16,
-                             .max_batch_tokens = 256, .prefill_chunk = 128, .batch_timeout_s = 0.002};
+    duet_metrics_gauges g = {.waiting = {3, 5},
+                             .running = {2, 7},
+                             .kv_usage = 0.375,
+                             .max_batch_seqs = 16,
+                             .max_batch_tokens = 256,
+                             .prefill_chunk = 128,
+                             .batch_timeout_s = 0.002,
+                             .kv_block_size = 16,
+                             .kv_blocks = 640};
     duet__metrics_set_gauges(m, &g);
     prom_doc d;
     render_parse(m, &d);
+    /* The KV pool's geometry as vLLM's info gauge, which gateways read. */
+    ck_assert_msg(!strcmp(prom_type(&d, "vllm:cache_config_info"), "gauge"), "cache_config_info type");
+    ck_assert_msg(value(&d, "vllm:cache_config_info",
+                        "block_size=\"16\",enable_prefix_caching=\"False\","
+                        "num_gpu_blocks=\"640\"") == 1,
+                  "vllm:cache_config_info labels");
     ck_assert_msg(value(&d, "duet_batch_size_count", "") == 3, "three steps");
     ck_assert_msg(value(&d, "duet_batch_size_sum", "") == 34, "sequences 1+16+17");
     ck_assert_msg(bucket(&d, "duet_batch_size", "", 16) == 2, "le=16 holds 1 and 16");
