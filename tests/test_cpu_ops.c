@@ -1456,8 +1456,8 @@ START_TEST(test_bounds) {
     rp.rope_kv.q = (duet_view){q, 0}, rp.rope_kv.k = (duet_view){k, 0}, rp.rope_kv.v = (duet_view){v, 0};
     rp.rope_kv.pos = (duet_view){pb, 0}, rp.rope_kv.seq = (duet_view){sb, 0}, rp.rope_kv.kv = kv;
     rp.rope_kv.n_head = NH, rp.rope_kv.n_head_kv = NH;
-    rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD,
-    rp.rope_kv.freqs = (duet_view){freqs_buf(be, 10000, HD), 0};
+    duet_buffer *fb = freqs_buf(be, 10000, HD);
+    rp.rope_kv.head_dim = HD, rp.rope_kv.n_rot = HD, rp.rope_kv.freqs = (duet_view){fb, 0};
     RUN_OK(be, &rp, "the valid rope_kv");
     rp.n_tokens = 2;
     expect_invalid(be, &rp, "rope_kv", "position max_blocks * block_size");
@@ -1555,7 +1555,7 @@ START_TEST(test_bounds) {
     ck_assert_int_eq(duet_step_submit(be), DUET_OK);
     ck_assert_int_eq(duet_step_submit(be), DUET_INVALID_ARGUMENT);
 
-    duet_buffer *all[] = {w, x, o, small, tk, tab, eo, q, k, v, pb, sb, tb, kc, vc, rb};
+    duet_buffer *all[] = {w, x, o, small, tk, tab, eo, q, k, v, pb, sb, tb, kc, vc, rb, fb};
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) duet_buffer_free(be, all[i]);
     duet_backend_close(be);
 }
