@@ -110,10 +110,14 @@ in_root "$work/run" "apt-get update -qq && apt-get install -y -qq --no-install-r
     ca-certificates curl >/dev/null && rm -rf /var/lib/apt/lists/* /tmp/debs && \
     mkdir -p /etc/OpenCL/vendors /models && \
     { groupadd --system render 2>/dev/null || true; } && \
-    useradd --system --uid 10001 --user-group --groups video,render --home-dir /home/duet --create-home \
+    useradd --uid 10001 --user-group --groups video,render --home-dir /home/duet --create-home \
         --shell /usr/sbin/nologin duet"
 install -m 0755 "$here/entrypoint.sh" "$work/run/usr/local/bin/duet-entrypoint"
 in_root "$work/run" "dpkg -l duet | tail -1; duet --version; du -sh --exclude=proc --exclude=sys --exclude=dev / 2>/dev/null | cut -f1"
+
+log "devices the non-root user sees (duet devices)"
+chroot --userspec=10001:10001 "$work/run" /usr/bin/env -i PATH=/usr/local/bin:/usr/bin:/bin HOME=/home/duet \
+    /usr/local/bin/duet-entrypoint devices
 
 log "the model volume: $(dirname "$model") read-only at /models"
 mount --bind "$(dirname "$model")" "$work/run/models"
