@@ -187,6 +187,10 @@ size_t duet_dtype_block_bytes(duet_dtype t);
 size_t duet_dtype_row_bytes(duet_dtype t, int64_t n);
 const char *duet_dtype_name(duet_dtype t); /* "f32", ... or NULL if unknown */
 bool duet_dtype_is_weight(duet_dtype t);   /* a type a weight may have */
+/* A weight type whose quants are packed below a byte each (Q4_0 ... Q6_K,
+ * IQ4_NL, IQ4_XS): the types every backend's block kernels read, by
+ * unpacking in registers. */
+bool duet_dtype_is_packed_quant(duet_dtype t);
 /* Whether a matmul with these weights can read q8_0 activations (x_q8)
  * and run integer dot products on them. */
 bool duet_dtype_takes_q8_activations(duet_dtype t);

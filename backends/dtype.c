@@ -132,6 +132,11 @@ bool duet_dtype_is_weight(duet_dtype t) {
     return tr && tr->weight;
 }
 
+bool duet_dtype_is_packed_quant(duet_dtype t) {
+    const dtype_traits *tr = traits_of(t);
+    return tr && tr->weight && tr->block > 1 && tr->block_bytes < (size_t)tr->block;
+}
+
 bool duet_dtype_takes_q8_activations(duet_dtype t) {
     const dtype_traits *tr = traits_of(t);
     return tr && tr->q8_activations;

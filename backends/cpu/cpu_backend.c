@@ -383,7 +383,7 @@ static bool cpu_kv_dtype_ok(duet_dtype t) {
 /* The weight types the cpu kernels read (matmul and embedding). */
 static bool cpu_weight_ok(duet_dtype t) {
     return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0 ||
-           duet__cpu_blocks_dtype(t);
+           duet_dtype_is_packed_quant(t);
 }
 
 static bool cpu_supports_op(int index, const duet_op *op) {

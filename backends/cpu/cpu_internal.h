@@ -122,9 +122,8 @@ duet_status duet__cpu_scratch_reserve(cpu_scratch *s, size_t size);
  * absent) is the input; exactly one is non-NULL. */
 duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, const float *x,
                              const duet_block_q8_0 *xq, const float *bias, float *out);
-/* The same for the other block-quantised weight types (cpu_matmul_blocks.c),
- * which duet__cpu_blocks_dtype names; x or xq as above. */
-bool duet__cpu_blocks_dtype(duet_dtype t);
+/* The same for the packed block types (duet_dtype_is_packed_quant;
+ * cpu_matmul_blocks.c); x or xq as above. */
 duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const void *w, const float *x,
                                     const duet_block_q8_0 *xq, const float *bias, float *out);
 /* Quantises n floats (n % 32 == 0) to q8_0 blocks with the fastest path of

@@ -35,25 +35,6 @@ typedef struct blk_scales {
     float s[16], m[16];
 } blk_scales;
 
-bool duet__cpu_blocks_dtype(duet_dtype t) {
-    switch (t) {
-    case DUET_DTYPE_Q4_0:
-    case DUET_DTYPE_Q4_1:
-    case DUET_DTYPE_Q5_0:
-    case DUET_DTYPE_Q5_1:
-    case DUET_DTYPE_IQ4_NL:
-    case DUET_DTYPE_Q2_K:
-    case DUET_DTYPE_Q3_K:
-    case DUET_DTYPE_Q4_K:
-    case DUET_DTYPE_Q5_K:
-    case DUET_DTYPE_Q6_K:
-    case DUET_DTYPE_IQ4_XS:
-        return true;
-    default:
-        return false;
-    }
-}
-
 /* Types whose w has a min term (m != 0). */
 static inline bool has_min(duet_dtype t) {
     return t != DUET_DTYPE_IQ4_NL && t != DUET_DTYPE_IQ4_XS;

@@ -386,26 +386,8 @@ static bool kv_dtype_ok(duet_dtype t) {
 
 /* The weight types the kernels read (matmul and embedding). */
 static bool weight_ok(duet_dtype t) {
-    switch (t) {
-    case DUET_DTYPE_F32:
-    case DUET_DTYPE_F16:
-    case DUET_DTYPE_BF16:
-    case DUET_DTYPE_Q8_0:
-    case DUET_DTYPE_Q4_0:
-    case DUET_DTYPE_Q4_1:
-    case DUET_DTYPE_Q5_0:
-    case DUET_DTYPE_Q5_1:
-    case DUET_DTYPE_IQ4_NL:
-    case DUET_DTYPE_Q2_K:
-    case DUET_DTYPE_Q3_K:
-    case DUET_DTYPE_Q4_K:
-    case DUET_DTYPE_Q5_K:
-    case DUET_DTYPE_Q6_K:
-    case DUET_DTYPE_IQ4_XS:
-        return true;
-    default:
-        return false;
-    }
+    return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0 ||
+           duet_dtype_is_packed_quant(t);
 }
 
 static bool ocl_supports_op(int index, const duet_op *op) {

@@ -258,27 +258,6 @@ typedef struct mm_tile_q8_push {
 } mm_tile_q8_push;
 typedef mm_tile_push mm_sg_push;
 
-/* The block types of shaders/blocks.glsl: Q4_0 ... IQ4_XS. One module per
- * path serves them all, the type a specialization constant. */
-static bool vk_block_type(duet_dtype t) {
-    switch (t) {
-    case DUET_DTYPE_Q4_0:
-    case DUET_DTYPE_Q4_1:
-    case DUET_DTYPE_Q5_0:
-    case DUET_DTYPE_Q5_1:
-    case DUET_DTYPE_IQ4_NL:
-    case DUET_DTYPE_Q2_K:
-    case DUET_DTYPE_Q3_K:
-    case DUET_DTYPE_Q4_K:
-    case DUET_DTYPE_Q5_K:
-    case DUET_DTYPE_Q6_K:
-    case DUET_DTYPE_IQ4_XS:
-        return true;
-    default:
-        return false;
-    }
-}
-
 static vk_shader matmul_shader(duet_dtype dt, bool tile, bool dot) {
     switch (dt) {
     case DUET_DTYPE_F32:
@@ -303,8 +282,11 @@ static duet_status rec_matmul(vk_backend *be, const duet_op *op) {
     const uint64_t nt = (uint64_t)n;
     const duet_view w = op->matmul.w, x = op->matmul.x, xq8 = op->matmul.x_q8, bias = op->matmul.bias,
                     out = op->matmul.out;
-    /* q8: Q8_0 weights; blk: a block type; either reads q8_0 activations (qa). */
-    const bool q8 = dt == DUET_DTYPE_Q8_0, blk = vk_block_type(dt), qa = q8 || blk, xb = xq8.buf != NULL;
+    /* q8: Q8_0 weights; blk: a type of shaders/blocks.glsl (one module per
+     * path serves them all, the type a specialization constant); either reads
+     * q8_0 activations (qa). */
+    const bool q8 = dt == DUET_DTYPE_Q8_0, blk = duet_dtype_is_packed_quant(dt), qa = q8 || blk,
+               xb = xq8.buf != NULL;
     const uint64_t rb = duet_dtype_row_bytes(dt, n_in);
     const uint64_t nb = qa ? (uint64_t)n_in / 32 : 0;
 
@@ -557,7 +539,7 @@ static duet_status rec_argmax(vk_backend *be, const duet_op *op) {
 /* The weight types the shaders read (matmul and embedding). */
 static bool vk_weight_ok(duet_dtype t) {
     return t == DUET_DTYPE_F32 || t == DUET_DTYPE_F16 || t == DUET_DTYPE_BF16 || t == DUET_DTYPE_Q8_0 ||
-           vk_block_type(t);
+           duet_dtype_is_packed_quant(t);
 }
 
 bool duet__vk_supports_op(int index, const duet_op *op) {
