@@ -1155,7 +1155,8 @@ static void drain_tick(void *arg) {
         st->t_signal = now_s();
     } else if (st->probe_ready && !st->ready_probed && now_s() - st->t_signal > 0.05) {
         ready_on(st->ready_fd, st->ready_after, sizeof st->ready_after);
-        st->ready_probed = true;
+        /* A loaded machine may not have run the signal thread yet: ask again. */
+        st->ready_probed = strncmp(st->ready_after, "HTTP/1.1 200", 12) || now_s() - st->t_signal > 5;
     } else if (!st->probed && now_s() - st->t_signal > 0.3) {
         xfer x;
         xfer_init(&x, st->s->port, "GET", "/health", NULL);
