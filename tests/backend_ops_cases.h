@@ -400,7 +400,20 @@ static inline void bo_variant_label(const bo_variant *v, char *buf, size_t size)
 }
 
 /* Whether variant v runs case c. */
+/* A variant that forces a GPU path runs the packed block types' rows for
+ * one type of each unpacking family only: the unpacking is the same code
+ * under every path, and the default variant runs every type, while each
+ * type is a pipeline or program of its own to compile on a cold machine
+ * (11 types under every forced path cost lavapipe and PoCL minutes). */
+static inline bool bo_block_type_sampled(duet_dtype t) {
+    return t == DUET_DTYPE_Q4_0 || t == DUET_DTYPE_Q5_1 || t == DUET_DTYPE_IQ4_NL || t == DUET_DTYPE_Q4_K ||
+           t == DUET_DTYPE_Q6_K;
+}
+
 static inline bool bo_variant_runs(const bo_variant *v, const bo_case *c) {
+    if (v->env && strcmp(v->backend, "cpu") != 0 && duet_dtype_is_packed_quant(c->dtype) &&
+        (c->kind == DUET_OP_MATMUL || c->kind == DUET_OP_EMBED) && !bo_block_type_sampled(c->dtype))
+        return false;
     return (c->modes & v->modes) && (!v->kinds || (v->kinds & BO_KIND(c->kind)));
 }
 

@@ -26,7 +26,7 @@ set(DUET_TEST_COLD_SECONDS
   test_eval.py=96
   test_opencl.oclgrind_a=95
   test_opencl.oclgrind_b=86
-  test_backend_ops.vulkan=68
+  test_backend_ops.vulkan=260
   test_backend_ops.opencl_attention=66
   test_server.hardening=30
   test_vulkan.attention=17
