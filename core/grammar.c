@@ -536,7 +536,8 @@ duet_status duet_grammar_parse(const char *gbnf, duet_grammar **out) {
         g->ru[i].n_alts = pr[i].alts.n;
         for (int k = 0; k < pr[i].alts.n; k++) {
             g->alts[g->n_alts++] = g->n_el;
-            memcpy(g->el + g->n_el, a[k].p, (size_t)a[k].n * sizeof *g->el);
+            if (a[k].n) /* an empty alternative has no array (memcpy wants one even for 0 bytes) */
+                memcpy(g->el + g->n_el, a[k].p, (size_t)a[k].n * sizeof *g->el);
             g->n_el += a[k].n;
             g->el[g->n_el++] = (elem){E_END, 0};
         }
