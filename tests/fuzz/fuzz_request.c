@@ -127,7 +127,9 @@ static void check_head(const cJSON *o, srv_kind kind, bool chunk, const char *id
 /* ---- a refused body ----------------------------------------------------- */
 
 static void check_refusal(const srv_request *r, const srv_error *err) {
-    check(err->http == 400, "a refused body must be a 400");
+    /* 404 only for a model that is not served (OpenAI's and vLLM's answer). */
+    check(err->http == 400 || (err->http == 404 && err->code && !strcmp(err->code, "model_not_found")),
+          "a refused body must be a 400 (or a 404 model_not_found)");
     check(err->type && !strcmp(err->type, "invalid_request_error"), "error type");
     check(err->message[0] != 0, "empty error message");
     check(memchr(err->message, 0, sizeof err->message) && memchr(err->param, 0, sizeof err->param),
@@ -423,7 +425,7 @@ static void serve(const srv_request *r, const srv_limits *lim, uint8_t sel) {
             const char *t = r->messages[r->n_messages - 1].content;
             size_t n = strlen(t);
             if (i) t = rendered[i % N_FAMILIES].p, n = rendered[i % N_FAMILIES].len;
-            g.res[i] = (srv_choice_result){t, n, i % 2 ? "length" : "stop"};
+            g.res[i] = (srv_choice_result){.text = t, .len = n, .finish = i % 2 ? "length" : "stop"};
         }
     } else {
         for (int p = 0; p < n_prompts; p++) {
@@ -438,9 +440,9 @@ static void serve(const srv_request *r, const srv_limits *lim, uint8_t sel) {
         }
         for (int i = 0; i < g.n_slots; i++) {
             const srv_prompt *pr = &r->prompts[i / r->n];
-            g.res[i] = (srv_choice_result){pr->text ? pr->text : id_bytes[i / r->n],
-                                           pr->text ? strlen(pr->text) : (size_t)pr->n_ids,
-                                           i % 2 ? "length" : "stop"};
+            g.res[i] = (srv_choice_result){.text = pr->text ? pr->text : id_bytes[i / r->n],
+                                           .len = pr->text ? strlen(pr->text) : (size_t)pr->n_ids,
+                                           .finish = i % 2 ? "length" : "stop"};
         }
     }
     for (int i = 0; i < g.n_slots; i++)
