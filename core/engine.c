@@ -82,9 +82,9 @@ struct duet_engine {
     /* Step scratch, sized once (max_tokens / max_seqs). */
     duet_sched_seq *plan_seqs;
     int32_t *tok, *pos, *seq, *out;
-    int32_t *row_of; /* [max_tokens] the plan entry of each batch token */
-    bool *want;      /* [max_tokens] the token's logits are wanted */
-    float *raw;      /* [n_vocab] a row's logits before sampling changes them (logprobs) */
+    int32_t *row_of;   /* [max_tokens] the plan entry of each batch token */
+    bool *want;        /* [max_tokens] the token's logits are wanted */
+    float *raw;        /* [n_vocab] a row's logits before sampling changes them (logprobs) */
     duet_vocab *vocab; /* token bytes for grammars, built at the first one (under mu) */
     int32_t *tables; /* [max_seqs][max_blocks] this step's KV block tables */
     int max_blocks;

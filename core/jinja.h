@@ -45,10 +45,10 @@ typedef enum duet__jinja_result {
 } duet__jinja_result;
 
 typedef struct duet__jinja_options {
-    int64_t now;       /* Unix time strftime_now() formats (UTC); < 0: the current local time */
-    size_t max_output; /* bytes; 0: 16 MiB */
-    size_t max_steps;  /* loop iterations + macro calls; 0: 10 million */
-    size_t max_memory; /* arena bytes; 0: 256 MiB */
+    int64_t now;        /* Unix time strftime_now() formats (UTC); < 0: the current local time */
+    size_t max_output;  /* bytes; 0: 16 MiB */
+    size_t max_steps;   /* loop iterations + macro calls; 0: 10 million */
+    size_t max_memory;  /* arena bytes; 0: 256 MiB */
     bool jinja2_tojson; /* jinja2's own tojson (sorted keys, ASCII, <>&' escaped, indent only) instead of
                            transformers' json.dumps(ensure_ascii=False) */
 } duet__jinja_options;

@@ -899,7 +899,8 @@ static size_t mm_align64(size_t n) {
 
 duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, const float *x,
                              const duet_block_q8_0 *xq, const float *bias, float *out) {
-    if (duet_dtype_is_packed_quant(op->matmul.dtype)) return duet__cpu_matmul_blocks(be, op, w, x, xq, bias, out);
+    if (duet_dtype_is_packed_quant(op->matmul.dtype))
+        return duet__cpu_matmul_blocks(be, op, w, x, xq, bias, out);
     const mm_kernels *k = mm_kernels_for(be->isa);
     mm_task t = {
         .k = k,
