@@ -30,6 +30,9 @@ static const char usage[] =
     "  --backend B --device N     in-process or --serve-cmd: backend (auto|cpu|vulkan|opencl) and device\n"
     "  --threads N --ctx N        in-process: cpu threads (0 = all) and context length\n"
     "  --all-devices              the same sweep on every backend x device found; writes comparison.md/.png\n"
+    "  --peer LABEL=URL           also run every load point against this OpenAI-compatible server (repeat\n"
+    "                             for more), alternating point by point with the target; writes\n"
+    "                             comparison.md/.png (the target is named by --label, default duet)\n"
     "  --endpoint PATH            default /v1/completions\n"
     "  --served-model-name NAME   the \"model\" field (default: the first id of GET /v1/models)\n"
     "\n"
@@ -212,6 +215,89 @@ static bool run_one(db_config *cfg, const char *backend, int device, const char 
     return ok;
 }
 
+/* Moves src's points to the end of dst's (src keeps its meta, loses its
+ * points). */
+static bool append_points(db_sweep *dst, db_sweep *src) {
+    db_point *p = realloc(dst->points, (size_t)(dst->n_points + src->n_points) * sizeof *p);
+    if (!p) return false;
+    memcpy(p + dst->n_points, src->points, (size_t)src->n_points * sizeof *p);
+    dst->points = p;
+    dst->n_points += src->n_points;
+    free(src->points);
+    src->points = NULL;
+    src->n_points = 0;
+    return true;
+}
+
+/* --peer: every load point against the target, then against each peer,
+ * then the next point: drift on a shared machine (other work, thermal
+ * state) then hits every server alike. Each (point, server) pair is one
+ * sweep of one point, with its own warm-up. */
+static int run_compare(db_config *c, const db_peer *peers, int n_peers, const char *command) {
+    char top[1024];
+    if (c->output_dir)
+        snprintf(top, sizeof top, "%s", c->output_dir);
+    else
+        default_dir("compare", top, sizeof top);
+    int n_t = 1 + n_peers;
+    int n_load = c->n_sweep_rate ? c->n_sweep_rate : c->n_sweep_conc ? c->n_sweep_conc : 1;
+    db_sweep sw[1 + DB_MAX_PEERS];
+    memset(sw, 0, sizeof sw);
+    bool all_ok = true;
+    for (int il = 0; il < n_load; il++)
+        for (int t = 0; t < n_t; t++) {
+            db_config cc = *c;
+            if (c->n_sweep_rate) cc.sweep_rate[0] = c->sweep_rate[il], cc.n_sweep_rate = 1;
+            if (c->n_sweep_conc) cc.sweep_conc[0] = c->sweep_conc[il], cc.n_sweep_conc = 1;
+            const char *label = t == 0 ? (c->label ? c->label : "duet") : peers[t - 1].label;
+            cc.label = label;
+            if (t > 0) {
+                cc.serve_cmd = NULL;
+                snprintf(cc.http.base_url, sizeof cc.http.base_url, "%s", peers[t - 1].url);
+                cc.http.model_name[0] = 0; /* each server names its own model */
+            }
+            char slug[200];
+            db_slug(slug, sizeof slug, label);
+            db_sweep one = {0};
+            snprintf(one.dir, sizeof one.dir, "%.800s/%.200s", top, slug);
+            db_mkdirs(one.dir);
+            printf("\n=== load point %d/%d: %s ===\n", il + 1, n_load, label);
+            fflush(stdout);
+            bool ok = db_sweep_run(&cc, c->backend, c->device, &one);
+            if (!ok) {
+                fprintf(stderr, "duet-bench: %s: %s\n", label, one.why);
+                all_ok = false;
+            }
+            if (il == 0 || !sw[t].meta.started[0]) {
+                sw[t].meta = one.meta;
+                if (!strcmp(sw[t].meta.device, "unknown"))
+                    snprintf(sw[t].meta.device, sizeof sw[t].meta.device, "%s", label);
+                snprintf(sw[t].dir, sizeof sw[t].dir, "%s", one.dir);
+            }
+            if (!ok) {
+                sw[t].failed = true;
+                snprintf(sw[t].why, sizeof sw[t].why, "%s", one.why);
+            }
+            if (!append_points(&sw[t], &one)) {
+                db_sweep_free(&one);
+                all_ok = false;
+            }
+        }
+    for (int t = 0; t < n_t; t++) {
+        snprintf(sw[t].meta.command, sizeof sw[t].meta.command, "%s", command);
+        db_sweep_pick_op(c, &sw[t]);
+        printf("\n%s:", t == 0 ? (c->label ? c->label : "duet") : peers[t - 1].label);
+        print_table(&sw[t]);
+        if (sw[t].n_points) db_report_write(c, &sw[t], sw[t].dir);
+        db_report_print_op(c, &sw[t]);
+    }
+    db_report_compare(c, sw, n_t, top);
+    printf("\ncomparison: %s/comparison.md\n", top);
+    for (int t = 0; t < n_t; t++)
+        db_sweep_free(&sw[t]);
+    return all_ok ? 0 : 1;
+}
+
 int main(int argc, char **argv) {
     db_config c = {0};
     c.device = -1;
@@ -228,6 +314,8 @@ int main(int argc, char **argv) {
     const char *host = NULL;
     int port = 0;
     bool goodput_given = false;
+    db_peer peers[DB_MAX_PEERS];
+    int n_peers = 0;
 
 #define NEED_ARG()                                                                                           \
     do {                                                                                                     \
@@ -279,6 +367,18 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--ctx")) {
             NEED_ARG();
             ok = parse_int(a, v, 1, 1 << 20, &c.n_ctx);
+        } else if (!strcmp(a, "--peer")) {
+            NEED_ARG();
+            const char *eq = strchr(v, '=');
+            if (n_peers == DB_MAX_PEERS || !eq || eq == v || strncmp(eq + 1, "http", 4)) {
+                fprintf(stderr, "duet-bench: --peer wants LABEL=http://HOST:PORT (at most %d), got '%s'\n",
+                        DB_MAX_PEERS, v);
+                ok = false;
+            } else {
+                snprintf(peers[n_peers].label, sizeof peers[n_peers].label, "%.*s", (int)(eq - v), v);
+                snprintf(peers[n_peers].url, sizeof peers[n_peers].url, "%s", eq + 1);
+                n_peers++;
+            }
         } else if (!strcmp(a, "--all-devices")) {
             c.all_devices = true;
         } else if (!strcmp(a, "--serve-cmd")) {
@@ -463,6 +563,11 @@ int main(int argc, char **argv) {
         fprintf(stderr, "duet-bench: --all-devices chooses the backend and device itself\n");
         return 2;
     }
+    if (n_peers && (c.in_process || c.n_sweep_bt || c.n_sweep_mbs || c.all_devices)) {
+        fprintf(stderr, "duet-bench: --peer compares HTTP servers under the same load: the target must be "
+                        "--base-url or --serve-cmd, without knob sweeps or --all-devices\n");
+        return 2;
+    }
     if (c.num_prompts == 0) c.num_prompts = c.load.duration_s > 0 ? -1 : 100;
     /* p50 and p99 feed the plots and the operating point. */
     ensure_pct(&c, 50);
@@ -481,6 +586,7 @@ int main(int argc, char **argv) {
             stderr,
             "duet-bench: gnuplot not found (or it lacks the png terminals): CSV and JSON only, no plots\n");
 
+    if (n_peers) return run_compare(&c, peers, n_peers, command);
     if (!c.all_devices) {
         db_sweep s = {0};
         bool ok = run_one(&c, c.backend, c.device, c.output_dir, &s, command);

@@ -380,9 +380,18 @@ typedef struct db_sweep {
     char dir[1024]; /* where its files went */
 } db_sweep;
 
+/* --peer LABEL=URL: another OpenAI-compatible server run side by side. */
+#define DB_MAX_PEERS 7
+typedef struct db_peer {
+    char label[64];
+    char url[512];
+} db_peer;
+
 /* Runs every sweep point on one target (backend/device or URL). */
 bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_sweep *out);
 void db_sweep_free(db_sweep *s);
+/* Sets s->op from its points and the config's p99 targets. */
+void db_sweep_pick_op(const db_config *cfg, db_sweep *s);
 
 /* Writes points.csv, requests.csv (with --save-detailed), batch_hist.csv, results.json,
  * summary.md and (with gnuplot) the plots under dir. */

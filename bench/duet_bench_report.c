@@ -797,7 +797,7 @@ bool db_report_compare(const db_config *cfg, const db_sweep *sw, int n, const ch
     char path[1200];
     FILE *f = open_in(dir, "comparison.md", path, sizeof path);
     if (!f) return false;
-    fprintf(f, "# duet-bench: the same sweep on every backend and device\n\n");
+    fprintf(f, "# duet-bench: the same load on every target\n\n");
     fprintf(f, "- model: %s\n- commit: %s\n- started: %s on %s\n- command: `%s`\n",
             cfg->model_path ? cfg->model_path : "", n ? sw[0].meta.commit : "", n ? sw[0].meta.started : "",
             n ? sw[0].meta.host : "", n ? sw[0].meta.command : "");

@@ -292,6 +292,20 @@ void db_sweep_free(db_sweep *s) {
     s->n_points = 0;
 }
 
+void db_sweep_pick_op(const db_config *cfg, db_sweep *s) {
+    db_op_candidate *cand = calloc((size_t)(s->n_points + 1), sizeof *cand);
+    for (int i = 0; cand && i < s->n_points; i++) {
+        const db_point *pt = &s->points[i];
+        cand[i] = (db_op_candidate){.output_throughput = pt->stats.output_throughput,
+                                    .ttft_p99_ms = pt->ttft_p99_ms,
+                                    .itl_p99_ms = pt->itl_p99_ms,
+                                    .completed = pt->stats.completed,
+                                    .failed = pt->stats.failed};
+    }
+    s->op = cand ? db_operating_point(cand, s->n_points, cfg->slo_ttft_ms, cfg->slo_itl_ms) : -1;
+    free(cand);
+}
+
 bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_sweep *out) {
     char dir[1024];
     snprintf(dir, sizeof dir, "%s", out->dir);
@@ -521,18 +535,7 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
     db_workload_free(warm, n_warm);
     duet_model_close(vocab_model);
 
-    /* The operating point. */
-    db_op_candidate *cand = calloc((size_t)(out->n_points + 1), sizeof *cand);
-    for (int i = 0; cand && i < out->n_points; i++) {
-        const db_point *pt = &out->points[i];
-        cand[i] = (db_op_candidate){.output_throughput = pt->stats.output_throughput,
-                                    .ttft_p99_ms = pt->ttft_p99_ms,
-                                    .itl_p99_ms = pt->itl_p99_ms,
-                                    .completed = pt->stats.completed,
-                                    .failed = pt->stats.failed};
-    }
-    out->op = cand ? db_operating_point(cand, out->n_points, cfg->slo_ttft_ms, cfg->slo_itl_ms) : -1;
-    free(cand);
+    db_sweep_pick_op(cfg, out);
     if (!ok) out->failed = true;
     return ok;
 }

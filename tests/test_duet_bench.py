@@ -13,6 +13,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -314,6 +315,37 @@ class Http(Sweep):
         self.assertNotEqual(meta["device"], "unknown", "the cpu backend's device is named")
         self.assertTrue(all(int(p["completed"]) == 8 for p in points))
         self.check_batch_limit(out, points)
+
+    def test_peer_side_by_side(self):
+        # The same load against a server duet-bench starts and a running peer,
+        # alternating point by point; one comparison table for both.
+        out = os.path.join(self.tmp.name, "peer")
+        cmd = f"'{DUET}' serve -m '{self.model}' --threads 1"
+        p = bench("--serve-cmd", cmd, "--backend", "cpu", "-m", self.model, "--peer", f"other={self.url}",
+                  "--num-prompts", "6", "--random-input-len", "8", "--random-output-len", "3",
+                  "--sweep-concurrency", "1,3", "--slo-ttft-ms", "5000", "--slo-itl-ms", "5000",
+                  "--output-dir", out, "--no-plots")
+        order = re.findall(r"=== load point (\d)/2: (\w+) ===", p.stdout)
+        self.assertEqual(order, [("1", "duet"), ("1", "other"), ("2", "duet"), ("2", "other")])
+        with open(os.path.join(out, "comparison.md")) as fh:
+            md = fh.read()
+        rows = [line for line in md.splitlines() if line.startswith("| ") and "](" in line]
+        self.assertEqual(len(rows), 2, md)
+        self.assertIn("| remote | other |", md)
+        for sub in ("duet", "other"):
+            points = read_csv(os.path.join(out, sub, "points.csv"))
+            self.assertEqual([p["max_concurrency"] for p in points], ["1", "3"])
+            self.assertTrue(all(int(p["completed"]) == 6 for p in points), points)
+        comp = read_csv(os.path.join(out, "comparison.csv"))
+        self.assertEqual(len(comp), 4)
+
+    def test_peer_bad_arguments(self):
+        p = bench("--base-url", self.url, "--peer", "nolabel", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("LABEL=http", p.stderr)
+        p = bench("--in-process", "-m", self.model, "--peer", f"x={self.url}", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--base-url or --serve-cmd", p.stderr)
 
 
 if __name__ == "__main__":
