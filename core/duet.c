@@ -46,6 +46,82 @@ duet_status duet_model_open(const char *path, const duet_open_params *params, du
     return duet__model_open(path, params, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, out);
 }
 
+duet_model *duet__model_ref(duet_model *m) {
+    atomic_fetch_add(&m->refs, 1);
+    return m;
+}
+
+static duet_status parse_kv_type(const char *name, const duet_weights *w, duet_dtype *out) {
+    *out = default_kv_type(w);
+    if (!name || !*name) return DUET_OK;
+    if (strcmp(name, "f32") == 0)
+        *out = DUET_DTYPE_F32;
+    else if (strcmp(name, "f16") == 0)
+        *out = DUET_DTYPE_F16;
+    else if (strcmp(name, "q8_0") == 0)
+        *out = DUET_DTYPE_Q8_0;
+    else
+        return duet__error(DUET_INVALID_ARGUMENT, "kv type '%s' is not supported (use f32, f16 or q8_0)",
+                           name);
+    return DUET_OK;
+}
+
+duet_status duet__run_new(duet_model *m, int n_ctx, int n_seqs, const char *kv_type, int max_step_tokens,
+                          int max_out, int kv_block_size, int kv_blocks, duet_run *out) {
+    memset(out, 0, sizeof *out);
+    if (m->vocab_only) return duet__error(DUET_INVALID_ARGUMENT, "the model was opened vocab-only");
+    if (n_ctx < 0 || n_ctx > (1 << 20))
+        return duet__error(DUET_INVALID_ARGUMENT, "n_ctx %d out of range [0, 1048576]", n_ctx);
+    if (n_seqs < 0 || n_seqs > 4096)
+        return duet__error(DUET_INVALID_ARGUMENT, "n_seqs %d out of range [0, 4096]", n_seqs);
+    duet_dtype kv;
+    duet_status st = parse_kv_type(kv_type && *kv_type ? kv_type : m->kv_type, &m->w, &kv);
+    if (st) return st;
+    if (max_step_tokens < DUET_PREFILL_CHUNK) max_step_tokens = DUET_PREFILL_CHUNK;
+    if (max_out < 1) max_out = 1;
+    if (max_out > max_step_tokens) max_out = max_step_tokens;
+    out->n_ctx = n_ctx ? n_ctx : m->n_ctx;
+    out->n_seqs = n_seqs ? n_seqs : 1;
+    out->max_step_tokens = max_step_tokens;
+    out->max_out = max_out;
+    duet_state_params sp = {.max_tokens = max_step_tokens,
+                            .max_out = max_out,
+                            .n_ctx = out->n_ctx,
+                            .n_seqs = out->n_seqs,
+                            .kv_type = kv,
+                            .block_size = kv_block_size,
+                            .n_blocks = kv_blocks};
+    pthread_mutex_lock(&m->device_mu);
+    st = duet__state_new(m->be, &m->hp, &m->w, &sp, &out->state);
+    pthread_mutex_unlock(&m->device_mu);
+    if (!st && !(out->logits = malloc((size_t)max_out * m->hp.n_vocab * sizeof(float))))
+        st = duet__error(DUET_OUT_OF_MEMORY, "out of memory for logits");
+    if (st) duet__run_free(m, out);
+    return st;
+}
+
+void duet__run_free(duet_model *m, duet_run *run) {
+    if (run->state) {
+        pthread_mutex_lock(&m->device_mu);
+        duet__state_free(run->state);
+        pthread_mutex_unlock(&m->device_mu);
+    }
+    free(run->logits);
+    memset(run, 0, sizeof *run);
+}
+
+duet_status duet__run_forward(duet_model *m, duet_run *run, const duet_batch *b, float *logits) {
+    pthread_mutex_lock(&m->device_mu);
+    duet_status st = duet__forward(run->state, &m->hp, &m->w, b, logits);
+    pthread_mutex_unlock(&m->device_mu);
+    return st;
+}
+
+duet_status duet__model_own_run(duet_model *m) {
+    if (m->run.state) return DUET_OK;
+    return duet__run_new(m, m->n_ctx, m->open.n_seqs, NULL, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, &m->run);
+}
+
 duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
                              int kv_block_size, int kv_blocks, duet_model **out) {
     if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: out is NULL");
@@ -58,9 +134,18 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
         return duet__error(DUET_INVALID_ARGUMENT, "n_seqs %d out of range [0, 4096]", p.n_seqs);
     if (p.n_threads < 0 || p.n_threads > 1024)
         return duet__error(DUET_INVALID_ARGUMENT, "n_threads %d out of range [0, 1024]", p.n_threads);
+    if (p.kv_type && strlen(p.kv_type) >= 8)
+        return duet__error(DUET_INVALID_ARGUMENT, "kv type '%s' is not supported (use f32, f16 or q8_0)",
+                           p.kv_type);
 
     duet_model *m = calloc(1, sizeof *m);
     if (!m) return duet__error(DUET_OUT_OF_MEMORY, "out of memory");
+    atomic_init(&m->refs, 1);
+    pthread_mutex_init(&m->device_mu, NULL);
+    m->open = p;
+    m->open.backend = NULL; /* not kept: the caller's string */
+    m->open.kv_type = NULL;
+    snprintf(m->kv_type, sizeof m->kv_type, "%s", p.kv_type ? p.kv_type : "");
     duet_status st = duet_gguf_open(path, &m->gguf);
     if (st) goto fail;
     if ((st = duet_tokenizer_load(m->gguf, &m->tok))) goto fail;
@@ -87,36 +172,11 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
     if ((st = duet__weights_load(m->gguf, &m->hp, m->be, &m->w))) goto fail;
 
     m->n_ctx = p.n_ctx ? p.n_ctx : (m->hp.n_ctx_train < 4096 ? m->hp.n_ctx_train : 4096);
-    m->n_seqs = p.n_seqs ? p.n_seqs : 1;
-    duet_dtype kv = default_kv_type(&m->w);
-    if (p.kv_type) {
-        if (strcmp(p.kv_type, "f32") == 0) kv = DUET_DTYPE_F32;
-        else if (strcmp(p.kv_type, "f16") == 0) kv = DUET_DTYPE_F16;
-        else if (strcmp(p.kv_type, "q8_0") == 0) kv = DUET_DTYPE_Q8_0;
-        else {
-            st = duet__error(DUET_INVALID_ARGUMENT, "kv type '%s' is not supported (use f32, f16 or q8_0)",
-                             p.kv_type);
-            goto fail;
-        }
-    }
-    if (max_step_tokens < DUET_PREFILL_CHUNK) max_step_tokens = DUET_PREFILL_CHUNK;
-    if (max_out < 1) max_out = 1;
-    if (max_out > max_step_tokens) max_out = max_step_tokens;
-    m->max_step_tokens = max_step_tokens;
-    m->max_out = max_out;
-    duet_state_params sp = {.max_tokens = max_step_tokens,
-                            .max_out = max_out,
-                            .n_ctx = m->n_ctx,
-                            .n_seqs = m->n_seqs,
-                            .kv_type = kv,
-                            .block_size = kv_block_size,
-                            .n_blocks = kv_blocks};
-    if ((st = duet__state_new(m->be, &m->hp, &m->w, &sp, &m->state))) goto fail;
-    m->logits = malloc((size_t)max_out * m->hp.n_vocab * sizeof(float));
-    if (!m->logits) {
-        st = duet__error(DUET_OUT_OF_MEMORY, "out of memory for logits");
+    duet_dtype kv;
+    if ((st = parse_kv_type(m->kv_type, &m->w, &kv))) goto fail;
+    if (!p.weights_only && (st = duet__run_new(m, m->n_ctx, p.n_seqs, NULL, max_step_tokens, max_out,
+                                               kv_block_size, kv_blocks, &m->run)))
         goto fail;
-    }
     *out = m;
     return DUET_OK;
 fail:;
@@ -127,12 +187,13 @@ fail:;
 
 void duet_model_close(duet_model *m) {
     if (!m) return;
-    duet__state_free(m->state);
+    if (atomic_fetch_sub(&m->refs, 1) > 1) return; /* an engine still serves it */
+    duet__run_free(m, &m->run);
     if (m->be) duet__weights_free(m->be, &m->w);
     duet_backend_close(m->be);
     duet_tokenizer_free(m->tok);
     duet_gguf_close(m->gguf);
-    free(m->logits);
+    pthread_mutex_destroy(&m->device_mu);
     free(m);
 }
 
@@ -174,7 +235,7 @@ int duet_token_piece(const duet_model *m, int32_t id, char *buf, size_t size) {
 }
 
 /* Evaluates tokens[0..n) of sequence 0 at pos0.. in prefill chunks; the
- * logits of the last token land in m->logits. */
+ * logits of the last token land in m->run.logits. */
 static duet_status eval_seq0(duet_model *m, const int32_t *tokens, int n, int pos0) {
     static const int32_t zero = 0;
     int32_t pos[DUET_PREFILL_CHUNK], seq[DUET_PREFILL_CHUNK];
@@ -186,7 +247,7 @@ static duet_status eval_seq0(duet_model *m, const int32_t *tokens, int n, int po
         int32_t out_row = c - 1;
         duet_batch b = {.n_tokens = c, .tokens = tokens + done, .pos = pos, .seq = seq,
                         .n_out = last ? 1 : 0, .out = last ? &out_row : &zero};
-        duet_status st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
+        duet_status st = duet__run_forward(m, &m->run, &b, m->run.logits);
         if (st) return st;
         done += c;
     }
@@ -200,8 +261,9 @@ duet_status duet_eval(duet_model *m, const int32_t *tokens, int n, int pos0, flo
     if (pos0 < 0 || pos0 > m->n_ctx || n > m->n_ctx - pos0)
         return duet__error(DUET_CONTEXT_FULL, "duet_eval: %d tokens at position %d exceed the context of %d", n,
                            pos0, m->n_ctx);
-    duet_status st = eval_seq0(m, tokens, n, pos0);
-    if (!st && logits) memcpy(logits, m->logits, (size_t)m->hp.n_vocab * sizeof(float));
+    duet_status st = duet__model_own_run(m);
+    if (!st) st = eval_seq0(m, tokens, n, pos0);
+    if (!st && logits) memcpy(logits, m->run.logits, (size_t)m->hp.n_vocab * sizeof(float));
     return st;
 }
 
@@ -222,9 +284,11 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
         if (prompt[i] < 0 || prompt[i] >= m->hp.n_vocab)
             return duet__error(DUET_INVALID_ARGUMENT, "generate: prompt token %d = %d out of range [0, %d)", i,
                                prompt[i], m->hp.n_vocab);
+    duet_status st = duet__model_own_run(m);
+    if (st) return st;
     duet_sampling defaults = duet_sampling_default();
     duet_sampler *smp;
-    duet_status st = duet_sampler_new(sampling ? sampling : &defaults, m->hp.n_vocab, &smp);
+    st = duet_sampler_new(sampling ? sampling : &defaults, m->hp.n_vocab, &smp);
     if (st) return st;
     char *text = malloc(m->detok_size);
     if (!text) {
@@ -248,7 +312,7 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
     int pos = n_prompt;
     bool stopped = false; /* fn returned false: it is not called again */
     for (int i = 0; !st && i < max_tokens; i++) {
-        int32_t id = duet_sampler_sample(smp, m->logits);
+        int32_t id = duet_sampler_sample(smp, m->run.logits);
         duet_sampler_accept(smp, id);
         stats->generated_tokens++;
         bool eog = !ignore_eos && duet_tokenizer_is_eog(m->tok, id);

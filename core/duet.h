@@ -6,9 +6,12 @@
  * token pieces) stay owned by the library.
  *
  * Thread safety: distinct `duet_model` handles may be used from different
- * threads at once. One handle is used by one thread at a time (the serving
- * engine, when added, owns its handle on its own thread). `duet_last_error`
- * is per thread: it describes the last failure on the calling thread.
+ * threads at once. The synchronous API (duet_eval, duet_generate,
+ * duet_quality_eval) uses one handle from one thread at a time; engines
+ * serving a handle (duet_engine_start_model) share its weights safely with
+ * each other and with that thread, and tokenizing is safe from any thread.
+ * `duet_last_error` is per thread: it describes the last failure on the
+ * calling thread.
  *
  * Errors: fallible functions return a `duet_status` (0 ok, negative on
  * failure) and leave a message for `duet_last_error()`. The library never
@@ -97,12 +100,20 @@ typedef struct duet_open_params {
     int n_seqs;          /* concurrent sequences the KV cache holds; 0 = 1 */
     const char *kv_type; /* "f32", "f16", "q8_0"; NULL = f32 for f32 models, else f16 */
     bool vocab_only;     /* load metadata and tokenizer only (no backend, no weights) */
+    /* Load the weights but no run state of the handle's own (its KV cache
+     * and activations, for n_seqs sequences): for a model that engines
+     * serve (duet_engine_start_model). duet_eval and duet_generate make it
+     * at their first call. */
+    bool weights_only;
 } duet_open_params;
 
 /* Defaults for every field (auto backend, best device, all cores). */
 duet_open_params duet_open_params_default(void);
 
-/* Loads a GGUF model and uploads its weights to the chosen device. */
+/* Loads a GGUF model and uploads its weights to the chosen device. The
+ * handle is reference-counted: each engine serving it holds a reference,
+ * and duet_model_close drops the caller's; the weights are freed when the
+ * last is gone (the caller may close its handle while engines serve on). */
 duet_status duet_model_open(const char *path, const duet_open_params *params, duet_model **out);
 void duet_model_close(duet_model *model);
 
@@ -281,9 +292,12 @@ duet_status duet_json_schema_to_gbnf(const char *schema_json, char **out);
 /* ---- serving engine -------------------------------------------------- */
 
 /* An engine is one model instance on one device with its own thread, KV
- * cache and continuous-batching scheduler. Requests are submitted from any
- * thread; events are delivered on the engine thread, so callbacks must be
- * quick and must not call back into the engine except duet_engine_cancel. */
+ * cache and continuous-batching scheduler. Several engines may serve one
+ * loaded model (duet_engine_start_model): they share its weights on its
+ * device, each with its own KV pool, scheduler and knobs, and take turns on
+ * the device step by step. Requests are submitted from any thread; events
+ * are delivered on the engine thread, so callbacks must be quick and must
+ * not call back into the engine except duet_engine_cancel. */
 typedef struct duet_engine duet_engine;
 
 typedef enum duet_priority { DUET_PRIORITY_INTERACTIVE = 0, DUET_PRIORITY_BATCH = 1 } duet_priority;
@@ -302,7 +316,15 @@ typedef struct duet_engine_params {
 
 duet_engine_params duet_engine_params_default(void);
 
+/* Loads the model at model_path (params->open: backend, device, threads,
+ * n_ctx, kv_type) and starts an engine serving it alone. */
 duet_status duet_engine_start(const char *model_path, const duet_engine_params *params, duet_engine **out);
+/* Starts an engine serving an already loaded model (not vocab-only; the
+ * engine takes a reference: the caller may close its handle afterwards).
+ * params->open's backend, device and n_threads are the model's and ignored
+ * here; n_ctx (0 = the model's) and kv_type (NULL = the model's) apply to
+ * this engine's KV cache. */
+duet_status duet_engine_start_model(duet_model *model, const duet_engine_params *params, duet_engine **out);
 /* Stops accepting; with drain, finishes in-flight requests first, otherwise
  * cancels them (each gets its final event). Then joins the thread and frees. */
 void duet_engine_stop(duet_engine *e, bool drain);

@@ -1,31 +1,83 @@
 /* duet_internal.h — the model handle's insides, shared by the public API
- * (duet.c) and the serving engine (engine.c). Not installed. */
+ * (duet.c), the evaluation code (eval.c) and the serving engine (engine.c).
+ * Not installed.
+ *
+ * Three lifetimes (ARCHITECTURE.md):
+ * - the model (struct duet_model): the GGUF file, tokenizer and weights on
+ *   one device, loaded once and reference-counted; every engine that serves
+ *   it holds a reference, so several instances share one copy of the
+ *   weights;
+ * - the instance (struct duet_engine, engine.c): its run state (duet_run:
+ *   activations and the paged KV cache on the model's device), scheduler,
+ *   engine thread and knobs;
+ * - the sequence (engine.c's engine_req): sampler, detokenizer, stop
+ *   matcher, finish rule.
+ * The synchronous API (duet_eval, duet_generate, duet_quality_eval) runs on
+ * the handle's own run state, model->run, made at open (or at first use for
+ * a model opened weights_only).
+ *
+ * Locking: a model's weights are read-only once loaded. Its backend records
+ * one step at a time, so every forward pass and every run-state
+ * allocation on it goes through device_mu (duet__run_forward,
+ * duet__run_new): instances that share a model take turns on its device.
+ */
 #ifndef DUET_INTERNAL_H
 #define DUET_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
 
 #include "duet.h"
 #include "forward.h"
 #include "tokenizer.h"
 
+/* A run state on a model's device: what one instance (or the handle's
+ * synchronous API) computes with. */
+typedef struct duet_run {
+    duet_state *state; /* activations for max_step_tokens, paged KV for n_seqs (NULL: none yet) */
+    float *logits;     /* host [max_out][n_vocab] */
+    int n_ctx, n_seqs;
+    int max_step_tokens, max_out;
+} duet_run;
+
 struct duet_model {
+    atomic_int refs; /* the opener's handle + one per engine serving it */
     duet_gguf *gguf;
     duet_tokenizer *tok;
     duet_hparams hp;
     bool vocab_only;
     duet_backend *be;
     duet_weights w;
-    duet_state *state;    /* activations for max_step_tokens, KV for n_seqs */
-    float *logits;        /* host [max_out][n_vocab] */
-    int n_ctx, n_seqs;
-    int max_step_tokens, max_out;
-    size_t detok_size; /* bytes a detokenizer buffer needs for any one token */
+    pthread_mutex_t device_mu; /* one forward (or run-state allocation) at a time on be */
+    duet_open_params open;     /* as opened (backend name not kept): n_ctx, n_seqs, kv_type for runs */
+    char kv_type[8];           /* open.kv_type's text ("" = default) */
+    int n_ctx;                 /* the context runs get unless they ask for another */
+    duet_run run;              /* the synchronous API's run state (state NULL until made) */
+    size_t detok_size;         /* bytes a detokenizer buffer needs for any one token */
 };
 
 /* duet_model_open with the step sizes the caller needs (the engine batches
  * up to max_step_tokens tokens and max_out logit rows per step) and the
  * paged KV cache's geometry (kv_block_size 0 = 16; kv_blocks 0 = enough
- * for every slot at full context, with identity block tables). */
+ * for every slot at full context, with identity block tables), for the
+ * handle's own run state. */
 duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
                              int kv_block_size, int kv_blocks, duet_model **out);
+
+/* Another reference to m (for an engine that serves it); duet_model_close
+ * drops one, and the last frees the model. */
+duet_model *duet__model_ref(duet_model *m);
+
+/* A run state on m's device: n_ctx 0 = the model's, n_seqs sequence slots,
+ * kv_type NULL or "" = the model's default, steps of up to max_step_tokens
+ * tokens and max_out logit rows, KV geometry as duet__model_open. */
+duet_status duet__run_new(duet_model *m, int n_ctx, int n_seqs, const char *kv_type, int max_step_tokens,
+                          int max_out, int kv_block_size, int kv_blocks, duet_run *out);
+void duet__run_free(duet_model *m, duet_run *run);
+/* One forward step of `run` on m's device (holds device_mu); the logits
+ * land in `logits` (b->n_out rows of n_vocab; run->logits fits max_out). */
+duet_status duet__run_forward(duet_model *m, duet_run *run, const duet_batch *b, float *logits);
+/* Makes m->run at first use when the model was opened weights_only. */
+duet_status duet__model_own_run(duet_model *m);
 
 #endif

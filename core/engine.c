@@ -8,6 +8,12 @@
  * so submit/cancel from other threads never wait for the device and a
  * callback may call duet_engine_cancel.
  *
+ * Lifetimes: the engine holds a reference to its model (the file, the
+ * tokenizer and the weights on the device), which other engines may share
+ * (duet_engine_start_model); its run state (activations and KV pool), its
+ * scheduler and its thread are its own. Engines sharing a model take turns
+ * on its device: every forward pass goes through duet__run_forward.
+ *
  * Faults: a step that fails (an op, submit, wait or allocation error) fails
  * its own requests and the engine serves on. DUET_DEVICE_LOST is different:
  * nothing that device holds can be trusted, so every request in flight fails
@@ -65,7 +71,8 @@ typedef struct engine_req {
 
 struct duet_engine {
     int seq_capacity; /* tokens (prompt + generated) one request can ever hold */
-    duet_model *model;
+    duet_model *model; /* shared, one reference held */
+    duet_run run;      /* this instance's activations and KV pool on the model's device */
     duet_sched *sched;
     duet_metrics *metrics;
     pthread_t thread;
@@ -261,10 +268,10 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
             return duet__error(DUET_BAD_REQUEST, "prompt token %d = %d is outside the vocabulary [0, %d)", i,
                                q->prompt[i], m->hp.n_vocab);
         }
-    if (q->n_prompt >= m->n_ctx) {
+    if (q->n_prompt >= e->run.n_ctx) {
         duet__metrics_request_refused(e->metrics, prio, "invalid");
         return duet__error(DUET_CONTEXT_FULL, "the prompt has %d tokens; the context holds %d", q->n_prompt,
-                           m->n_ctx);
+                           e->run.n_ctx);
     }
     if (q->logprobs &&
         (q->top_logprobs < 0 || q->top_logprobs > DUET_MAX_TOP_LOGPROBS || q->top_logprobs > m->hp.n_vocab)) {
@@ -305,7 +312,7 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     }
     /* Generation stops at the context's end: clamp rather than refuse. */
     int max_tokens = q->max_tokens;
-    if (max_tokens > m->n_ctx - q->n_prompt) max_tokens = m->n_ctx - q->n_prompt;
+    if (max_tokens > e->run.n_ctx - q->n_prompt) max_tokens = e->run.n_ctx - q->n_prompt;
     duet_sampler *smp;
     duet_status st = duet_sampler_new(&q->sampling, m->hp.n_vocab, &smp);
     if (st) {
@@ -467,8 +474,8 @@ static void update_gauges(duet_engine *e) {
                              .max_batch_tokens = k.max_batch_tokens,
                              .prefill_chunk = k.prefill_chunk,
                              .batch_timeout_s = secs(k.batch_timeout_ns),
-                             .kv_block_size = e->model->state->p.block_size,
-                             .kv_blocks = e->model->state->p.n_blocks};
+                             .kv_block_size = e->run.state->p.block_size,
+                             .kv_blocks = e->run.state->p.n_blocks};
     memcpy(g.waiting, st.waiting, sizeof g.waiting);
     memcpy(g.running, st.running, sizeof g.running);
     duet__metrics_set_gauges(e->metrics, &g);
@@ -499,7 +506,7 @@ static void sample_row(duet_engine *e, engine_req *r, int i, float *logits) {
     bool eog = !r->ignore_eos && duet_tokenizer_is_eog(m->tok, id);
     if (eog || duet_sampler_grammar_done(r->smp)) /* the grammar's sentence is closed */
         e->step_finish[i] = DUET_FINISH_STOP;
-    else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= m->n_ctx)
+    else if (r->n_gen >= r->max_tokens || r->n_prompt + r->n_gen >= e->run.n_ctx)
         e->step_finish[i] = DUET_FINISH_LENGTH;
     res->finished = e->step_finish[i] != DUET_FINISH_NONE;
     if (r->cancelled) return; /* its DONE is owed; no more tokens */
@@ -541,7 +548,7 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
     int64_t t0 = now_ns();
     for (int start = 0; start < n;) {
         int n_out = 0, end = start;
-        while (end < n && (n_out < m->max_out || !e->want[end])) {
+        while (end < n && (n_out < e->run.max_out || !e->want[end])) {
             if (e->want[end]) e->out[n_out++] = end - start;
             end++;
         }
@@ -552,14 +559,14 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
                         .n_out = n_out,
                         .out = e->out,
                         .block_tables = e->tables};
-        duet_status st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
+        duet_status st = duet__run_forward(m, &e->run, &b, e->run.logits);
         if (st) {
             duet__metrics_step(e->metrics, n_seqs, n, secs(now_ns() - t0));
             return st;
         }
         for (int k = 0; k < n_out; k++) {
             int j = start + e->out[k];
-            float *logits = m->logits + (size_t)k * V;
+            float *logits = e->run.logits + (size_t)k * V;
             const duet_sched_seq *s = &e->plan_seqs[e->row_of[j]];
             engine_req *r = find_req(e, s->id);
             int p = e->pos[j];
@@ -707,15 +714,15 @@ static void engine_free(duet_engine *e) {
     free(e->err);
     duet__sched_free(e->sched);
     duet__metrics_free(e->metrics);
+    if (e->model) duet__run_free(e->model, &e->run);
     duet_model_close(e->model);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);
 }
 
-duet_status duet_engine_start(const char *path, const duet_engine_params *params, duet_engine **out) {
-    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_start: out is NULL");
-    *out = NULL;
+/* The knobs with their defaults filled in, checked before anything loads. */
+static duet_status engine_params(const duet_engine_params *params, duet_engine_params *out) {
     duet_engine_params p = params ? *params : duet_engine_params_default();
     duet_engine_params d = duet_engine_params_default();
     if (!p.max_batch_seqs) p.max_batch_seqs = d.max_batch_seqs;
@@ -740,9 +747,21 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
                            p.batch_timeout_ms);
     if (p.kv_block_size != 16 && p.kv_block_size != 32)
         return duet__error(DUET_INVALID_ARGUMENT, "kv_block_size %d must be 16 or 32", p.kv_block_size);
+    *out = p;
+    return DUET_OK;
+}
 
+/* Starts an engine on model m with checked params p, taking over the
+ * caller's reference to m (released on failure too). `path` names it in the
+ * metrics when it has no general.name. */
+static duet_status engine_start(duet_model *m, const char *path, const duet_engine_params p,
+                                duet_engine **out) {
     duet_engine *e = calloc(1, sizeof *e);
-    if (!e) return duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory");
+    if (!e) {
+        duet_model_close(m);
+        return duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory");
+    }
+    e->model = m;
     pthread_mutex_init(&e->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -750,17 +769,14 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     pthread_cond_init(&e->cv, &ca);
     pthread_condattr_destroy(&ca);
 
-    duet_open_params op = p.open;
-    op.n_seqs = p.max_batch_seqs;
-    /* The device pools hold exactly the blocks the scheduler hands out. */
-    /* duet__model_open checks kv_blocks against the pools' geometry. */
-    duet_status st = duet__model_open(path, &op, p.max_batch_tokens, p.max_batch_seqs, p.kv_block_size,
-                                      p.kv_blocks, &e->model);
+    /* The device pools hold exactly the blocks the scheduler hands out;
+     * duet__run_new checks kv_blocks against the pools' geometry. */
+    duet_status st = duet__run_new(m, p.open.n_ctx, p.max_batch_seqs, p.open.kv_type, p.max_batch_tokens,
+                                   p.max_batch_seqs, p.kv_block_size, p.kv_blocks, &e->run);
     if (st) goto fail;
-    duet_model *m = e->model;
-    const int n_ctx = m->n_ctx;
+    const int n_ctx = e->run.n_ctx;
     const int blocks_per_seq = (n_ctx + p.kv_block_size - 1) / p.kv_block_size;
-    const int kv_blocks = m->state->p.n_blocks; /* resolved: 0 became every slot at full context */
+    const int kv_blocks = e->run.state->p.n_blocks; /* resolved: 0 became every slot at full context */
     e->max_blocks = blocks_per_seq;
     /* The scheduler refuses a request whose prompt + max_tokens exceeds the
      * context or the whole pool: the smaller of the two is what fits. */
@@ -781,7 +797,7 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     if (p.served_name && *p.served_name)
         snprintf(name, sizeof name, "%s", p.served_name);
     else if (duet_model_meta(m, "general.name", name, sizeof name) < 0)
-        snprintf(name, sizeof name, "%s", path);
+        snprintf(name, sizeof name, "%s", path ? path : "model");
     e->metrics = duet__metrics_new(name);
     /* Requests in flight at most: every waiting one plus every running one. */
     e->cap = p.max_waiting + p.max_batch_seqs + 1;
@@ -827,6 +843,31 @@ fail:
     return st;
 }
 
+duet_status duet_engine_start_model(duet_model *model, const duet_engine_params *params, duet_engine **out) {
+    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_start_model: out is NULL");
+    *out = NULL;
+    if (!model) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_start_model: model is NULL");
+    if (model->vocab_only)
+        return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_start_model: the model was opened vocab-only");
+    duet_engine_params p = {0};
+    duet_status st = engine_params(params, &p);
+    if (st) return st;
+    return engine_start(duet__model_ref(model), NULL, p, out);
+}
+
+duet_status duet_engine_start(const char *path, const duet_engine_params *params, duet_engine **out) {
+    if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_start: out is NULL");
+    *out = NULL;
+    duet_engine_params p = {0};
+    duet_status st = engine_params(params, &p);
+    if (st) return st;
+    duet_open_params op = p.open;
+    op.weights_only = true; /* the engine makes its own run state */
+    duet_model *m;
+    if ((st = duet_model_open(path, &op, &m))) return st;
+    return engine_start(m, path, p, out);
+}
+
 void duet_engine_stop(duet_engine *e, bool drain) {
     if (!e) return;
     pthread_mutex_lock(&e->mu);
@@ -862,10 +903,10 @@ duet_status duet_engine_warmup(duet_engine *e) {
     }
     /* Slot 0 in KV block 0: a request given that block later writes each
      * position before it reads it, so what is left there is never seen. */
-    const int bs = m->state->p.block_size;
+    const int bs = e->run.state->p.block_size;
     int n = 8;
     if (n > e->max_tokens) n = e->max_tokens;
-    if (n > m->n_ctx - 1) n = m->n_ctx - 1;
+    if (n > e->run.n_ctx - 1) n = e->run.n_ctx - 1;
     if (n > bs - 1) n = bs - 1;
     for (int j = 0; j < e->max_blocks; j++)
         e->tables[j] = j ? -1 : 0;
@@ -888,7 +929,7 @@ duet_status duet_engine_warmup(duet_engine *e) {
                         .n_out = 1,
                         .out = e->out,
                         .block_tables = e->tables};
-        st = duet__forward(m->state, &m->hp, &m->w, &b, m->logits);
+        st = duet__run_forward(m, &e->run, &b, e->run.logits);
     }
     for (int j = 0; j < e->max_blocks; j++)
         e->tables[j] = -1;

@@ -91,9 +91,9 @@ static duet_status score_window(scorer *sc, const int32_t *feed, int len) {
         for (int i = 0; i < c; i++) sc->pos[i] = c0 + i;
         duet_batch b = {.n_tokens = c, .tokens = feed + c0, .pos = sc->pos, .seq = sc->seq, .n_out = c,
                         .out = sc->out};
-        duet_status st = duet__forward(sc->r->state, &sc->r->hp, &sc->r->w, &b, sc->lr);
+        duet_status st = duet__run_forward(sc->r, &sc->r->run, &b, sc->lr);
         if (st) return st;
-        if ((st = duet__forward(sc->m->state, &sc->m->hp, &sc->m->w, &b, sc->lm))) return st;
+        if ((st = duet__run_forward(sc->m, &sc->m->run, &b, sc->lm))) return st;
         for (int i = 0; i < c; i++) {
             const float *lr = sc->lr + (size_t)i * V, *lm = sc->lm + (size_t)i * V;
             double zr, zm;
@@ -123,6 +123,8 @@ duet_status duet_quality_eval(duet_model *model, duet_model *ref, const int32_t 
         return duet__error(DUET_INVALID_ARGUMENT, "eval: a model was opened vocab-only");
     if (n_tokens < 2) return duet__error(DUET_INVALID_ARGUMENT, "eval: need at least 2 tokens, got %d", n_tokens);
     duet_status st = check_same_vocab(model, ref);
+    if (!st) st = duet__model_own_run(model);
+    if (!st) st = duet__model_own_run(ref);
     if (st) return st;
     const int V = model->hp.n_vocab;
     for (int i = 0; i < n_tokens; i++)
@@ -134,9 +136,9 @@ duet_status duet_quality_eval(duet_model *model, duet_model *ref, const int32_t 
         return duet__error(DUET_INVALID_ARGUMENT, "eval: window %d outside [2, %d] (the smaller context)", W, ctx);
 
     scorer sc = {.m = model, .r = ref};
-    sc.chunk = model->max_out < ref->max_out ? model->max_out : ref->max_out;
-    if (sc.chunk > model->max_step_tokens) sc.chunk = model->max_step_tokens;
-    if (sc.chunk > ref->max_step_tokens) sc.chunk = ref->max_step_tokens;
+    sc.chunk = model->run.max_out < ref->run.max_out ? model->run.max_out : ref->run.max_out;
+    if (sc.chunk > model->run.max_step_tokens) sc.chunk = model->run.max_step_tokens;
+    if (sc.chunk > ref->run.max_step_tokens) sc.chunk = ref->run.max_step_tokens;
     sc.pos = malloc(sizeof(int32_t) * sc.chunk);
     sc.seq = calloc(sc.chunk, sizeof(int32_t));
     sc.out = malloc(sizeof(int32_t) * sc.chunk);

@@ -6,6 +6,7 @@
  * backend and on vulkan). */
 #include <pthread.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "duet.h"
 #include "duet_internal.h"
@@ -724,6 +725,127 @@ START_TEST(profile_accounts_every_op_kind) {
 }
 END_TEST
 
+/* ---- three lifetimes: engines sharing one loaded model -------------------- */
+
+/* Two engines on one loaded model (different batch sizes, their own KV
+ * pools and schedulers) serve at the same time, the caller's handle closed
+ * under them, and each request's greedy tokens equal those of an engine
+ * that loaded the model alone. */
+START_TEST(engines_share_one_model) {
+    duet_engine *alone = start(8, 0, 64);
+    collected *ref = run_requests(alone, true, N_REQ);
+    duet_engine_stop(alone, true);
+
+    duet_open_params op = duet_open_params_default();
+    op.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    op.n_ctx = 256;
+    op.weights_only = true;
+    duet_model *m;
+    ck_assert_msg(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m) == DUET_OK,
+                  "open: %s", duet_last_error());
+    duet_engine_params p = duet_engine_params_default();
+    p.max_batch_tokens = 64;
+    p.prefill_chunk = 8;
+    duet_engine *e[2];
+    for (int k = 0; k < 2; k++) {
+        p.max_batch_seqs = k ? 8 : 2;
+        ck_assert_msg(duet_engine_start_model(m, &p, &e[k]) == DUET_OK, "start %d: %s", k, duet_last_error());
+        ck_assert_ptr_eq(duet_engine_model(e[k]), m);
+    }
+    duet_model_close(m); /* the engines hold their own references */
+    collected *c[2];
+    ctx xs[2][N_REQ];
+    for (int k = 0; k < 2; k++) {
+        c[k] = collected_new();
+        c[k]->engine = e[k];
+    }
+    /* Both engines get every request, interleaved, so their steps overlap. */
+    for (int i = 0; i < N_REQ; i++)
+        for (int k = 0; k < 2; k++) {
+            int32_t ids[64];
+            int n = tokenize(duet_engine_model(e[k]), i, ids);
+            xs[k][i] = (ctx){c[k], i};
+            duet_request q = greedy_request(ids, n, 16 + (i * 7) % (MAX_GEN - 16), DUET_PRIORITY_BATCH);
+            ck_assert_msg(duet_engine_submit(e[k], &q, on_event, &xs[k][i], &c[k]->rid[i]) == DUET_OK,
+                          "submit %d: %s", i, duet_last_error());
+        }
+    for (int k = 0; k < 2; k++) {
+        wait_all(c[k], N_REQ);
+        for (int i = 0; i < N_REQ; i++) {
+            ck_assert_int_eq(c[k]->done[i], 1);
+            ck_assert_int_eq(c[k]->n[i], ref->n[i]);
+            for (int t = 0; t < ref->n[i]; t++)
+                ck_assert_msg(c[k]->ids[i][t] == ref->ids[i][t],
+                              "engine %d request %d token %d: %d, alone %d", k, i, t, c[k]->ids[i][t],
+                              ref->ids[i][t]);
+        }
+    }
+    duet_engine_stop(e[0], true);
+    /* The other engine serves on after the first is gone. */
+    collected *again = run_requests(e[1], false, 4);
+    for (int i = 0; i < 4; i++)
+        ck_assert_int_eq(again->n[i], ref->n[i]);
+    duet_engine_stop(e[1], true);
+    free(ref), free(c[0]), free(c[1]), free(again);
+}
+END_TEST
+
+static long rss_kib(void) {
+    FILE *f = fopen("/proc/self/statm", "r");
+    long size = 0, resident = 0;
+    if (f) {
+        if (fscanf(f, "%ld %ld", &size, &resident) != 2) resident = 0;
+        fclose(f);
+    }
+    return resident * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+/* Two instances sharing one model's weights hold them once: a second engine
+ * started on the loaded model adds its run state only, while an engine that
+ * loads the same file adds a second copy of the weights (RSS, cpu backend,
+ * SmolLM2-135M Q4_K_M: ~100 MB of weights, a small KV pool). */
+START_TEST(shared_weights_are_held_once) {
+    const char *path = test_shared_path("models/smollm2-135m-instruct-q4_k_m.gguf");
+    duet_open_params op = duet_open_params_default();
+    op.backend = "cpu";
+    op.n_threads = 1;
+    op.n_ctx = 128;
+    op.weights_only = true;
+    duet_engine_params p = duet_engine_params_default();
+    p.open = op;
+    p.max_batch_seqs = 2;
+    duet_model *m;
+    long r0 = rss_kib();
+    ck_assert_msg(duet_model_open(path, &op, &m) == DUET_OK, "open: %s", duet_last_error());
+    long r1 = rss_kib();
+    duet_model_desc d;
+    duet_model_describe(m, &d);
+    duet_engine *a, *b, *c;
+    ck_assert_int_eq(duet_engine_start_model(m, &p, &a), DUET_OK);
+    ck_assert_int_eq(duet_engine_warmup(a), DUET_OK);
+    long r2 = rss_kib();
+    ck_assert_int_eq(duet_engine_start_model(m, &p, &b), DUET_OK);
+    ck_assert_int_eq(duet_engine_warmup(b), DUET_OK);
+    long r3 = rss_kib();
+    ck_assert_msg(duet_engine_start(path, &p, &c) == DUET_OK, "start: %s", duet_last_error());
+    ck_assert_int_eq(duet_engine_warmup(c), DUET_OK);
+    long r4 = rss_kib();
+    long w = (long)(d.weight_bytes / 1024);
+    printf("sharing: weights %ld KiB; load %ld KiB, first engine +%ld KiB, second engine on the same model "
+           "+%ld KiB, "
+           "an engine loading the file again +%ld KiB\n",
+           w, r1 - r0, r2 - r1, r3 - r2, r4 - r3);
+    ck_assert_msg(r4 - r3 >= w * 8 / 10, "a second load holds the weights again (+%ld KiB, weights %ld KiB)",
+                  r4 - r3, w);
+    ck_assert_msg(r3 - r2 <= w / 5, "a shared engine adds its run state only (+%ld KiB, weights %ld KiB)",
+                  r3 - r2, w);
+    duet_engine_stop(a, true);
+    duet_engine_stop(b, true);
+    duet_engine_stop(c, true);
+    duet_model_close(m);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("engine");
     TCase *tc = tcase_create("stories260K");
@@ -736,6 +858,11 @@ int main(void) {
     tcase_add_test(tc, device_error_fails_the_step_not_the_engine);
     tcase_add_test(tc, cancel_racing_completion);
     suite_add_tcase(s, tc);
+    TCase *share = tcase_create("sharing");
+    tcase_set_timeout(share, 300);
+    tcase_add_test(share, engines_share_one_model);
+    tcase_add_test(share, shared_weights_are_held_once);
+    suite_add_tcase(s, share);
     TCase *hal = tcase_create("profile");
     tcase_set_timeout(hal, 600);
     tcase_add_loop_test(hal, profile_accounts_every_op_kind, 0, 3);

@@ -590,7 +590,8 @@ static void bi_step(duet_model *m, const int32_t *seqs, const int32_t *poss, int
     const size_t V = (size_t)m->hp.n_vocab;
     float *logits = malloc(sizeof(float) * V * (size_t)n);
     duet_batch b = {.n_tokens = n, .tokens = tok, .pos = poss, .seq = seqs, .n_out = n, .out = out};
-    ck_assert_msg(duet__forward(m->state, &m->hp, &m->w, &b, logits) == DUET_OK, "forward: %s", duet_last_error());
+    ck_assert_msg(duet__forward(m->run.state, &m->hp, &m->w, &b, logits) == DUET_OK, "forward: %s",
+                  duet_last_error());
     for (int i = 0; i < n; i++)
         memcpy(into + ((size_t)seqs[i] * BI_MAX_LEN + (size_t)poss[i]) * V, logits + (size_t)i * V, V * sizeof(float));
     free(logits);
