@@ -40,6 +40,8 @@ static const char usage[] =
     "  --num-prompts N            requests per point (default 100)\n"
     "  --duration S               stop sending after S seconds (then --num-prompts defaults to unbounded)\n"
     "  --random-input-len N       prompt tokens (default 64)\n"
+    "  --random-prefix-len N      a random prefix of N tokens shared by every prompt, before its\n"
+    "                             --random-input-len own tokens (a system prompt; default 0)\n"
     "  --random-output-len N      output tokens (default 32)\n"
     "  --random-range-ratio R     lengths uniform in [len*(1-R), len*(1+R)] (default 0: fixed)\n"
     "  --dataset-path FILE        JSONL lines {\"prompt\": \"...\", \"output_len\": N}\n"
@@ -396,6 +398,9 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--random-input-len")) {
             NEED_ARG();
             ok = parse_int(a, v, 1, 1 << 20, &c.workload.input_len);
+        } else if (!strcmp(a, "--random-prefix-len")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 0, 1 << 20, &c.workload.prefix_len);
         } else if (!strcmp(a, "--random-output-len")) {
             NEED_ARG();
             ok = parse_int(a, v, 1, 1 << 20, &c.workload.output_len);

@@ -224,6 +224,8 @@ typedef struct db_prompt {
 typedef struct db_workload_cfg {
     const char *dataset_path; /* JSONL {"prompt": ..., "output_len": ...} or NULL */
     int input_len, output_len;
+    int prefix_len;           /* random prompts: a prefix of this many tokens (words), the same for every
+                                 prompt of the workload, before each one's input_len (0 = none) */
     double range_ratio;       /* uniform in [len*(1-r), len*(1+r)] */
     double interactive_share; /* fraction of interactive requests; <0 = leave priority unset */
     uint64_t seed;

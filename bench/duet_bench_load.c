@@ -121,6 +121,32 @@ static bool random_prompt(db_rng *r, const db_vocab *v, int in_len, db_prompt *p
     return true;
 }
 
+/* Prepends the shared prefix pre to p (both made by random_prompt; p's
+ * own beginning-of-text token, if any, goes: pre has one). */
+static bool prepend(const db_prompt *pre, const db_vocab *v, db_prompt *p) {
+    if (pre->ids) {
+        int skip = v->bos >= 0 && p->n_ids > 0 && p->ids[0] == v->bos;
+        int n = pre->n_ids + p->n_ids - skip;
+        int32_t *ids = malloc((size_t)n * sizeof *ids);
+        if (!ids) return false;
+        memcpy(ids, pre->ids, (size_t)pre->n_ids * sizeof *ids);
+        memcpy(ids + pre->n_ids, p->ids + skip, (size_t)(p->n_ids - skip) * sizeof *ids);
+        free(p->ids);
+        p->ids = ids;
+        p->n_ids = n;
+        return true;
+    }
+    size_t a = strlen(pre->text), b = strlen(p->text);
+    char *t = malloc(a + b + 2);
+    if (!t) return false;
+    memcpy(t, pre->text, a);
+    t[a] = ' ';
+    memcpy(t + a + 1, p->text, b + 1);
+    free(p->text);
+    p->text = t;
+    return true;
+}
+
 typedef struct dataset {
     char **prompt;
     int *output_len; /* 0 = not given */
@@ -222,6 +248,14 @@ bool db_workload_make(const db_workload_cfg *cfg, const db_vocab *vocab, db_prom
     db_rng rng;
     db_rng_seed(&rng, cfg->seed);
     bool ok = true;
+    /* The shared prefix, from its own stream of the seed (so it does not
+     * shift the prompts that follow it). */
+    db_prompt pre = {0};
+    if (cfg->prefix_len > 0 && !ds.n) {
+        db_rng prng;
+        db_rng_seed(&prng, cfg->seed ^ UINT64_C(0x5A17ED9F3C1B2E4D));
+        ok = random_prompt(&prng, vocab, cfg->prefix_len, &pre);
+    }
     for (int i = 0; ok && i < cfg->n; i++) {
         if (ds.n) {
             /* The dataset in file order, again from the top when it runs out. */
@@ -243,7 +277,8 @@ bool db_workload_make(const db_workload_cfg *cfg, const db_vocab *vocab, db_prom
         } else {
             int in_len = draw_len(&rng, cfg->input_len, cfg->range_ratio);
             p[i].output_len = draw_len(&rng, cfg->output_len, cfg->range_ratio);
-            if (!random_prompt(&rng, vocab, in_len, &p[i])) {
+            if (!random_prompt(&rng, vocab, in_len, &p[i]) ||
+                (cfg->prefix_len > 0 && !prepend(&pre, vocab, &p[i]))) {
                 snprintf(err, esize, "out of memory");
                 ok = false;
             }
@@ -259,6 +294,7 @@ bool db_workload_make(const db_workload_cfg *cfg, const db_vocab *vocab, db_prom
             p[i].priority = DUET_PRIORITY_INTERACTIVE;
     }
     dataset_free(&ds);
+    free(pre.ids), free(pre.text);
     if (!ok) {
         if (!err[0]) snprintf(err, esize, "out of memory");
         db_workload_free(p, cfg->n);

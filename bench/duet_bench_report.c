@@ -236,6 +236,7 @@ static cJSON *meta_json(const db_config *cfg, const db_meta *m) {
     cJSON *w = cJSON_AddObjectToObject(o, "workload");
     if (cfg->workload.dataset_path) cJSON_AddStringToObject(w, "dataset_path", cfg->workload.dataset_path);
     cJSON_AddNumberToObject(w, "random_input_len", cfg->workload.input_len);
+    cJSON_AddNumberToObject(w, "random_prefix_len", cfg->workload.prefix_len);
     cJSON_AddNumberToObject(w, "random_output_len", cfg->workload.output_len);
     cJSON_AddNumberToObject(w, "random_range_ratio", cfg->workload.range_ratio);
     json_num(w, "interactive_share",

@@ -312,6 +312,8 @@ typedef struct duet_engine_params {
     int kv_block_size;       /* tokens per KV block; 0 = 16 */
     int kv_blocks;           /* KV blocks in the pool; 0 = enough for every slot at full context */
     const char *served_name; /* the metrics' model_name label; NULL = the model's general.name (copied) */
+    bool no_prefix_cache;    /* turns automatic prefix caching off (it is on by default: full KV blocks of
+                                prompts are kept and reused by later requests that start the same way) */
 } duet_engine_params;
 
 duet_engine_params duet_engine_params_default(void);

@@ -79,6 +79,7 @@ struct duet_engine {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     bool stopping, drain, thread_started;
+    bool prefix_cache; /* requests share cached KV blocks of their prompts */
 
     engine_req *reqs; /* [cap] */
     int cap;
@@ -379,6 +380,10 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     }
     engine_req *r = &e->reqs[slot];
     memcpy(r->stream, q->prompt, (size_t)q->n_prompt * sizeof(int32_t));
+    /* Prompt logprobs need every prompt position computed: such a request
+     * registers its blocks but shares none. */
+    if (e->prefix_cache)
+        duet__sched_set_stream(e->sched, rid, r->stream, !(q->logprobs && q->prompt_logprobs));
     r->id = rid;
     r->n_prompt = q->n_prompt;
     r->n_gen = 0;
@@ -475,7 +480,11 @@ static void update_gauges(duet_engine *e) {
                              .prefill_chunk = k.prefill_chunk,
                              .batch_timeout_s = secs(k.batch_timeout_ns),
                              .kv_block_size = e->run.state->p.block_size,
-                             .kv_blocks = e->run.state->p.n_blocks};
+                             .kv_blocks = e->run.state->p.n_blocks,
+                             .prefix_cache = e->prefix_cache,
+                             .prefix_cache_queries = st.prefix_queries,
+                             .prefix_cache_hits = st.prefix_hits,
+                             .kv_blocks_cached = st.kv_blocks_cached};
     memcpy(g.waiting, st.waiting, sizeof g.waiting);
     memcpy(g.running, st.running, sizeof g.running);
     duet__metrics_set_gauges(e->metrics, &g);
@@ -799,6 +808,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     else if (duet_model_meta(m, "general.name", name, sizeof name) < 0)
         snprintf(name, sizeof name, "%s", path ? path : "model");
     e->metrics = duet__metrics_new(name);
+    e->prefix_cache = !p.no_prefix_cache;
     /* Requests in flight at most: every waiting one plus every running one. */
     e->cap = p.max_waiting + p.max_batch_seqs + 1;
     e->max_tokens = p.max_batch_tokens;
@@ -902,12 +912,15 @@ duet_status duet_engine_warmup(duet_engine *e) {
         return DUET_OK;
     }
     /* Slot 0 in KV block 0: a request given that block later writes each
-     * position before it reads it, so what is left there is never seen. */
+     * position before it reads it, so what is left there is never seen
+     * (the prefix cache is cleared below, since it would). */
     const int bs = e->run.state->p.block_size;
     int n = 8;
     if (n > e->max_tokens) n = e->max_tokens;
     if (n > e->run.n_ctx - 1) n = e->run.n_ctx - 1;
     if (n > bs - 1) n = bs - 1;
+    /* Block 0 may hold a cached prefix: the cache forgets it. */
+    duet__sched_prefix_clear(e->sched);
     for (int j = 0; j < e->max_blocks; j++)
         e->tables[j] = j ? -1 : 0;
     duet_status st = DUET_OK;

@@ -38,6 +38,10 @@ typedef struct duet_metrics_gauges {
     int max_batch_seqs, max_batch_tokens, prefill_chunk;
     double batch_timeout_s;
     int kv_block_size, kv_blocks; /* the KV pool's geometry (vllm:cache_config_info); 0: not known */
+    bool prefix_cache;            /* automatic prefix caching is on */
+    uint64_t prefix_cache_queries; /* prompt tokens looked up in the prefix cache (cumulative) */
+    uint64_t prefix_cache_hits;    /* of those, found cached (cumulative) */
+    int kv_blocks_cached;          /* blocks with a prefix cache entry now */
 } duet_metrics_gauges;
 void duet__metrics_set_gauges(duet_metrics *m, const duet_metrics_gauges *g);
 /* The engine's health (duet_engine_healthy); a new instance is healthy. */

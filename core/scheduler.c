@@ -29,6 +29,15 @@ typedef struct req {
     uint64_t preempt_epoch; /* plan epoch of its last preemption */
     bool started;      /* scheduled at least once */
     bool cancelled;    /* cancelled while in the outstanding step */
+    /* Prefix caching (duet__sched_set_stream): the stream's tokens (owned
+     * by the engine), whether admission looks them up, the stream tokens
+     * the cache supplied at the last admission, and the table entries
+     * registered so far with the chain hash of the last one. */
+    const int32_t *tokens;
+    bool lookup;
+    int n_hit;
+    int n_reg;
+    uint64_t reg_hash;
 } req;
 
 struct duet_sched {
@@ -46,6 +55,7 @@ struct duet_sched {
     duet_sched_seq *seqs; /* [max_seqs] plan entries */
     int *seq_req;     /* [max_seqs] record of each entry */
     uint64_t *preempted; /* [max_seqs] */
+    int32_t *hits;       /* [blocks per sequence] cached blocks found for an admission */
     int n_seqs, n_preempted, budget;
     uint64_t epoch;   /* bumped per plan, to recognise this plan's preemptions */
     uint64_t next_order;
@@ -172,7 +182,8 @@ duet_status duet__sched_new(const duet_sched_config *config, duet_sched **out) {
     s->seqs = calloc((size_t)c->max_seqs, sizeof *s->seqs);
     s->seq_req = malloc((size_t)c->max_seqs * sizeof *s->seq_req);
     s->preempted = malloc((size_t)c->max_seqs * sizeof *s->preempted);
-    if (!s->reqs || !s->slot_req || !s->order || !s->seqs || !s->seq_req || !s->preempted) {
+    s->hits = malloc((size_t)per_seq * sizeof *s->hits);
+    if (!s->reqs || !s->slot_req || !s->order || !s->seqs || !s->seq_req || !s->preempted || !s->hits) {
         duet__sched_free(s);
         return duet__error(DUET_OUT_OF_MEMORY, "scheduler: out of memory for %d requests", c->max_waiting);
     }
@@ -193,6 +204,7 @@ void duet__sched_free(duet_sched *s) {
     free(s->seqs);
     free(s->seq_req);
     free(s->preempted);
+    free(s->hits);
     free(s);
 }
 
@@ -250,6 +262,22 @@ duet_sched_admit duet__sched_arrival(duet_sched *s, int64_t now, uint64_t id, in
     return DUET_SCHED_ADMITTED;
 }
 
+duet_status duet__sched_set_stream(duet_sched *s, uint64_t id, const int32_t *tokens, bool lookup) {
+    int i = find(s, id);
+    if (i < 0 || s->reqs[i].started)
+        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: request %llu is not waiting for its first step",
+                           (unsigned long long)id);
+    s->reqs[i].tokens = tokens;
+    s->reqs[i].lookup = tokens && lookup;
+    return DUET_OK;
+}
+
+void duet__sched_prefix_clear(duet_sched *s) {
+    duet__kv_blocks_cache_clear(s->kv);
+    for (int i = 0; i < s->n_reqs; i++)
+        if (s->reqs[i].state == ST_RUNNING) s->reqs[i].n_reg = 0;
+}
+
 duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id) {
     int i = find(s, id);
     if (i < 0) return duet__error(DUET_INVALID_ARGUMENT, "scheduler: no request %llu", (unsigned long long)id);
@@ -287,7 +315,7 @@ static void preempt(duet_sched *s, int i) {
     if (r->plan_index >= 0) plan_remove(s, i);
     drop_slot(s, i);
     r->state = ST_WAITING;
-    r->n_computed = 0;
+    r->n_computed = r->n_hit = r->n_reg = 0;
     r->n_preempted++;
     r->preempt_epoch = s->epoch;
     queue_insert(s, i);
@@ -322,7 +350,7 @@ static void plan_add(duet_sched *s, int i, int n_tokens) {
     e->logits = r->n_computed + n_tokens == len;
     e->decode = r->n_generated > 0 && r->n_computed == len - 1;
     e->first_schedule = !r->started;
-    e->resumed = r->n_preempted > 0 && r->n_computed == 0;
+    e->resumed = r->n_preempted > 0 && r->n_computed == r->n_hit;
     e->n_prompt = r->n_prompt;
     e->n_generated = r->n_generated;
     s->seq_req[k] = i;
@@ -377,6 +405,29 @@ static int grow_chunk(duet_sched *s, int i, int n_order, int want) {
 }
 
 static int min_int(int a, int b) { return a < b ? a : b; }
+
+/* Blocks among the first n of s->hits that nobody references: sharing
+ * them takes them out of the free count. */
+static int unreferenced(const duet_sched *s, int n) {
+    int k = 0;
+    for (int j = 0; j < n; j++)
+        k += duet__kv_blocks_refcount(s->kv, s->hits[j]) == 0;
+    return k;
+}
+
+/* Registers the full blocks of running record i that its computed tokens
+ * now cover, in stream order, so later streams with the same start share
+ * them. */
+static void register_blocks(duet_sched *s, req *r) {
+    if (!r->tokens) return;
+    int bs = duet__kv_blocks_block_size(s->kv);
+    for (int full = r->n_computed / bs; r->n_reg < full; r->n_reg++) {
+        const int32_t *t = r->tokens + (size_t)r->n_reg * bs;
+        uint64_t h = duet__kv_hash_block(r->n_reg ? r->reg_hash : DUET_KV_HASH_SEED, t, bs);
+        if (duet__kv_blocks_cache(s->kv, r->slot, r->n_reg, h, t) < 0) return; /* its parent is not cached */
+        r->reg_hash = h;
+    }
+}
 
 duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *plan) {
     assert(!s->outstanding && "plan called with a step outstanding");
@@ -441,8 +492,15 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
             int i = s->qhead[p];
             req *r = &s->reqs[i];
             if (r->preempt_epoch == s->epoch && r->n_preempted > 0) goto admitted_all;
-            int need = duet__kv_blocks_needed(s->kv, stream_len(r));
-            while (duet__kv_blocks_n_free(s->kv) < need) {
+            /* Cached blocks of the stream's start are shared, not computed;
+             * at least the last token is, so that its logits exist. */
+            int len = stream_len(r), n_hit = 0;
+            uint64_t hit_hash = 0;
+            if (r->lookup)
+                n_hit = duet__kv_blocks_lookup(s->kv, r->tokens, len - 1,
+                                               duet__kv_blocks_max_blocks_per_seq(s->kv), s->hits, &hit_hash);
+            int need = duet__kv_blocks_needed(s->kv, len) - n_hit;
+            while (duet__kv_blocks_n_free(s->kv) - unreferenced(s, n_hit) < need) {
                 int v = pick_victim(s, n_order, r, true);
                 if (v < 0) goto admitted_all;
                 preempt(s, v);
@@ -455,8 +513,20 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
             r->slot = slot;
             s->slot_req[slot] = i;
             s->n_running++;
-            int want = min_int(min_int(stream_len(r), s->knobs.prefill_chunk), s->budget);
-            bool ok = duet__kv_blocks_ensure(s->kv, slot, want);
+            for (int k = 0; k < n_hit; k++) {
+                bool shared = duet__kv_blocks_append_shared(s->kv, slot, s->hits[k]);
+                assert(shared);
+                (void)shared;
+            }
+            r->n_computed = r->n_hit = n_hit * duet__kv_blocks_block_size(s->kv);
+            r->n_reg = n_hit;
+            r->reg_hash = hit_hash;
+            if (r->lookup) {
+                s->st.prefix_queries += (uint64_t)len;
+                s->st.prefix_hits += (uint64_t)r->n_hit;
+            }
+            int want = min_int(min_int(len - r->n_computed, s->knobs.prefill_chunk), s->budget);
+            bool ok = duet__kv_blocks_ensure(s->kv, slot, r->n_computed + want);
             assert(ok);
             (void)ok;
             plan_add(s, i, want);
@@ -537,6 +607,7 @@ duet_status duet__sched_step_done(duet_sched *s, int64_t now, const duet_sched_r
         if (r->cancelled) continue;
         r->n_computed += s->seqs[k].n_tokens;
         r->n_generated += results[k].n_generated;
+        register_blocks(s, r);
         if (results[k].finished) {
             r->cancelled = true; /* leaves through end_step, like a cancel */
             s->st.finished++;
@@ -569,6 +640,8 @@ void duet__sched_stats(const duet_sched *s, duet_sched_stats *out) {
     out->kv_blocks_total = s->cfg.kv_blocks;
     out->kv_blocks_used = s->cfg.kv_blocks - duet__kv_blocks_n_free(s->kv);
     out->kv_usage = duet__kv_blocks_usage(s->kv);
+    out->kv_blocks_cached = duet__kv_blocks_n_cached(s->kv);
+    out->prefix_evictions = duet__kv_blocks_evictions(s->kv);
 }
 
 #define CHECK(cond, ...) \
@@ -593,7 +666,8 @@ duet_status duet__sched_check(const duet_sched *s) {
               (unsigned long long)r->id, r->n_computed, stream_len(r));
         if (r->state == ST_WAITING) {
             n_wait++;
-            CHECK(r->slot == -1 && r->n_computed == 0 && r->plan_index == -1 && !r->cancelled,
+            CHECK(r->slot == -1 && r->n_computed == 0 && r->n_hit == 0 && r->n_reg == 0 &&
+                      r->plan_index == -1 && !r->cancelled,
                   "sched check: waiting request %llu holds running state", (unsigned long long)r->id);
         } else {
             n_run++;
@@ -604,6 +678,14 @@ duet_status duet__sched_check(const duet_sched *s) {
                       blocks <= duet__kv_blocks_needed(s->kv, stream_len(r)),
                   "sched check: request %llu holds %d blocks for %d computed of %d", (unsigned long long)r->id, blocks,
                   r->n_computed, stream_len(r));
+            CHECK(r->n_hit <= r->n_computed && r->n_hit < stream_len(r) &&
+                      (int64_t)r->n_reg * duet__kv_blocks_block_size(s->kv) <= r->n_computed,
+                  "sched check: request %llu: %d cached, %d blocks registered, %d computed of %d",
+                  (unsigned long long)r->id, r->n_hit, r->n_reg, r->n_computed, stream_len(r));
+            for (int k = 0; r->tokens && k < r->n_reg; k++)
+                CHECK(duet__kv_blocks_is_cached(s->kv, duet__kv_blocks_table(s->kv, r->slot, NULL)[k]),
+                      "sched check: request %llu: registered block %d is not cached",
+                      (unsigned long long)r->id, k);
             CHECK(s->outstanding || (r->n_computed < stream_len(r) && r->plan_index == -1 && !r->cancelled),
                   "sched check: idle running request %llu has nothing to do", (unsigned long long)r->id);
             CHECK(!s->outstanding || r->plan_index < 0 || s->seq_req[r->plan_index] == i,

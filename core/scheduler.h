@@ -56,6 +56,20 @@
  *   overtaking). A request is admitted only when free KV blocks cover its
  *   whole stream so far (after preempting lower-priority sequences if
  *   needed) and a slot is free (running < max_batch_seqs).
+ * - Prefix caching: a request whose stream the engine gave with
+ *   duet__sched_set_stream has its full KV blocks registered in the pool's
+ *   prefix cache as its computed tokens cover them (kv_blocks.h: keyed by
+ *   the chain hash of the tokens up to each block's end, matched exactly).
+ *   When lookup is on, admission (and re-admission after a preemption)
+ *   shares the cached blocks that hold the start of its stream, at most
+ *   (stream length - 1) / block_size of them so the last token is always
+ *   computed and yields logits: its first entry starts at pos = the tokens
+ *   found, a multiple of block_size. Admission then needs free blocks only
+ *   for the rest (an unreferenced cached block it shares counts as taken).
+ *   Unreferenced cached blocks count as free; allocation evicts them, least
+ *   recently released first, only when no plain free block is left.
+ *   Finished, cancelled and preempted requests release their references;
+ *   what they registered stays cached.
  * - batch_timeout: when nothing is running, the scheduler starts prefilling
  *   only once the oldest waiting request has waited batch_timeout, or as
  *   soon as max_batch_seqs requests are waiting.
@@ -178,6 +192,12 @@ typedef struct duet_sched_stats {
     uint64_t finished, cancelled;
     uint64_t preemptions;
     uint64_t steps, step_tokens;
+    /* Prefix cache: stream tokens looked up at admissions (requests with
+     * lookup on) and those found cached (vLLM's prefix_cache_queries and
+     * _hits); blocks with a cache entry now; entries evicted. */
+    uint64_t prefix_queries, prefix_hits;
+    int kv_blocks_cached;
+    uint64_t prefix_evictions;
 } duet_sched_stats;
 
 /* Validates config and allocates everything. DUET_INVALID_ARGUMENT on bad
@@ -188,6 +208,20 @@ void duet__sched_free(duet_sched *s);
 /* A new request. n_prompt >= 1 and max_new >= 1 tokens. */
 duet_sched_admit duet__sched_arrival(duet_sched *s, int64_t now, uint64_t id, int n_prompt, int max_new,
                                      duet_priority priority);
+/* Gives request id's stream (n_prompt prompt tokens, then each generated
+ * token before its step_done reports it) for prefix caching: its full
+ * blocks are registered in the cache as they are computed and, with lookup,
+ * its admissions share cached blocks of its start (see Policies). The
+ * memory is the caller's and must stay valid and unchanged (but for
+ * appended tokens) until the request leaves the scheduler; it is not read
+ * after a cancel. Call it before the request's first plan (right after its
+ * arrival); DUET_INVALID_ARGUMENT for an unknown or started request. NULL
+ * tokens: no caching for it (the default). */
+duet_status duet__sched_set_stream(duet_sched *s, uint64_t id, const int32_t *tokens, bool lookup);
+/* Forgets every cached block (the device contents of the pool were
+ * overwritten outside the tables). Running requests register their blocks
+ * again from the start of their streams. */
+void duet__sched_prefix_clear(duet_sched *s);
 /* Removes a request in any state (waiting, prefilling, running, preempted).
  * DUET_OK, or DUET_INVALID_ARGUMENT if the id is unknown (already finished
  * or cancelled). If the request is in the step now running, its slot and

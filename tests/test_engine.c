@@ -846,6 +846,83 @@ START_TEST(shared_weights_are_held_once) {
 }
 END_TEST
 
+START_TEST(prefix_cache_keeps_greedy_outputs) {
+    /* Six prompts that share a long start (several KV blocks), run one at a
+     * time and then all at once, with and without the prefix cache: the
+     * tokens are the same, and the cache really was hit. */
+    enum { N = 6 };
+    static const char *const shared = "Once upon a time, there was a little girl named Lily. She loved to "
+                                      "play outside in the park with her "
+                                      "friends. One day, she saw a big red ball near the tree. She wanted to "
+                                      "play with it, so she ran to the "
+                                      "tree and picked up the ball. ";
+    static const char *const tails[N] = {"Then", "Her mom said", "The sun", "Tom", "They were happy", "Lily"};
+    int32_t ids[N][192];
+    int n_ids[N];
+    collected *res[2][2];
+    for (int cache = 0; cache < 2; cache++) {
+        duet_engine_params p = duet_engine_params_default();
+        p.open.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+        p.open.n_ctx = 256;
+        p.max_batch_seqs = 4;
+        p.max_batch_tokens = 64;
+        p.prefill_chunk = 24;
+        p.no_prefix_cache = !cache;
+        duet_engine *e;
+        ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
+                      "start: %s", duet_last_error());
+        const duet_model *m = duet_engine_model(e);
+        for (int i = 0; i < N; i++) {
+            char text[512];
+            snprintf(text, sizeof text, "%s%s", shared, tails[i]);
+            n_ids[i] = duet_tokenize(m, text, strlen(text), true, false, ids[i], 192);
+            ck_assert_msg(n_ids[i] > 64 && n_ids[i] < 192, "prompt %d has %d tokens", i, n_ids[i]);
+        }
+        for (int pass = 0; pass < 2; pass++) {
+            collected *c = res[cache][pass] = collected_new();
+            ctx xs[N];
+            for (int i = 0; i < N; i++) {
+                xs[i] = (ctx){c, i};
+                duet_request q = greedy_request(ids[i], n_ids[i], 12 + 3 * i, DUET_PRIORITY_INTERACTIVE);
+                ck_assert_msg(duet_engine_submit(e, &q, on_event, &xs[i], &c->rid[i]) == DUET_OK,
+                              "submit: %s", duet_last_error());
+                if (pass == 0) wait_all(c, i + 1);
+            }
+            wait_all(c, N);
+        }
+        char *metrics = duet_engine_metrics(e);
+        ck_assert_ptr_nonnull(metrics);
+        double queries = metric_value(metrics, "vllm:prefix_cache_queries_total", NULL);
+        double hits = metric_value(metrics, "vllm:prefix_cache_hits_total", NULL);
+        fprintf(stderr, "prefix cache %s: %g tokens queried, %g hit\n", cache ? "on" : "off", queries, hits);
+        if (cache) {
+            /* Every request after the first finds the shared blocks. */
+            ck_assert_msg(queries >= 2 * N * 64 && hits >= (2 * N - 1) * 48, "queries %g hits %g", queries,
+                          hits);
+            ck_assert_msg(strstr(metrics, "enable_prefix_caching=\"True\""),
+                          "cache_config_info says it is on");
+        } else {
+            ck_assert_msg(queries == 0 && hits == 0, "no cache, no queries (%g, %g)", queries, hits);
+        }
+        free(metrics);
+        duet_engine_stop(e, true);
+    }
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < N; i++) {
+            collected *a = res[0][pass], *b = res[1][pass];
+            ck_assert_int_eq(a->done[i], 1);
+            ck_assert_int_eq(b->done[i], 1);
+            ck_assert_int_eq(a->n[i], b->n[i]);
+            for (int t = 0; t < a->n[i]; t++)
+                ck_assert_msg(a->ids[i][t] == b->ids[i][t],
+                              "pass %d request %d token %d: %d uncached, %d cached", pass, i, t, a->ids[i][t],
+                              b->ids[i][t]);
+        }
+    for (int i = 0; i < 4; i++)
+        free(res[i / 2][i % 2]);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("engine");
     TCase *tc = tcase_create("stories260K");
@@ -857,6 +934,7 @@ int main(void) {
     tcase_add_test(tc, bad_engine_params);
     tcase_add_test(tc, device_error_fails_the_step_not_the_engine);
     tcase_add_test(tc, cancel_racing_completion);
+    tcase_add_test(tc, prefix_cache_keeps_greedy_outputs);
     suite_add_tcase(s, tc);
     TCase *share = tcase_create("sharing");
     tcase_set_timeout(share, 300);

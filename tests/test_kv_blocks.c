@@ -215,6 +215,205 @@ START_TEST(test_random_walk) {
 }
 END_TEST
 
+/* ---- prefix cache ---------------------------------------------------------- */
+
+/* Registers the first n blocks of seq's table as holding tokens[0, n * bs). */
+static void cache_blocks(duet_kv_blocks *kv, int seq, const int32_t *tokens, int n) {
+    int bs = duet__kv_blocks_block_size(kv);
+    uint64_t h = DUET_KV_HASH_SEED;
+    for (int i = 0; i < n; i++) {
+        h = duet__kv_hash_block(h, tokens + i * bs, bs);
+        int32_t b = duet__kv_blocks_cache(kv, seq, i, h, tokens + i * bs);
+        ck_assert_msg(b == duet__kv_blocks_table(kv, seq, NULL)[i], "cache of entry %d returned %d", i, b);
+        ck_assert(duet__kv_blocks_is_cached(kv, b));
+    }
+}
+
+static int lookup(const duet_kv_blocks *kv, const int32_t *tokens, int n_tokens, int32_t *out) {
+    uint64_t h = 0;
+    return duet__kv_blocks_lookup(kv, tokens, n_tokens, 64, out, &h);
+}
+
+START_TEST(test_hash_chain) {
+    int32_t a[8] = {1, 2, 3, 4, 5, 6, 7, 8}, b[8] = {1, 2, 3, 4, 5, 6, 7, 9};
+    uint64_t h0 = duet__kv_hash_block(DUET_KV_HASH_SEED, a, 4);
+    ck_assert_msg(h0 == duet__kv_hash_block(DUET_KV_HASH_SEED, a, 4), "the hash is a function");
+    ck_assert_msg(h0 != duet__kv_hash_block(DUET_KV_HASH_SEED, a + 4, 4), "other tokens, other hash");
+    ck_assert_msg(h0 != duet__kv_hash_block(DUET_KV_HASH_SEED, a, 3), "the count is part of the hash");
+    /* The second block's hash depends on the first block's tokens. */
+    uint64_t ha = duet__kv_hash_block(h0, a + 4, 4);
+    uint64_t hb = duet__kv_hash_block(duet__kv_hash_block(DUET_KV_HASH_SEED, b + 4, 4), a + 4, 4);
+    ck_assert_msg(ha != hb, "same block after another prefix must hash differently");
+    ck_assert_msg(duet__kv_hash_block(h0, a + 4, 4) != duet__kv_hash_block(h0, b + 4, 4),
+                  "last token matters");
+    int32_t swapped[4] = {2, 1, 3, 4};
+    ck_assert_msg(h0 != duet__kv_hash_block(DUET_KV_HASH_SEED, swapped, 4), "token order matters");
+}
+END_TEST
+
+START_TEST(test_cache_lookup_and_reuse) {
+    duet_kv_blocks *kv = make(4, 12, 3, 8);
+    int32_t t[16], u[16];
+    for (int i = 0; i < 16; i++)
+        t[i] = u[i] = 100 + i;
+    u[5] = 7;                                     /* differs in block 1 */
+    ck_assert(duet__kv_blocks_ensure(kv, 0, 14)); /* 4 blocks, 3 full */
+    int32_t out[8];
+    ck_assert_msg(lookup(kv, t, 16, out) == 0, "nothing cached yet");
+    cache_blocks(kv, 0, t, 3);
+    ck_assert_int_eq(duet__kv_blocks_n_cached(kv), 3);
+    assert_ok(kv, NULL);
+    const int32_t *row = duet__kv_blocks_table(kv, 0, NULL);
+    ck_assert_int_eq(lookup(kv, t, 16, out), 3);
+    for (int i = 0; i < 3; i++)
+        ck_assert_msg(out[i] == row[i], "hit %d is block %d, want %d", i, out[i], row[i]);
+    ck_assert_msg(lookup(kv, t, 11, out) == 2, "only whole blocks of the tokens given");
+    uint64_t h = 0;
+    ck_assert_msg(duet__kv_blocks_lookup(kv, t, 16, 1, out, &h) == 1, "max_blocks bounds the run");
+    ck_assert_msg(h == duet__kv_hash_block(DUET_KV_HASH_SEED, t, 4),
+                  "last_hash is the chain hash of the last hit");
+    ck_assert_msg(lookup(kv, u, 16, out) == 1, "a different block 1 stops the run after block 0");
+    u[0] = 99;
+    ck_assert_msg(lookup(kv, u, 16, out) == 0, "a different first token finds nothing");
+
+    /* Released, the cached blocks stay (free but cached); another sequence
+     * shares them and takes them off the free count. */
+    duet__kv_blocks_release(kv, 0);
+    ck_assert_int_eq(duet__kv_blocks_n_free(kv), 12);
+    ck_assert_int_eq(duet__kv_blocks_n_cached(kv), 3);
+    assert_ok(kv, NULL);
+    ck_assert_int_eq(lookup(kv, t, 16, out), 3);
+    for (int i = 0; i < 3; i++)
+        ck_assert(duet__kv_blocks_append_shared(kv, 1, out[i]));
+    ck_assert_int_eq(duet__kv_blocks_n_free(kv), 9);
+    ck_assert(duet__kv_blocks_ensure(kv, 1, 16)); /* one new block for the rest */
+    ck_assert_int_eq(duet__kv_blocks_n_free(kv), 8);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(duet__kv_blocks_refcount(kv, out[i]), 1);
+    ck_assert_msg(!duet__kv_blocks_is_cached(kv, duet__kv_blocks_table(kv, 1, NULL)[3]),
+                  "the new block is not");
+    assert_ok(kv, NULL);
+    /* A second sharer: refcount 2. */
+    for (int i = 0; i < 2; i++)
+        ck_assert(duet__kv_blocks_append_shared(kv, 2, out[i]));
+    ck_assert_int_eq(duet__kv_blocks_refcount(kv, out[0]), 2);
+    assert_ok(kv, NULL);
+    duet__kv_blocks_release(kv, 1);
+    duet__kv_blocks_release(kv, 2);
+    ck_assert_int_eq(duet__kv_blocks_n_free(kv), 12);
+    assert_ok(kv, NULL);
+    duet__kv_blocks_cache_clear(kv);
+    ck_assert_int_eq(duet__kv_blocks_n_cached(kv), 0);
+    ck_assert_msg(lookup(kv, t, 16, out) == 0, "a cleared cache finds nothing");
+    assert_ok(kv, NULL);
+    duet__kv_blocks_free(kv);
+}
+END_TEST
+
+START_TEST(test_lru_eviction_order) {
+    /* 6 blocks of 2 tokens. A and B each cache 2 blocks and leave; 2 plain
+     * blocks remain. */
+    duet_kv_blocks *kv = make(2, 6, 3, 8);
+    int32_t a[4] = {1, 2, 3, 4}, b[4] = {5, 6, 7, 8}, out[8];
+    ck_assert(duet__kv_blocks_ensure(kv, 0, 4));
+    cache_blocks(kv, 0, a, 2);
+    ck_assert(duet__kv_blocks_ensure(kv, 1, 4));
+    cache_blocks(kv, 1, b, 2);
+    const int32_t *ra = duet__kv_blocks_table(kv, 0, NULL);
+    int32_t a0 = ra[0], a1 = ra[1];
+    duet__kv_blocks_release(kv, 0); /* LRU: a1, a0 (the end goes first) */
+    duet__kv_blocks_release(kv, 1); /* then b1, b0 */
+    ck_assert_int_eq(duet__kv_blocks_n_free(kv), 6);
+    assert_ok(kv, NULL);
+    /* Plain blocks go first: nothing is evicted for 2 blocks. */
+    ck_assert(duet__kv_blocks_ensure(kv, 2, 4));
+    ck_assert_int_eq(duet__kv_blocks_evictions(kv), 0);
+    ck_assert_int_eq(duet__kv_blocks_n_cached(kv), 4);
+    /* A touch refreshes: A's first block is shared and released again, so
+     * it is now the most recently released. */
+    ck_assert(duet__kv_blocks_append_shared(kv, 1, a0));
+    duet__kv_blocks_release(kv, 1); /* LRU: a1, b1, b0, a0 */
+    /* The third block evicts the least recently released: a1. */
+    ck_assert(duet__kv_blocks_ensure(kv, 2, 6));
+    ck_assert_int_eq(duet__kv_blocks_evictions(kv), 1);
+    ck_assert_msg(duet__kv_blocks_table(kv, 2, NULL)[2] == a1, "evicted block %d, want A's tail %d",
+                  duet__kv_blocks_table(kv, 2, NULL)[2], a1);
+    ck_assert_msg(lookup(kv, a, 4, out) == 1 && out[0] == a0, "A keeps its first block");
+    ck_assert_msg(lookup(kv, b, 4, out) == 2, "B is whole");
+    /* Then b1, b0; then a0. */
+    ck_assert(duet__kv_blocks_ensure(kv, 2, 8));
+    ck_assert_msg(lookup(kv, b, 4, out) == 1, "B lost its tail next");
+    ck_assert(duet__kv_blocks_ensure(kv, 2, 10));
+    ck_assert_msg(lookup(kv, b, 4, out) == 0 && lookup(kv, a, 4, out) == 1, "then B's head, A's head last");
+    ck_assert(duet__kv_blocks_ensure(kv, 2, 12));
+    ck_assert_msg(lookup(kv, a, 4, out) == 0, "everything evicted");
+    ck_assert_int_eq(duet__kv_blocks_evictions(kv), 4);
+    ck_assert_msg(!duet__kv_blocks_ensure(kv, 0, 1), "the pool is full");
+    assert_ok(kv, NULL);
+    duet__kv_blocks_free(kv);
+}
+END_TEST
+
+START_TEST(test_duplicate_is_merged) {
+    /* Two sequences computed the same tokens at once: registering the
+     * second gives it the first one's block and frees its own. */
+    duet_kv_blocks *kv = make(4, 8, 2, 4);
+    int32_t t[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    ck_assert(duet__kv_blocks_ensure(kv, 0, 8));
+    ck_assert(duet__kv_blocks_ensure(kv, 1, 8));
+    cache_blocks(kv, 0, t, 2);
+    int32_t own0 = duet__kv_blocks_table(kv, 1, NULL)[0];
+    uint64_t h = duet__kv_hash_block(DUET_KV_HASH_SEED, t, 4);
+    int32_t got = duet__kv_blocks_cache(kv, 1, 0, h, t);
+    const int32_t *r0 = duet__kv_blocks_table(kv, 0, NULL), *r1 = duet__kv_blocks_table(kv, 1, NULL);
+    ck_assert_msg(got == r0[0] && r1[0] == r0[0], "seq 1 must now share block %d (got %d)", r0[0], got);
+    ck_assert_int_eq(duet__kv_blocks_refcount(kv, r0[0]), 2);
+    ck_assert_int_eq(duet__kv_blocks_refcount(kv, own0), 0);
+    ck_assert_int_eq(duet__kv_blocks_n_free(kv), 5);
+    ck_assert_int_eq(duet__kv_blocks_n_cached(kv), 2);
+    /* Its second block now follows the shared first one and merges too. */
+    h = duet__kv_hash_block(h, t + 4, 4);
+    ck_assert_int_eq(duet__kv_blocks_cache(kv, 1, 1, h, t + 4), r0[1]);
+    ck_assert_int_eq(duet__kv_blocks_n_free(kv), 6);
+    assert_ok(kv, NULL);
+    /* A block whose parent is not cached is not registered. */
+    duet__kv_blocks_release(kv, 0);
+    duet__kv_blocks_release(kv, 1);
+    ck_assert(duet__kv_blocks_ensure(kv, 0, 8));
+    int32_t other[4] = {9, 9, 9, 9};
+    ck_assert_msg(duet__kv_blocks_cache(kv, 0, 1, duet__kv_hash_block(h, other, 4), other) == -1,
+                  "entry 1 of a table whose entry 0 is not cached");
+    assert_ok(kv, NULL);
+    duet__kv_blocks_free(kv);
+}
+END_TEST
+
+START_TEST(test_evicted_parent_breaks_the_chain) {
+    /* A's head is evicted while its tail stays cached: the tail is
+     * unreachable (no lookup starts past a missing head), and it is still
+     * evictable. */
+    duet_kv_blocks *kv = make(2, 3, 3, 4);
+    int32_t a[4] = {1, 2, 3, 4}, out[4];
+    ck_assert(duet__kv_blocks_ensure(kv, 0, 4));
+    cache_blocks(kv, 0, a, 2);
+    int32_t a0 = duet__kv_blocks_table(kv, 0, NULL)[0], a1 = duet__kv_blocks_table(kv, 0, NULL)[1];
+    ck_assert(duet__kv_blocks_append_shared(kv, 1, a1));
+    duet__kv_blocks_release(kv, 0);              /* LRU: a0 (a1 is still held) */
+    duet__kv_blocks_release(kv, 1);              /* LRU: a0, a1 */
+    ck_assert(duet__kv_blocks_ensure(kv, 2, 4)); /* the plain block, then a0 */
+    ck_assert_int_eq(duet__kv_blocks_table(kv, 2, NULL)[1], a0);
+    ck_assert_int_eq(duet__kv_blocks_evictions(kv), 1);
+    ck_assert_msg(!duet__kv_blocks_is_cached(kv, a0) && duet__kv_blocks_is_cached(kv, a1),
+                  "a0 evicted, a1 kept");
+    ck_assert_msg(lookup(kv, a, 4, out) == 0, "no head, no chain");
+    assert_ok(kv, NULL);
+    ck_assert(duet__kv_blocks_ensure(kv, 2, 6));
+    ck_assert_int_eq(duet__kv_blocks_n_cached(kv), 0);
+    assert_ok(kv, NULL);
+    duet__kv_blocks_free(kv);
+}
+END_TEST
+
 static Suite *suite(void) {
     Suite *s = suite_create("kv_blocks");
     TCase *tc = tcase_create("core");
@@ -225,6 +424,11 @@ static Suite *suite(void) {
     tcase_add_test(tc, test_truncate_and_release);
     tcase_add_test(tc, test_refcounts_and_sharing);
     tcase_add_test(tc, test_random_walk);
+    tcase_add_test(tc, test_hash_chain);
+    tcase_add_test(tc, test_cache_lookup_and_reuse);
+    tcase_add_test(tc, test_lru_eviction_order);
+    tcase_add_test(tc, test_duplicate_is_merged);
+    tcase_add_test(tc, test_evicted_parent_breaks_the_chain);
     suite_add_tcase(s, tc);
     return s;
 }

@@ -339,7 +339,8 @@ class OpenAIClient(unittest.TestCase):
                 "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
                 "vllm:time_per_output_token_seconds": "histogram", "vllm:e2e_request_latency_seconds": "histogram",
                 "vllm:request_queue_time_seconds": "histogram", "duet_batch_size": "histogram",
-                "duet_batch_tokens": "histogram", "duet_device_busy_ratio": "gauge"}
+                "duet_batch_tokens": "histogram", "duet_device_busy_ratio": "gauge",
+                "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter"}
         for name, typ in want.items():
             self.assertIn(name, fams, f"/metrics lacks {name}")
             self.assertEqual(fams[name].type, typ, name)

@@ -797,6 +797,200 @@ END_TEST
     } while (0)
 #define SIM_CHECK(cond) SIM_ASSERT(cond, "%s", #cond)
 
+/* ---- prefix caching -------------------------------------------------------- */
+
+static void arrive_stream(duet_sched *s, int64_t now, uint64_t id, const int32_t *stream, int n_prompt,
+                          int max_new, bool lookup) {
+    arrive(s, now, id, n_prompt, max_new, DUET_PRIORITY_INTERACTIVE);
+    ck_assert_int_eq(duet__sched_set_stream(s, id, stream, lookup), DUET_OK);
+}
+
+START_TEST(test_prefix_cache_shares_prompt_blocks) {
+    duet_sched_config c = base_config();
+    duet_sched *s = make(&c);
+    duet_sched_plan p;
+    int64_t now = 0;
+    static int32_t a[64], b[64], d[64];
+    for (int i = 0; i < 64; i++)
+        a[i] = b[i] = d[i] = 1000 + i;
+    for (int i = 35; i < 64; i++)
+        b[i] = 5000 + i;
+    /* A computes its 40 prompt tokens and 2 generated: 2 full blocks cached. */
+    arrive_stream(s, now, 1, a, 40, 3, true);
+    run_to_idle(s, &now, 100);
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.prefix_queries == 40 && st.prefix_hits == 0 && st.kv_blocks_cached == 2,
+                  "after A: queries %llu hits %llu cached %d", (unsigned long long)st.prefix_queries,
+                  (unsigned long long)st.prefix_hits, st.kv_blocks_cached);
+    ck_assert_int_eq(st.kv_blocks_used, 0);
+    int32_t cached[4];
+    uint64_t h = 0;
+    ck_assert_int_eq(duet__kv_blocks_lookup(duet__sched_kv(s), a, 64, 4, cached, &h), 2);
+    /* B shares A's first 35 tokens: 2 blocks; it computes from 32. */
+    arrive_stream(s, now, 2, b, 45, 2, true);
+    plan_step(s, now, &p);
+    ck_assert_msg(p.n_seqs == 1 && p.seqs[0].pos == 32 && p.seqs[0].n_tokens == 13 && p.seqs[0].logits &&
+                      p.seqs[0].first_schedule && !p.seqs[0].resumed,
+                  "B starts after the cached prefix: pos %d n %d", p.seqs[0].pos, p.seqs[0].n_tokens);
+    ck_assert_msg(p.seqs[0].n_blocks == 3 && p.seqs[0].blocks[0] == cached[0] &&
+                      p.seqs[0].blocks[1] == cached[1],
+                  "B's table starts with A's cached blocks");
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.prefix_queries == 85 && st.prefix_hits == 32 && st.kv_blocks_used == 3,
+                  "after B's admission: queries %llu hits %llu used %d",
+                  (unsigned long long)st.prefix_queries, (unsigned long long)st.prefix_hits,
+                  st.kv_blocks_used);
+    complete(s, ++now, &p);
+    run_to_idle(s, &now, 100);
+    /* A prompt that is exactly 2 cached blocks still computes its last
+     * token, so only 1 block is shared (whole blocks only). */
+    arrive_stream(s, now, 3, d, 32, 1, true);
+    plan_step(s, now, &p);
+    ck_assert_msg(p.seqs[0].pos == 16 && p.seqs[0].n_tokens == 16 && p.seqs[0].logits,
+                  "full hit: pos %d n %d", p.seqs[0].pos, p.seqs[0].n_tokens);
+    complete(s, ++now, &p);
+    /* Without lookup (or without a stream) nothing is shared or counted. */
+    arrive_stream(s, now, 4, a, 40, 1, false);
+    arrive(s, now, 5, 40, 1, DUET_PRIORITY_INTERACTIVE);
+    duet__sched_stats(s, &st);
+    uint64_t q = st.prefix_queries;
+    plan_step(s, now, &p);
+    ck_assert_msg(p.n_seqs == 2 && p.seqs[0].pos == 0 && p.seqs[1].pos == 0, "no lookup: from position 0");
+    complete(s, ++now, &p);
+    run_to_idle(s, &now, 100);
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.prefix_queries == q, "requests without lookup are not queries");
+    ck_assert_msg(duet__sched_set_stream(s, 99, a, true) == DUET_INVALID_ARGUMENT, "unknown request refused");
+    arrive(s, now, 6, 8, 4, DUET_PRIORITY_INTERACTIVE);
+    plan_step(s, now, &p);
+    ck_assert_msg(duet__sched_set_stream(s, 6, a, true) == DUET_INVALID_ARGUMENT,
+                  "a started request is refused");
+    complete(s, ++now, &p);
+    run_to_idle(s, &now, 100);
+    duet__sched_free(s);
+}
+END_TEST
+
+START_TEST(test_prefix_admission_needs_only_missing_blocks) {
+    /* 6 blocks of 16. A (48-token prompt) runs and holds 4 blocks. B has
+     * the same 48 tokens and 16 more: 4 blocks in all, only 1 not cached,
+     * and 2 are free. With the cache B is admitted at once; without it B
+     * waits (it cannot preempt A, of its own class). */
+    for (int cache = 0; cache < 2; cache++) {
+        duet_sched_config c = base_config();
+        c.kv_blocks = 6;
+        c.n_ctx = 96;
+        c.knobs.prefill_chunk = 64;
+        duet_sched *s = make(&c);
+        duet_sched_plan p;
+        int64_t now = 0;
+        static int32_t a[96], b[96];
+        for (int i = 0; i < 96; i++)
+            a[i] = b[i] = 7 + i;
+        for (int i = 48; i < 96; i++)
+            b[i] = 900 + i;
+        arrive_stream(s, now, 1, a, 48, 40, true);
+        for (int i = 0; i < 3; i++) { /* the prompt, then 2 decodes */
+            plan_step(s, now, &p);
+            complete(s, ++now, &p);
+        }
+        duet_sched_stats st;
+        duet__sched_stats(s, &st);
+        ck_assert_msg(st.kv_blocks_used == 4 && st.kv_blocks_cached == 3, "A holds %d blocks, %d cached",
+                      st.kv_blocks_used, st.kv_blocks_cached);
+        arrive(s, now, 2, 64, 16, DUET_PRIORITY_INTERACTIVE);
+        if (cache) ck_assert_int_eq(duet__sched_set_stream(s, 2, b, true), DUET_OK);
+        plan_step(s, now, &p);
+        int k = find_seq(&p, 2);
+        if (cache) {
+            ck_assert_msg(k >= 0 && p.seqs[k].pos == 48 && p.seqs[k].n_tokens == 16,
+                          "B admitted after its prefix");
+            ck_assert_msg(p.n_preempted == 0 && find_seq(&p, 1) >= 0, "A keeps running");
+            duet__sched_stats(s, &st);
+            ck_assert_int_eq(st.kv_blocks_used, 5);
+        } else {
+            ck_assert_msg(k < 0 && p.n_seqs == 1, "without the cache B does not fit");
+        }
+        complete(s, ++now, &p);
+        run_to_idle(s, &now, 200);
+        duet__sched_stats(s, &st);
+        ck_assert_msg(st.finished == 2 && st.kv_blocks_used == 0, "both finish, nothing leaks");
+        duet__sched_free(s);
+    }
+}
+END_TEST
+
+START_TEST(test_prefix_survives_preemption_and_cancel) {
+    /* A batch request preempted by an interactive one re-admits with its
+     * own cached blocks (prompt and generated), computing only the rest; a
+     * cancelled sharer leaves the shared blocks to the others. */
+    duet_sched_config c = base_config();
+    c.kv_block_size = 4;
+    c.kv_blocks = 8;
+    c.n_ctx = 32;
+    c.knobs.prefill_chunk = 32;
+    duet_sched *s = make(&c);
+    duet_sched_plan p;
+    int64_t now = 0;
+    static int32_t a[32], b[32];
+    for (int i = 0; i < 32; i++)
+        a[i] = 50 + i, b[i] = 70000 + i;
+    arrive(s, now, 10, 12, 12, DUET_PRIORITY_BATCH);
+    ck_assert_int_eq(duet__sched_set_stream(s, 10, a, true), DUET_OK);
+    for (int i = 0; i < 6; i++) {
+        plan_step(s, now, &p);
+        complete(s, ++now, &p);
+    }
+    /* Stream of 18, 17 computed: 4 full blocks cached. */
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_int_eq(st.kv_blocks_cached, 4);
+    arrive(s, now, 20, 20, 4, DUET_PRIORITY_INTERACTIVE);
+    ck_assert_int_eq(duet__sched_set_stream(s, 20, b, true), DUET_OK);
+    plan_step(s, now, &p);
+    ck_assert_msg(p.n_preempted == 1 && p.preempted[0] == 10, "the batch request is preempted");
+    complete(s, ++now, &p);
+    bool resumed = false;
+    for (int it = 0; it < 100; it++) {
+        duet_sched_action act = duet__sched_plan(s, now, &p);
+        if (act == DUET_SCHED_IDLE) break;
+        ck_assert(act == DUET_SCHED_STEP);
+        int k = find_seq(&p, 10);
+        if (k >= 0 && p.seqs[k].resumed) {
+            /* 18 tokens: (18 - 1) / 4 = 4 blocks may be shared, if the
+             * interactive request left them in the pool. */
+            ck_assert_msg(p.seqs[k].pos % 4 == 0 && p.seqs[k].pos + p.seqs[k].n_tokens == 18 &&
+                              p.seqs[k].logits,
+                          "resume at %d of 18", p.seqs[k].pos);
+            resumed = true;
+        }
+        complete(s, ++now, &p);
+    }
+    ck_assert(resumed);
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.prefix_hits > 0, "the resume found some of its blocks");
+    ck_assert_msg(st.finished == 2 && st.kv_blocks_used == 0, "nothing lost, nothing leaked");
+    /* Two sharers of A's stream; one is cancelled mid-step, one finishes. */
+    arrive(s, now, 30, 20, 4, DUET_PRIORITY_INTERACTIVE);
+    ck_assert_int_eq(duet__sched_set_stream(s, 30, a, true), DUET_OK);
+    arrive(s, now, 31, 20, 4, DUET_PRIORITY_INTERACTIVE);
+    ck_assert_int_eq(duet__sched_set_stream(s, 31, a, true), DUET_OK);
+    plan_step(s, now, &p);
+    ck_assert_msg(p.n_seqs == 2 && p.seqs[0].pos == 16 && p.seqs[1].pos == 16, "both share 4 blocks");
+    ck_assert_int_eq(duet__sched_cancel(s, now, 30), DUET_OK);
+    complete(s, ++now, &p);
+    run_to_idle(s, &now, 100);
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.kv_blocks_used == 0 && st.cancelled == 1, "nothing leaked after the cancel");
+    duet__sched_prefix_clear(s);
+    duet__sched_stats(s, &st);
+    ck_assert_int_eq(st.kv_blocks_cached, 0);
+    check_ok(s, "after clear");
+    duet__sched_free(s);
+}
+END_TEST
+
 typedef struct sim_cfg {
     uint64_t seed;
     int n_arrivals;
@@ -806,6 +1000,7 @@ typedef struct sim_cfg {
     double cancel_prob;  /* per event, cancel a random live request */
     double fail_prob;    /* per step, the device "fails" the step */
     bool retune;         /* change knobs at random */
+    int n_prefixes;      /* > 0: streams start with one of this many shared token runs (prefix caching) */
 } sim_cfg;
 
 enum { SH_NONE = 0, SH_WAITING, SH_RUNNING, SH_DONE, SH_REFUSED };
@@ -828,9 +1023,18 @@ static double sim_unit(void) { return (double)(sim_next() >> 11) / 9007199254740
 typedef struct sim_out {
     uint64_t trace_hash;
     uint64_t steps, preemptions, finished, cancelled, refused, rejected, tokens;
+    uint64_t prefix_hits, prefix_queries;
 } sim_out;
 
 static uint64_t mix(uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001B3ULL; }
+
+/* Prefix caching in the simulation: each request's whole stream (prompt and
+ * the tokens it will "generate"), and what each KV block position holds
+ * (written by the steps that compute it), to check that a shared block
+ * holds exactly the tokens of the stream that shares it. NULL when off. */
+static int32_t *g_streams; /* [n_arrivals][n_ctx] */
+static int32_t *g_content; /* [kv_blocks][kv_block_size], -1 unwritten */
+static int g_stream_len;
 
 static void sim_set_outcome(shadow *sh, uint64_t id, bool finished) {
     SIM_ASSERT(sh[id].outcomes == 0, "request %llu ended twice", (unsigned long long)id);
@@ -864,7 +1068,7 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
     }
     /* Admissions must be a FIFO prefix of each class's waiting queue. */
     int admitted[2] = {0, 0};
-    uint64_t last_admitted[2] = {0, 0};
+    uint64_t last_admitted[2] = {0, 0}, last_chunk[2] = {0, 0}; /* last_chunk: id + 1 */
     bool seen_slot[256] = {false}, seen_chunk = false;
     int n_logits = 0, sum = 0;
     for (int k = 0; k < p->n_seqs; k++) {
@@ -878,10 +1082,24 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
         if (r->state == SH_WAITING) {
             SIM_ASSERT(r->slot != -2, "request %llu re-admitted in the plan that preempted it",
                           (unsigned long long)id);
-            SIM_ASSERT(e->pos == 0, "admission of %llu starts at %d", (unsigned long long)id, e->pos);
+            int bs = c->kv_block_size;
+            SIM_ASSERT(e->pos == 0 || (g_streams && e->pos % bs == 0 && e->pos < r->n_prompt + r->gen),
+                       "admission of %llu starts at %d", (unsigned long long)id, e->pos);
+            /* Shared blocks hold exactly this stream's tokens. */
+            for (int q = 0; q < e->pos; q++)
+                SIM_ASSERT(g_content[(size_t)e->blocks[q / bs] * bs + q % bs] ==
+                               g_streams[(size_t)id * g_stream_len + q],
+                           "request %llu shares block %d whose position %d holds another token",
+                           (unsigned long long)id, e->blocks[q / bs], q % bs);
+            r->computed = e->pos;
             admitted[r->prio]++;
-            SIM_ASSERT(id > last_admitted[r->prio] || admitted[r->prio] == 1, "admissions out of order");
-            last_admitted[r->prio] = id;
+            /* In plan order, but for a re-admission whose cached blocks
+             * left only its newest token: that is a decode, moved first. */
+            if (!e->decode) {
+                SIM_ASSERT(id + 1 > last_chunk[r->prio], "admissions out of order");
+                last_chunk[r->prio] = id + 1;
+            }
+            if (id > last_admitted[r->prio]) last_admitted[r->prio] = id;
             r->state = SH_RUNNING;
             r->slot = e->slot;
         } else {
@@ -909,6 +1127,14 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
         SIM_ASSERT(e->n_blocks >= duet__kv_blocks_needed(duet__sched_kv(s), e->pos + e->n_tokens),
                       "request %llu: %d blocks do not cover %d tokens", (unsigned long long)id, e->n_blocks,
                       e->pos + e->n_tokens);
+        for (int q = e->pos; g_streams && q < e->pos + e->n_tokens; q++) {
+            int bs = c->kv_block_size, b = e->blocks[q / bs];
+            SIM_ASSERT(duet__kv_blocks_refcount(duet__sched_kv(s), b) == 1 &&
+                           !duet__kv_blocks_is_cached(duet__sched_kv(s), b),
+                       "request %llu writes position %d into a shared or cached block %d",
+                       (unsigned long long)id, q, b);
+            g_content[(size_t)b * bs + q % bs] = g_streams[(size_t)id * g_stream_len + q];
+        }
         n_logits += e->logits;
         sum += e->n_tokens;
         *hash = mix(mix(mix(*hash, id), (uint64_t)e->pos), (uint64_t)e->n_tokens);
@@ -955,7 +1181,17 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
     duet_sched_stats st;
     duet__sched_stats(s, &st);
     int held = 0;
-    for (int slot = 0; slot < c->max_seqs; slot++) held += duet__kv_blocks_seq_blocks(duet__sched_kv(s), slot);
+    static bool seen_block[4096];
+    SIM_CHECK(c->kv_blocks <= 4096);
+    memset(seen_block, 0, sizeof seen_block);
+    for (int slot = 0; slot < c->max_seqs; slot++) {
+        int nb = 0;
+        const int32_t *t = duet__kv_blocks_table(duet__sched_kv(s), slot, &nb);
+        for (int j = 0; j < nb; j++) { /* shared blocks count once */
+            held += !seen_block[t[j]];
+            seen_block[t[j]] = true;
+        }
+    }
     SIM_ASSERT(held == st.kv_blocks_used, "tables hold %d blocks, pool lent %d", held, st.kv_blocks_used);
 }
 
@@ -971,6 +1207,14 @@ static sim_out run_sim(const sim_cfg *cfg) {
     for (int i = 0; i < n; i++) {
         t += -log(1.0 - sim_unit()) * cfg->mean_gap_ms;
         arrival_at[i] = (int64_t)(t * (double)MS);
+    }
+    g_streams = g_content = NULL;
+    if (cfg->n_prefixes > 0) {
+        g_stream_len = cfg->c.n_ctx;
+        g_streams = malloc((size_t)n * g_stream_len * sizeof *g_streams);
+        g_content = malloc((size_t)cfg->c.kv_blocks * cfg->c.kv_block_size * sizeof *g_content);
+        SIM_CHECK(g_streams && g_content);
+        memset(g_content, 0xff, (size_t)cfg->c.kv_blocks * cfg->c.kv_block_size * sizeof *g_content);
     }
     duet_sched *s = NULL;
     SIM_ASSERT(duet__sched_new(&cfg->c, &s) == DUET_OK, "sched_new: %s", duet_last_error());
@@ -1053,6 +1297,16 @@ static sim_out run_sim(const sim_cfg *cfg) {
                             duet__kv_blocks_needed(duet__sched_kv(s), q->n_prompt + q->max_new) > cfg->c.kv_blocks;
             duet_sched_admit a = duet__sched_arrival(s, now, (uint64_t)id, q->n_prompt, q->max_new,
                                                      (duet_priority)q->prio);
+            if (g_streams && a == DUET_SCHED_ADMITTED) {
+                /* One of the shared runs for a random length, then its own
+                 * tokens; "generated" tokens follow the same rule, so equal
+                 * prompts also share their generated blocks. */
+                int k = sim_int(0, cfg->n_prefixes - 1), share = sim_int(0, g_stream_len);
+                int32_t *t = g_streams + (size_t)id * g_stream_len;
+                for (int j = 0; j < g_stream_len; j++)
+                    t[j] = j < share ? k * 10000 + j : 1000000 + id * 1000 + j;
+                SIM_CHECK(duet__sched_set_stream(s, (uint64_t)id, t, sim_unit() < 0.9) == DUET_OK);
+            }
             duet_sched_admit want = too_long ? DUET_SCHED_TOO_LONG
                                     : waiting >= duet__sched_knobs(s).max_waiting ? DUET_SCHED_QUEUE_FULL
                                                                                  : DUET_SCHED_ADMITTED;
@@ -1111,6 +1365,10 @@ static sim_out run_sim(const sim_cfg *cfg) {
                   "leftovers: kv %d running %d waiting %d", st.kv_blocks_used, st.running[0] + st.running[1],
                   st.waiting[0] + st.waiting[1]);
     out.preemptions = st.preemptions;
+    out.prefix_hits = st.prefix_hits;
+    out.prefix_queries = st.prefix_queries;
+    free(g_streams), free(g_content);
+    g_streams = g_content = NULL;
     duet__sched_free(s);
     free(sh);
     free(arrival_at);
@@ -1187,6 +1445,26 @@ START_TEST(test_sim_tiny_pool) {
 }
 END_TEST
 
+START_TEST(test_sim_prefix_cache) {
+    /* Shared prefixes under a tight pool, cancels, failed steps and (on the
+     * second seed) retuned knobs: shared blocks always hold the right
+     * tokens, no shared block is written, and the pool is whole at the end. */
+    sim_cfg c = sim_tight_kv(500 + (uint64_t)_i);
+    c.n_prefixes = 3;
+    c.c.kv_blocks = 40;
+    c.retune = _i == 1;
+    sim_out o = run_sim(&c);
+    fprintf(stderr,
+            "sim prefix seed %d: steps %llu finished %llu cancelled %llu preemptions %llu hits %llu/%llu\n",
+            _i + 500, (unsigned long long)o.steps, (unsigned long long)o.finished,
+            (unsigned long long)o.cancelled, (unsigned long long)o.preemptions,
+            (unsigned long long)o.prefix_hits, (unsigned long long)o.prefix_queries);
+    ck_assert_msg(o.preemptions > 0, "the pool must force preemptions");
+    ck_assert_msg(o.prefix_hits > o.prefix_queries / 10, "shared prefixes must hit (%llu of %llu)",
+                  (unsigned long long)o.prefix_hits, (unsigned long long)o.prefix_queries);
+}
+END_TEST
+
 START_TEST(test_sim_is_deterministic) {
     sim_cfg c = sim_tight_kv(4242);
     c.n_arrivals = 1000;
@@ -1220,6 +1498,9 @@ static Suite *suite(void) {
     tcase_add_test(tc, test_knobs_validated_and_applied);
     tcase_add_test(tc, test_step_done_validates_results);
     tcase_add_test(tc, test_step_failed_keeps_state);
+    tcase_add_test(tc, test_prefix_cache_shares_prompt_blocks);
+    tcase_add_test(tc, test_prefix_admission_needs_only_missing_blocks);
+    tcase_add_test(tc, test_prefix_survives_preemption_and_cancel);
     suite_add_tcase(s, tc);
     TCase *sim = tcase_create("simulation");
     tcase_set_timeout(sim, 600);
@@ -1227,6 +1508,7 @@ static Suite *suite(void) {
     tcase_add_loop_test(sim, test_sim_retuned_knobs, 0, 2);
     tcase_add_test(sim, test_sim_tiny_pool);
     tcase_add_test(sim, test_sim_is_deterministic);
+    tcase_add_loop_test(sim, test_sim_prefix_cache, 0, 2);
     suite_add_tcase(s, sim);
     return s;
 }

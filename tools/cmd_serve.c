@@ -20,53 +20,79 @@
 #include "server.h"
 
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: duet serve [-m MODEL] [options]\n"
-            "  -m, --model FILE            GGUF model (default: the cached SmolLM2-135M-Instruct)\n"
-            "      --host ADDR             address to listen on (default 127.0.0.1; 0.0.0.0 or :: for all)\n"
-            "      --port N                port (default 8000; 0 = any free port, printed at start)\n"
-            "      --served-model-name S   the model's name in the API (default: the file name less .gguf)\n"
-            "      --chat-template T       auto, a family (plain|chatml|llama3|llama2|mistral|zephyr|phi3|gemma) or\n"
-            "                              a Jinja file (default auto: the model's tokenizer.chat_template; plain\n"
-            "                              when it has none)\n"
-            "      --backend NAME          auto|cpu|vulkan|opencl (default auto)\n"
-            "      --device I              device index within the backend (default: best)\n"
-            "  -t, --threads N             cpu threads (default: all cores)\n"
-            "  -c, --ctx N                 context length per sequence (default: the model's, at most 4096)\n"
-            "      --kv-type T             f32|f16|q8_0 KV cache\n"
-            "  scheduler (0 or absent = the engine's default):\n"
-            "      --max-batch-seqs N      sequences decoded together (default 16)\n"
-            "      --max-batch-tokens N    tokens per step, decodes plus prefill chunks (default 256)\n"
-            "      --batch-timeout-ms MS   how long an idle engine waits for more arrivals (default 2)\n"
-            "      --prefill-chunk N       prompt tokens per sequence per step (default 128)\n"
-            "      --max-waiting N         queued requests beyond which requests get 429 (default 256)\n"
-            "      --kv-blocks N           KV cache blocks (default: every slot at full context)\n"
-            "      --kv-block-size N       tokens per KV block (default 16)\n"
-            "  server:\n"
-            "      --config FILE           JSON object with any of these options by name (\"max_batch_seqs\": 32);\n"
-            "                              the command line overrides it\n"
-            "      --drain-timeout S       on SIGTERM, seconds to let requests in flight finish (default 60)\n"
-            "      --max-connections N     open HTTP connections; past it requests get 503 (default 4096)\n"
-            "      --idle-timeout S        close a connection idle this many seconds (default 30)\n"
-            "      --read-timeout S        a request (headers and body) must arrive within this (default 30)\n"
-            "      --request-timeout S     cancel a request still generating after S seconds and answer it with\n"
-            "                              408 (default: none; a request's \"timeout\" field may ask for less)\n"
-            "  security:\n"
-            "      --api-key KEY           require Authorization: Bearer KEY on every endpoint but /health and\n"
-            "                              /ready (default: $DUET_API_KEY; none when unset)\n"
-            "      --metrics-public        serve /metrics without the API key\n"
-            "      --allowed-origins LIST  CORS: web origins allowed to call the API, comma-separated, or '*'\n"
-            "                              (default: none; requests from other origins get 403)\n"
-            "  -v, --verbose               log one line per request\n"
-            "\n"
-            "endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,\n"
-            "           GET /ready, GET /metrics\n");
+    fprintf(
+        f,
+        "usage: duet serve [-m MODEL] [options]\n"
+        "  -m, --model FILE            GGUF model (default: the cached SmolLM2-135M-Instruct)\n"
+        "      --host ADDR             address to listen on (default 127.0.0.1; 0.0.0.0 or :: for all)\n"
+        "      --port N                port (default 8000; 0 = any free port, printed at start)\n"
+        "      --served-model-name S   the model's name in the API (default: the file name less .gguf)\n"
+        "      --chat-template T       auto, a family (plain|chatml|llama3|llama2|mistral|zephyr|phi3|gemma) "
+        "or\n"
+        "                              a Jinja file (default auto: the model's tokenizer.chat_template; "
+        "plain\n"
+        "                              when it has none)\n"
+        "      --backend NAME          auto|cpu|vulkan|opencl (default auto)\n"
+        "      --device I              device index within the backend (default: best)\n"
+        "  -t, --threads N             cpu threads (default: all cores)\n"
+        "  -c, --ctx N                 context length per sequence (default: the model's, at most 4096)\n"
+        "      --kv-type T             f32|f16|q8_0 KV cache\n"
+        "  scheduler (0 or absent = the engine's default):\n"
+        "      --max-batch-seqs N      sequences decoded together (default 16)\n"
+        "      --max-batch-tokens N    tokens per step, decodes plus prefill chunks (default 256)\n"
+        "      --batch-timeout-ms MS   how long an idle engine waits for more arrivals (default 2)\n"
+        "      --prefill-chunk N       prompt tokens per sequence per step (default 128)\n"
+        "      --max-waiting N         queued requests beyond which requests get 429 (default 256)\n"
+        "      --kv-blocks N           KV cache blocks (default: every slot at full context)\n"
+        "      --kv-block-size N       tokens per KV block (default 16)\n"
+        "      --no-prefix-cache       do not reuse the cached KV blocks of earlier prompts' shared starts\n"
+        "  server:\n"
+        "      --config FILE           JSON object with any of these options by name (\"max_batch_seqs\": "
+        "32);\n"
+        "                              the command line overrides it\n"
+        "      --drain-timeout S       on SIGTERM, seconds to let requests in flight finish (default 60)\n"
+        "      --max-connections N     open HTTP connections; past it requests get 503 (default 4096)\n"
+        "      --idle-timeout S        close a connection idle this many seconds (default 30)\n"
+        "      --read-timeout S        a request (headers and body) must arrive within this (default 30)\n"
+        "      --request-timeout S     cancel a request still generating after S seconds and answer it with\n"
+        "                              408 (default: none; a request's \"timeout\" field may ask for less)\n"
+        "  security:\n"
+        "      --api-key KEY           require Authorization: Bearer KEY on every endpoint but /health and\n"
+        "                              /ready (default: $DUET_API_KEY; none when unset)\n"
+        "      --metrics-public        serve /metrics without the API key\n"
+        "      --allowed-origins LIST  CORS: web origins allowed to call the API, comma-separated, or '*'\n"
+        "                              (default: none; requests from other origins get 403)\n"
+        "  -v, --verbose               log one line per request\n"
+        "\n"
+        "endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health,\n"
+        "           GET /ready, GET /metrics\n");
 }
 
 enum {
-    O_HOST = 256, O_PORT, O_NAME, O_TEMPLATE, O_BACKEND, O_DEVICE, O_KV, O_MAX_SEQS, O_MAX_TOKENS, O_TIMEOUT,
-    O_CHUNK, O_MAX_WAITING, O_KV_BLOCKS, O_KV_BLOCK_SIZE, O_CONFIG, O_DRAIN, O_MAX_CONN, O_IDLE,
-    O_READ_TIMEOUT, O_REQUEST_TIMEOUT, O_API_KEY, O_METRICS_PUBLIC, O_ORIGINS
+    O_HOST = 256,
+    O_PORT,
+    O_NAME,
+    O_TEMPLATE,
+    O_BACKEND,
+    O_DEVICE,
+    O_KV,
+    O_MAX_SEQS,
+    O_MAX_TOKENS,
+    O_TIMEOUT,
+    O_CHUNK,
+    O_MAX_WAITING,
+    O_KV_BLOCKS,
+    O_KV_BLOCK_SIZE,
+    O_CONFIG,
+    O_DRAIN,
+    O_MAX_CONN,
+    O_IDLE,
+    O_READ_TIMEOUT,
+    O_REQUEST_TIMEOUT,
+    O_API_KEY,
+    O_METRICS_PUBLIC,
+    O_ORIGINS,
+    O_NO_PREFIX_CACHE
 };
 
 static const struct option opts[] = {
@@ -87,6 +113,7 @@ static const struct option opts[] = {
     {"max-waiting", required_argument, 0, O_MAX_WAITING},
     {"kv-blocks", required_argument, 0, O_KV_BLOCKS},
     {"kv-block-size", required_argument, 0, O_KV_BLOCK_SIZE},
+    {"no-prefix-cache", no_argument, 0, O_NO_PREFIX_CACHE},
     {"config", required_argument, 0, O_CONFIG},
     {"drain-timeout", required_argument, 0, O_DRAIN},
     {"max-connections", required_argument, 0, O_MAX_CONN},
@@ -134,6 +161,9 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
     case O_MAX_WAITING: return cli_int("--max-waiting", v, 1, 1 << 20, &ep->max_waiting);
     case O_KV_BLOCKS: return cli_int("--kv-blocks", v, 1, 1 << 24, &ep->kv_blocks);
     case O_KV_BLOCK_SIZE: return cli_int("--kv-block-size", v, 1, 4096, &ep->kv_block_size);
+    case O_NO_PREFIX_CACHE:
+        ep->no_prefix_cache = true;
+        return true;
     case O_CONFIG: o->config = v; return true;
     case O_DRAIN:
         if (!cli_float("--drain-timeout", v, 0, 86400, &f)) return false;
