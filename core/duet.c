@@ -7,6 +7,7 @@
 #include "duet.h"
 #include "forward.h"
 #include "sampler.h"
+#include "speculative.h"
 #include "tokenizer.h"
 #include "duet_internal.h"
 
@@ -40,6 +41,55 @@ static size_t detok_size(const duet_tokenizer *t) {
         if (n > longest) longest = n;
     }
     return 3 * ((size_t)longest + 4) + 1;
+}
+
+/* Opens p->draft for target m: its vocabulary first (cheap), which must be
+ * the target's token for token, then the model on the same backend and
+ * device with the target's context. */
+static duet_status open_draft(duet_model *m, const duet_open_params *p) {
+    duet_open_params dp = *p;
+    dp.draft = NULL;
+    dp.spec = NULL;
+    dp.vocab_only = true;
+    duet_model *v;
+    char why[512];
+    duet_status st = duet__model_open(p->draft, &dp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, &v);
+    if (st) {
+        snprintf(why, sizeof why, "%s", duet_last_error());
+        return duet__error(st, "draft model %s: %s", p->draft, why);
+    }
+    int nt = duet_tokenizer_n_vocab(m->tok), nd = duet_tokenizer_n_vocab(v->tok);
+    if (nt != nd || m->hp.n_vocab != v->hp.n_vocab) {
+        duet_model_close(v);
+        return duet__error(
+            DUET_BAD_MODEL,
+            "draft model %s has %d tokens (%d logits), the target %d (%d): speculative decoding needs "
+            "the same vocabulary",
+            p->draft, nd, v->hp.n_vocab, nt, m->hp.n_vocab);
+    }
+    for (int id = 0; id < nt; id++) {
+        char a[256], b[256];
+        int la = duet_tokenizer_token_bytes(m->tok, id, true, a, sizeof a);
+        int lb = duet_tokenizer_token_bytes(v->tok, id, true, b, sizeof b);
+        if (la != lb || (la > 0 && memcmp(a, b, (size_t)(la < (int)sizeof a ? la : (int)sizeof a)))) {
+            duet_model_close(v);
+            return duet__error(
+                DUET_BAD_MODEL,
+                "draft model %s: token %d differs from the target's: speculative decoding needs the "
+                "same vocabulary",
+                p->draft, id);
+        }
+    }
+    duet_model_close(v);
+    dp.vocab_only = false;
+    dp.n_ctx = m->n_ctx;
+    dp.n_seqs = 1;
+    st = duet__model_open(p->draft, &dp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, &m->draft);
+    if (st) {
+        snprintf(why, sizeof why, "%s", duet_last_error());
+        return duet__error(st, "draft model %s: %s", p->draft, why);
+    }
+    return DUET_OK;
 }
 
 duet_status duet_model_open(const char *path, const duet_open_params *params, duet_model **out) {
@@ -138,6 +188,11 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
         return duet__error(DUET_INVALID_ARGUMENT, "kv type '%s' is not supported (use f32, f16 or q8_0)",
                            p.kv_type);
 
+    duet_spec_mode spec;
+    int spec_k;
+    duet_status st = duet__spec_params(&p, &spec, &spec_k);
+    if (st) return st;
+
     duet_model *m = calloc(1, sizeof *m);
     if (!m) return duet__error(DUET_OUT_OF_MEMORY, "out of memory");
     atomic_init(&m->refs, 1);
@@ -146,7 +201,11 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
     m->open.backend = NULL; /* not kept: the caller's string */
     m->open.kv_type = NULL;
     snprintf(m->kv_type, sizeof m->kv_type, "%s", p.kv_type ? p.kv_type : "");
-    duet_status st = duet_gguf_open(path, &m->gguf);
+    st = duet_gguf_open(path, &m->gguf);
+    m->spec_mode = p.vocab_only ? DUET_SPEC_OFF : (int)spec;
+    m->spec_k = spec_k;
+    m->open.spec = NULL; /* not kept: the caller's strings */
+    m->open.draft = NULL;
     if (st) goto fail;
     if ((st = duet_tokenizer_load(m->gguf, &m->tok))) goto fail;
     m->detok_size = detok_size(m->tok);
@@ -177,6 +236,7 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
     if (!p.weights_only && (st = duet__run_new(m, m->n_ctx, p.n_seqs, NULL, max_step_tokens, max_out,
                                                kv_block_size, kv_blocks, &m->run)))
         goto fail;
+    if (m->spec_mode == DUET_SPEC_DRAFT && (st = open_draft(m, &p))) goto fail;
     *out = m;
     return DUET_OK;
 fail:;
@@ -188,6 +248,7 @@ fail:;
 void duet_model_close(duet_model *m) {
     if (!m) return;
     if (atomic_fetch_sub(&m->refs, 1) > 1) return; /* an engine still serves it */
+    duet_model_close(m->draft);
     duet__run_free(m, &m->run);
     if (m->be) duet__weights_free(m->be, &m->w);
     duet_backend_close(m->be);
@@ -254,6 +315,46 @@ static duet_status eval_seq0(duet_model *m, const int32_t *tokens, int n, int po
     return DUET_OK;
 }
 
+/* Evaluates tokens[0..n) (n <= DUET_MAX_OUT) of sequence 0 at pos0.. in
+ * one step with the logits of every row: speculative verification. */
+static duet_status eval_rows(duet_model *m, const int32_t *tokens, int n, int pos0) {
+    int32_t pos[DUET_MAX_OUT], seq[DUET_MAX_OUT], out[DUET_MAX_OUT];
+    for (int i = 0; i < n; i++) {
+        pos[i] = pos0 + i;
+        seq[i] = 0;
+        out[i] = i;
+    }
+    duet_batch b = {.n_tokens = n, .tokens = tokens, .pos = pos, .seq = seq, .n_out = n, .out = out};
+    return duet__run_forward(m, &m->run, &b, m->run.logits);
+}
+
+/* The draft model's proposal of k tokens after hist[0..len): its KV first
+ * catches up with the stream (from *dpos, the tokens it holds), then each
+ * draft token is drawn from q, the draft's distribution under `dsmp` (the
+ * request's settings without penalties), and fed back, except the last.
+ * q's rows go to q_ids/q_probs[j * n_vocab], their sizes to q_n[j]. */
+static duet_status draft_propose(duet_model *dm, duet_sampler *dsmp, const int32_t *hist, int len, int *dpos,
+                                 int k, int32_t *out, int32_t *q_ids, float *q_probs, int *q_n) {
+    const size_t V = (size_t)dm->hp.n_vocab;
+    duet_status st = eval_seq0(dm, hist + *dpos, len - *dpos, *dpos);
+    if (st) return st;
+    *dpos = len;
+    for (int j = 0; j < k; j++) {
+        int32_t *ids = q_ids + j * V;
+        float *probs = q_probs + j * V;
+        int n = q_n[j] = duet_sampler_dist(dsmp, dm->run.logits, ids, probs);
+        double u = duet_sampler_uniform(dsmp), cum = 0;
+        out[j] = ids[n - 1];
+        for (int i = 0; i < n; i++)
+            if ((cum += probs[i]) > u) {
+                out[j] = ids[i];
+                break;
+            }
+        if (j + 1 < k && (st = eval_seq0(dm, &out[j], 1, len + j))) return st;
+    }
+    return DUET_OK;
+}
+
 duet_status duet_eval(duet_model *m, const int32_t *tokens, int n, int pos0, float *logits) {
     if (!m || !tokens || n < 1) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: bad arguments");
     if (m->vocab_only) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: model was opened vocab-only");
@@ -309,10 +410,52 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
     duet_detok detok;
     bool after_bos = prompt[n_prompt - 1] == duet_tokenizer_bos(m->tok);
     duet_detok_init(&detok, m->tok, after_bos && strcmp(duet_tokenizer_model(m->tok), "llama") == 0);
-    int pos = n_prompt;
+    /* Speculation (speculative.h): the stream so far feeds the n-gram
+     * drafter; a step evaluates the newest token and nd drafts, and the
+     * next tokens come from its rows 0..nd in order (dj: the next row)
+     * until a draft is rejected. */
+    /* With a draft model, q (its distribution) comes with each draft token
+     * and dpos counts the stream tokens in its KV cache. */
+    const int V = m->hp.n_vocab;
+    bool spec = m->spec_mode != DUET_SPEC_OFF && max_tokens > 1;
+    bool draft = spec && m->spec_mode == DUET_SPEC_DRAFT;
+    int32_t *hist = NULL, step_tok[1 + DUET_SPEC_MAX_K];
+    duet_spec_verifier *ver = NULL;
+    duet_spec_adapt adapt;
+    duet__spec_adapt_init(&adapt, m->spec_k);
+    int nd = 0, dj = 0, kept = 0, dpos = 0, draft_len = 0;
+    duet_sampler *dsmp = NULL;
+    int32_t *q_ids = NULL;
+    float *q_probs = NULL;
+    int q_n[DUET_SPEC_MAX_K];
+    if (spec && !st) {
+        hist = malloc(((size_t)n_prompt + max_tokens) * sizeof *hist);
+        st = hist ? duet__spec_verifier_new(V, &ver)
+                  : duet__error(DUET_OUT_OF_MEMORY, "generate: out of memory for the token history");
+        if (hist) memcpy(hist, prompt, (size_t)n_prompt * sizeof *hist);
+    }
+    if (draft && !st) st = duet__model_own_run(m->draft);
+    if (draft && !st) {
+        duet_sampling ds = sampling ? *sampling : defaults;
+        ds.repetition_penalty = 1.0f;
+        ds.presence_penalty = ds.frequency_penalty = 0.0f;
+        ds.seed ^= 0xD4AF7ull;
+        q_ids = malloc((size_t)m->spec_k * V * sizeof *q_ids);
+        q_probs = malloc((size_t)m->spec_k * V * sizeof *q_probs);
+        st = q_ids && q_probs
+                 ? duet_sampler_new(&ds, V, &dsmp)
+                 : duet__error(DUET_OUT_OF_MEMORY, "generate: out of memory for draft distributions");
+    }
     bool stopped = false; /* fn returned false: it is not called again */
     for (int i = 0; !st && i < max_tokens; i++) {
-        int32_t id = duet_sampler_sample(smp, m->run.logits);
+        float *row = m->run.logits + (size_t)dj * V;
+        bool acc = false;
+        int32_t id =
+            dj < nd
+                ? duet__spec_verify(ver, smp, row, step_tok[1 + dj], draft ? q_ids + (size_t)dj * V : NULL,
+                                    draft ? q_probs + (size_t)dj * V : NULL, draft ? q_n[dj] : 0, &acc)
+                : duet_sampler_sample(smp, row);
+        kept += acc;
         duet_sampler_accept(smp, id);
         stats->generated_tokens++;
         bool eog = !ignore_eos && duet_tokenizer_is_eog(m->tok, id);
@@ -323,8 +466,54 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
             break;
         }
         if (eog || i + 1 == max_tokens) break;
-        st = eval_seq0(m, &id, 1, pos++);
+        if (spec) hist[n_prompt + i] = id;
+        if (acc) { /* the next row is computed already */
+            dj++;
+            continue;
+        }
+        /* The newest token sits at stream position n_prompt + i. */
+        const int pos = n_prompt + i;
+        if (nd > 0) {
+            stats->spec_accepted_tokens += kept;
+            duet__spec_adapt_update(&adapt, nd, kept, m->spec_k);
+            /* The draft's KV holds the stream up to draft_len and its own
+             * drafts 1..nd-1 after it: valid as far as they were kept. */
+            if (draft) dpos = draft_len + (kept < nd - 1 ? kept : nd - 1);
+        }
+        nd = dj = kept = 0;
+        if (spec) {
+            /* Drafts fit the tokens still to come (the last comes from the
+             * target) and the context. */
+            int k = adapt.k;
+            if (k > max_tokens - (i + 1) - 1) k = max_tokens - (i + 1) - 1;
+            if (k > m->n_ctx - 1 - pos) k = m->n_ctx - 1 - pos;
+            if (k > 0 && draft) {
+                draft_len = pos + 1;
+                st = draft_propose(m->draft, dsmp, hist, draft_len, &dpos, k, step_tok + 1, q_ids, q_probs,
+                                   q_n);
+                nd = st ? 0 : k;
+            } else {
+                nd = k > 0 ? duet__spec_ngram(hist, pos + 1, DUET_SPEC_NGRAM_MIN, DUET_SPEC_NGRAM_MAX, k,
+                                              step_tok + 1)
+                           : 0;
+            }
+        }
+        if (st) break;
+        if (nd > 0) {
+            step_tok[0] = id;
+            stats->spec_drafts++;
+            stats->spec_draft_tokens += nd;
+            st = eval_rows(m, step_tok, 1 + nd, pos);
+        } else {
+            st = eval_seq0(m, &id, 1, pos);
+        }
     }
+    if (nd > 0) stats->spec_accepted_tokens += kept; /* ended inside a speculative step */
+    free(hist);
+    duet__spec_verifier_free(ver);
+    duet_sampler_free(dsmp);
+    free(q_ids);
+    free(q_probs);
     if (!st && fn && !stopped) {
         int len = duet_detok_flush(&detok, text, m->detok_size);
         if (len > 0) fn(-1, text, (size_t)len, user);

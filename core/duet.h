@@ -105,6 +105,21 @@ typedef struct duet_open_params {
      * serve (duet_engine_start_model). duet_eval and duet_generate make it
      * at their first call. */
     bool weights_only;
+    /* Speculative decoding (duet_generate and the engine): NULL or "off",
+     * or "ngram" (prompt lookup: drafts continue the latest earlier
+     * occurrence of the last 1-3 tokens in the prompt and output). Lossless:
+     * greedy output is the target's own, sampled output has the target's
+     * distribution (rejection sampling). Sequences with a grammar are not
+     * speculated. Helps where the output repeats its input (editing,
+     * summarising, code); costs a little where it does not. */
+    const char *spec;
+    int spec_k; /* most draft tokens per step and sequence, 1..16; 0 = 8 (adapted per sequence) */
+    /* A draft model (GGUF path) for speculative decoding in duet_generate:
+     * opened on the same backend and device, with its own KV cache; its
+     * vocabulary must be the target's (checked at open: DUET_BAD_MODEL
+     * otherwise). Implies spec "draft"; NULL = none. The serving engine
+     * refuses it (DUET_UNSUPPORTED) for now. */
+    const char *draft;
 } duet_open_params;
 
 /* Defaults for every field (auto backend, best device, all cores). */
@@ -265,6 +280,9 @@ typedef struct duet_generate_stats {
     int prompt_tokens, generated_tokens;
     double prefill_seconds, decode_seconds;
     bool stopped_by_eos;
+    /* Speculative decoding: verification steps with drafts, draft tokens
+     * proposed, and how many of them the target kept. */
+    int spec_drafts, spec_draft_tokens, spec_accepted_tokens;
 } duet_generate_stats;
 
 /* Runs the prompt ids through the model, then samples up to max_tokens new
@@ -314,6 +332,9 @@ typedef struct duet_engine_params {
     const char *served_name; /* the metrics' model_name label; NULL = the model's general.name (copied) */
     bool no_prefix_cache;    /* turns automatic prefix caching off (it is on by default: full KV blocks of
                                 prompts are kept and reused by later requests that start the same way) */
+    /* Speculation (open.spec) backs off as the batch fills: a step with more
+     * decodes than this verifies no drafts. 0 = 4; -1 = never back off. */
+    int spec_max_batch;
 } duet_engine_params;
 
 duet_engine_params duet_engine_params_default(void);
@@ -401,6 +422,7 @@ typedef struct duet_event {
     const char *message;     /* DONE with ERROR */
     int prompt_tokens, generated_tokens;
     double queue_seconds, ttft_seconds, total_seconds; /* DONE: timings */
+    int spec_draft_tokens, spec_accepted_tokens;       /* DONE: speculative drafts proposed and kept */
 } duet_event;
 
 /* Called for every event of a request; DONE is always the last, exactly once. */

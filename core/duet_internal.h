@@ -54,6 +54,9 @@ struct duet_model {
     int n_ctx;                 /* the context runs get unless they ask for another */
     duet_run run;              /* the synchronous API's run state (state NULL until made) */
     size_t detok_size;         /* bytes a detokenizer buffer needs for any one token */
+    int spec_mode;             /* duet_spec_mode: how duet_generate speculates */
+    int spec_k;                /* with at most this many draft tokens per step */
+    duet_model *draft;         /* the draft model (spec_mode DUET_SPEC_DRAFT; owned), or NULL */
 };
 
 /* duet_model_open with the step sizes the caller needs (the engine batches

@@ -32,6 +32,7 @@
 #include "metrics.h"
 #include "sampler.h"
 #include "scheduler.h"
+#include "speculative.h"
 #include "stop_strings.h"
 
 /* Request ids carry their table index in the low bits: O(1) look-up. */
@@ -67,6 +68,18 @@ typedef struct engine_req {
     bool lp_valid;
     float lp;
     duet_token_logprob top[DUET_MAX_TOP_LOGPROBS];
+    /* Speculative decoding: whether this request is speculated (the engine
+     * speculates and it has no grammar); the drafts offered for the next
+     * step (written under the lock before a plan, read in the step);
+     * during a step, whether verification stopped (a draft was rejected or
+     * the request finished: later rows are discarded) and how many drafts
+     * it kept; adaptive k; the request's totals. */
+    bool spec;
+    int32_t draft[DUET_SPEC_MAX_K];
+    bool spec_stop;
+    int spec_kept;
+    duet_spec_adapt adapt;
+    int spec_drafted, spec_accepted;
 } engine_req;
 
 struct duet_engine {
@@ -104,6 +117,11 @@ struct duet_engine {
     /* Set once, under the lock, when the device is lost: "device lost: <message>". */
     bool lost;
     char lost_why[ENGINE_ERR_SIZE];
+    /* Speculative decoding (open.spec): n-gram drafts of up to spec_k
+     * tokens; the verifier's scratch belongs to the engine thread. */
+    bool spec;
+    int spec_k;
+    duet_spec_verifier *verifier;
 };
 
 static int64_t now_ns(void) {
@@ -203,7 +221,9 @@ static void emit_done(duet_engine *e, engine_req *r, duet_finish finish, const c
                      .finish = finish,
                      .message = message,
                      .prompt_tokens = r->n_prompt,
-                     .generated_tokens = r->n_gen};
+                     .generated_tokens = r->n_gen,
+                     .spec_draft_tokens = r->spec_drafted,
+                     .spec_accepted_tokens = r->spec_accepted};
     int64_t first = r->t_first_sched ? r->t_first_sched : now;
     ev.queue_seconds = secs(first - r->t_arrival);
     ev.ttft_seconds = r->t_first_token ? secs(r->t_first_token - r->t_arrival) : 0;
@@ -406,6 +426,9 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     r->prompt_lp = q->logprobs && q->prompt_logprobs;
     r->prompt_lp_next = 1;
     r->lp_valid = false;
+    r->spec = e->spec && !q->grammar;
+    duet__spec_adapt_init(&r->adapt, e->spec_k);
+    r->spec_drafted = r->spec_accepted = 0;
     if (id) *id = rid;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
@@ -484,26 +507,21 @@ static void update_gauges(duet_engine *e) {
                              .prefix_cache = e->prefix_cache,
                              .prefix_cache_queries = st.prefix_queries,
                              .prefix_cache_hits = st.prefix_hits,
-                             .kv_blocks_cached = st.kv_blocks_cached};
+                             .kv_blocks_cached = st.kv_blocks_cached,
+                             .spec_k = e->spec ? e->spec_k : 0,
+                             .spec_max_batch = k.spec_max_batch,
+                             .spec_throttled_tokens = st.spec_throttled};
     memcpy(g.waiting, st.waiting, sizeof g.waiting);
     memcpy(g.running, st.running, sizeof g.running);
     duet__metrics_set_gauges(e->metrics, &g);
 }
 
-/* Samples the next token of plan entry i from its logits row, streams it
- * and decides whether the request is done (unlocked, in run_step). */
-static void sample_row(duet_engine *e, engine_req *r, int i, float *logits) {
+/* Appends token `id` of plan entry i to the stream, streams it and decides
+ * whether the request is done (unlocked, in run_step). */
+static void take_token(duet_engine *e, engine_req *r, int i, int32_t id) {
     duet_model *m = e->model;
     duet_sched_result *res = &e->results[i];
-    res->n_generated = 1;
-    /* Logprobs come from the raw distribution: kept before the sampler's
-     * penalties change the row in place. */
-    if (r->top_n >= 0) memcpy(e->raw, logits, (size_t)m->hp.n_vocab * sizeof *logits);
-    int32_t id = duet_sampler_sample(r->smp, logits);
-    if (r->top_n >= 0) {
-        r->lp = duet_logprobs(e->raw, m->hp.n_vocab, id, r->top_n, r->top);
-        r->lp_valid = true;
-    }
+    res->n_generated++;
     duet_sampler_accept(r->smp, id);
     r->stream[r->n_prompt + r->n_gen++] = id;
     int64_t now = now_ns();
@@ -526,6 +544,59 @@ static void sample_row(duet_engine *e, engine_req *r, int i, float *logits) {
     }
 }
 
+/* Logprobs come from the raw distribution: kept before the sampler's
+ * penalties change the row in place. */
+static void keep_raw(duet_engine *e, const engine_req *r, const float *logits) {
+    if (r->top_n >= 0) memcpy(e->raw, logits, (size_t)e->model->hp.n_vocab * sizeof *logits);
+}
+
+static void set_logprob(duet_engine *e, engine_req *r, int32_t id) {
+    if (r->top_n < 0) return;
+    r->lp = duet_logprobs(e->raw, e->model->hp.n_vocab, id, r->top_n, r->top);
+    r->lp_valid = true;
+}
+
+/* Samples the next token of plan entry i from its logits row. */
+static void sample_row(duet_engine *e, engine_req *r, int i, float *logits) {
+    keep_raw(e, r, logits);
+    int32_t id = duet_sampler_sample(r->smp, logits);
+    set_logprob(e, r, id);
+    take_token(e, r, i, id);
+}
+
+/* Row j (0..n_draft) of a speculative entry i: rows before n_draft verify
+ * draft j (speculative.h); row n_draft, reached only when every draft was
+ * kept, samples the bonus token. Rows after a rejection or the request's
+ * end are discarded. */
+static void spec_row(duet_engine *e, engine_req *r, int i, int j, float *logits) {
+    const duet_sched_seq *s = &e->plan_seqs[i];
+    if (r->spec_stop) return;
+    if (j == s->n_draft) {
+        sample_row(e, r, i, logits);
+        return;
+    }
+    keep_raw(e, r, logits);
+    bool kept;
+    int32_t id = duet__spec_verify(e->verifier, r->smp, logits, r->draft[j], NULL, NULL, 0, &kept);
+    set_logprob(e, r, id);
+    r->spec_kept += kept;
+    take_token(e, r, i, id);
+    if (!kept || e->step_finish[i] != DUET_FINISH_NONE) r->spec_stop = true;
+}
+
+/* Before a plan (locked): each speculated request that is decoding offers
+ * the scheduler an n-gram draft of up to its adaptive k tokens. */
+static void offer_drafts(duet_engine *e) {
+    if (!e->spec) return;
+    for (int i = 0; i < e->cap; i++) {
+        engine_req *r = &e->reqs[i];
+        if (!r->id || !r->spec || r->cancelled || r->finish != DUET_FINISH_NONE || r->n_gen == 0) continue;
+        int n = duet__spec_ngram(r->stream, r->n_prompt + r->n_gen, DUET_SPEC_NGRAM_MIN, DUET_SPEC_NGRAM_MAX,
+                                 r->adapt.k, r->draft);
+        if (n > 0) duet__sched_set_draft(e->sched, r->id, n);
+    }
+}
+
 /* Runs one planned step (unlocked). Fills e->results and e->step_finish;
  * returns the forward's status. Request fields that other threads read
  * (finish) are left for the caller to set under the lock. */
@@ -536,20 +607,24 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
     for (int i = 0; i < n_seqs; i++) {
         const duet_sched_seq *s = &e->plan_seqs[i];
         engine_req *r = find_req(e, s->id);
+        const int n_real = s->n_tokens - s->n_draft; /* stream tokens; the drafts follow */
         for (int t = 0; t < s->n_tokens; t++) {
             int p = s->pos + t;
-            e->tok[n] = r->stream[p];
+            e->tok[n] = t < n_real ? r->stream[p] : r->draft[t - n_real];
             e->pos[n] = p;
             e->seq[n] = s->slot;
             e->row_of[n] = i;
-            /* The last token samples; with prompt logprobs, every prompt
+            /* The last stream token samples, and each draft token's row
+             * verifies the next draft; with prompt logprobs, every prompt
              * position not yet reported scores the prompt token after it. */
-            e->want[n] = (t == s->n_tokens - 1 && s->logits) ||
+            e->want[n] = (t >= n_real - 1 && s->logits) ||
                          (r->prompt_lp && p + 1 < r->n_prompt && p + 1 >= r->prompt_lp_next);
             n++;
         }
         e->results[i] = (duet_sched_result){.id = s->id};
         e->step_finish[i] = DUET_FINISH_NONE;
+        r->spec_stop = false;
+        r->spec_kept = 0;
     }
     /* One forward pass, or several when more rows want logits than the
      * logits buffer holds (prompt logprobs): each piece takes the tokens in
@@ -593,11 +668,23 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
                 r->fn(&ev, r->user);
                 continue;
             }
-            sample_row(e, r, e->row_of[j], logits);
+            if (s->n_draft > 0)
+                spec_row(e, r, e->row_of[j], p - (s->pos + s->n_tokens - s->n_draft - 1), logits);
+            else
+                sample_row(e, r, e->row_of[j], logits);
         }
         start = end;
     }
     duet__metrics_step(e->metrics, n_seqs, n, secs(now_ns() - t0));
+    for (int i = 0; i < n_seqs; i++) {
+        const duet_sched_seq *s = &e->plan_seqs[i];
+        if (s->n_draft == 0) continue;
+        engine_req *r = find_req(e, s->id);
+        r->spec_drafted += s->n_draft;
+        r->spec_accepted += r->spec_kept;
+        duet__spec_adapt_update(&r->adapt, s->n_draft, r->spec_kept, e->spec_k);
+        duet__metrics_spec(e->metrics, s->n_draft, r->spec_kept);
+    }
     return DUET_OK;
 }
 
@@ -607,6 +694,7 @@ static void *engine_main(void *arg) {
     for (;;) {
         flush_cancels(e);
         if (e->stopping && (!e->drain || !duet__sched_busy(e->sched))) break;
+        offer_drafts(e);
         duet_sched_plan plan;
         int64_t now = now_ns();
         duet_sched_action act = duet__sched_plan(e->sched, now, &plan);
@@ -719,6 +807,7 @@ static void engine_free(duet_engine *e) {
     duet_vocab_free(e->vocab);
     free(e->results);
     free(e->step_finish);
+    duet__spec_verifier_free(e->verifier);
     free(e->text);
     free(e->err);
     duet__sched_free(e->sched);
@@ -756,6 +845,16 @@ static duet_status engine_params(const duet_engine_params *params, duet_engine_p
                            p.batch_timeout_ms);
     if (p.kv_block_size != 16 && p.kv_block_size != 32)
         return duet__error(DUET_INVALID_ARGUMENT, "kv_block_size %d must be 16 or 32", p.kv_block_size);
+    duet_spec_mode spec_mode;
+    int spec_k;
+    duet_status st = duet__spec_params(&p.open, &spec_mode, &spec_k);
+    if (st) return st;
+    if (spec_mode == DUET_SPEC_DRAFT)
+        return duet__error(
+            DUET_UNSUPPORTED,
+            "the serving engine does not run a draft model yet (duet run does); use spec ngram");
+    if (p.spec_max_batch < -1)
+        return duet__error(DUET_INVALID_ARGUMENT, "spec_max_batch %d must be >= -1", p.spec_max_batch);
     *out = p;
     return DUET_OK;
 }
@@ -778,10 +877,23 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     pthread_cond_init(&e->cv, &ca);
     pthread_condattr_destroy(&ca);
 
+    /* Speculation (checked by engine_params): the logit rows one step may
+     * need are one per sequence plus the drafts of those that may speculate. */
+    duet_spec_mode spec_mode;
+    int spec_k;
+    duet__spec_params(&p.open, &spec_mode, &spec_k);
+    bool spec = spec_mode == DUET_SPEC_NGRAM;
+    int spec_max_batch = !spec                   ? 0
+                         : p.spec_max_batch == 0 ? 4
+                         : p.spec_max_batch < 0  ? p.max_batch_seqs
+                                                 : p.spec_max_batch;
+    if (spec_max_batch > p.max_batch_seqs) spec_max_batch = p.max_batch_seqs;
+    int64_t max_out = p.max_batch_seqs + (int64_t)spec_max_batch * spec_k;
+    if (max_out > p.max_batch_tokens) max_out = p.max_batch_tokens;
     /* The device pools hold exactly the blocks the scheduler hands out;
      * duet__run_new checks kv_blocks against the pools' geometry. */
     duet_status st = duet__run_new(m, p.open.n_ctx, p.max_batch_seqs, p.open.kv_type, p.max_batch_tokens,
-                                   p.max_batch_seqs, p.kv_block_size, p.kv_blocks, &e->run);
+                                   (int)max_out, p.kv_block_size, p.kv_blocks, &e->run);
     if (st) goto fail;
     const int n_ctx = e->run.n_ctx;
     const int blocks_per_seq = (n_ctx + p.kv_block_size - 1) / p.kv_block_size;
@@ -800,7 +912,8 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
                                       .max_batch_tokens = p.max_batch_tokens,
                                       .prefill_chunk = p.prefill_chunk,
                                       .max_waiting = p.max_waiting,
-                                      .batch_timeout_ns = (int64_t)(p.batch_timeout_ms * 1e6)}};
+                                      .batch_timeout_ns = (int64_t)(p.batch_timeout_ms * 1e6),
+                                      .spec_max_batch = spec_max_batch}};
     if ((st = duet__sched_new(&sc, &e->sched))) goto fail;
     char name[256] = "";
     if (p.served_name && *p.served_name)
@@ -830,6 +943,9 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     e->step_finish = calloc((size_t)p.max_batch_seqs, sizeof *e->step_finish);
     e->text = malloc(m->detok_size);
     e->err = calloc(1, ENGINE_ERR_SIZE);
+    e->spec = spec;
+    e->spec_k = spec_k;
+    if (spec && (st = duet__spec_verifier_new(m->hp.n_vocab, &e->verifier))) goto fail;
     if (!e->metrics || !e->reqs || !e->cancel_list || !e->plan_seqs || !e->results || !e->tok || !e->pos ||
         !e->seq || !e->out || !e->tables || !e->row_of || !e->want || !e->raw || !e->step_finish ||
         !e->text || !e->err) {

@@ -24,6 +24,7 @@
 #include <time.h>
 
 #include "metrics.h"
+#include "speculative.h"
 
 #define N_PRIO 2
 static const char *const prio_names[N_PRIO] = {"interactive", "batch"};
@@ -70,6 +71,7 @@ typedef struct counters {
     uint64_t preemptions[N_PRIO];
     uint64_t prompt_tokens, generated_tokens;
     double busy_s;
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted, spec_accepted_pos[DUET_SPEC_MAX_K];
     hist e2e[N_PRIO], ttft[N_PRIO], queue[N_PRIO];
     hist itl, tpot_req, batch_seqs, batch_tokens, prompt_len, gen_len;
     duet_metrics_gauges gauges;
@@ -239,6 +241,18 @@ void duet__metrics_step(duet_metrics *m, int n_seqs, int n_tokens, double busy_s
 void duet__metrics_preempted(duet_metrics *m, duet_priority prio) {
     pthread_mutex_lock(&m->mu);
     m->c.preemptions[prio_index(prio)]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void duet__metrics_spec(duet_metrics *m, int n_draft, int n_accepted) {
+    if (n_draft <= 0) return;
+    pthread_mutex_lock(&m->mu);
+    counters *c = &m->c;
+    c->spec_drafts++;
+    c->spec_draft_tokens += (uint64_t)n_draft;
+    c->spec_accepted += (uint64_t)(n_accepted > 0 ? n_accepted : 0);
+    for (int j = 0; j < n_accepted && j < DUET_SPEC_MAX_K; j++)
+        c->spec_accepted_pos[j]++;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -561,6 +575,26 @@ char *duet__metrics_render(duet_metrics *m) {
              len_bounds, N_BOUNDS(len_bounds), &c->gen_len);
     hist_one(&w, m, "vllm:iteration_tokens_total", "Histogram of the number of tokens per engine step.",
              tokens_bounds, N_BOUNDS(tokens_bounds), &c->batch_tokens);
+    if (g->spec_k > 0) { /* speculative decoding is on */
+        counter_one(&w, m, "vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts.",
+                    (double)c->spec_drafts);
+        counter_one(&w, m, "vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens.",
+                    (double)c->spec_draft_tokens);
+        counter_one(&w, m, "vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens.",
+                    (double)c->spec_accepted);
+        family(&w, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "counter",
+               "Accepted tokens per draft position.");
+        for (int j = 0; j < g->spec_k && j < DUET_SPEC_MAX_K; j++) {
+            snprintf(extra, sizeof extra, "position=\"%d\"", j);
+            sample_u64(&w, m, "vllm:spec_decode_num_accepted_tokens_per_pos_total", extra,
+                       c->spec_accepted_pos[j]);
+        }
+        gauge_one(&w, m, "duet_spec_decode_max_batch",
+                  "Speculation backs off in steps with more decodes than this.", g->spec_max_batch);
+        counter_one(&w, m, "duet_spec_decode_throttled_tokens_total",
+                    "Draft tokens not verified because the batch was fuller than duet_spec_decode_max_batch.",
+                    (double)g->spec_throttled_tokens);
+    }
     free(c);
     if (w.oom) {
         free(w.p);

@@ -30,6 +30,9 @@ void duet__metrics_inter_token(duet_metrics *m, double seconds);
 void duet__metrics_step(duet_metrics *m, int n_seqs, int n_tokens, double busy_s);
 /* A preemption (KV pressure). */
 void duet__metrics_preempted(duet_metrics *m, duet_priority prio);
+/* One speculative verification: n_draft draft tokens, of which the first
+ * n_accepted were kept (vllm:spec_decode_*). */
+void duet__metrics_spec(duet_metrics *m, int n_draft, int n_accepted);
 
 /* Gauges, set by the engine after each step. */
 typedef struct duet_metrics_gauges {
@@ -42,6 +45,11 @@ typedef struct duet_metrics_gauges {
     uint64_t prefix_cache_queries; /* prompt tokens looked up in the prefix cache (cumulative) */
     uint64_t prefix_cache_hits;    /* of those, found cached (cumulative) */
     int kv_blocks_cached;          /* blocks with a prefix cache entry now */
+    /* Speculative decoding: the most draft tokens per sequence (0: off, and
+     * no spec metric is exported), the batch above which it backs off, and
+     * the draft tokens it refused so far because the batch was full. */
+    int spec_k, spec_max_batch;
+    uint64_t spec_throttled_tokens;
 } duet_metrics_gauges;
 void duet__metrics_set_gauges(duet_metrics *m, const duet_metrics_gauges *g);
 /* The engine's health (duet_engine_healthy); a new instance is healthy. */

@@ -215,6 +215,10 @@ duet_status duet_sampler_set_grammar(duet_sampler *smp, duet_grammar *g, const d
     return st;
 }
 
+bool duet_sampler_has_grammar(const duet_sampler *smp) {
+    return smp->g != NULL;
+}
+
 bool duet_sampler_grammar_done(const duet_sampler *smp) {
     return smp->g_done;
 }
@@ -649,6 +653,10 @@ static int32_t sample_plain(duet_sampler *smp, float *logits) {
     }
     /* Rounding left r at the very top: the last token with mass. */
     return last >= 0 ? c[last].id : c[0].id;
+}
+
+double duet_sampler_uniform(duet_sampler *smp) {
+    return rng_uniform(smp->rng);
 }
 
 int duet_sampler_dist(duet_sampler *smp, float *logits, int32_t *ids, float *probs) {

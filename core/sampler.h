@@ -53,6 +53,11 @@ void duet_sampler_reset(duet_sampler *smp);
  * ids[] ascend. Does not advance the RNG. */
 int duet_sampler_dist(duet_sampler *smp, float *logits, int32_t *ids, float *probs);
 
+/* One uniform number in [0, 1) from the sampler's RNG (the stream its
+ * draws use): speculative verification draws its accept/reject decisions
+ * and residual draws here, so a seeded sequence stays reproducible. */
+double duet_sampler_uniform(duet_sampler *smp);
+
 /* Constrains the tokens drawn from here on to those the grammar accepts
  * (core/grammar.h), end-of-generation tokens only where its sentence is
  * whole; duet_sampler_accept advances it (call this after accepting the
@@ -62,6 +67,8 @@ duet_status duet_sampler_set_grammar(duet_sampler *smp, duet_grammar *g, const d
 /* The mask is computed only when a first draw is refused (see sampler.c);
  * DUET_GRAMMAR_EAGER=1 in the environment computes it before every draw
  * instead, to measure what it costs. */
+/* Whether a grammar constrains this sampler's draws. */
+bool duet_sampler_has_grammar(const duet_sampler *smp);
 /* Whether the grammar is closed after the accepted tokens (nothing may follow). */
 bool duet_sampler_grammar_done(const duet_sampler *smp);
 

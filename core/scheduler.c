@@ -26,6 +26,7 @@ typedef struct req {
     int prev, next;    /* queue links while waiting; next = free-list link while free */
     int plan_index;    /* entry in the plan being built / outstanding, or -1 */
     int n_preempted;   /* times preempted */
+    int draft_offer;   /* draft tokens the engine offers for the next plan */
     uint64_t preempt_epoch; /* plan epoch of its last preemption */
     bool started;      /* scheduled at least once */
     bool cancelled;    /* cancelled while in the outstanding step */
@@ -148,6 +149,9 @@ static duet_status check_knobs(const duet_sched_config *c, const duet_sched_knob
                            c->max_waiting);
     if (k->batch_timeout_ns < 0)
         return duet__error(DUET_INVALID_ARGUMENT, "scheduler: batch_timeout must be >= 0");
+    if (k->spec_max_batch < 0)
+        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: spec_max_batch %d must be >= 0",
+                           k->spec_max_batch);
     return DUET_OK;
 }
 
@@ -295,6 +299,12 @@ duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id) {
     return DUET_OK;
 }
 
+void duet__sched_set_draft(duet_sched *s, uint64_t id, int n_draft) {
+    int i = find(s, id);
+    if (i < 0 || s->reqs[i].state != ST_RUNNING) return;
+    s->reqs[i].draft_offer = n_draft > 0 ? n_draft : 0;
+}
+
 /* ---- planning ------------------------------------------------------------ */
 
 static void plan_remove(duet_sched *s, int i) {
@@ -318,6 +328,7 @@ static void preempt(duet_sched *s, int i) {
     r->n_computed = r->n_hit = r->n_reg = 0;
     r->n_preempted++;
     r->preempt_epoch = s->epoch;
+    r->draft_offer = 0;
     queue_insert(s, i);
     assert(s->n_preempted < s->cfg.max_seqs);
     s->preempted[s->n_preempted++] = r->id;
@@ -347,6 +358,7 @@ static void plan_add(duet_sched *s, int i, int n_tokens) {
     e->slot = r->slot;
     e->pos = r->n_computed;
     e->n_tokens = n_tokens;
+    e->n_draft = 0;
     e->logits = r->n_computed + n_tokens == len;
     e->decode = r->n_generated > 0 && r->n_computed == len - 1;
     e->first_schedule = !r->started;
@@ -476,6 +488,31 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
         if (!(r->n_generated > 0 && r->n_computed == stream_len(r) - 1)) continue;
         if (grow_decode(s, i, n_order)) plan_add(s, i, 1);
     }
+    /* 1b. Drafts: decodes with an offer grow by it, best rank first, in the
+     *     budget and the free blocks (no preemption for a guess); none when
+     *     the batch is fuller than spec_max_batch. */
+    int n_decodes = s->n_seqs;
+    for (int k = 0; k < n_order; k++) {
+        req *r = &s->reqs[s->order[k]];
+        if (r->state != ST_RUNNING || r->plan_index < 0 || r->draft_offer <= 0) continue;
+        int want = r->draft_offer;
+        r->draft_offer = 0;
+        if (n_decodes > s->knobs.spec_max_batch) {
+            s->st.spec_throttled += (uint64_t)want;
+            continue;
+        }
+        want = min_int(min_int(want, s->budget), r->max_new - r->n_generated - 1);
+        if (want > 0) want = fits(s, r, 1 + want) - 1;
+        if (want <= 0) continue;
+        bool ok = duet__kv_blocks_ensure(s->kv, r->slot, r->n_computed + 1 + want);
+        assert(ok);
+        (void)ok;
+        duet_sched_seq *e = &s->seqs[r->plan_index];
+        e->n_tokens += want;
+        e->n_draft = want;
+        s->budget -= want;
+        s->st.spec_granted += (uint64_t)want;
+    }
     /* 2. Prompt chunks of running sequences still prefilling. */
     for (int k = 0; k < n_order && s->budget > 0; k++) {
         int i = s->order[k];
@@ -557,9 +594,12 @@ admitted_all:
         req *r = &s->reqs[s->seq_req[k]];
         e->blocks = duet__kv_blocks_table(s->kv, e->slot, &e->n_blocks);
         plan->n_tokens += e->n_tokens;
-        plan->n_logits += e->logits;
+        plan->n_logits += e->logits ? 1 + e->n_draft : 0;
+        plan->n_draft += e->n_draft;
         r->started = true;
     }
+    for (int k = 0; k < n_order; k++) /* offers last one plan */
+        s->reqs[s->order[k]].draft_offer = 0;
     plan->n_seqs = s->n_seqs;
     plan->n_preempted = s->n_preempted;
     s->outstanding = true;
@@ -595,7 +635,11 @@ duet_status duet__sched_step_done(duet_sched *s, int64_t now, const duet_sched_r
             return duet__error(DUET_INVALID_ARGUMENT, "scheduler: result %d is for request %llu, not %llu", k,
                                (unsigned long long)res->id, (unsigned long long)e->id);
         if (r->cancelled) continue;
-        if (res->n_generated != (e->logits ? 1 : 0))
+        if (e->n_draft > 0 && (res->n_generated < 1 || res->n_generated > 1 + e->n_draft))
+            return duet__error(DUET_INVALID_ARGUMENT,
+                               "scheduler: request %llu generated %d tokens in a step with %d draft tokens",
+                               (unsigned long long)e->id, res->n_generated, e->n_draft);
+        if (e->n_draft == 0 && res->n_generated != (e->logits ? 1 : 0))
             return duet__error(DUET_INVALID_ARGUMENT, "scheduler: request %llu generated %d tokens in a step %s logits",
                                (unsigned long long)e->id, res->n_generated, e->logits ? "with" : "without");
         if (r->n_generated + res->n_generated >= r->max_new && !res->finished)
@@ -605,7 +649,15 @@ duet_status duet__sched_step_done(duet_sched *s, int64_t now, const duet_sched_r
     for (int k = 0; k < n; k++) {
         req *r = &s->reqs[s->seq_req[k]];
         if (r->cancelled) continue;
-        r->n_computed += s->seqs[k].n_tokens;
+        const duet_sched_seq *e = &s->seqs[k];
+        if (e->n_draft > 0) {
+            /* The newest token and the kept drafts are in the cache; the
+             * rejected drafts' positions roll back. */
+            r->n_computed += results[k].n_generated;
+            duet__kv_blocks_truncate(s->kv, r->slot, r->n_computed);
+        } else {
+            r->n_computed += e->n_tokens;
+        }
         r->n_generated += results[k].n_generated;
         register_blocks(s, r);
         if (results[k].finished) {
@@ -619,6 +671,11 @@ duet_status duet__sched_step_done(duet_sched *s, int64_t now, const duet_sched_r
 
 void duet__sched_step_failed(duet_sched *s, int64_t now) {
     assert(s->outstanding && "step_failed without a step");
+    /* Nothing advances; the drafts' blocks go back. */
+    for (int k = 0; k < s->n_seqs; k++) {
+        const req *r = &s->reqs[s->seq_req[k]];
+        if (s->seqs[k].n_draft > 0 && !r->cancelled) duet__kv_blocks_truncate(s->kv, r->slot, r->n_computed);
+    }
     end_step(s);
 }
 
@@ -674,10 +731,12 @@ duet_status duet__sched_check(const duet_sched *s) {
             CHECK(r->slot >= 0 && r->slot < s->cfg.max_seqs && s->slot_req[r->slot] == i,
                   "sched check: running request %llu has slot %d not mapped back", (unsigned long long)r->id, r->slot);
             int blocks = duet__kv_blocks_seq_blocks(s->kv, r->slot);
+            /* A step in flight also holds its draft tokens' blocks. */
+            int drafts = s->outstanding && r->plan_index >= 0 ? s->seqs[r->plan_index].n_draft : 0;
             CHECK(blocks >= duet__kv_blocks_needed(s->kv, r->n_computed) &&
-                      blocks <= duet__kv_blocks_needed(s->kv, stream_len(r)),
-                  "sched check: request %llu holds %d blocks for %d computed of %d", (unsigned long long)r->id, blocks,
-                  r->n_computed, stream_len(r));
+                      blocks <= duet__kv_blocks_needed(s->kv, stream_len(r) + drafts),
+                  "sched check: request %llu holds %d blocks for %d computed of %d",
+                  (unsigned long long)r->id, blocks, r->n_computed, stream_len(r));
             CHECK(r->n_hit <= r->n_computed && r->n_hit < stream_len(r) &&
                       (int64_t)r->n_reg * duet__kv_blocks_block_size(s->kv) <= r->n_computed,
                   "sched check: request %llu: %d cached, %d blocks registered, %d computed of %d",

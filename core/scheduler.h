@@ -84,6 +84,19 @@
  *   back to the front of its class's queue, in arrival order (it keeps its
  *   place), and is not re-admitted in the same plan. The best-ranked
  *   running sequence always progresses, so nothing livelocks.
+ * - Speculative decoding: before a plan the engine may offer draft tokens
+ *   for a request (duet__sched_set_draft). After the decodes are placed,
+ *   each decode with an offer, best rank first, grows by its draft tokens
+ *   (n_draft), within the token budget, the KV blocks free now (nobody
+ *   is preempted to make room for drafts; they come before prompt chunks,
+ *   which get what is left) and max_new (a step never yields more than
+ *   the request may still generate). Every one of the entry's 1 + n_draft
+ *   rows yields logits; step_done reports how many tokens it kept
+ *   (1..1 + n_draft) and the KV of the rejected positions rolls back (the
+ *   sequence's blocks shrink to its computed tokens). Speculation backs off
+ *   as the batch fills: a step with more than spec_max_batch decodes grants
+ *   no drafts (duet_sched_stats.spec_throttled counts the offers refused).
+ *   Offers last for one plan.
  * - Refusal at arrival: DUET_SCHED_QUEUE_FULL when max_waiting requests
  *   are waiting (HTTP 429), DUET_SCHED_TOO_LONG when n_prompt + max_new
  *   exceeds n_ctx or the whole KV pool (HTTP 400), DUET_SCHED_INVALID for
@@ -113,6 +126,8 @@ typedef struct duet_sched_knobs {
     int prefill_chunk;        /* prompt tokens per sequence per step; >= 1 */
     int max_waiting;          /* waiting requests at most; 0..config.max_waiting */
     int64_t batch_timeout_ns; /* idle wait for more arrivals; >= 0 */
+    int spec_max_batch;       /* drafts only in steps with at most this many
+                                 decodes (0: never); >= 0 */
 } duet_sched_knobs;
 
 /* Capacities, fixed at creation (all memory is sized from them). */
@@ -142,7 +157,10 @@ typedef struct duet_sched_seq {
     uint64_t id;
     int slot;             /* KV sequence slot, in [0, config.max_seqs) */
     int pos;              /* first position = stream index of the first token */
-    int n_tokens;         /* >= 1: a prompt chunk, or 1 for a decode */
+    int n_tokens;         /* >= 1: a prompt chunk, or 1 + n_draft for a decode */
+    int n_draft;          /* speculative: the last n_draft tokens are the
+                             engine's draft tokens (not in the stream yet),
+                             and all 1 + n_draft tokens yield logits */
     bool logits;          /* the last token's logits are wanted: sample one */
     bool decode;          /* a decode (the stream's newest token), not a chunk */
     bool first_schedule;  /* the first time this request runs (queue time ends) */
@@ -165,7 +183,8 @@ typedef struct duet_sched_plan {
     int n_seqs;
     const duet_sched_seq *seqs; /* decodes first, then prompt chunks */
     int n_tokens;               /* sum of seqs[i].n_tokens (<= max_batch_tokens) */
-    int n_logits;               /* entries with logits set */
+    int n_logits;               /* logit rows: 1 per entry with logits set, plus its drafts */
+    int n_draft;                /* draft tokens in the step */
     int n_preempted;            /* requests preempted by this plan: the engine */
     const uint64_t *preempted;  /* drops their KV state; they stay queued */
     int64_t wake_at;            /* DUET_SCHED_WAIT: when to call plan again */
@@ -175,7 +194,8 @@ typedef struct duet_sched_plan {
 typedef struct duet_sched_result {
     uint64_t id;     /* must equal plan->seqs[i].id */
     int n_generated; /* tokens appended to the stream: 1 when logits were
-                        sampled, else 0 */
+                        sampled, else 0; with n_draft drafts, 1..1 + n_draft
+                        (the kept drafts, then the target's own token) */
     bool finished;   /* the request is done (EOS, stop, max_tokens reached,
                         context full); the engine decides, since it samples */
 } duet_sched_result;
@@ -198,6 +218,8 @@ typedef struct duet_sched_stats {
     uint64_t prefix_queries, prefix_hits;
     int kv_blocks_cached;
     uint64_t prefix_evictions;
+    uint64_t spec_granted;   /* draft tokens placed into steps */
+    uint64_t spec_throttled; /* draft tokens offered but refused because the batch was full */
 } duet_sched_stats;
 
 /* Validates config and allocates everything. DUET_INVALID_ARGUMENT on bad
@@ -229,13 +251,19 @@ void duet__sched_prefix_clear(duet_sched *s);
  * result; pass it anyway, in order). */
 duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id);
 
+/* Offers n_draft (>= 0) draft tokens for request id's next decode; the
+ * next plan grants all, some or none of them (see the policies above).
+ * Ignored for an unknown id or a request that is not decoding. */
+void duet__sched_set_draft(duet_sched *s, uint64_t id, int n_draft);
+
 /* Plans the next step. Must not be called while a step is outstanding
  * (between DUET_SCHED_STEP and step_done/step_failed). */
 duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *plan);
 /* Ends the outstanding step: results[i] for plan->seqs[i], n == plan->n_seqs.
  * Returns DUET_INVALID_ARGUMENT (and changes nothing) when results do not
  * match the plan (wrong count or id, n_generated not 1 with logits / 0
- * without, max_new reached without finished). Results of requests
+ * without / outside 1..1 + n_draft with drafts, max_new reached without
+ * finished). Results of requests
  * cancelled during the step are ignored. */
 duet_status duet__sched_step_done(duet_sched *s, int64_t now, const duet_sched_result *results, int n);
 /* The outstanding step did not run (device error): nothing advances; its

@@ -43,7 +43,8 @@ set(DUET_TEST_COLD_SECONDS
   test_reference.smollm2=120
   test_duet_bench.py=8
   test_openai_client.py=20
-  test_sampler=7)
+  test_sampler=7
+  test_speculative.distribution=10)
 
 function(duet_test_timing id timeout_out cost_out)
   set(cost 1)

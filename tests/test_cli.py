@@ -83,6 +83,31 @@ class Cli(unittest.TestCase):
         self.assertEqual(a, b)
         self.assertNotEqual(a, c)
 
+    def test_run_spec_ngram(self):
+        # Greedy with n-gram speculation: the same tokens as without, and the
+        # acceptance figures in --json; seeded sampling repeats; bad options
+        # are refused by name.
+        prompt = "The cat sat on the mat. The dog sat on the mat. The cat sat on the"
+        args = ["run", "-m", STORIES, "-p", prompt, "--temp", "0", "-n", "60", "--ignore-eos", "--json",
+                "--backend", "cpu"]
+        off = json.loads(duet(*args).stdout)
+        on = json.loads(duet(*args, "--spec", "ngram", "--spec-k", "6").stdout)
+        self.assertEqual(on["tokens"], off["tokens"])
+        self.assertNotIn("speculative", off)
+        sp = on["speculative"]
+        self.assertEqual(sp["mode"], "ngram")
+        self.assertGreater(sp["draft_tokens"], 0)
+        self.assertLessEqual(sp["accepted_tokens"], sp["draft_tokens"])
+        self.assertAlmostEqual(sp["acceptance_rate"], sp["accepted_tokens"] / sp["draft_tokens"])
+        sampled = ["run", "-m", STORIES, "-p", prompt, "--temp", "0.8", "-n", "40", "--json", "--spec", "ngram",
+                   "--seed", "5"]
+        self.assertEqual(json.loads(duet(*sampled).stdout)["tokens"], json.loads(duet(*sampled).stdout)["tokens"])
+        p = duet("run", "-m", STORIES, "-p", "x", "--spec", "eagle", check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("eagle", p.stderr)
+        p = duet("run", "-m", STORIES, "-p", "x", "--spec", "ngram", "--spec-k", "40", check=False)
+        self.assertEqual(p.returncode, 2)
+
     def test_mkmodel_reads_with_reference_reader(self):
         r = gguf.GGUFReader(self.tiny)
         f = r.fields

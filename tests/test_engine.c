@@ -26,6 +26,7 @@ typedef struct collected {
     duet_finish finish[N_REQ];
     char message[N_REQ][256]; /* of DONE(ERROR) */
     int n_done;
+    int drafted[N_REQ], accepted[N_REQ]; /* speculative totals from DONE */
     uint64_t rid[N_REQ];
     int cancel_after; /* cancel request 0 after this many tokens (0 = never) */
     duet_engine *engine;
@@ -49,6 +50,8 @@ static void on_event(const duet_event *ev, void *user) {
     } else if (ev->kind == DUET_EVENT_DONE) {
         c->done[x->i]++;
         c->finish[x->i] = ev->finish;
+        c->drafted[x->i] = ev->spec_draft_tokens;
+        c->accepted[x->i] = ev->spec_accepted_tokens;
         snprintf(c->message[x->i], sizeof c->message[x->i], "%s", ev->message ? ev->message : "");
         c->n_done++;
         pthread_cond_broadcast(&c->cv);
@@ -296,6 +299,247 @@ END_TEST
 /* A device error fails the requests of its step, each with one DONE(ERROR)
  * that carries the device's message; a failed request cannot be cancelled;
  * the engine then serves new requests normally. */
+/* ---- speculative decoding ------------------------------------------------ */
+
+/* Prompts whose continuations repeat earlier text, so n-gram drafts hit. */
+static const char *spec_prompts[4] = {
+    "Once upon a time, there was a little girl named Lily. She liked to play. Once upon a time, there was",
+    "The cat sat on the mat. The dog sat on the mat. The cat sat on the",
+    "Tom and Sue went to the park. They played with a ball. Tom and Sue", "Lily wanted"};
+
+static duet_engine *start_spec(int max_seqs, int kv_blocks, int spec_k) {
+    duet_engine_params p = duet_engine_params_default();
+    p.open.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    p.open.n_ctx = 256;
+    p.max_batch_seqs = max_seqs;
+    p.max_batch_tokens = 64;
+    p.prefill_chunk = 8;
+    p.kv_blocks = kv_blocks;
+    p.max_waiting = 64;
+    if (spec_k) {
+        p.open.spec = "ngram";
+        p.open.spec_k = spec_k;
+        p.spec_max_batch = -1; /* never back off: every decode may speculate */
+    }
+    duet_engine *e;
+    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
+                  "start: %s", duet_last_error());
+    return e;
+}
+
+/* n_req requests over the speculative prompts (greedy, or seeded sampling
+ * at temperature 0.8); one at a time or all at once. */
+static collected *run_spec(duet_engine *e, bool one_at_a_time, int n_req, bool sampled) {
+    collected *c = collected_new();
+    c->engine = e;
+    ctx *xs = calloc(n_req, sizeof *xs);
+    const duet_model *m = duet_engine_model(e);
+    for (int i = 0; i < n_req; i++) {
+        int32_t ids[128];
+        const char *text = spec_prompts[i % 4];
+        int n = duet_tokenize(m, text, strlen(text), true, false, ids, 128);
+        ck_assert_int_gt(n, 0);
+        xs[i] = (ctx){c, i};
+        duet_request q = greedy_request(ids, n, MAX_GEN - (i % 5),
+                                        i % 3 ? DUET_PRIORITY_BATCH : DUET_PRIORITY_INTERACTIVE);
+        if (sampled) {
+            q.sampling = duet_sampling_default();
+            q.sampling.seed = 1000 + (uint64_t)i;
+        }
+        ck_assert_msg(duet_engine_submit(e, &q, on_event, &xs[i], &c->rid[i]) == DUET_OK, "submit %d: %s", i,
+                      duet_last_error());
+        if (one_at_a_time) wait_all(c, i + 1);
+    }
+    wait_all(c, n_req);
+    free(xs);
+    return c;
+}
+
+static double metric_value(const char *text, const char *name, const char *filter);
+
+/* The engine's metric `name` (its first sample) from /metrics. */
+static double engine_metric(duet_engine *e, const char *name) {
+    char *text = duet_engine_metrics(e);
+    ck_assert_ptr_nonnull(text);
+    double v = metric_value(text, name, NULL);
+    free(text);
+    return v;
+}
+
+static void same_tokens(const collected *want, const collected *got, int n_req, const char *what) {
+    for (int i = 0; i < n_req; i++) {
+        ck_assert_int_eq(got->done[i], 1);
+        ck_assert_msg(got->n[i] == want->n[i], "%s: request %d: %d tokens, want %d", what, i, got->n[i],
+                      want->n[i]);
+        for (int t = 0; t < want->n[i]; t++)
+            ck_assert_msg(got->ids[i][t] == want->ids[i][t], "%s: request %d token %d: %d, want %d", what, i,
+                          t, got->ids[i][t], want->ids[i][t]);
+    }
+}
+
+/* duet_generate (greedy) on speculative prompt i gives want's tokens. */
+static void generate_matches(duet_model *m, int i, const collected *want, const char *what,
+                             duet_generate_stats *gs) {
+    int32_t ids[128];
+    int n = duet_tokenize(m, spec_prompts[i], strlen(spec_prompts[i]), true, false, ids, 128);
+    gen_ctx g = {0};
+    duet_sampling smp = duet_sampling_default();
+    smp.temperature = 0;
+    ck_assert_int_eq(duet_generate(m, ids, n, want->n[i], &smp, true, collect_token, &g, gs), DUET_OK);
+    ck_assert_int_eq(g.n, want->n[i]);
+    for (int t = 0; t < g.n; t++)
+        ck_assert_msg(g.ids[t] == want->ids[i][t], "%s, request %d token %d: %d, want %d", what, i, t,
+                      g.ids[t], want->ids[i][t]);
+}
+
+/* Greedy speculation is token-identical to no speculation: one at a time,
+ * 16 concurrent requests, and under KV pressure that preempts sequences
+ * with speculative steps; and duet_generate (duet run) with --spec ngram
+ * equals it too. The drafts were real: many tokens were drafted and kept. */
+START_TEST(speculative_greedy_is_identical) {
+    enum { N = 16 };
+    duet_engine *ref = start_spec(1, 0, 0);
+    collected *want = run_spec(ref, true, N, false);
+    duet_engine_stop(ref, true);
+
+    duet_engine *e = start_spec(8, 0, 6);
+    collected *alone = run_spec(e, true, N, false);
+    same_tokens(want, alone, N, "speculative, one at a time");
+    collected *par = run_spec(e, false, N, false);
+    same_tokens(want, par, N, "speculative, 16 concurrent");
+    int drafted = 0, accepted = 0, all_drafted = 0, all_accepted = 0;
+    for (int i = 0; i < N; i++) {
+        drafted += par->drafted[i], accepted += par->accepted[i];
+        all_drafted += par->drafted[i] + alone->drafted[i],
+            all_accepted += par->accepted[i] + alone->accepted[i];
+    }
+    fprintf(stderr, "speculative greedy: %d of %d draft tokens kept\n", accepted, drafted);
+    ck_assert_msg(drafted > 100 && accepted > drafted / 4, "drafts %d kept %d: speculation barely ran",
+                  drafted, accepted);
+    /* The metrics count what the requests report. */
+    ck_assert_double_eq(engine_metric(e, "vllm:spec_decode_num_draft_tokens_total"), all_drafted);
+    ck_assert_double_eq(engine_metric(e, "vllm:spec_decode_num_accepted_tokens_total"), all_accepted);
+    ck_assert(engine_metric(e, "vllm:spec_decode_num_drafts_total") > 0);
+    ck_assert(engine_metric(e, "vllm:spec_decode_num_accepted_tokens_per_pos_total") > 0);
+    ck_assert_double_eq(engine_metric(e, "duet_kv_cache_usage_ratio"), 0);
+    duet_engine_stop(e, true);
+
+    /* Tight KV (12 blocks of 16 for 8 sequences): preemptions during
+     * speculative steps lose nothing and leak no block. */
+    e = start_spec(8, 12, 6);
+    collected *tight = run_spec(e, false, N, false);
+    same_tokens(want, tight, N, "speculative under KV pressure");
+    ck_assert_msg(engine_metric(e, "vllm:num_preemptions_total") > 0, "the tight pool must preempt");
+    ck_assert_double_eq(engine_metric(e, "duet_kv_cache_usage_ratio"), 0);
+    duet_engine_stop(e, true);
+
+    /* duet_generate with spec: the same tokens, and drafts kept. */
+    duet_open_params op = duet_open_params_default();
+    op.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    op.n_ctx = 256;
+    op.spec = "ngram";
+    duet_model *m;
+    ck_assert_msg(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m) == DUET_OK,
+                  "open: %s", duet_last_error());
+    int gen_drafted = 0, gen_kept = 0;
+    for (int i = 0; i < 4; i++) {
+        duet_generate_stats gs;
+        generate_matches(m, i, want, "generate with ngram", &gs);
+        ck_assert(gs.spec_accepted_tokens <= gs.spec_draft_tokens);
+        gen_drafted += gs.spec_draft_tokens, gen_kept += gs.spec_accepted_tokens;
+    }
+    ck_assert_msg(gen_drafted > 20 && gen_kept > 0, "generate drafted %d kept %d", gen_drafted, gen_kept);
+    duet_model_close(m);
+    /* A draft model (stories260K drafting for itself: every greedy draft is
+     * the target's own choice, so all are kept): the same tokens. */
+    op.spec = NULL;
+    op.draft = test_shared_path("models/stories260K.gguf");
+    ck_assert_msg(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m) == DUET_OK,
+                  "open: %s", duet_last_error());
+    for (int i = 0; i < 4; i++) {
+        int32_t ids[128];
+        int n = duet_tokenize(m, spec_prompts[i], strlen(spec_prompts[i]), true, false, ids, 128);
+        duet_generate_stats gs;
+        generate_matches(m, i, want, "generate with a draft model", &gs);
+        ck_assert_msg(gs.spec_draft_tokens > 0 && gs.spec_accepted_tokens == gs.spec_draft_tokens,
+                      "a model drafting for itself greedily: %d of %d kept", gs.spec_accepted_tokens,
+                      gs.spec_draft_tokens);
+        /* Sampling with the draft model: seeded runs repeat. */
+        duet_sampling smp = duet_sampling_default();
+        smp.seed = 99;
+        gen_ctx s1 = {0}, s2 = {0};
+        ck_assert_int_eq(duet_generate(m, ids, n, 30, &smp, true, collect_token, &s1, &gs), DUET_OK);
+        ck_assert_int_eq(duet_generate(m, ids, n, 30, &smp, true, collect_token, &s2, &gs), DUET_OK);
+        ck_assert(s1.n == s2.n && memcmp(s1.ids, s2.ids, sizeof(int32_t) * (size_t)s1.n) == 0);
+    }
+    duet_model_close(m);
+    /* A draft with another vocabulary is refused at open, by name. */
+    op.draft = test_shared_path("models/smollm2-135m-instruct-q4_k_m.gguf");
+    ck_assert_int_eq(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m), DUET_BAD_MODEL);
+    ck_assert_msg(strstr(duet_last_error(), "vocabulary") && strstr(duet_last_error(), "smollm2"),
+                  "message: %s", duet_last_error());
+    /* The engine does not run draft models (yet) and says so. */
+    duet_engine_params ep = duet_engine_params_default();
+    ep.open = op;
+    ep.open.draft = test_shared_path("models/stories260K.gguf");
+    duet_engine *bad = NULL;
+    ck_assert_int_eq(duet_engine_start(test_shared_path("models/stories260K.gguf"), &ep, &bad),
+                     DUET_UNSUPPORTED);
+    ck_assert_ptr_null(bad);
+    op.draft = NULL;
+    /* Bad options are refused by name. */
+    op.spec = "medusa";
+    ck_assert_int_eq(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m),
+                     DUET_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(duet_last_error(), "medusa"), "message: %s", duet_last_error());
+    op.spec = "ngram";
+    op.spec_k = 17;
+    ck_assert_int_eq(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m),
+                     DUET_INVALID_ARGUMENT);
+    free(want), free(alone), free(par), free(tight);
+}
+END_TEST
+
+/* Sampling with speculation: seeded runs repeat exactly; a cancel from the
+ * token callback, in the middle of a speculative step, ends the request
+ * cleanly and leaks no KV block. */
+START_TEST(speculative_sampled_and_cancelled) {
+    duet_engine *e = start_spec(4, 0, 8);
+    collected *a = run_spec(e, true, 8, true);
+    collected *b = run_spec(e, true, 8, true);
+    same_tokens(a, b, 8, "seeded sampling with speculation, twice");
+    int drafted = 0;
+    for (int i = 0; i < 8; i++)
+        drafted += a->drafted[i];
+    ck_assert_int_gt(drafted, 0);
+
+    const duet_model *m = duet_engine_model(e);
+    for (int after = 2; after <= 10; after += 4) {
+        collected *c = collected_new();
+        c->engine = e;
+        c->cancel_after = after;
+        ctx x0 = {c, 0};
+        int32_t ids[128];
+        int n = duet_tokenize(m, spec_prompts[1], strlen(spec_prompts[1]), true, false, ids, 128);
+        duet_request q = greedy_request(ids, n, MAX_GEN, DUET_PRIORITY_INTERACTIVE);
+        ck_assert_int_eq(duet_engine_submit(e, &q, on_event, &x0, &c->rid[0]), DUET_OK);
+        wait_all(c, 1);
+        ck_assert_int_eq(c->finish[0], DUET_FINISH_CANCELLED);
+        ck_assert_int_eq(c->done[0], 1);
+        /* Nothing is delivered after the cancel, not even the rest of its step's kept drafts. */
+        ck_assert_int_eq(c->n[0], after);
+        free(c);
+    }
+    /* The engine serves on, and every block is back. */
+    collected *after = run_spec(e, false, 4, false);
+    for (int i = 0; i < 4; i++)
+        ck_assert_int_eq(after->done[i], 1);
+    ck_assert_double_eq(engine_metric(e, "duet_kv_cache_usage_ratio"), 0);
+    free(a), free(b), free(after);
+    duet_engine_stop(e, true);
+}
+END_TEST
+
 START_TEST(device_error_fails_the_step_not_the_engine) {
     duet_engine *e = start(4, 0, 16);
     duet_model *m = (duet_model *)duet_engine_model(e);
@@ -941,6 +1185,11 @@ int main(void) {
     tcase_add_test(share, engines_share_one_model);
     tcase_add_test(share, shared_weights_are_held_once);
     suite_add_tcase(s, share);
+    TCase *spec = tcase_create("speculative");
+    tcase_set_timeout(spec, 300);
+    tcase_add_test(spec, speculative_greedy_is_identical);
+    tcase_add_test(spec, speculative_sampled_and_cancelled);
+    suite_add_tcase(s, spec);
     TCase *hal = tcase_create("profile");
     tcase_set_timeout(hal, 600);
     tcase_add_loop_test(hal, profile_accounts_every_op_kind, 0, 3);

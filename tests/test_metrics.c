@@ -219,6 +219,38 @@ START_TEST(steps_gauges_and_aliases) {
 }
 END_TEST
 
+/* Speculative decoding's counters come out under vLLM's names, per draft
+ * position too, and only when speculation is on. */
+START_TEST(speculative_counters) {
+    duet_metrics *m = duet__metrics_new("spec");
+    ck_assert_ptr_nonnull(m);
+    prom_doc d;
+    render_parse(m, &d);
+    ck_assert_msg(prom_sum(&d, "vllm:spec_decode_num_drafts_total", "", &(double){0}) == 0,
+                  "no spec metrics while speculation is off");
+    prom_free(&d);
+    duet_metrics_gauges g = {.spec_k = 4, .spec_max_batch = 3, .spec_throttled_tokens = 17};
+    duet__metrics_set_gauges(m, &g);
+    duet__metrics_spec(m, 4, 2); /* kept positions 0 and 1 */
+    duet__metrics_spec(m, 3, 3);
+    duet__metrics_spec(m, 2, 0);
+    duet__metrics_spec(m, 0, 0); /* no drafts: not a draft */
+    render_parse(m, &d);
+    ck_assert(value(&d, "vllm:spec_decode_num_drafts_total", "") == 3);
+    ck_assert(value(&d, "vllm:spec_decode_num_draft_tokens_total", "") == 9);
+    ck_assert(value(&d, "vllm:spec_decode_num_accepted_tokens_total", "") == 5);
+    ck_assert(value(&d, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position=\"0\"") == 2);
+    ck_assert(value(&d, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position=\"1\"") == 2);
+    ck_assert(value(&d, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position=\"2\"") == 1);
+    ck_assert(value(&d, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "position=\"3\"") == 0);
+    ck_assert(value(&d, "vllm:spec_decode_num_accepted_tokens_per_pos_total", "") == 5);
+    ck_assert(value(&d, "duet_spec_decode_max_batch", "") == 3);
+    ck_assert(value(&d, "duet_spec_decode_throttled_tokens_total", "") == 17);
+    prom_free(&d);
+    duet__metrics_free(m);
+}
+END_TEST
+
 START_TEST(window_p99_rate_and_busy_ratio) {
     duet_metrics *m = duet__metrics_new("m");
     struct timespec pause = {0, 200 * 1000 * 1000};
@@ -368,6 +400,7 @@ int main(void) {
     tcase_add_test(tc, empty_render_has_every_family);
     tcase_add_test(tc, recorded_requests_come_out_exactly);
     tcase_add_test(tc, steps_gauges_and_aliases);
+    tcase_add_test(tc, speculative_counters);
     tcase_add_test(tc, window_p99_rate_and_busy_ratio);
     tcase_add_test(tc, window_ring_keeps_the_newest);
     tcase_add_test(tc, concurrent_recording_loses_nothing);

@@ -786,6 +786,180 @@ START_TEST(test_step_failed_keeps_state) {
 }
 END_TEST
 
+/* ---- speculative decoding ----------------------------------------------------------- */
+
+/* Plans one step with request id decoding after offering n drafts. */
+static const duet_sched_seq *plan_with_draft(duet_sched *s, int64_t now, uint64_t id, int n,
+                                             duet_sched_plan *p) {
+    duet__sched_set_draft(s, id, n);
+    plan_step(s, now, p);
+    int k = find_seq(p, id);
+    ck_assert_msg(k >= 0, "request %llu not in the step", (unsigned long long)id);
+    return &p->seqs[k];
+}
+
+static void done_one(duet_sched *s, int64_t now, uint64_t id, int n_generated, bool finished) {
+    duet_sched_result r = {.id = id, .n_generated = n_generated, .finished = finished};
+    duet_status st = duet__sched_step_done(s, now, &r, 1);
+    ck_assert_msg(st == DUET_OK, "step_done: %s", duet_last_error());
+    check_ok(s, "after a speculative step");
+}
+
+/* A scheduler with blocks of 4 for the speculative tests, and request id
+ * past its prefill (decoding next). */
+static duet_sched *spec_sched(int kv_blocks, int spec_max_batch, int max_batch_tokens) {
+    duet_sched_config c = base_config();
+    c.kv_block_size = 4;
+    c.kv_blocks = kv_blocks;
+    c.knobs.spec_max_batch = spec_max_batch;
+    c.knobs.max_batch_tokens = max_batch_tokens;
+    return make(&c);
+}
+
+static void prefilled(duet_sched *s, int64_t now, uint64_t id, int n_prompt, int max_new,
+                      duet_priority prio) {
+    duet_sched_plan p;
+    arrive(s, now, id, n_prompt, max_new, prio);
+    plan_step(s, now, &p);
+    complete(s, now + 1, &p);
+}
+
+/* A decode grows by its drafts; the rejected ones roll back (blocks and
+ * counts); drafts never exceed max_new; results are validated. */
+START_TEST(test_spec_drafts_and_rollback) {
+    duet_sched *s = spec_sched(64, 4, 64);
+    const duet_kv_blocks *kv = duet__sched_kv(s);
+    duet_sched_plan p;
+    arrive(s, 0, 1, 6, 20, DUET_PRIORITY_INTERACTIVE);
+    /* An offer before the request decodes is ignored (waiting, then prefill). */
+    duet__sched_set_draft(s, 1, 3);
+    plan_step(s, 0, &p);
+    ck_assert(p.seqs[0].n_tokens == 6 && p.seqs[0].n_draft == 0 && p.n_draft == 0);
+    complete(s, 1, &p);
+    /* Decode at pos 6 with 5 drafts: 6 tokens, 6 logit rows, blocks cover 12. */
+    const duet_sched_seq *e = plan_with_draft(s, 1, 1, 5, &p);
+    ck_assert_msg(e->decode && e->pos == 6 && e->n_tokens == 6 && e->n_draft == 5 && e->logits,
+                  "pos %d n %d draft %d", e->pos, e->n_tokens, e->n_draft);
+    ck_assert_int_eq(p.n_logits, 6);
+    ck_assert_int_eq(p.n_draft, 5);
+    ck_assert_int_eq(e->n_blocks, 3);
+    /* Results outside 1..1 + n_draft are refused. */
+    duet_sched_result bad = {.id = 1, .n_generated = 0};
+    ck_assert(duet__sched_step_done(s, 2, &bad, 1) == DUET_INVALID_ARGUMENT);
+    bad.n_generated = 7;
+    ck_assert(duet__sched_step_done(s, 2, &bad, 1) == DUET_INVALID_ARGUMENT);
+    /* Two drafts kept and the target's own token: 3 generated, 9 computed
+     * (the stream is 6 + 1 + 3 = 10 long), blocks back to 3 covering 9. */
+    done_one(s, 2, 1, 3, false);
+    ck_assert_int_eq(duet__kv_blocks_seq_blocks(kv, 0), 3);
+    e = plan_with_draft(s, 2, 1, 1, &p);
+    ck_assert_msg(e->pos == 9 && e->n_tokens == 2 && e->n_generated == 4, "pos %d n %d gen %d", e->pos,
+                  e->n_tokens, e->n_generated);
+    /* None kept: 1 generated; the draft's block (position 10 is in block 2) stays. */
+    done_one(s, 3, 1, 1, false);
+    e = plan_with_draft(s, 3, 1, 8, &p);
+    ck_assert_msg(e->pos == 10 && e->n_draft == 8 && e->n_blocks == 5, "pos %d draft %d blocks %d", e->pos,
+                  e->n_draft, e->n_blocks);
+    /* Nothing kept: the 8 drafts' blocks go back (pos 11 -> 3 blocks). */
+    int free_before = duet__kv_blocks_n_free(kv);
+    done_one(s, 4, 1, 1, false);
+    ck_assert_int_eq(duet__kv_blocks_seq_blocks(kv, 0), 3);
+    ck_assert_int_eq(duet__kv_blocks_n_free(kv), free_before + 2);
+    /* Generated 6 of 20: 13 may still come, the last from the target, so at most 13 drafts... */
+    e = plan_with_draft(s, 4, 1, 16, &p);
+    ck_assert_int_eq(e->n_draft, 13);
+    /* ...and all kept plus the last token finishes it at max_new. */
+    done_one(s, 5, 1, 14, true);
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_int_eq(st.kv_blocks_used, 0);
+    ck_assert_int_eq(st.finished, 1);
+    ck_assert_uint_eq(st.spec_granted, 5 + 1 + 8 + 13);
+    duet__sched_free(s);
+}
+END_TEST
+
+/* Speculation backs off as the batch fills; drafts fit the budget and the
+ * free blocks and never preempt; offers last one plan. */
+START_TEST(test_spec_throttle_budget_and_blocks) {
+    duet_sched *s = spec_sched(8, 1, 8);
+    duet_sched_plan p;
+    prefilled(s, 0, 1, 4, 20, DUET_PRIORITY_INTERACTIVE);
+    /* Alone: drafts granted up to the token budget (8 - 1 decode). */
+    const duet_sched_seq *e = plan_with_draft(s, 1, 1, 9, &p);
+    ck_assert_int_eq(e->n_draft, 7);
+    done_one(s, 2, 1, 1, false);
+    /* An offer lasts one plan. */
+    plan_step(s, 2, &p);
+    ck_assert_int_eq(p.seqs[0].n_draft, 0);
+    complete(s, 3, &p);
+    /* A second decoding request: two decodes > spec_max_batch 1: no drafts. */
+    arrive(s, 3, 2, 4, 20, DUET_PRIORITY_INTERACTIVE);
+    plan_step(s, 3, &p);
+    complete(s, 4, &p); /* 1 decodes, 2 prefills */
+    duet__sched_set_draft(s, 2, 3);
+    e = plan_with_draft(s, 4, 1, 3, &p);
+    ck_assert_int_eq(p.n_seqs, 2);
+    ck_assert_int_eq(p.n_draft, 0);
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_uint_eq(st.spec_throttled, 6);
+    complete(s, 5, &p);
+    /* Room for one more decode: raise the knob; the pool (8 blocks of 4)
+     * then bounds the drafts, and nobody is preempted for them. */
+    duet_sched_knobs k = duet__sched_knobs(s);
+    k.spec_max_batch = 2;
+    k.max_batch_tokens = 64;
+    ck_assert(duet__sched_set_knobs(s, &k) == DUET_OK);
+    duet__sched_set_draft(s, 2, 16);
+    e = plan_with_draft(s, 5, 1, 16, &p);
+    ck_assert_int_eq(p.n_preempted, 0);
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.kv_blocks_used == 8, "drafts took the free blocks (%d used)", st.kv_blocks_used);
+    ck_assert_msg(p.n_draft > 0 && p.n_draft <= 8 * 4 - 6 - 7, "drafts %d", p.n_draft);
+    complete(s, 6, &p);
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.kv_blocks_used == 5, "rejected drafts gave their blocks back (%d used)",
+                  st.kv_blocks_used);
+    k.spec_max_batch = -1;
+    ck_assert(duet__sched_set_knobs(s, &k) == DUET_INVALID_ARGUMENT);
+    duet__sched_free(s);
+}
+END_TEST
+
+/* Cancellation in the middle of a speculative step: the blocks of the
+ * drafts go back at step_done, like the rest; preemption of a sequence
+ * whose decode carries drafts takes them out of the plan. */
+START_TEST(test_spec_cancel_and_preempt) {
+    duet_sched *s = spec_sched(6, 4, 64);
+    duet_sched_plan p;
+    prefilled(s, 0, 1, 4, 16, DUET_PRIORITY_BATCH);
+    plan_with_draft(s, 1, 1, 6, &p);
+    ck_assert_int_eq(p.n_draft, 6);
+    ck_assert(duet__sched_cancel(s, 2, 1) == DUET_OK);
+    check_ok(s, "cancelled with a speculative step in flight");
+    done_one(s, 3, 1, 4, false); /* ignored: cancelled */
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_int_eq(st.kv_blocks_used, 0);
+    /* A batch request speculates into most of the pool; an interactive
+     * arrival needs it: the batch request is preempted, drafts and all. */
+    prefilled(s, 3, 2, 4, 16, DUET_PRIORITY_BATCH);
+    plan_with_draft(s, 4, 2, 12, &p);
+    ck_assert_int_eq(p.n_draft, 12);
+    complete(s, 5, &p); /* none kept */
+    arrive(s, 5, 3, 20, 4, DUET_PRIORITY_INTERACTIVE);
+    duet__sched_set_draft(s, 2, 12);
+    plan_step(s, 5, &p);
+    ck_assert(was_preempted(&p, 2) && find_seq(&p, 2) < 0 && find_seq(&p, 3) >= 0);
+    complete(s, 6, &p);
+    run_to_idle(s, &(int64_t){6}, 200);
+    duet__sched_stats(s, &st);
+    ck_assert_int_eq(st.kv_blocks_used, 0);
+    duet__sched_free(s);
+}
+END_TEST
+
 /* ---- randomized simulation -------------------------------------------------------- */
 
 /* Check's ck_assert records a mark point per passing call, which dominates
@@ -1001,6 +1175,7 @@ typedef struct sim_cfg {
     double fail_prob;    /* per step, the device "fails" the step */
     bool retune;         /* change knobs at random */
     int n_prefixes;      /* > 0: streams start with one of this many shared token runs (prefix caching) */
+    double spec_prob;    /* per decoding request and plan, offer 1..6 drafts */
 } sim_cfg;
 
 enum { SH_NONE = 0, SH_WAITING, SH_RUNNING, SH_DONE, SH_REFUSED };
@@ -1024,6 +1199,7 @@ typedef struct sim_out {
     uint64_t trace_hash;
     uint64_t steps, preemptions, finished, cancelled, refused, rejected, tokens;
     uint64_t prefix_hits, prefix_queries;
+    uint64_t drafts, kept, throttled;
 } sim_out;
 
 static uint64_t mix(uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001B3ULL; }
@@ -1070,7 +1246,7 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
     int admitted[2] = {0, 0};
     uint64_t last_admitted[2] = {0, 0}, last_chunk[2] = {0, 0}; /* last_chunk: id + 1 */
     bool seen_slot[256] = {false}, seen_chunk = false;
-    int n_logits = 0, sum = 0;
+    int n_logits = 0, sum = 0, n_drafts = 0, n_decodes = 0;
     for (int k = 0; k < p->n_seqs; k++) {
         const duet_sched_seq *e = &p->seqs[k];
         uint64_t id = e->id;
@@ -1109,16 +1285,21 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
                           (unsigned long long)id, r->slot, e->slot);
         }
         int len = r->n_prompt + r->gen;
-        SIM_ASSERT(e->pos == r->computed && e->n_tokens >= 1 && e->pos + e->n_tokens <= len,
-                      "request %llu: entry pos %d n %d, shadow computed %d of %d", (unsigned long long)id, e->pos,
-                      e->n_tokens, r->computed, len);
-        SIM_ASSERT(e->logits == (e->pos + e->n_tokens == len), "request %llu: logits flag wrong",
-                      (unsigned long long)id);
+        int n_real = e->n_tokens - e->n_draft; /* stream tokens; drafts follow */
+        SIM_ASSERT(e->pos == r->computed && n_real >= 1 && e->pos + n_real <= len,
+                   "request %llu: entry pos %d n %d, shadow computed %d of %d", (unsigned long long)id,
+                   e->pos, e->n_tokens, r->computed, len);
+        SIM_ASSERT(e->logits == (e->pos + n_real == len), "request %llu: logits flag wrong",
+                   (unsigned long long)id);
+        SIM_ASSERT(e->n_draft >= 0 &&
+                       (e->n_draft == 0 || (e->decode && e->n_draft <= r->max_new - r->gen - 1)),
+                   "request %llu: %d drafts (decode %d, %d of %d generated)", (unsigned long long)id,
+                   e->n_draft, e->decode, r->gen, r->max_new);
         SIM_ASSERT(e->n_prompt == r->n_prompt && e->n_generated == r->gen, "request %llu: stream layout",
                       (unsigned long long)id);
         if (e->decode) {
             SIM_ASSERT(!seen_chunk, "a decode after a prompt chunk");
-            SIM_ASSERT(e->n_tokens == 1 && r->gen > 0, "decode entry of %d tokens", e->n_tokens);
+            SIM_ASSERT(n_real == 1 && r->gen > 0, "decode entry of %d tokens", e->n_tokens);
         } else {
             seen_chunk = true;
             SIM_ASSERT(e->n_tokens <= kn->prefill_chunk, "chunk of %d over prefill_chunk %d", e->n_tokens,
@@ -1135,10 +1316,15 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
                        (unsigned long long)id, q, b);
             g_content[(size_t)b * bs + q % bs] = g_streams[(size_t)id * g_stream_len + q];
         }
-        n_logits += e->logits;
+        n_logits += e->logits ? 1 + e->n_draft : 0;
         sum += e->n_tokens;
+        n_drafts += e->n_draft;
+        n_decodes += e->decode;
         *hash = mix(mix(mix(*hash, id), (uint64_t)e->pos), (uint64_t)e->n_tokens);
     }
+    SIM_ASSERT(n_drafts == p->n_draft, "plan counts %d drafts, entries %d", p->n_draft, n_drafts);
+    SIM_ASSERT(n_drafts == 0 || n_decodes <= kn->spec_max_batch,
+               "%d drafts in a step of %d decodes (limit %d)", n_drafts, n_decodes, kn->spec_max_batch);
     SIM_ASSERT(sum == p->n_tokens && n_logits == p->n_logits, "plan totals wrong");
     /* FIFO prefix: every waiting request older than an admitted one of the
      * same class was admitted too (except those preempted by this plan). */
@@ -1229,6 +1415,12 @@ static sim_out run_sim(const sim_cfg *cfg) {
         SIM_ASSERT(it < 50L * n + 100000, "simulation does not converge");
         if (!outstanding) {
             plan_knobs = duet__sched_knobs(s);
+            for (int j = 0; cfg->spec_prob > 0 && j < n_live; j++) {
+                const shadow *q = &sh[live[j]];
+                if (q->state == SH_RUNNING && q->gen > 0 && q->computed == q->n_prompt + q->gen - 1 &&
+                    sim_unit() < cfg->spec_prob)
+                    duet__sched_set_draft(s, (uint64_t)live[j], sim_int(1, 6));
+            }
             act = duet__sched_plan(s, now, &p);
             if (act == DUET_SCHED_STEP) {
                 while (lo < next && (sh[lo].state == SH_DONE || sh[lo].state == SH_REFUSED)) lo++;
@@ -1268,6 +1460,23 @@ static sim_out run_sim(const sim_cfg *cfg) {
                     r[k].n_generated = e->logits ? 1 : 0;
                     r[k].finished = false;
                     if (q->state != SH_RUNNING) continue; /* cancelled in flight */
+                    if (e->n_draft > 0) {
+                        /* Keep a run of drafts, then the target's token; stop at the target. */
+                        int kept = sim_int(0, e->n_draft);
+                        int n_gen = kept + 1 < q->target - q->gen ? kept + 1 : q->target - q->gen;
+                        out.drafts += (uint64_t)e->n_draft;
+                        out.kept += (uint64_t)kept;
+                        r[k].n_generated = n_gen;
+                        q->computed += n_gen;
+                        q->gen += n_gen;
+                        if (q->gen == q->target) {
+                            r[k].finished = true;
+                            sim_set_outcome(sh, e->id, true);
+                            for (int j = 0; j < n_live; j++)
+                                if (live[j] == (int)e->id) live[j] = live[--n_live];
+                        }
+                        continue;
+                    }
                     q->computed += e->n_tokens;
                     if (e->logits) {
                         q->gen++;
@@ -1337,6 +1546,7 @@ static sim_out run_sim(const sim_cfg *cfg) {
                 .prefill_chunk = sim_int(1, 64),
                 .max_waiting = sim_int(0, cfg->c.max_waiting),
                 .batch_timeout_ns = sim_int(0, 5) * MS,
+                .spec_max_batch = sim_int(0, cfg->c.max_seqs),
             };
             SIM_CHECK(duet__sched_set_knobs(s, &k) == DUET_OK);
         }
@@ -1365,6 +1575,7 @@ static sim_out run_sim(const sim_cfg *cfg) {
                   "leftovers: kv %d running %d waiting %d", st.kv_blocks_used, st.running[0] + st.running[1],
                   st.waiting[0] + st.waiting[1]);
     out.preemptions = st.preemptions;
+    out.throttled = st.spec_throttled;
     out.prefix_hits = st.prefix_hits;
     out.prefix_queries = st.prefix_queries;
     free(g_streams), free(g_content);
@@ -1465,6 +1676,28 @@ START_TEST(test_sim_prefix_cache) {
 }
 END_TEST
 
+/* Speculation in the tight-pool simulation: drafts with random acceptance,
+ * preemptions and cancellations in the middle of speculative steps, the
+ * throttle engaged at times; invariants (KV blocks conserved, counts) at
+ * every event and nothing left at the end. */
+START_TEST(test_sim_speculative) {
+    sim_cfg c = sim_tight_kv(300 + (uint64_t)_i);
+    c.spec_prob = 0.8;
+    c.c.knobs.spec_max_batch = 2;
+    c.retune = _i == 1;
+    sim_out o = run_sim(&c);
+    fprintf(stderr,
+            "sim speculative seed %d: steps %llu finished %llu cancelled %llu preemptions %llu drafts %llu "
+            "kept %llu "
+            "throttled %llu\n",
+            _i + 300, (unsigned long long)o.steps, (unsigned long long)o.finished,
+            (unsigned long long)o.cancelled, (unsigned long long)o.preemptions, (unsigned long long)o.drafts,
+            (unsigned long long)o.kept, (unsigned long long)o.throttled);
+    ck_assert_msg(o.drafts > 1000 && o.preemptions > 0 && o.cancelled > 0 && o.throttled > 0,
+                  "the simulation must exercise drafts, preemption, cancellation and the throttle");
+}
+END_TEST
+
 START_TEST(test_sim_is_deterministic) {
     sim_cfg c = sim_tight_kv(4242);
     c.n_arrivals = 1000;
@@ -1501,12 +1734,16 @@ static Suite *suite(void) {
     tcase_add_test(tc, test_prefix_cache_shares_prompt_blocks);
     tcase_add_test(tc, test_prefix_admission_needs_only_missing_blocks);
     tcase_add_test(tc, test_prefix_survives_preemption_and_cancel);
+    tcase_add_test(tc, test_spec_drafts_and_rollback);
+    tcase_add_test(tc, test_spec_throttle_budget_and_blocks);
+    tcase_add_test(tc, test_spec_cancel_and_preempt);
     suite_add_tcase(s, tc);
     TCase *sim = tcase_create("simulation");
     tcase_set_timeout(sim, 600);
     tcase_add_loop_test(sim, test_sim_tight_kv, 0, 3);
     tcase_add_loop_test(sim, test_sim_retuned_knobs, 0, 2);
     tcase_add_test(sim, test_sim_tiny_pool);
+    tcase_add_loop_test(sim, test_sim_speculative, 0, 2);
     tcase_add_test(sim, test_sim_is_deterministic);
     tcase_add_loop_test(sim, test_sim_prefix_cache, 0, 2);
     suite_add_tcase(s, sim);

@@ -27,6 +27,10 @@ static void usage(FILE *f) {
             "      --presence-penalty P, --frequency-penalty F   (default 0)\n"
             "      --seed S            sampling seed (default: from the clock)\n"
             "      --ignore-eos        keep generating past end-of-sequence\n"
+            "      --spec MODE         speculative decoding: off (default) or ngram (drafts copied from\n"
+            "                          earlier text: helps when the output repeats the prompt)\n"
+            "      --spec-k K          most draft tokens per step, 1..16 (default 8, adapted as it goes)\n"
+            "      --draft FILE        speculative decoding with a draft model (same vocabulary, same backend)\n"
             "      --json              print one JSON object instead of streaming text\n");
 }
 
@@ -60,7 +64,7 @@ static bool on_token(int32_t id, const char *text, size_t len, void *user) {
 
 int cmd_run(int argc, char **argv) {
     enum { O_BACKEND = 256, O_DEVICE, O_KV, O_TEMP, O_TOPK, O_TOPP, O_MINP, O_REP, O_PRES, O_FREQ, O_SEED,
-           O_IGNORE_EOS, O_JSON };
+           O_IGNORE_EOS, O_JSON, O_SPEC, O_SPEC_K, O_DRAFT };
     static const struct option opts[] = {
         {"model", required_argument, 0, 'm'},     {"prompt", required_argument, 0, 'p'},
         {"n-predict", required_argument, 0, 'n'}, {"threads", required_argument, 0, 't'},
@@ -71,6 +75,8 @@ int cmd_run(int argc, char **argv) {
         {"repeat-penalty", required_argument, 0, O_REP}, {"presence-penalty", required_argument, 0, O_PRES},
         {"frequency-penalty", required_argument, 0, O_FREQ}, {"seed", required_argument, 0, O_SEED},
         {"ignore-eos", no_argument, 0, O_IGNORE_EOS}, {"json", no_argument, 0, O_JSON},
+        {"spec", required_argument, 0, O_SPEC},   {"spec-k", required_argument, 0, O_SPEC_K},
+        {"draft", required_argument, 0, O_DRAFT},
         {"help", no_argument, 0, 'h'},            {0, 0, 0, 0}};
     const char *model = NULL, *prompt = NULL;
     int n_predict = 128;
@@ -101,6 +107,9 @@ int cmd_run(int argc, char **argv) {
         case O_SEED: ok = cli_u64("--seed", optarg, &seed), seed_set = true; break;
         case O_IGNORE_EOS: ignore_eos = true; break;
         case O_JSON: json = true; break;
+        case O_SPEC: op.spec = optarg; break;
+        case O_SPEC_K: ok = cli_int("--spec-k", optarg, 1, 16, &op.spec_k); break;
+        case O_DRAFT: op.draft = optarg; break;
         case 'h': usage(stdout); return 0;
         default: usage(stderr); return 2;
         }
@@ -159,6 +168,15 @@ int cmd_run(int argc, char **argv) {
         cJSON_AddNumberToObject(o, "decode_seconds", gs.decode_seconds);
         cJSON_AddBoolToObject(o, "stopped_by_eos", gs.stopped_by_eos);
         cJSON_AddNumberToObject(o, "seed", (double)smp.seed);
+        if ((op.spec && strcmp(op.spec, "off") != 0) || op.draft) {
+            cJSON *sp = cJSON_AddObjectToObject(o, "speculative");
+            cJSON_AddStringToObject(sp, "mode", op.draft ? "draft" : op.spec);
+            cJSON_AddNumberToObject(sp, "drafts", gs.spec_drafts);
+            cJSON_AddNumberToObject(sp, "draft_tokens", gs.spec_draft_tokens);
+            cJSON_AddNumberToObject(sp, "accepted_tokens", gs.spec_accepted_tokens);
+            cJSON_AddNumberToObject(sp, "acceptance_rate",
+                                    gs.spec_draft_tokens ? (double)gs.spec_accepted_tokens / gs.spec_draft_tokens : 0);
+        }
         char *s = cJSON_PrintUnformatted(o);
         puts(s);
         cJSON_free(s);
@@ -168,6 +186,10 @@ int cmd_run(int argc, char **argv) {
         fflush(stdout);
         fprintf(stderr, "duet: model %s\nduet: %s on %s (%s): %d prompt tokens at %.1f tokens/s, %d generated at %.1f tokens/s\n",
                 model, d.arch, d.backend, d.device, gs.prompt_tokens, prefill_tps, gs.generated_tokens, decode_tps);
+        if (gs.spec_draft_tokens)
+            fprintf(stderr, "duet: speculative: %d of %d draft tokens accepted (%.0f%%) in %d drafts\n",
+                    gs.spec_accepted_tokens, gs.spec_draft_tokens,
+                    100.0 * gs.spec_accepted_tokens / gs.spec_draft_tokens, gs.spec_drafts);
     }
     cJSON_Delete(r.tokens);
     free(r.text);

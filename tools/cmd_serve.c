@@ -46,6 +46,12 @@ static void usage(FILE *f) {
         "      --kv-blocks N           KV cache blocks (default: every slot at full context)\n"
         "      --kv-block-size N       tokens per KV block (default 16)\n"
         "      --no-prefix-cache       do not reuse the cached KV blocks of earlier prompts' shared starts\n"
+        "  speculative decoding:\n"
+        "      --spec MODE             off (default) or ngram: drafts copied from earlier text in the prompt\n"
+        "                              and output, verified in the step (lossless; helps editing, summaries,\n"
+        "                              code)\n"
+        "      --spec-k K              most draft tokens per step and sequence, 1..16 (default 8, adaptive)\n"
+        "      --spec-max-batch N      speculate only in steps with at most N decodes (default 4; -1 = always)\n"
         "  server:\n"
         "      --config FILE           JSON object with any of these options by name (\"max_batch_seqs\": "
         "32);\n"
@@ -92,7 +98,10 @@ enum {
     O_API_KEY,
     O_METRICS_PUBLIC,
     O_ORIGINS,
-    O_NO_PREFIX_CACHE
+    O_NO_PREFIX_CACHE,
+    O_SPEC,
+    O_SPEC_K,
+    O_SPEC_MAX_BATCH
 };
 
 static const struct option opts[] = {
@@ -114,6 +123,9 @@ static const struct option opts[] = {
     {"kv-blocks", required_argument, 0, O_KV_BLOCKS},
     {"kv-block-size", required_argument, 0, O_KV_BLOCK_SIZE},
     {"no-prefix-cache", no_argument, 0, O_NO_PREFIX_CACHE},
+    {"spec", required_argument, 0, O_SPEC},
+    {"spec-k", required_argument, 0, O_SPEC_K},
+    {"spec-max-batch", required_argument, 0, O_SPEC_MAX_BATCH},
     {"config", required_argument, 0, O_CONFIG},
     {"drain-timeout", required_argument, 0, O_DRAIN},
     {"max-connections", required_argument, 0, O_MAX_CONN},
@@ -164,6 +176,9 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
     case O_NO_PREFIX_CACHE:
         ep->no_prefix_cache = true;
         return true;
+    case O_SPEC: ep->open.spec = v; return true;
+    case O_SPEC_K: return cli_int("--spec-k", v, 1, 16, &ep->open.spec_k);
+    case O_SPEC_MAX_BATCH: return cli_int("--spec-max-batch", v, -1, 4096, &ep->spec_max_batch);
     case O_CONFIG: o->config = v; return true;
     case O_DRAIN:
         if (!cli_float("--drain-timeout", v, 0, 86400, &f)) return false;

@@ -1,0 +1,206 @@
+/* speculative.c — the n-gram drafter, the verifier (greedy acceptance and
+ * rejection sampling) and adaptive k (see speculative.h). */
+#include "speculative.h"
+
+#include <assert.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../backends/backend.h"
+
+duet_status duet__spec_params(const duet_open_params *p, duet_spec_mode *mode, int *k) {
+    *mode = DUET_SPEC_OFF;
+    *k = DUET_SPEC_DEFAULT_K;
+    bool named = p->spec && strcmp(p->spec, "off") != 0 && strcmp(p->spec, "") != 0;
+    if (named && strcmp(p->spec, "ngram") == 0)
+        *mode = DUET_SPEC_NGRAM;
+    else if (named && strcmp(p->spec, "draft") == 0)
+        *mode = DUET_SPEC_DRAFT;
+    else if (named)
+        return duet__error(
+            DUET_INVALID_ARGUMENT,
+            "speculative decoding '%s' is not known (use off, ngram, or draft with a draft model)", p->spec);
+    if (p->draft && *p->draft) {
+        if (*mode == DUET_SPEC_NGRAM)
+            return duet__error(DUET_INVALID_ARGUMENT, "spec ngram and a draft model: choose one");
+        *mode = DUET_SPEC_DRAFT;
+    } else if (*mode == DUET_SPEC_DRAFT) {
+        return duet__error(DUET_INVALID_ARGUMENT, "spec draft needs a draft model (--draft MODEL)");
+    }
+    if (p->spec_k < 0 || p->spec_k > DUET_SPEC_MAX_K)
+        return duet__error(DUET_INVALID_ARGUMENT, "spec_k %d out of range [1, %d] (0 = %d)", p->spec_k,
+                           DUET_SPEC_MAX_K, DUET_SPEC_DEFAULT_K);
+    if (p->spec_k) *k = p->spec_k;
+    return DUET_OK;
+}
+
+/* ---- n-gram drafter --------------------------------------------------------- */
+
+int duet__spec_ngram(const int32_t *tokens, int n, int n_min, int n_max, int k, int32_t *draft) {
+    if (k <= 0 || n < 2 || n_min < 1) return 0;
+    if (n_max > n - 1) n_max = n - 1;
+    for (int m = n_max; m >= n_min; m--) {
+        const int32_t *suffix = tokens + n - m;
+        /* Latest start i with tokens[i..i+m) == suffix and i + m < n (at
+         * least one token follows the occurrence). */
+        for (int i = n - m - 1; i >= 0; i--) {
+            if (tokens[i + m - 1] != suffix[m - 1] || memcmp(tokens + i, suffix, (size_t)m * sizeof *tokens))
+                continue;
+            /* Copy what followed; past the end the copy reads its own
+             * output, so a repeating run continues periodically. */
+            for (int j = 0; j < k; j++) {
+                int src = i + m + j;
+                draft[j] = src < n ? tokens[src] : draft[src - n];
+            }
+            return k;
+        }
+    }
+    return 0;
+}
+
+/* ---- verifier ----------------------------------------------------------------- */
+
+struct duet_spec_verifier {
+    int n_vocab;
+    int32_t *ids; /* [n_vocab] p's support, ascending */
+    float *probs; /* [n_vocab] p over it */
+    float *res;   /* [n_vocab] the residual max(0, p - q) over it */
+    float *qd;    /* [n_vocab] q by id (dense), all zero between calls */
+    bool broken;  /* tests: draw from p on rejection */
+};
+
+duet_status duet__spec_verifier_new(int n_vocab, duet_spec_verifier **out) {
+    *out = NULL;
+    if (n_vocab < 1)
+        return duet__error(DUET_INVALID_ARGUMENT, "speculative: n_vocab must be >= 1 (got %d)", n_vocab);
+    duet_spec_verifier *v = calloc(1, sizeof *v);
+    if (!v) return duet__error(DUET_OUT_OF_MEMORY, "speculative: out of memory");
+    v->n_vocab = n_vocab;
+    v->ids = malloc((size_t)n_vocab * sizeof *v->ids);
+    v->probs = malloc((size_t)n_vocab * sizeof *v->probs);
+    v->res = malloc((size_t)n_vocab * sizeof *v->res);
+    v->qd = calloc((size_t)n_vocab, sizeof *v->qd);
+    if (!v->ids || !v->probs || !v->res || !v->qd) {
+        duet__spec_verifier_free(v);
+        return duet__error(DUET_OUT_OF_MEMORY, "speculative: out of memory for n_vocab=%d", n_vocab);
+    }
+    *out = v;
+    return DUET_OK;
+}
+
+void duet__spec_verifier_free(duet_spec_verifier *v) {
+    if (!v) return;
+    free(v->ids);
+    free(v->probs);
+    free(v->res);
+    free(v->qd);
+    free(v);
+}
+
+void duet__spec_verifier_break_residual(duet_spec_verifier *v, bool broken) {
+    v->broken = broken;
+}
+
+/* p(token) over the support ids[0..n) (ascending): binary search. */
+static float prob_of(const int32_t *ids, const float *probs, int n, int32_t token) {
+    int lo = 0, hi = n;
+    while (lo < hi) {
+        int mid = lo + (hi - lo) / 2;
+        if (ids[mid] < token)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < n && ids[lo] == token ? probs[lo] : 0.0f;
+}
+
+/* Draws from weights w[0..n) over ids (not necessarily normalised), in id
+ * order, like the sampler's own draw; the RNG is used only when more than
+ * one token has mass. Returns -1 when no weight is positive. */
+static int32_t draw(duet_sampler *smp, const int32_t *ids, const float *w, int n) {
+    double total = 0.0;
+    int with_mass = 0, last = -1;
+    for (int i = 0; i < n; i++)
+        if (w[i] > 0.0f) {
+            total += w[i];
+            with_mass++;
+            last = i;
+        }
+    if (with_mass == 0) return -1;
+    if (with_mass == 1) return ids[last];
+    double r = duet_sampler_uniform(smp) * total, cum = 0.0;
+    for (int i = 0; i < n; i++) {
+        if (w[i] <= 0.0f) continue;
+        cum += w[i];
+        if (cum > r) return ids[i];
+    }
+    return ids[last]; /* rounding left r at the very top */
+}
+
+int32_t duet__spec_verify(duet_spec_verifier *v, duet_sampler *smp, float *logits, int32_t draft,
+                          const int32_t *q_ids, const float *q_probs, int n_q, bool *accepted) {
+    assert(v && smp && logits && accepted && n_q >= 0 && (n_q == 0 || (q_ids && q_probs)));
+    int n = duet_sampler_dist(smp, logits, v->ids, v->probs);
+    float p = draft >= 0 && draft < v->n_vocab ? prob_of(v->ids, v->probs, n, draft) : 0.0f;
+    /* q(x): a deterministic drafter, or a draft token outside its own
+     * distribution (it cannot have been drawn from q), counts as one-hot. */
+    float q = n_q > 0 && draft >= 0 && draft < v->n_vocab ? prob_of(q_ids, q_probs, n_q, draft) : 0.0f;
+    bool one_hot = !(q > 0.0f);
+    if (one_hot) q = 1.0f;
+
+    /* Keep x with probability min(1, p / q); draw only when it is not certain. */
+    double ratio = (double)p / (double)q;
+    bool keep = ratio >= 1.0 || (ratio > 0.0 && duet_sampler_uniform(smp) < ratio);
+    *accepted = keep;
+    if (keep) return draft;
+
+    /* Rejected: the residual max(0, p - q), over p's support (q's mass
+     * elsewhere does not matter: p is 0 there). */
+    memcpy(v->res, v->probs, (size_t)n * sizeof *v->res);
+    if (!v->broken) {
+        if (one_hot) {
+            for (int i = 0; i < n; i++)
+                if (v->ids[i] == draft) v->res[i] = 0.0f;
+        } else {
+            for (int i = 0; i < n_q; i++)
+                v->qd[q_ids[i]] = q_probs[i];
+            for (int i = 0; i < n; i++) {
+                float r = v->probs[i] - v->qd[v->ids[i]];
+                v->res[i] = r > 0.0f ? r : 0.0f;
+            }
+            for (int i = 0; i < n_q; i++)
+                v->qd[q_ids[i]] = 0.0f;
+        }
+    }
+    int32_t t = draw(smp, v->ids, v->res, n);
+    if (t >= 0) return t;
+    /* p == q up to rounding (then rejection had probability ~0): draw from p. */
+    t = draw(smp, v->ids, v->probs, n);
+    return t >= 0 ? t : v->ids[0];
+}
+
+/* ---- adaptive k ----------------------------------------------------------------- */
+
+void duet__spec_adapt_init(duet_spec_adapt *a, int k_max) {
+    a->alpha = 0.5f;
+    a->k = k_max < 1 ? 1 : k_max;
+}
+
+void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, int k_max) {
+    if (k_max < 1) k_max = 1;
+    if (n_draft > 0) {
+        /* A run of n_accepted keeps, then one rejection unless all were kept. */
+        float trials = (float)n_accepted + (n_accepted < n_draft ? 1.0f : 0.0f);
+        float est = trials > 0.0f ? (float)n_accepted / trials : a->alpha;
+        a->alpha = 0.7f * a->alpha + 0.3f * est;
+    }
+    int k;
+    if (a->alpha >= 0.999f)
+        k = k_max;
+    else if (a->alpha <= 0.0f)
+        k = 1;
+    else
+        k = (int)floorf(logf(DUET_SPEC_ADAPT_MIN_GAIN) / logf(a->alpha));
+    a->k = k < 1 ? 1 : k > k_max ? k_max : k;
+}

@@ -1,0 +1,113 @@
+/* speculative.h — the pure pieces of speculative decoding: a drafter that
+ * proposes tokens without a model (n-gram / prompt lookup) and the
+ * verifier that turns a drafted position's target logits into the token
+ * the sequence keeps.
+ *
+ * A speculative step: the drafter proposes d[0..k); the target evaluates
+ * the sequence's newest token and d[0..k) in one forward pass, which gives
+ * k + 1 logit rows. Row j is the target's distribution for the position
+ * that d[j] would fill. The caller walks the rows in order:
+ *
+ *     for (j = 0; j < k; j++) {
+ *         t = duet__spec_verify(v, smp, row[j], d[j], q_j..., &accepted);
+ *         duet_sampler_accept(smp, t); emit t;
+ *         if (!accepted || the sequence finished) break;
+ *     }
+ *     if (all k accepted and not finished) t = duet_sampler_sample(smp, row[k]);  // the bonus token
+ *
+ * so the penalties at row j see exactly the tokens before it, as they
+ * would without speculation. Rows after the first rejection are discarded
+ * (their KV entries roll back: the caller shortens the sequence).
+ *
+ * Lossless: with greedy settings the kept tokens are the target's argmax
+ * at every position (identical to decoding without speculation when the
+ * logits are). Otherwise this is rejection sampling (Leviathan et al. 2023,
+ * Chen et al. 2023): the draft token x is kept with probability
+ * min(1, p(x) / q(x)); on rejection the token is drawn from the normalised
+ * residual max(0, p - q). p is the distribution the sampler itself draws
+ * from (duet_sampler_dist: penalties, temperature, top-k, top-p, min-p) and
+ * q must be the draft's distribution after the same transformation; a
+ * deterministic drafter (n-gram) has q = one-hot(x), which makes the rule
+ * "keep x with probability p(x), else draw from p without x". The output
+ * distribution then equals the target's. Random numbers come from the
+ * sequence's sampler (duet_sampler_uniform), drawn only when the outcome
+ * is not already certain, so seeded runs are reproducible and greedy runs
+ * draw nothing.
+ *
+ * A sequence with a grammar is not speculated (its constraint acts on
+ * draws, not on the distribution duet_sampler_dist returns).
+ */
+#ifndef DUET_SPECULATIVE_H
+#define DUET_SPECULATIVE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "duet.h"
+#include "sampler.h"
+
+/* Draft tokens one step may propose per sequence, at most. */
+#define DUET_SPEC_MAX_K 16
+/* n-gram drafter: the longest and shortest suffix it looks up. */
+#define DUET_SPEC_NGRAM_MAX 3
+#define DUET_SPEC_NGRAM_MIN 1
+
+/* The default of duet_open_params.spec_k. */
+#define DUET_SPEC_DEFAULT_K 8
+
+typedef enum duet_spec_mode { DUET_SPEC_OFF = 0, DUET_SPEC_NGRAM, DUET_SPEC_DRAFT } duet_spec_mode;
+
+/* Reads duet_open_params' spec, spec_k and draft: *mode (spec "ngram", or
+ * a draft model) and *k (1..DUET_SPEC_MAX_K). DUET_INVALID_ARGUMENT with a
+ * message naming the accepted values otherwise. */
+duet_status duet__spec_params(const duet_open_params *p, duet_spec_mode *mode, int *k);
+
+/* Proposes up to k tokens to follow tokens[0..n): for m from n_max down to
+ * n_min, finds the latest earlier occurrence of the last m tokens and
+ * copies what followed it (an overlapping copy, as in LZ77: a repeating
+ * run continues periodically). Returns the number proposed, 0 when no
+ * suffix of length >= n_min occurs earlier (or k <= 0, n < 2). O(n * n_max). */
+int duet__spec_ngram(const int32_t *tokens, int n, int n_min, int n_max, int k, int32_t *draft);
+
+/* Scratch for verification, sized for one vocabulary (allocated once;
+ * nothing is allocated per token). One thread at a time. */
+typedef struct duet_spec_verifier duet_spec_verifier;
+
+duet_status duet__spec_verifier_new(int n_vocab, duet_spec_verifier **out);
+void duet__spec_verifier_free(duet_spec_verifier *v);
+
+/* Verifies one drafted position. `logits` is the target's row (modified in
+ * place); `draft` the proposed token; q_ids[0..n_q) / q_probs the draft's
+ * distribution (ids ascending, probabilities summing to 1), or n_q = 0 for
+ * a deterministic drafter (q = one-hot(draft)). Returns the token to keep:
+ * the draft (*accepted = true) or a draw from the residual. Does not call
+ * duet_sampler_accept. */
+int32_t duet__spec_verify(duet_spec_verifier *v, duet_sampler *smp, float *logits, int32_t draft,
+                          const int32_t *q_ids, const float *q_probs, int n_q, bool *accepted);
+
+/* For tests only: a verifier that, on rejection, draws from p instead of
+ * the residual max(0, p - q) (a classic bug: it over-weights the draft's
+ * tokens). The distribution test uses it to show that it can fail. */
+void duet__spec_verifier_break_residual(duet_spec_verifier *v, bool broken);
+
+/* Adaptive k of one sequence. Each drafted token is kept with some
+ * probability alpha (the acceptance rate); a step that drafts k tokens
+ * keeps a run of them. alpha is estimated per step as a geometric run's
+ * maximum-likelihood value (kept / (kept + 1 if one was rejected)) and
+ * smoothed with an exponential moving average. The next k is the largest
+ * whose last token still has a chance alpha^k >= DUET_SPEC_ADAPT_MIN_GAIN
+ * of being reached and kept: one more drafted position costs a fraction of
+ * a step, and it pays only while its expected gain exceeds that. */
+#define DUET_SPEC_ADAPT_MIN_GAIN 0.15f
+
+typedef struct duet_spec_adapt {
+    float alpha; /* estimated per-token acceptance, in [0, 1]; starts at 0.5 */
+    int k;       /* draft length for the next step, in [1, k_max] */
+} duet_spec_adapt;
+
+void duet__spec_adapt_init(duet_spec_adapt *a, int k_max);
+/* After a step that drafted n_draft tokens (> 0) and kept n_accepted of
+ * them: updates alpha and picks the next k in [1, k_max]. */
+void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, int k_max);
+
+#endif /* DUET_SPECULATIVE_H */
