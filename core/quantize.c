@@ -177,12 +177,15 @@ static duet_dtype mix_type(planner *s, const char *name, int64_t cols) {
     return r;
 }
 
-/* llama.cpp's fallback for rows a type's block does not divide. */
+/* llama.cpp's fallback for rows a type's block does not divide (as of
+ * 0c1e570, llama-quant.cpp: Q2_K and Q3_K go to Q4_0, IQ4_XS to IQ4_NL). */
 static duet_dtype fallback_type(duet_dtype t, int64_t cols) {
     duet_dtype f;
     switch (t) {
     case DUET_DTYPE_Q2_K:
     case DUET_DTYPE_Q3_K:
+        f = DUET_DTYPE_Q4_0;
+        break;
     case DUET_DTYPE_IQ4_XS:
         f = DUET_DTYPE_IQ4_NL;
         break;

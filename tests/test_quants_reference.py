@@ -230,7 +230,7 @@ class Reference(unittest.TestCase):
         def q2_k(name, t):
             if len(t.shape) == 1:
                 return Q.F32
-            return Q.Q3_K if "ffn_down" in name else Q.IQ4_NL
+            return Q.Q3_K if "ffn_down" in name else Q.Q4_0  # q2_k and q3_k fall back to q4_0
 
         def iq4_xs(name, t):
             if len(t.shape) == 1:
