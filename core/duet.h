@@ -335,6 +335,13 @@ typedef struct duet_engine_params {
     /* Speculation (open.spec) backs off as the batch fills: a step with more
      * decodes than this verifies no drafts. 0 = 4; -1 = never back off. */
     int spec_max_batch;
+    /* Latency targets per duet_priority, in ms (0 = none): p99 time to first
+     * token and p99 inter-token latency. With any target set, the adaptive
+     * controller (core/controller.h) retunes batch_timeout, max_batch_seqs
+     * and max_batch_tokens once per controller window (the configured
+     * values are the ceilings of the last two). */
+    double slo_ttft_ms[2], slo_itl_ms[2];
+    double controller_window_ms; /* 0 = 2000 */
 } duet_engine_params;
 
 duet_engine_params duet_engine_params_default(void);

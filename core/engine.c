@@ -28,6 +28,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "controller.h"
 #include "duet_internal.h"
 #include "metrics.h"
 #include "sampler.h"
@@ -93,6 +94,11 @@ struct duet_engine {
     pthread_cond_t cv;
     bool stopping, drain, thread_started;
     bool prefix_cache; /* requests share cached KV blocks of their prompts */
+    /* The adaptive controller: runs when some latency target is set, once
+     * per window, on the engine thread, under mu. */
+    duet_ctl ctl;
+    bool ctl_on;
+    int64_t ctl_window_ns, ctl_next;
 
     engine_req *reqs; /* [cap] */
     int cap;
@@ -510,7 +516,16 @@ static void update_gauges(duet_engine *e) {
                              .kv_blocks_cached = st.kv_blocks_cached,
                              .spec_k = e->spec ? e->spec_k : 0,
                              .spec_max_batch = k.spec_max_batch,
-                             .spec_throttled_tokens = st.spec_throttled};
+                             .spec_throttled_tokens = st.spec_throttled,
+                             .controller = e->ctl_on,
+                             .ctl_itl_ratio = e->ctl.itl_ratio,
+                             .ctl_ttft_ratio = e->ctl.ttft_ratio};
+    for (int c = 0; c < 2; c++) {
+        g.slo_ttft_s[c] = e->ctl.cfg.ttft_target_s[c];
+        g.slo_itl_s[c] = e->ctl.cfg.itl_target_s[c];
+    }
+    for (int a = 0; a < DUET_CTL_N_ACTIONS; a++)
+        g.ctl_decisions[a] = e->ctl.actions[a];
     memcpy(g.waiting, st.waiting, sizeof g.waiting);
     memcpy(g.running, st.running, sizeof g.running);
     duet__metrics_set_gauges(e->metrics, &g);
@@ -528,7 +543,7 @@ static void take_token(duet_engine *e, engine_req *r, int i, int32_t id) {
     if (!r->t_first_token)
         r->t_first_token = now;
     else
-        duet__metrics_inter_token(e->metrics, secs(now - r->t_last_token));
+        duet__metrics_inter_token_prio(e->metrics, r->prio, secs(now - r->t_last_token));
     r->t_last_token = now;
     bool eog = !r->ignore_eos && duet_tokenizer_is_eog(m->tok, id);
     if (eog || duet_sampler_grammar_done(r->smp)) /* the grammar's sentence is closed */
@@ -688,6 +703,29 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
     return DUET_OK;
 }
 
+/* One controller window: the metrics of the last window and the queue in,
+ * new knobs out (under mu). */
+static void controller_tick(duet_engine *e, int64_t now) {
+    duet_metrics_window w;
+    duet__metrics_window(e->metrics, secs(now), secs(e->ctl_window_ns), &w);
+    duet_sched_stats st;
+    duet__sched_stats(e->sched, &st);
+    duet_ctl_window cw = {.arrival_rate = w.arrival_rate,
+                          .waiting = st.waiting[0] + st.waiting[1],
+                          .running = st.running[0] + st.running[1]};
+    for (int c = 0; c < 2; c++) {
+        cw.ttft_p99_s[c] = w.ttft_p99_prio_s[c], cw.ttft_n[c] = w.ttft_n[c];
+        cw.itl_p99_s[c] = w.itl_p99_prio_s[c], cw.itl_n[c] = w.itl_n[c];
+    }
+    duet_sched_knobs k = duet__sched_knobs(e->sched);
+    duet_ctl_knobs cur = {k.max_batch_seqs, k.max_batch_tokens, k.batch_timeout_ns}, next;
+    duet__ctl_update(&e->ctl, &cw, &cur, &next);
+    k.max_batch_seqs = next.max_batch_seqs;
+    k.max_batch_tokens = next.max_batch_tokens;
+    k.batch_timeout_ns = next.batch_timeout_ns;
+    duet__sched_set_knobs(e->sched, &k); /* within the configured capacities by construction */
+}
+
 static void *engine_main(void *arg) {
     duet_engine *e = arg;
     pthread_mutex_lock(&e->mu);
@@ -695,13 +733,23 @@ static void *engine_main(void *arg) {
         flush_cancels(e);
         if (e->stopping && (!e->drain || !duet__sched_busy(e->sched))) break;
         offer_drafts(e);
+        if (e->ctl_on && now_ns() >= e->ctl_next) {
+            int64_t t = now_ns();
+            controller_tick(e, t);
+            e->ctl_next = t + e->ctl_window_ns;
+        }
         duet_sched_plan plan;
         int64_t now = now_ns();
         duet_sched_action act = duet__sched_plan(e->sched, now, &plan);
-        if (act == DUET_SCHED_IDLE) {
+        if (act == DUET_SCHED_IDLE && !e->ctl_on) {
             update_gauges(e);
             pthread_cond_wait(&e->cv, &e->mu);
             continue;
+        }
+        if (act == DUET_SCHED_IDLE) { /* idle windows count too (quiet) */
+            act = DUET_SCHED_WAIT;
+            plan.wake_at = e->ctl_next;
+            update_gauges(e);
         }
         if (act == DUET_SCHED_WAIT) {
             struct timespec ts;
@@ -855,6 +903,15 @@ static duet_status engine_params(const duet_engine_params *params, duet_engine_p
             "the serving engine does not run a draft model yet (duet run does); use spec ngram");
     if (p.spec_max_batch < -1)
         return duet__error(DUET_INVALID_ARGUMENT, "spec_max_batch %d must be >= -1", p.spec_max_batch);
+    for (int c = 0; c < 2; c++)
+        if (!(p.slo_ttft_ms[c] >= 0 && p.slo_ttft_ms[c] <= 3.6e6) ||
+            !(p.slo_itl_ms[c] >= 0 && p.slo_itl_ms[c] <= 3.6e6))
+            return duet__error(DUET_INVALID_ARGUMENT,
+                               "latency targets must be in [0, 3600000] ms (0 = none)");
+    if (!p.controller_window_ms) p.controller_window_ms = 2000;
+    if (!(p.controller_window_ms >= 10 && p.controller_window_ms <= 3.6e6))
+        return duet__error(DUET_INVALID_ARGUMENT, "controller_window_ms %g out of range [10, 3600000]",
+                           p.controller_window_ms);
     *out = p;
     return DUET_OK;
 }
@@ -922,6 +979,21 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
         snprintf(name, sizeof name, "%s", path ? path : "model");
     e->metrics = duet__metrics_new(name);
     e->prefix_cache = !p.no_prefix_cache;
+    duet_ctl_config cc = {.seqs_min = 1,
+                          .seqs_max = p.max_batch_seqs,
+                          .tokens_min = p.max_batch_tokens < 16 ? p.max_batch_tokens : 16,
+                          .tokens_max = p.max_batch_tokens,
+                          .timeout_min_ns = 0,
+                          .timeout_max_ns =
+                              (int64_t)((p.batch_timeout_ms > 100 ? p.batch_timeout_ms : 100) * 1e6)};
+    for (int c = 0; c < 2; c++) {
+        cc.ttft_target_s[c] = p.slo_ttft_ms[c] * 1e-3;
+        cc.itl_target_s[c] = p.slo_itl_ms[c] * 1e-3;
+    }
+    if ((st = duet__ctl_init(&e->ctl, &cc))) goto fail;
+    e->ctl_on = duet__ctl_active(&e->ctl);
+    e->ctl_window_ns = (int64_t)(p.controller_window_ms * 1e6);
+    e->ctl_next = now_ns() + e->ctl_window_ns;
     /* Requests in flight at most: every waiting one plus every running one. */
     e->cap = p.max_waiting + p.max_batch_seqs + 1;
     e->max_tokens = p.max_batch_tokens;

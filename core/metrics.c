@@ -26,6 +26,8 @@
 #include "metrics.h"
 #include "speculative.h"
 
+#include "controller.h"
+
 #define N_PRIO 2
 static const char *const prio_names[N_PRIO] = {"interactive", "batch"};
 
@@ -51,6 +53,8 @@ static const double seqs_bounds[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 9
 static const double tokens_bounds[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
 static const double len_bounds[] = {1,    2,    5,    10,    20,    50,    100,   200,
                                     500,  1000, 2000, 5000,  10000, 20000, 50000, 100000};
+
+_Static_assert(DUET_CTL_N_ACTIONS == 4, "duet_metrics_gauges.ctl_decisions has a slot per action");
 
 #define MAX_BOUNDS 32
 #define N_BOUNDS(a) ((int)(sizeof(a) / sizeof *(a)))
@@ -86,8 +90,20 @@ typedef struct ring {
     int cap, head, n;
 } ring;
 
-enum { RING_TTFT, RING_ITL, RING_E2E, RING_ARRIVAL, RING_BUSY, N_RINGS };
-static const int ring_caps[N_RINGS] = {4096, 32768, 4096, 8192, 16384};
+/* The _P0/_P1 rings hold the same samples by class (interactive, batch). */
+enum {
+    RING_TTFT,
+    RING_ITL,
+    RING_E2E,
+    RING_ARRIVAL,
+    RING_BUSY,
+    RING_TTFT_P0,
+    RING_TTFT_P1,
+    RING_ITL_P0,
+    RING_ITL_P1,
+    N_RINGS
+};
+static const int ring_caps[N_RINGS] = {4096, 32768, 4096, 8192, 16384, 4096, 4096, 32768, 32768};
 
 struct duet_metrics {
     pthread_mutex_t mu;
@@ -198,6 +214,7 @@ void duet__metrics_request_done(duet_metrics *m, duet_priority prio, duet_finish
     if (generated_tokens > 0 && ttft_s >= 0) {
         hist_add(&c->ttft[p], ttft_bounds, N_BOUNDS(ttft_bounds), ttft_s);
         ring_push(&m->rings[RING_TTFT], t, ttft_s);
+        ring_push(&m->rings[RING_TTFT_P0 + p], t, ttft_s);
     }
     if (generated_tokens > 1 && e2e_s > ttft_s && ttft_s >= 0)
         hist_add(&c->tpot_req, itl_bounds, N_BOUNDS(itl_bounds), (e2e_s - ttft_s) / (generated_tokens - 1));
@@ -223,6 +240,17 @@ void duet__metrics_inter_token(duet_metrics *m, double seconds) {
     pthread_mutex_lock(&m->mu);
     hist_add(&m->c.itl, itl_bounds, N_BOUNDS(itl_bounds), seconds);
     if (isfinite(seconds)) ring_push(&m->rings[RING_ITL], t, seconds);
+    pthread_mutex_unlock(&m->mu);
+}
+
+void duet__metrics_inter_token_prio(duet_metrics *m, duet_priority prio, double seconds) {
+    double t = now_s();
+    pthread_mutex_lock(&m->mu);
+    hist_add(&m->c.itl, itl_bounds, N_BOUNDS(itl_bounds), seconds);
+    if (isfinite(seconds)) {
+        ring_push(&m->rings[RING_ITL], t, seconds);
+        ring_push(&m->rings[RING_ITL_P0 + prio_index(prio)], t, seconds);
+    }
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -310,6 +338,12 @@ void duet__metrics_window(duet_metrics *m, double now, double window_s, duet_met
     pthread_mutex_lock(&m->mu);
     out->ttft_p99_s = p99_of(m->scratch, ring_collect(&m->rings[RING_TTFT], lo, now, m->scratch));
     out->itl_p99_s = p99_of(m->scratch, ring_collect(&m->rings[RING_ITL], lo, now, m->scratch));
+    for (int p = 0; p < N_PRIO; p++) {
+        out->ttft_n[p] = ring_collect(&m->rings[RING_TTFT_P0 + p], lo, now, m->scratch);
+        out->ttft_p99_prio_s[p] = p99_of(m->scratch, out->ttft_n[p]);
+        out->itl_n[p] = ring_collect(&m->rings[RING_ITL_P0 + p], lo, now, m->scratch);
+        out->itl_p99_prio_s[p] = p99_of(m->scratch, out->itl_n[p]);
+    }
     out->n_requests = ring_collect(&m->rings[RING_E2E], lo, now, m->scratch);
     out->e2e_p99_s = p99_of(m->scratch, out->n_requests);
     /* Arrivals are known when requests finish or are refused, so the rate
@@ -513,6 +547,34 @@ char *duet__metrics_render(duet_metrics *m) {
         (double)g->prefix_cache_queries);
     counter_one(&w, m, "duet_prefix_cache_hits_total",
                 "Of the looked-up tokens, those found cached (not computed).", (double)g->prefix_cache_hits);
+    gauge_one(&w, m, "duet_controller_active",
+              "1 while the adaptive controller retunes the knobs (some latency target is set).",
+              g->controller);
+    family(&w, "duet_slo_ttft_seconds", "gauge",
+           "The controller's p99 time-to-first-token target by priority (0 = none).");
+    for (int p = 0; p < N_PRIO; p++) {
+        snprintf(extra, sizeof extra, "priority=\"%s\"", prio_names[p]);
+        sample(&w, m, "duet_slo_ttft_seconds", extra, g->slo_ttft_s[p]);
+    }
+    family(&w, "duet_slo_itl_seconds", "gauge",
+           "The controller's p99 inter-token latency target by priority (0 = none).");
+    for (int p = 0; p < N_PRIO; p++) {
+        snprintf(extra, sizeof extra, "priority=\"%s\"", prio_names[p]);
+        sample(&w, m, "duet_slo_itl_seconds", extra, g->slo_itl_s[p]);
+    }
+    gauge_one(&w, m, "duet_controller_itl_ratio",
+              "The controller's smoothed worst p99 ITL / target over the classes (-1 = no samples yet).",
+              g->ctl_itl_ratio);
+    gauge_one(&w, m, "duet_controller_ttft_ratio",
+              "The controller's smoothed worst p99 TTFT / target over the classes (-1 = no samples yet).",
+              g->ctl_ttft_ratio);
+    family(&w, "duet_controller_decisions_total", "counter",
+           "The controller's decisions, one per window: hold, protect (ITL over target: smaller steps), "
+           "catch_up (TTFT over target or a backlog), relax (quiet: longer batch timeout, larger steps).");
+    for (int a = 0; a < DUET_CTL_N_ACTIONS; a++) {
+        snprintf(extra, sizeof extra, "action=\"%s\"", duet__ctl_action_name((duet_ctl_action)a));
+        sample_u64(&w, m, "duet_controller_decisions_total", extra, g->ctl_decisions[a]);
+    }
     gauge_one(&w, m, "duet_prefix_cache_blocks", "KV blocks with a prefix cache entry (in use or evictable).",
               g->kv_blocks_cached);
     counter_one(&w, m, "duet_prompt_tokens_total", "Prompt tokens of finished requests.", (double)c->prompt_tokens);

@@ -24,8 +24,10 @@ void duet__metrics_request_done(duet_metrics *m, duet_priority prio, duet_finish
                                 double ttft_s, double queue_s, int prompt_tokens, int generated_tokens);
 /* A request was refused at submit (queue full -> "rejected", invalid -> "invalid"). */
 void duet__metrics_request_refused(duet_metrics *m, duet_priority prio, const char *reason);
-/* One inter-token gap of a running request. */
+/* One inter-token gap of a running request (of a priority class, for the
+ * per-class window; the first form leaves it out of the classes). */
 void duet__metrics_inter_token(duet_metrics *m, double seconds);
+void duet__metrics_inter_token_prio(duet_metrics *m, duet_priority prio, double seconds);
 /* One engine step: sequences and tokens in it, and device time it took. */
 void duet__metrics_step(duet_metrics *m, int n_seqs, int n_tokens, double busy_s);
 /* A preemption (KV pressure). */
@@ -50,6 +52,13 @@ typedef struct duet_metrics_gauges {
      * the draft tokens it refused so far because the batch was full. */
     int spec_k, spec_max_batch;
     uint64_t spec_throttled_tokens;
+    /* The adaptive controller (core/controller.h): whether it runs, its
+     * targets per class (seconds, 0 = none), its smoothed pressure ratios
+     * (p99 / target, -1 = no samples yet) and its decisions by action. */
+    bool controller;
+    double slo_ttft_s[2], slo_itl_s[2];
+    double ctl_itl_ratio, ctl_ttft_ratio;
+    uint64_t ctl_decisions[4];
 } duet_metrics_gauges;
 void duet__metrics_set_gauges(duet_metrics *m, const duet_metrics_gauges *g);
 /* The engine's health (duet_engine_healthy); a new instance is healthy. */
@@ -58,6 +67,8 @@ void duet__metrics_set_healthy(duet_metrics *m, bool healthy);
 /* Recent-window view for the adaptive controller and benchmarks. */
 typedef struct duet_metrics_window {
     double ttft_p99_s, itl_p99_s, e2e_p99_s; /* over the last window_s seconds */
+    double ttft_p99_prio_s[2], itl_p99_prio_s[2]; /* the same by duet_priority (0 without samples) */
+    int ttft_n[2], itl_n[2];                      /* samples behind them */
     double arrival_rate;                     /* requests per second */
     double busy_ratio;                       /* device busy time / wall time */
     int n_requests;

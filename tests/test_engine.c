@@ -1167,6 +1167,55 @@ START_TEST(prefix_cache_keeps_greedy_outputs) {
 }
 END_TEST
 
+START_TEST(controller_retunes_the_running_engine) {
+    /* An ITL target no step can meet and a 50 ms window: the controller
+     * protects it, shrinking the step budget, and says so in the metrics. */
+    duet_engine_params p = duet_engine_params_default();
+    p.open.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    p.open.n_ctx = 256;
+    p.max_batch_seqs = 4;
+    p.max_batch_tokens = 64;
+    p.prefill_chunk = 8;
+    p.slo_itl_ms[DUET_PRIORITY_INTERACTIVE] = 0.001;
+    p.controller_window_ms = 50;
+    duet_engine *e;
+    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
+                  "start: %s", duet_last_error());
+    char *metrics = NULL;
+    for (int round = 0; round < 40; round++) {
+        collected *c = run_requests(e, false, 4);
+        free(c);
+        free(metrics);
+        metrics = duet_engine_metrics(e);
+        ck_assert_ptr_nonnull(metrics);
+        if (metric_value(metrics, "duet_max_batch_tokens", NULL) < 64) break;
+    }
+    ck_assert_msg(metric_value(metrics, "duet_controller_active", NULL) == 1, "the controller runs");
+    ck_assert_msg(metric_value(metrics, "duet_controller_decisions_total", "action=\"protect\"") >= 1,
+                  "it protected the ITL target");
+    ck_assert_msg(metric_value(metrics, "duet_max_batch_tokens", NULL) < 64, "the step budget shrank");
+    ck_assert_msg(metric_value(metrics, "duet_slo_itl_seconds", "priority=\"interactive\"") == 0.001 * 1e-3,
+                  "the target is exported");
+    ck_assert_msg(metric_value(metrics, "duet_controller_itl_ratio", NULL) > 1, "the ratio is exported");
+    free(metrics);
+    duet_engine_stop(e, true);
+    /* No target: no controller, knobs as configured. */
+    p.slo_itl_ms[DUET_PRIORITY_INTERACTIVE] = 0;
+    ck_assert_int_eq(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e), DUET_OK);
+    free(run_requests(e, false, 4));
+    metrics = duet_engine_metrics(e);
+    ck_assert_msg(metric_value(metrics, "duet_controller_active", NULL) == 0 &&
+                      metric_value(metrics, "duet_max_batch_tokens", NULL) == 64,
+                  "without targets nothing is retuned");
+    free(metrics);
+    duet_engine_stop(e, true);
+    /* Bad targets are refused. */
+    p.slo_ttft_ms[DUET_PRIORITY_BATCH] = -5;
+    ck_assert_int_eq(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e),
+                     DUET_INVALID_ARGUMENT);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("engine");
     TCase *tc = tcase_create("stories260K");
@@ -1179,6 +1228,7 @@ int main(void) {
     tcase_add_test(tc, device_error_fails_the_step_not_the_engine);
     tcase_add_test(tc, cancel_racing_completion);
     tcase_add_test(tc, prefix_cache_keeps_greedy_outputs);
+    tcase_add_test(tc, controller_retunes_the_running_engine);
     suite_add_tcase(s, tc);
     TCase *share = tcase_create("sharing");
     tcase_set_timeout(share, 300);

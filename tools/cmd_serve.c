@@ -52,6 +52,10 @@ static void usage(FILE *f) {
         "                              code)\n"
         "      --spec-k K              most draft tokens per step and sequence, 1..16 (default 8, adaptive)\n"
         "      --spec-max-batch N      speculate only in steps with at most N decodes (default 4; -1 = always)\n"
+        "  adaptive controller (on when a target is set; retunes batch timeout, batch size, step budget):\n"
+        "      --slo-ttft-ms T         p99 time-to-first-token target: MS (interactive requests) or\n"
+        "                              interactive=MS,batch=MS\n"
+        "      --slo-itl-ms T          p99 inter-token latency target, the same way\n"
         "  server:\n"
         "      --config FILE           JSON object with any of these options by name (\"max_batch_seqs\": "
         "32);\n"
@@ -101,7 +105,9 @@ enum {
     O_NO_PREFIX_CACHE,
     O_SPEC,
     O_SPEC_K,
-    O_SPEC_MAX_BATCH
+    O_SPEC_MAX_BATCH,
+    O_SLO_TTFT,
+    O_SLO_ITL
 };
 
 static const struct option opts[] = {
@@ -126,6 +132,8 @@ static const struct option opts[] = {
     {"spec", required_argument, 0, O_SPEC},
     {"spec-k", required_argument, 0, O_SPEC_K},
     {"spec-max-batch", required_argument, 0, O_SPEC_MAX_BATCH},
+    {"slo-ttft-ms", required_argument, 0, O_SLO_TTFT},
+    {"slo-itl-ms", required_argument, 0, O_SLO_ITL},
     {"config", required_argument, 0, O_CONFIG},
     {"drain-timeout", required_argument, 0, O_DRAIN},
     {"max-connections", required_argument, 0, O_MAX_CONN},
@@ -146,6 +154,39 @@ typedef struct serve_opts {
     duet_engine_params ep;
     double drain_timeout_s;
 } serve_opts;
+
+/* A latency target per priority class: "MS" (interactive) or
+ * "interactive=MS,batch=MS" (either may be left out; ':' works for '='). */
+static bool parse_slo(const char *flag, const char *v, double out[2]) {
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", v);
+    char *save = NULL;
+    bool any = false;
+    for (char *item = strtok_r(buf, ",", &save); item; item = strtok_r(NULL, ",", &save)) {
+        int cls = 0;
+        char *num = item, *eq = strpbrk(item, "=:");
+        if (eq) {
+            *eq = 0;
+            num = eq + 1;
+            if (!strcmp(item, "interactive"))
+                cls = 0;
+            else if (!strcmp(item, "batch"))
+                cls = 1;
+            else
+                return fprintf(stderr, "duet: %s: unknown class '%s' (interactive or batch)\n", flag, item),
+                       false;
+        }
+        char *end;
+        double x = strtod(num, &end);
+        if (!*num || *end || !(x > 0 && x <= 3.6e6))
+            return fprintf(stderr, "duet: %s wants milliseconds in (0, 3600000], got '%s'\n", flag, num),
+                   false;
+        out[cls] = x;
+        any = true;
+    }
+    if (!any) return fprintf(stderr, "duet: %s: no target given\n", flag), false;
+    return true;
+}
 
 /* Applies one option (from argv or the config file); false after printing why. */
 static bool set_opt(serve_opts *o, int key, const char *v) {
@@ -179,6 +220,10 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
     case O_SPEC: ep->open.spec = v; return true;
     case O_SPEC_K: return cli_int("--spec-k", v, 1, 16, &ep->open.spec_k);
     case O_SPEC_MAX_BATCH: return cli_int("--spec-max-batch", v, -1, 4096, &ep->spec_max_batch);
+    case O_SLO_TTFT:
+        return parse_slo("--slo-ttft-ms", v, ep->slo_ttft_ms);
+    case O_SLO_ITL:
+        return parse_slo("--slo-itl-ms", v, ep->slo_itl_ms);
     case O_CONFIG: o->config = v; return true;
     case O_DRAIN:
         if (!cli_float("--drain-timeout", v, 0, 86400, &f)) return false;
