@@ -15,7 +15,7 @@
 #include "duet_bench.h"
 
 static const char usage[] =
-    "usage: duet-bench (--base-url URL | --in-process -m MODEL | --serve-cmd CMD) [options]\n"
+    "usage: duet-bench (--base-url URL | --in-process -m MODEL | --serve-cmd CMD | --simulate PROFILE) [options]\n"
     "\n"
     "Target (one of):\n"
     "  --base-url URL             an OpenAI-compatible server (streams POST /v1/completions)\n"
@@ -35,6 +35,17 @@ static const char usage[] =
     "                             comparison.md/.png (the target is named by --label, default duet)\n"
     "  --endpoint PATH            default /v1/completions\n"
     "  --served-model-name NAME   the \"model\" field (default: the first id of GET /v1/models)\n"
+    "  --simulate PROFILE         no server: the engine's scheduler on a virtual clock, steps costed by the\n"
+    "                             step-cost model `duet profile` wrote; the same workload, arrivals and report\n"
+    "  --instances N              --simulate: N identical instances behind a least-outstanding-work router\n"
+    "  --find-instances MAX       --simulate: fleets of 1..MAX instances until every load meets\n"
+    "                             --slo-ttft-ms/--slo-itl-ms; writes instances.csv, needed.csv, instances.png\n"
+    "  --sim-ctx N                --simulate: context per sequence (default: the profile's)\n"
+    "  --sim-latency-ms X         --simulate: added to every token's time (the client-server path)\n"
+    "  --trace FILE               --simulate: arrivals and lengths from a file, one request a line:\n"
+    "                             arrival_s,prompt_tokens,output_tokens[,interactive|batch] or JSONL with those\n"
+    "                             keys (arrival, prompt_tokens, output_tokens, priority); with --request-rate\n"
+    "                             or --sweep-rate the times are rescaled to that mean rate\n"
     "\n"
     "Workload:\n"
     "  --num-prompts N            requests per point (default 100)\n"
@@ -516,6 +527,24 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--slo-itl-ms")) {
             NEED_ARG();
             ok = parse_double(a, v, 1e-6, 1e9, false, &c.slo_itl_ms);
+        } else if (!strcmp(a, "--simulate")) {
+            NEED_ARG();
+            c.simulate = v;
+        } else if (!strcmp(a, "--instances")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 4096, &c.sim_instances);
+        } else if (!strcmp(a, "--find-instances")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 1, 4096, &c.find_instances);
+        } else if (!strcmp(a, "--sim-ctx")) {
+            NEED_ARG();
+            ok = parse_int(a, v, 2, 1 << 20, &c.sim_n_ctx);
+        } else if (!strcmp(a, "--sim-latency-ms")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 0, 1e6, false, &c.sim_latency_ms);
+        } else if (!strcmp(a, "--trace")) {
+            NEED_ARG();
+            c.trace_path = v;
         } else if (!strcmp(a, "--output-dir")) {
             NEED_ARG();
             c.output_dir = v;
@@ -542,13 +571,39 @@ int main(int argc, char **argv) {
         snprintf(c.http.base_url, sizeof c.http.base_url, "http://%s:%d", host ? host : "127.0.0.1",
                  port ? port : 8000);
     }
-    int targets = (c.http.base_url[0] != 0) + c.in_process + (c.serve_cmd != NULL);
+    int targets = (c.http.base_url[0] != 0) + c.in_process + (c.serve_cmd != NULL) + (c.simulate != NULL);
     if (targets != 1) {
-        fprintf(
-            stderr,
-            "duet-bench: choose one target: --base-url URL, --in-process -m MODEL, or --serve-cmd CMD\n%s",
-            usage);
+        fprintf(stderr,
+                "duet-bench: choose one target: --base-url URL, --in-process -m MODEL, --serve-cmd CMD, or "
+                "--simulate PROFILE\n%s",
+                usage);
         return 2;
+    }
+    if (!c.simulate && (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.trace_path)) {
+        fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms and --trace "
+                        "belong to --simulate\n");
+        return 2;
+    }
+    if (c.simulate) {
+        if (c.all_devices || c.load.max_concurrency > 0 || c.n_sweep_conc) {
+            fprintf(stderr, "duet-bench: --simulate runs one device's profile with open-loop arrivals (no "
+                            "--all-devices, --max-concurrency or --sweep-concurrency)\n");
+            return 2;
+        }
+        duet_status st = duet_step_cost_load(c.simulate, &c.sim_cost);
+        if (st) {
+            fprintf(stderr, "duet-bench: --simulate: %s\n", duet_last_error());
+            return 2;
+        }
+        if (n_peers) {
+            fprintf(stderr, "duet-bench: --peer compares real servers; it does not combine with --simulate\n");
+            return 2;
+        }
+        if (c.find_instances && c.sim_instances) {
+            fprintf(stderr, "duet-bench: --find-instances chooses the instance count itself (no --instances)\n");
+            return 2;
+        }
+        if (!c.sim_instances) c.sim_instances = 1;
     }
     if (c.in_process && !c.model_path) {
         fprintf(stderr, "duet-bench: --in-process needs -m MODEL\n");
@@ -591,6 +646,7 @@ int main(int argc, char **argv) {
             stderr,
             "duet-bench: gnuplot not found (or it lacks the png terminals): CSV and JSON only, no plots\n");
 
+    if (c.find_instances) return db_sim_find_instances(&c, command);
     if (n_peers) return run_compare(&c, peers, n_peers, command);
     if (!c.all_devices) {
         db_sweep s = {0};

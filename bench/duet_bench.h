@@ -11,6 +11,9 @@
  *                       Prometheus text parsing and histogram diffs
  * duet_bench_sweep.c    one run per sweep point; a server per knob setting
  * duet_bench_report.c   CSV, JSON, markdown, gnuplot plots, progress line
+ * duet_bench_sim.c      --simulate: the same runs on a virtual clock (the
+ *                       engine's scheduler, a router, a measured step-cost
+ *                       model), traces, and the instance-count search
  * duet_bench_util.c     the clock, number lists, names, folders, CPU usage
  *
  * Times are seconds on CLOCK_MONOTONIC unless a name says _ms.
@@ -21,6 +24,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "duet.h"
 
@@ -219,6 +223,7 @@ typedef struct db_prompt {
     int output_len;
     duet_priority priority;
     bool priority_set; /* false: send none (the server's default) */
+    double arrival;    /* from a trace (--trace): seconds after the first; else 0 */
 } db_prompt;
 
 typedef struct db_workload_cfg {
@@ -369,6 +374,14 @@ typedef struct db_config {
     const char *output_dir;
     const char *label;
     bool plots, progress, save_requests;
+    /* --simulate: a virtual clock instead of real runs */
+    const char *simulate;   /* the step-cost file (duet profile); NULL = real runs */
+    duet_step_cost sim_cost; /* read from it */
+    int sim_instances;      /* instances behind the router (default 1) */
+    int sim_n_ctx;          /* context per sequence; 0 = the profile's */
+    double sim_latency_ms;  /* added to every token's time: the client-server path */
+    const char *trace_path; /* arrivals and lengths from a file */
+    int find_instances;     /* > 0: search 1..find_instances for the fewest meeting the targets */
 } db_config;
 
 /* A whole sweep on one target, with its points and chosen operating point. */
@@ -402,9 +415,30 @@ bool db_report_write(const db_config *cfg, const db_sweep *s, const char *dir);
 bool db_report_compare(const db_config *cfg, const db_sweep *sweeps, int n, const char *dir);
 /* Prints the operating point (or "none meets the targets") to stdout. */
 void db_report_print_op(const db_config *cfg, const db_sweep *s);
+/* The terminal, size and output lines every plot script starts with. */
+void db_gp_header(FILE *f, const char *out_png, int w, int h);
 /* Runs gnuplot on a script file; false (and a message once) when it is
  * missing or fails. */
 bool db_gnuplot(const char *script_path, char *err, size_t esize);
 const char *db_gnuplot_terminal(void); /* "pngcairo", "png", or NULL */
+
+/* ---- --simulate (duet_bench_sim.c) ------------------------------------------ */
+
+/* Runs one point on the virtual clock: the same prompts and arrival times
+ * as a real run of this load (or the trace's), on cfg->sim_instances
+ * instances with knobs kn. Same contract as db_http_run. */
+bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n, const db_load *load,
+                db_result *results, int *n_sent, double *duration, char *err, size_t esize);
+/* Requests a simulated point needs for cfg's duration and fastest rate. */
+int db_sim_requests_needed(const db_config *cfg);
+/* Reads a trace: one request a line, "arrival_s,prompt_tokens,output_tokens[,interactive|batch]"
+ * (CSV; a header line and # comments are skipped) or JSONL objects with
+ * arrival, prompt_tokens, output_tokens[, priority]. Arrivals must not
+ * decrease. False with a message naming the line. */
+bool db_trace_load(const char *path, db_prompt **out, int *n, char *err, size_t esize);
+/* --find-instances: a sweep per instance count until every load meets the
+ * p99 targets; writes instances.csv and instances.png under the output
+ * folder and prints the answer. Returns the exit status. */
+int db_sim_find_instances(db_config *cfg, const char *command);
 
 #endif /* DUET_BENCH_H */

@@ -518,7 +518,7 @@ bool db_gnuplot(const char *script_path, char *err, size_t esize) {
     return true;
 }
 
-static void gp_header(FILE *f, const char *out_png, int w, int h) {
+void db_gp_header(FILE *f, const char *out_png, int w, int h) {
     const char *t = db_gnuplot_terminal();
     if (t && !strcmp(t, "pngcairo"))
         fprintf(f, "set terminal pngcairo size %d,%d font 'sans,10'\n", w, h);
@@ -593,7 +593,7 @@ static bool write_plots(const db_config *cfg, const db_sweep *s, const char *dir
     }
     char dev[300];
     gp_title(dev, sizeof dev, s->meta.device);
-    gp_header(f, png, 1400, 620 + 14 * nb);
+    db_gp_header(f, png, 1400, 620 + 14 * nb);
     fprintf(f,
             "set multiplot layout 1,2 title '%s (%s): latency against output throughput "
             "(p50 dashed, p99 solid; points in order of offered load)'\n",
@@ -697,7 +697,7 @@ static bool write_plots(const db_config *cfg, const db_sweep *s, const char *dir
         return false;
     }
     int width = 500 + 28 * n_rows;
-    gp_header(f, png, width < 900 ? 900 : width, 620);
+    db_gp_header(f, png, width < 900 ? 900 : width, 620);
     fprintf(
         f,
         "set title '%s (%s): sequences per engine step, by sweep point'\n"
@@ -890,7 +890,7 @@ bool db_report_compare(const db_config *cfg, const db_sweep *sw, int n, const ch
         if (g) fclose(g);
         return false;
     }
-    gp_header(g, png, 1400, 560);
+    db_gp_header(g, png, 1400, 560);
     fprintf(
         g, "set multiplot layout 1,2 title 'p99 latency against output throughput, every device (dots: every "
            "sweep point; lines: the best latency reached at each throughput)'\n"

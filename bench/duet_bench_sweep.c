@@ -318,14 +318,23 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
     db_utc_now(m->started, sizeof m->started);
     gethostname(m->host, sizeof m->host);
     snprintf(m->mode, sizeof m->mode, "%s",
-             cfg->in_process  ? "in-process"
+             cfg->simulate    ? "simulated"
+             : cfg->in_process ? "in-process"
              : cfg->serve_cmd ? "http (--serve-cmd)"
                               : "http");
     snprintf(m->model, sizeof m->model, "%s", cfg->model_path ? cfg->model_path : "");
     snprintf(m->backend, sizeof m->backend, "%s", backend ? backend : "auto");
     snprintf(m->device, sizeof m->device, "unknown");
     snprintf(m->driver, sizeof m->driver, "unknown");
-    if (!cfg->in_process && !cfg->serve_cmd) {
+    if (cfg->simulate) {
+        /* The device the step costs were measured on, times the fleet size. */
+        const duet_step_cost *c = &cfg->sim_cost;
+        snprintf(m->mode, sizeof m->mode, "simulated x%d", cfg->sim_instances > 0 ? cfg->sim_instances : 1);
+        snprintf(m->backend, sizeof m->backend, "%s", c->backend[0] ? c->backend : "?");
+        snprintf(m->device, sizeof m->device, "%s", c->device[0] ? c->device : "?");
+        snprintf(m->driver, sizeof m->driver, "step costs: %.200s", cfg->simulate);
+        if (!cfg->model_path) snprintf(m->model, sizeof m->model, "%s", c->model);
+    } else if (!cfg->in_process && !cfg->serve_cmd) {
         snprintf(m->backend, sizeof m->backend, "%s", "remote");
         snprintf(m->device, sizeof m->device, "%.255s", cfg->label ? cfg->label : cfg->http.base_url);
     }
@@ -376,10 +385,11 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
             .model = vocab_model, .n_vocab = d.n_vocab, .bos = d.add_bos ? d.bos : -1, .eos = d.eos};
     }
     db_workload_cfg wc = cfg->workload;
-    wc.n = cfg->num_prompts > 0 ? cfg->num_prompts : 20000;
+    wc.n = cfg->num_prompts > 0 ? cfg->num_prompts : cfg->simulate ? db_sim_requests_needed(cfg) : 20000;
     db_prompt *prompts = NULL;
     char err[512] = "";
-    bool ok = db_workload_make(&wc, &vocab, &prompts, err, sizeof err);
+    bool ok = cfg->trace_path ? db_trace_load(cfg->trace_path, &prompts, &wc.n, err, sizeof err)
+                              : db_workload_make(&wc, &vocab, &prompts, err, sizeof err);
     if (!ok) {
         snprintf(out->why, sizeof out->why, "workload: %s", err);
         out->failed = true;
@@ -391,7 +401,7 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
      * with output lengths 2, 3, 4, ...: the decode batch then shrinks
      * through every size, so each batch shape's first-use cost (a kernel
      * JIT-compiled per shape, a pipeline created) is paid before measuring. */
-    int n_warm = cfg->warmup;
+    int n_warm = cfg->simulate ? 0 : cfg->warmup;
     if (n_warm < 0) {
         n_warm = 4;
         for (int i = 0; i < n_mbs; i++)
@@ -420,7 +430,9 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
             duet_engine *eng = NULL;
             served srv = {0};
             db_http http = cfg->http;
-            if (cfg->in_process) {
+            if (cfg->simulate) {
+                /* Nothing to start: the fleet lives in db_sim_run. */
+            } else if (cfg->in_process) {
                 duet_engine_params ep = duet_engine_params_default();
                 ep.open.backend = backend;
                 ep.open.device = device;
@@ -454,7 +466,7 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
                 snprintf(http.base_url, sizeof http.base_url, "%s", srv.base_url);
                 if (backend) describe_device(backend, device, NULL, m);
             }
-            if (!cfg->in_process && !http.model_name[0])
+            if (!cfg->in_process && !cfg->simulate && !http.model_name[0])
                 db_http_model_id(http.base_url, http.model_name, sizeof http.model_name);
 
             /* Warm-up: not measured; it also proves the target works. */
@@ -508,14 +520,16 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
                 char *mb = NULL, *ma = NULL;
                 double dur = 0;
                 db_cpu cpu0 = db_cpu_sample();
-                bool rok = cfg->in_process
+                bool rok = cfg->simulate ? db_sim_run(cfg, &kn, prompts, n_req, &pt->load, pt->results, &pt->n_sent,
+                                                      &dur, err, sizeof err)
+                           : cfg->in_process
                                ? db_inproc_run(eng, prompts, n_req, &pt->load, &cfg->req, &prog, pt->results,
                                                &pt->n_sent, &dur, &mb, &ma, err, sizeof err)
                                : db_http_run(&http, prompts, n_req, &pt->load, &cfg->req, &prog, pt->results,
                                              &pt->n_sent, &dur, &mb, &ma, err, sizeof err);
                 db_progress_end(&prog);
                 db_cpu cpu1 = db_cpu_sample();
-                pt->other_cpu = db_cpu_other_ratio(&cpu0, &cpu1);
+                pt->other_cpu = cfg->simulate ? 0 : db_cpu_other_ratio(&cpu0, &cpu1);
                 pt->stats.duration = dur;
                 point_fill(cfg, pt, mb, ma);
                 free(mb), free(ma);

@@ -462,6 +462,147 @@ duet_status duet_engine_warmup(duet_engine *e);
 /* Prometheus text exposition of the engine's metrics (malloc'd; free()). */
 char *duet_engine_metrics(duet_engine *e);
 
+/* ---- step-cost model, profiling, fleet simulation ----------------------- */
+
+/* The time one engine step takes, as a linear function of what is in it:
+ *
+ *   seconds = coef[0]                      fixed cost of a step
+ *           + coef[1] * n_decode           per decode token (a running sequence's next token)
+ *           + coef[2] * n_prefill          per prompt token in a chunk
+ *           + coef[3] * decode_ctx         per position a decode token attends to
+ *           + coef[4] * prefill_ctx        per position a prompt token attends to
+ *
+ * Fitted by least squares (non-negative coefficients) from measured steps:
+ * offline by `duet profile` (duet_profile_run), which writes it to a small
+ * JSON file, and online by the engine from its own steps. The scheduler
+ * sizes a step's prefill share with it and `duet-bench --simulate` costs
+ * its virtual steps with it: one model for both. */
+#define DUET_STEP_COST_TERMS 5
+
+typedef struct duet_step_shape {
+    int n_decode;       /* decode tokens: one per running sequence past its prompt */
+    int n_prefill;      /* prompt (or re-prefill) tokens, in chunks */
+    double decode_ctx;  /* sum over decode tokens of (position + 1) */
+    double prefill_ctx; /* sum over prompt-chunk tokens of (position + 1) */
+} duet_step_shape;
+
+typedef struct duet_step_sample {
+    duet_step_shape shape;
+    double seconds; /* measured */
+} duet_step_sample;
+
+typedef struct duet_step_cost {
+    double coef[DUET_STEP_COST_TERMS]; /* seconds per unit of each term, >= 0 */
+    /* Fit quality over the samples it came from (0 when unknown). */
+    int n_samples;
+    double rmse_s;       /* root mean square error, seconds */
+    double mean_rel_err; /* mean |predicted - measured| / measured */
+    double r2;           /* coefficient of determination */
+    /* Where it was measured ("" when unknown), and the profiled context. */
+    char model[256], backend[32], device[256];
+    int n_ctx;
+} duet_step_cost;
+
+/* Adds one step entry to a shape: n_tokens tokens at positions pos.., a
+ * decode (one token) or a prompt chunk. */
+void duet_step_shape_add(duet_step_shape *s, int pos, int n_tokens, bool decode);
+/* Predicted seconds of a step. */
+double duet_step_cost_predict(const duet_step_cost *m, const duet_step_shape *s);
+/* The JSON name of term i ("intercept", "per_decode_token", ...); NULL past the last. */
+const char *duet_step_cost_term(int i);
+/* Least squares of the relative error over n samples, every coefficient
+ * >= 0; fills coef and
+ * the fit quality (the where-fields are cleared). DUET_INVALID_ARGUMENT when
+ * n < 1 or a sample is not finite or negative. Terms no sample exercises
+ * get 0. */
+duet_status duet_step_cost_fit(const duet_step_sample *samples, int n, duet_step_cost *out);
+/* Writes the model as JSON (with the samples, when given, for refitting);
+ * DUET_IO with the path and reason on failure. */
+duet_status duet_step_cost_save(const duet_step_cost *m, const duet_step_sample *samples, int n_samples,
+                                const char *path);
+/* Reads a file duet_step_cost_save wrote. DUET_IO when it cannot be read,
+ * DUET_INVALID_ARGUMENT when it is not such a file (the message names the
+ * file and what is wrong: not JSON, wrong format or version, a term missing,
+ * negative or not a number). */
+duet_status duet_step_cost_load(const char *path, duet_step_cost *out);
+
+/* The engine's online fit of its own steps, now (coefficients, steps seen
+ * as n_samples, recent mean relative error as mean_rel_err). Also exported
+ * at /metrics as duet_step_cost_seconds{term=...}. */
+duet_status duet_engine_step_cost(duet_engine *e, duet_step_cost *out);
+/* Starts the engine's online fit again from `prior` (a profile's model),
+ * which then counts as a few steps' worth of evidence. */
+duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prior);
+
+/* `duet profile`: real steps of a grid of shapes on one backend and device,
+ * timed, then fitted. Decode steps of every batch size at every context,
+ * prompt chunks of every size starting at every context, and mixed steps
+ * (the middle decode batch with every chunk). Each shape runs once untimed
+ * (first-use costs) and then `repeats` times; the fit uses each shape's
+ * median. Sizes are capped by the model's context. */
+typedef struct duet_profile_params {
+    duet_open_params open;   /* backend, device, threads, n_ctx, kv_type */
+    const int *decode_batch; /* decode batch sizes; NULL = 1, 2, 4, 8, 16 */
+    int n_decode_batch;
+    const int *chunk;        /* prompt chunk sizes; NULL = 16, 32, 64, 128 */
+    int n_chunk;
+    const int *context;      /* contexts (positions before the step); NULL = 16, 128, 512 */
+    int n_context;
+    int repeats;             /* timed runs per shape; 0 = 3 */
+    double budget_s;         /* stop starting new shapes after this long; 0 = 45 */
+    /* Called after each shape (may be NULL): shapes done and in all. */
+    void (*progress)(int done, int total, void *user);
+    void *user;
+} duet_profile_params;
+
+duet_profile_params duet_profile_params_default(void);
+/* Opens the model, runs the grid, fits. *samples (malloc'd, caller frees)
+ * gets one median sample per shape timed, *fit the model with its
+ * where-fields set. */
+duet_status duet_profile_run(const char *model_path, const duet_profile_params *p, duet_step_sample **samples,
+                             int *n_samples, duet_step_cost *fit);
+
+/* A fleet of identical instances behind a least-outstanding-work router,
+ * simulated on a virtual clock: each instance runs the engine's real
+ * scheduler, and each planned step takes what the step-cost model says.
+ * Every request generates exactly its n_output tokens (as with
+ * ignore_eos), clamped to the context like duet_engine_submit does. */
+typedef struct duet_sim_request {
+    double arrival; /* seconds; requests in non-decreasing order */
+    int n_prompt, n_output;
+    duet_priority priority;
+} duet_sim_request;
+
+typedef struct duet_sim_outcome {
+    duet_status status;   /* DUET_OK, or the refusal: DUET_QUEUE_FULL, DUET_CONTEXT_FULL, DUET_BAD_REQUEST */
+    int instance;         /* where the router sent it; -1 when refused before */
+    double first_token;   /* seconds (NAN when refused) */
+    double done;          /* seconds: its last token (the refusal's time when refused) */
+    int n_generated;
+} duet_sim_outcome;
+
+typedef struct duet_sim_params {
+    int n_instances;           /* >= 1 */
+    duet_engine_params engine; /* every instance's knobs, as duet_engine_start takes them (0 = default) */
+    int n_ctx;                 /* context per sequence; 0 = the cost model's, else 2048 */
+    duet_step_cost cost;
+    /* Called for every generated token in time order (may be NULL): the
+     * request's index, the token's index in its output, its time. */
+    void (*on_token)(int request, int index, double t, void *user);
+    void *user;
+} duet_sim_params;
+
+typedef struct duet_sim_stats {
+    double end;           /* the last step's end, seconds */
+    uint64_t steps, preemptions;
+    double busy_s;        /* summed step time of every instance */
+} duet_sim_stats;
+
+/* Runs the requests to completion; out[i] for reqs[i]. DUET_INVALID_ARGUMENT
+ * on bad parameters (a message says which) or arrivals out of order. */
+duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs, int n, duet_sim_outcome *out,
+                          duet_sim_stats *stats);
+
 /* ---- quality evaluation ---------------------------------------------- */
 
 /* How closely `model` follows a reference on one token sequence (teacher

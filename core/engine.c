@@ -34,6 +34,7 @@
 #include "sampler.h"
 #include "scheduler.h"
 #include "speculative.h"
+#include "step_cost.h"
 #include "stop_strings.h"
 
 /* Request ids carry their table index in the low bits: O(1) look-up. */
@@ -128,6 +129,11 @@ struct duet_engine {
     bool spec;
     int spec_k;
     duet_spec_verifier *verifier;
+    /* The step-cost model fitted online from the steps run (under mu), and
+     * the last step's time (written by run_step). */
+    duet_step_cost_online cost;
+    double step_s;
+    char name[256]; /* the metrics' model_name */
 };
 
 static int64_t now_ns(void) {
@@ -690,7 +696,8 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
         }
         start = end;
     }
-    duet__metrics_step(e->metrics, n_seqs, n, secs(now_ns() - t0));
+    e->step_s = secs(now_ns() - t0);
+    duet__metrics_step(e->metrics, n_seqs, n, e->step_s);
     for (int i = 0; i < n_seqs; i++) {
         const duet_sched_seq *s = &e->plan_seqs[i];
         if (s->n_draft == 0) continue;
@@ -724,6 +731,14 @@ static void controller_tick(duet_engine *e, int64_t now) {
     k.max_batch_tokens = next.max_batch_tokens;
     k.batch_timeout_ns = next.batch_timeout_ns;
     duet__sched_set_knobs(e->sched, &k); /* within the configured capacities by construction */
+}
+
+/* Feeds the step just run to the online step-cost fit (under the lock). */
+static void observe_step(duet_engine *e, int n_seqs) {
+    duet_step_shape sh = {0};
+    for (int i = 0; i < n_seqs; i++)
+        duet_step_shape_add(&sh, e->plan_seqs[i].pos, e->plan_seqs[i].n_tokens, e->plan_seqs[i].decode);
+    duet__step_cost_online_observe(&e->cost, &sh, e->step_s);
 }
 
 static void *engine_main(void *arg) {
@@ -786,6 +801,7 @@ static void *engine_main(void *arg) {
         if (st) snprintf(e->err, ENGINE_ERR_SIZE, "%s", duet_last_error());
         pthread_mutex_lock(&e->mu);
         if (!st) {
+            observe_step(e, n_seqs);
             for (int i = 0; i < n_seqs; i++) {
                 engine_req *r = find_req(e, e->plan_seqs[i].id);
                 if (r && !r->cancelled) r->finish = e->step_finish[i];
@@ -972,11 +988,13 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
                                       .batch_timeout_ns = (int64_t)(p.batch_timeout_ms * 1e6),
                                       .spec_max_batch = spec_max_batch}};
     if ((st = duet__sched_new(&sc, &e->sched))) goto fail;
+    duet__step_cost_online_init(&e->cost, NULL, 0, 0);
     char name[256] = "";
     if (p.served_name && *p.served_name)
         snprintf(name, sizeof name, "%s", p.served_name);
     else if (duet_model_meta(m, "general.name", name, sizeof name) < 0)
         snprintf(name, sizeof name, "%s", path ? path : "model");
+    snprintf(e->name, sizeof e->name, "%s", name);
     e->metrics = duet__metrics_new(name);
     e->prefix_cache = !p.no_prefix_cache;
     duet_ctl_config cc = {.seqs_min = 1,
@@ -1141,6 +1159,36 @@ duet_status duet_engine_warmup(duet_engine *e) {
 char *duet_engine_metrics(duet_engine *e) {
     pthread_mutex_lock(&e->mu);
     update_gauges(e);
+    duet_step_cost cost = *duet__step_cost_online_get(&e->cost);
+    uint64_t n_steps = e->cost.n_steps;
     pthread_mutex_unlock(&e->mu);
-    return duet__metrics_render(e->metrics);
+    char *text = duet__metrics_render(e->metrics);
+    /* The step-cost gauges follow the metrics module's. */
+    char extra[2048];
+    int n = duet__step_cost_render_prom(&cost, n_steps, cost.mean_rel_err, e->name, extra, sizeof extra);
+    size_t len = text ? strlen(text) : 0;
+    char *all = text && n > 0 && (size_t)n < sizeof extra ? realloc(text, len + (size_t)n + 1) : NULL;
+    if (!all) return text;
+    memcpy(all + len, extra, (size_t)n + 1);
+    return all;
+}
+
+duet_status duet_engine_step_cost(duet_engine *e, duet_step_cost *out) {
+    if (!e || !out) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_step_cost: NULL argument");
+    pthread_mutex_lock(&e->mu);
+    *out = *duet__step_cost_online_get(&e->cost);
+    pthread_mutex_unlock(&e->mu);
+    return DUET_OK;
+}
+
+duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prior) {
+    if (!e || !prior) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_set_step_cost: NULL argument");
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        if (!(isfinite(prior->coef[j]) && prior->coef[j] >= 0))
+            return duet__error(DUET_INVALID_ARGUMENT, "step-cost term %s is %g; it must be finite and >= 0",
+                               duet_step_cost_term(j), prior->coef[j]);
+    pthread_mutex_lock(&e->mu);
+    duet__step_cost_online_init(&e->cost, prior, 0, 0);
+    pthread_mutex_unlock(&e->mu);
+    return DUET_OK;
 }

@@ -15,6 +15,7 @@ int cmd_mkmodel(int argc, char **argv);
 int cmd_quantize(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
 int cmd_eval(int argc, char **argv);
+int cmd_profile(int argc, char **argv);
 
 /* Parse a number, printing "duet: --flag: ..." and returning false when the
  * text is not a number or outside [min, max]. */

@@ -18,6 +18,7 @@ static const struct {
     {"mkmodel", cmd_mkmodel, "write a synthetic Llama-shaped model"},
     {"quantize", cmd_quantize, "convert a model's weights to q8_0 or f16"},
     {"eval", cmd_eval, "compare a model with a reference: KL divergence, top-1 agreement, perplexity"},
+    {"profile", cmd_profile, "measure step costs on a device and fit the model duet-bench --simulate uses"},
 };
 
 static void usage(FILE *f) {

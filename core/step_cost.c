@@ -1,0 +1,424 @@
+/* step_cost.c — the step-cost model: features of a step, the
+ * non-negative least-squares fit (offline over samples, online with
+ * forgetting), the JSON file, and the Prometheus gauges.
+ *
+ * The offline fit minimises relative errors (each sample weighted by
+ * 1/seconds^2); the online one absolute errors with forgetting. Both solve
+ * the normal equations in scaled coordinates (each column
+ * divided by its root mean square, so a per-token term and a per-position
+ * term of very different sizes are equally well conditioned) by Cholesky,
+ * with a small ridge towards the prior. A coefficient that comes out
+ * negative is fixed at zero and the rest refitted (the time a step takes
+ * never shrinks with more work in it).
+ */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../backends/backend.h"
+#include "step_cost.h"
+
+#define N DUET__SC_N
+#define FORMAT_NAME "duet-step-cost"
+#define FORMAT_VERSION 1
+
+static const char *const term_names[N] = {"intercept", "per_decode_token", "per_prefill_token",
+                                          "per_decode_context", "per_prefill_context"};
+
+const char *duet_step_cost_term(int i) {
+    return i >= 0 && i < N ? term_names[i] : NULL;
+}
+
+static void features(const duet_step_shape *s, double x[N]) {
+    x[0] = 1;
+    x[1] = s->n_decode;
+    x[2] = s->n_prefill;
+    x[3] = s->decode_ctx;
+    x[4] = s->prefill_ctx;
+}
+
+void duet_step_shape_add(duet_step_shape *s, int pos, int n_tokens, bool decode) {
+    /* Token t of the entry sits at pos + t and attends to pos + t + 1 positions. */
+    double span = (double)n_tokens * pos + (double)n_tokens * (n_tokens + 1) / 2;
+    if (decode) {
+        s->n_decode += n_tokens;
+        s->decode_ctx += span;
+    } else {
+        s->n_prefill += n_tokens;
+        s->prefill_ctx += span;
+    }
+}
+
+double duet_step_cost_predict(const duet_step_cost *m, const duet_step_shape *s) {
+    double x[N], t = 0;
+    features(s, x);
+    for (int j = 0; j < N; j++)
+        t += m->coef[j] * x[j];
+    return t;
+}
+
+/* Solves (A + ridge toward prior) beta = b for the active columns, all
+ * coefficients >= 0: columns never exercised (A[j][j] == 0) keep the prior's
+ * value; a negative solution is pinned at 0 and the rest solved again.
+ * `eps` is the ridge in scaled coordinates (relative to each column's
+ * mean square). */
+static void solve_nonneg(const double A[N][N], const double b[N], const double prior[N], double eps,
+                         double beta[N]) {
+    bool active[N];
+    for (int j = 0; j < N; j++) {
+        active[j] = A[j][j] > 0;
+        beta[j] = active[j] ? 0 : (prior[j] > 0 ? prior[j] : 0);
+    }
+    for (int round = 0; round <= N; round++) {
+        int idx[N], m = 0;
+        for (int j = 0; j < N; j++)
+            if (active[j]) idx[m++] = j;
+        if (m == 0) return;
+        double d[N], M[N][N], r[N];
+        for (int p = 0; p < m; p++)
+            d[p] = 1 / sqrt(A[idx[p]][idx[p]]);
+        /* Scaled system: (D A D + eps I) z = D (b - A_fixed beta_fixed) + eps D^-1 prior. */
+        for (int p = 0; p < m; p++) {
+            int j = idx[p];
+            double rhs = b[j];
+            for (int k = 0; k < N; k++)
+                if (!active[k]) rhs -= A[j][k] * beta[k];
+            r[p] = d[p] * rhs + eps * (prior[j] > 0 ? prior[j] : 0) / d[p];
+            for (int q = 0; q < m; q++)
+                M[p][q] = d[p] * A[j][idx[q]] * d[q] + (p == q ? eps : 0);
+        }
+        /* Cholesky M = L L^T in place (M is positive definite: eps > 0). */
+        bool ok = true;
+        for (int p = 0; p < m && ok; p++) {
+            for (int q = 0; q <= p; q++) {
+                double sum = M[p][q];
+                for (int k = 0; k < q; k++)
+                    sum -= M[p][k] * M[q][k];
+                if (p == q) {
+                    if (!(sum > 0)) {
+                        ok = false;
+                        break;
+                    }
+                    M[p][p] = sqrt(sum);
+                } else {
+                    M[p][q] = sum / M[q][q];
+                }
+            }
+        }
+        if (!ok) { /* numerically singular: give up on the active terms */
+            for (int p = 0; p < m; p++)
+                beta[idx[p]] = prior[idx[p]] > 0 ? prior[idx[p]] : 0;
+            return;
+        }
+        double z[N];
+        for (int p = 0; p < m; p++) { /* L y = r */
+            double sum = r[p];
+            for (int k = 0; k < p; k++)
+                sum -= M[p][k] * z[k];
+            z[p] = sum / M[p][p];
+        }
+        for (int p = m - 1; p >= 0; p--) { /* L^T z = y */
+            double sum = z[p];
+            for (int k = p + 1; k < m; k++)
+                sum -= M[k][p] * z[k];
+            z[p] = sum / M[p][p];
+        }
+        int worst = -1;
+        for (int p = 0; p < m; p++) {
+            beta[idx[p]] = d[p] * z[p];
+            if (beta[idx[p]] < 0 && (worst < 0 || beta[idx[p]] < beta[worst])) worst = idx[p];
+        }
+        if (worst < 0) return;
+        active[worst] = false;
+        beta[worst] = 0;
+    }
+}
+
+static bool sample_ok(const duet_step_sample *s) {
+    const duet_step_shape *h = &s->shape;
+    return isfinite(s->seconds) && s->seconds >= 0 && h->n_decode >= 0 && h->n_prefill >= 0 &&
+           isfinite(h->decode_ctx) && h->decode_ctx >= 0 && isfinite(h->prefill_ctx) && h->prefill_ctx >= 0;
+}
+
+/* Fit quality of m over the samples. */
+static void quality(duet_step_cost *m, const duet_step_sample *samples, int n) {
+    double mean = 0, ss_res = 0, ss_tot = 0, rel = 0;
+    int n_rel = 0;
+    for (int i = 0; i < n; i++)
+        mean += samples[i].seconds / n;
+    for (int i = 0; i < n; i++) {
+        double y = samples[i].seconds, e = duet_step_cost_predict(m, &samples[i].shape) - y;
+        ss_res += e * e;
+        ss_tot += (y - mean) * (y - mean);
+        if (y > 0) rel += fabs(e) / y, n_rel++;
+    }
+    m->n_samples = n;
+    m->rmse_s = sqrt(ss_res / n);
+    m->mean_rel_err = n_rel ? rel / n_rel : 0;
+    m->r2 = ss_tot > 0 ? 1 - ss_res / ss_tot : 1;
+}
+
+duet_status duet_step_cost_fit(const duet_step_sample *samples, int n, duet_step_cost *out) {
+    if (!samples || n < 1 || !out) return duet__error(DUET_INVALID_ARGUMENT, "step-cost fit: no samples");
+    double A[N][N] = {{0}}, b[N] = {0}, zero[N] = {0};
+    for (int i = 0; i < n; i++) {
+        if (!sample_ok(&samples[i]))
+            return duet__error(DUET_INVALID_ARGUMENT,
+                               "step-cost fit: sample %d is not finite and non-negative (%g s)", i,
+                               samples[i].seconds);
+        /* Relative errors: each shape counts alike, so a 1 ms decode step is
+         * fitted as closely as a 100 ms prompt chunk. */
+        double x[N], y = samples[i].seconds, w = 1 / (y > 1e-9 ? y * y : 1e-18);
+        features(&samples[i].shape, x);
+        for (int j = 0; j < N; j++) {
+            b[j] += w * x[j] * y;
+            for (int k = 0; k < N; k++)
+                A[j][k] += w * x[j] * x[k];
+        }
+    }
+    memset(out, 0, sizeof *out);
+    solve_nonneg((const double(*)[N])A, b, zero, 1e-10, out->coef);
+    quality(out, samples, n);
+    return DUET_OK;
+}
+
+/* ---- online ---------------------------------------------------------------- */
+
+#define ONLINE_REFIT_EVERY 8
+
+void duet__step_cost_online_init(duet_step_cost_online *o, const duet_step_cost *prior, double forget,
+                                 double prior_weight) {
+    memset(o, 0, sizeof *o);
+    o->forget = forget > 0 && forget <= 1 ? forget : 0.998;
+    if (prior) {
+        o->prior = *prior;
+        o->current = *prior;
+    }
+    o->prior_weight = prior ? (prior_weight > 0 ? prior_weight : 2) : 1e-3;
+}
+
+static void online_refit(duet_step_cost_online *o) {
+    o->since_fit = 0;
+    if (o->wsum <= 0) return;
+    duet_step_cost *c = &o->current;
+    /* The prior counts as prior_weight steps of the recent mix: relative to
+     * the weighted step count so far. */
+    double eps = o->prior_weight / o->wsum;
+    solve_nonneg((const double(*)[N])o->A, o->b, o->prior.coef, eps, c->coef);
+    /* Fit quality from the sufficient statistics: the weighted residual sum
+     * of squares is yy - 2 beta.b + beta^T A beta. */
+    double res = o->yy, mean = o->b[0] / o->wsum;
+    for (int j = 0; j < N; j++) {
+        res -= 2 * c->coef[j] * o->b[j];
+        for (int k = 0; k < N; k++)
+            res += c->coef[j] * o->A[j][k] * c->coef[k];
+    }
+    if (res < 0) res = 0;
+    double tot = o->yy - o->wsum * mean * mean;
+    c->rmse_s = sqrt(res / o->wsum);
+    c->r2 = tot > 0 ? 1 - res / tot : 1;
+    c->mean_rel_err = o->rel_err_ewma;
+    c->n_samples = o->n_steps > INT32_MAX ? INT32_MAX : (int)o->n_steps;
+}
+
+void duet__step_cost_online_observe(duet_step_cost_online *o, const duet_step_shape *s, double seconds) {
+    if (!(isfinite(seconds) && seconds > 0)) return;
+    duet_step_sample smp = {.shape = *s, .seconds = seconds};
+    if (!sample_ok(&smp)) return;
+    /* How well the model knew this step before learning from it. */
+    double pred = duet_step_cost_predict(&o->current, s);
+    double rel = pred > 0 ? fabs(pred - seconds) / seconds : 1;
+    o->rel_err_ewma = o->n_steps ? 0.98 * o->rel_err_ewma + 0.02 * rel : rel;
+    double x[N];
+    features(s, x);
+    for (int j = 0; j < N; j++) {
+        o->b[j] = o->forget * o->b[j] + x[j] * seconds;
+        for (int k = 0; k < N; k++)
+            o->A[j][k] = o->forget * o->A[j][k] + x[j] * x[k];
+    }
+    o->yy = o->forget * o->yy + seconds * seconds;
+    o->wsum = o->forget * o->wsum + 1;
+    o->n_steps++;
+    if (++o->since_fit >= ONLINE_REFIT_EVERY || o->n_steps <= ONLINE_REFIT_EVERY) online_refit(o);
+}
+
+const duet_step_cost *duet__step_cost_online_get(duet_step_cost_online *o) {
+    if (o->since_fit) online_refit(o);
+    return &o->current;
+}
+
+/* ---- the file ---------------------------------------------------------------- */
+
+duet_status duet_step_cost_save(const duet_step_cost *m, const duet_step_sample *samples, int n_samples,
+                                const char *path) {
+    if (!m || !path) return duet__error(DUET_INVALID_ARGUMENT, "step-cost save: NULL argument");
+    cJSON *root = cJSON_CreateObject();
+    cJSON_AddStringToObject(root, "format", FORMAT_NAME);
+    cJSON_AddNumberToObject(root, "version", FORMAT_VERSION);
+    cJSON_AddStringToObject(root, "model", m->model);
+    cJSON_AddStringToObject(root, "backend", m->backend);
+    cJSON_AddStringToObject(root, "device", m->device);
+    cJSON_AddNumberToObject(root, "n_ctx", m->n_ctx);
+    cJSON_AddStringToObject(root, "formula",
+                            "seconds = intercept + per_decode_token*n_decode + per_prefill_token*n_prefill"
+                            " + per_decode_context*decode_ctx + per_prefill_context*prefill_ctx");
+    cJSON *terms = cJSON_AddObjectToObject(root, "terms");
+    for (int j = 0; j < N; j++)
+        cJSON_AddNumberToObject(terms, term_names[j], m->coef[j]);
+    cJSON *fit = cJSON_AddObjectToObject(root, "fit");
+    cJSON_AddNumberToObject(fit, "samples", m->n_samples);
+    cJSON_AddNumberToObject(fit, "rmse_s", m->rmse_s);
+    cJSON_AddNumberToObject(fit, "mean_rel_err", m->mean_rel_err);
+    cJSON_AddNumberToObject(fit, "r2", m->r2);
+    if (samples && n_samples > 0) {
+        cJSON *arr = cJSON_AddArrayToObject(root, "samples");
+        for (int i = 0; i < n_samples; i++) {
+            const duet_step_sample *s = &samples[i];
+            cJSON *o = cJSON_CreateObject();
+            cJSON_AddNumberToObject(o, "n_decode", s->shape.n_decode);
+            cJSON_AddNumberToObject(o, "n_prefill", s->shape.n_prefill);
+            cJSON_AddNumberToObject(o, "decode_ctx", s->shape.decode_ctx);
+            cJSON_AddNumberToObject(o, "prefill_ctx", s->shape.prefill_ctx);
+            cJSON_AddNumberToObject(o, "seconds", s->seconds);
+            cJSON_AddItemToArray(arr, o);
+        }
+    }
+    char *text = cJSON_Print(root);
+    cJSON_Delete(root);
+    if (!text) return duet__error(DUET_OUT_OF_MEMORY, "step-cost save: out of memory");
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        duet_status st = duet__error(DUET_IO, "%s: cannot write: %s", path, strerror(errno));
+        free(text);
+        return st;
+    }
+    bool ok = fputs(text, f) >= 0 && fputc('\n', f) != EOF;
+    ok = (fclose(f) == 0) && ok;
+    free(text);
+    return ok ? DUET_OK : duet__error(DUET_IO, "%s: write failed: %s", path, strerror(errno));
+}
+
+static void copy_str(const cJSON *root, const char *key, char *dst, size_t size) {
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
+    snprintf(dst, size, "%s", cJSON_IsString(v) ? v->valuestring : "");
+}
+
+duet_status duet_step_cost_load(const char *path, duet_step_cost *out) {
+    if (!path || !out) return duet__error(DUET_INVALID_ARGUMENT, "step-cost load: NULL argument");
+    memset(out, 0, sizeof *out);
+    FILE *f = fopen(path, "rb");
+    if (!f) return duet__error(DUET_IO, "%s: cannot open: %s", path, strerror(errno));
+    char *text = NULL;
+    size_t len = 0, cap = 0;
+    for (;;) {
+        if (len + 4096 + 1 > cap) {
+            cap = cap ? cap * 2 : 8192;
+            char *t = cap > ((size_t)64 << 20) ? NULL : realloc(text, cap);
+            if (!t) {
+                free(text);
+                fclose(f);
+                return duet__error(DUET_INVALID_ARGUMENT, "%s: too large for a step-cost file", path);
+            }
+            text = t;
+        }
+        size_t got = fread(text + len, 1, 4096, f);
+        len += got;
+        if (got < 4096) break;
+    }
+    bool rerr = ferror(f);
+    fclose(f);
+    if (rerr) {
+        free(text);
+        return duet__error(DUET_IO, "%s: read error", path);
+    }
+    text[len] = 0;
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithOpts(text, &end, false);
+    duet_status st = DUET_OK;
+    if (!root) {
+        st = duet__error(DUET_INVALID_ARGUMENT, "%s: not JSON (error near byte %ld)", path,
+                         end ? (long)(end - text) : 0L);
+        free(text);
+        return st;
+    }
+    free(text);
+    const cJSON *fmt = cJSON_GetObjectItemCaseSensitive(root, "format");
+    const cJSON *ver = cJSON_GetObjectItemCaseSensitive(root, "version");
+    const cJSON *terms = cJSON_GetObjectItemCaseSensitive(root, "terms");
+    if (!cJSON_IsObject(root) || !cJSON_IsString(fmt) || strcmp(fmt->valuestring, FORMAT_NAME) != 0) {
+        st = duet__error(DUET_INVALID_ARGUMENT, "%s: not a step-cost file (\"format\" is not \"%s\")", path,
+                         FORMAT_NAME);
+    } else if (!cJSON_IsNumber(ver) || ver->valuedouble != FORMAT_VERSION) {
+        st = duet__error(DUET_INVALID_ARGUMENT, "%s: step-cost format version %g; this duet reads %d", path,
+                         cJSON_IsNumber(ver) ? ver->valuedouble : -1.0, FORMAT_VERSION);
+    } else if (!cJSON_IsObject(terms)) {
+        st = duet__error(DUET_INVALID_ARGUMENT, "%s: no \"terms\" object", path);
+    }
+    for (int j = 0; !st && j < N; j++) {
+        const cJSON *v = cJSON_GetObjectItemCaseSensitive(terms, term_names[j]);
+        if (!cJSON_IsNumber(v))
+            st = duet__error(DUET_INVALID_ARGUMENT, "%s: term \"%s\" is missing or not a number", path,
+                             term_names[j]);
+        else if (!isfinite(v->valuedouble) || v->valuedouble < 0)
+            st = duet__error(DUET_INVALID_ARGUMENT, "%s: term \"%s\" is %g; it must be finite and >= 0", path,
+                             term_names[j], v->valuedouble);
+        else
+            out->coef[j] = v->valuedouble;
+    }
+    if (!st) {
+        copy_str(root, "model", out->model, sizeof out->model);
+        copy_str(root, "backend", out->backend, sizeof out->backend);
+        copy_str(root, "device", out->device, sizeof out->device);
+        const cJSON *nc = cJSON_GetObjectItemCaseSensitive(root, "n_ctx");
+        out->n_ctx = cJSON_IsNumber(nc) && nc->valuedouble >= 0 && nc->valuedouble < 1e8 ? nc->valueint : 0;
+        const cJSON *fit = cJSON_GetObjectItemCaseSensitive(root, "fit");
+        const cJSON *v;
+        if ((v = cJSON_GetObjectItemCaseSensitive(fit, "samples")) && cJSON_IsNumber(v) && v->valuedouble >= 0 &&
+            v->valuedouble < 1e9)
+            out->n_samples = v->valueint;
+        if ((v = cJSON_GetObjectItemCaseSensitive(fit, "rmse_s")) && cJSON_IsNumber(v)) out->rmse_s = v->valuedouble;
+        if ((v = cJSON_GetObjectItemCaseSensitive(fit, "mean_rel_err")) && cJSON_IsNumber(v))
+            out->mean_rel_err = v->valuedouble;
+        if ((v = cJSON_GetObjectItemCaseSensitive(fit, "r2")) && cJSON_IsNumber(v)) out->r2 = v->valuedouble;
+    } else {
+        memset(out, 0, sizeof *out);
+    }
+    cJSON_Delete(root);
+    return st;
+}
+
+/* ---- metrics ----------------------------------------------------------------- */
+
+int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err, const char *model_name,
+                                char *buf, size_t size) {
+    char label[512];
+    size_t k = 0;
+    for (const char *p = model_name ? model_name : ""; *p && k + 3 < sizeof label; p++) {
+        if (*p == '\\' || *p == '"') label[k++] = '\\', label[k++] = *p;
+        else if (*p == '\n') label[k++] = '\\', label[k++] = 'n';
+        else label[k++] = *p;
+    }
+    label[k] = 0;
+    int n = snprintf(buf, size,
+                     "# HELP duet_step_cost_seconds The step-cost model the engine fits online from its steps "
+                     "(seconds per unit of each term).\n"
+                     "# TYPE duet_step_cost_seconds gauge\n");
+    for (int j = 0; j < N; j++) {
+        size_t at = (size_t)n < size ? (size_t)n : size;
+        n += snprintf(buf + at, size - at, "duet_step_cost_seconds{model_name=\"%s\",term=\"%s\"} %.9g\n", label,
+                      term_names[j], m->coef[j]);
+    }
+    size_t at = (size_t)n < size ? (size_t)n : size;
+    n += snprintf(buf + at, size - at,
+                  "# HELP duet_step_cost_steps_total Steps the step-cost model has learnt from.\n"
+                  "# TYPE duet_step_cost_steps_total counter\n"
+                  "duet_step_cost_steps_total{model_name=\"%s\"} %llu\n"
+                  "# HELP duet_step_cost_relative_error Recent mean |predicted - measured| / measured step time.\n"
+                  "# TYPE duet_step_cost_relative_error gauge\n"
+                  "duet_step_cost_relative_error{model_name=\"%s\"} %.6g\n",
+                  label, (unsigned long long)n_steps, label, rel_err);
+    return n;
+}

@@ -1,0 +1,51 @@
+/* step_cost.h — the step-cost model's online fit (the public half, the
+ * model itself, its offline fit and its file, is in duet.h).
+ *
+ * Pure: no clock, no thread, no allocation. The engine feeds it every step
+ * it runs (shape and measured seconds); the scheduler and the metrics read
+ * the current coefficients. The fit is weighted least squares with
+ * exponential forgetting (recent steps count more, so it follows a device
+ * that warms up or a machine that gets busier), regularised towards a prior
+ * (a profile's model, or zero): a term the recent steps do not exercise
+ * (no prompt chunks lately, say) keeps the prior's value instead of
+ * drifting. Not thread safe: one owner.
+ */
+#ifndef DUET_STEP_COST_H
+#define DUET_STEP_COST_H
+
+#include <stdint.h>
+
+#include "duet.h"
+
+#define DUET__SC_N DUET_STEP_COST_TERMS
+
+typedef struct duet_step_cost_online {
+    double A[DUET__SC_N][DUET__SC_N]; /* weighted sum of x x^T */
+    double b[DUET__SC_N];             /* weighted sum of x y */
+    double yy, wsum;                  /* weighted sum of y^2, of weights */
+    double forget;                    /* weight multiplier per step, (0, 1] */
+    double prior_weight;              /* pseudo-steps the prior counts as */
+    duet_step_cost prior;             /* coefficients to fall back to */
+    duet_step_cost current;           /* the latest fit */
+    uint64_t n_steps;                 /* steps observed in all */
+    int since_fit;                    /* steps since the last refit */
+    double rel_err_ewma;              /* recent |predicted - measured| / measured, before each update */
+} duet_step_cost_online;
+
+/* A fresh fit: prior NULL = all zero (weakly held), else the prior's
+ * coefficients (held as `prior_weight` steps' worth of evidence). */
+void duet__step_cost_online_init(duet_step_cost_online *o, const duet_step_cost *prior, double forget,
+                                 double prior_weight);
+/* One measured step. Non-finite or non-positive seconds are ignored. The
+ * coefficients are refitted every few steps (and at the first ones). */
+void duet__step_cost_online_observe(duet_step_cost_online *o, const duet_step_shape *s, double seconds);
+/* The current coefficients (refits first when steps came in since). */
+const duet_step_cost *duet__step_cost_online_get(duet_step_cost_online *o);
+
+/* Prometheus text of a model (duet_step_cost_seconds{term=...} gauges and
+ * the fit quality) appended to buf; returns the length written (like
+ * snprintf, clipped to size). */
+int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err, const char *model_name,
+                                char *buf, size_t size);
+
+#endif /* DUET_STEP_COST_H */

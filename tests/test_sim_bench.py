@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""End-to-end tests of `duet profile` and `duet-bench --simulate` on
+stories260K: the profile file and its printed fit, the simulated report
+against timelines worked out by hand, determinism, traces, the instance
+search and its curve, and the errors for bad input.
+
+usage: test_sim_bench.py DUET_BINARY SHARED_DIR BUILD_DIR
+"""
+import csv
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+DUET, SHARED, BUILD = sys.argv[1], sys.argv[2], sys.argv[3]
+BENCH = os.path.join(BUILD, "duet-bench")
+MODEL = os.path.join(SHARED, "models", "stories260K.gguf")
+HAVE_GNUPLOT = shutil.which("gnuplot") is not None
+TERMS = ["intercept", "per_decode_token", "per_prefill_token", "per_decode_context", "per_prefill_context"]
+
+
+def run(cmd, check=True, timeout=120):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def bench(*args, check=True):
+    return run([BENCH, "--disable-tqdm", *args], check=check)
+
+
+def read_csv(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def write_profile(path, terms, n_ctx=512):
+    with open(path, "w") as fh:
+        json.dump({"format": "duet-step-cost", "version": 1, "model": "hand-made", "backend": "cpu",
+                   "device": "test", "n_ctx": n_ctx, "terms": dict(zip(TERMS, terms))}, fh)
+
+
+class Profile(unittest.TestCase):
+    def test_profile_writes_a_fitted_model(self):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "p.json")
+            p = run([DUET, "profile", "-m", MODEL, "--backend", "cpu", "--threads", "1", "--out", out,
+                     "--decode-batches", "1,4,8", "--chunks", "16,64", "--contexts", "16,64", "--repeats", "3",
+                     "--quiet"])
+            with open(out) as fh:
+                doc = json.load(fh)
+            self.assertEqual(doc["format"], "duet-step-cost")
+            self.assertEqual(doc["backend"], "cpu")
+            # 3 decode batches x 2 contexts, 2 chunks from 0 and from each
+            # context, 2 mixed: 14 shapes, each a median sample.
+            self.assertEqual(len(doc["samples"]), 14)
+            self.assertEqual(doc["fit"]["samples"], 14)
+            for t in TERMS:
+                self.assertGreaterEqual(doc["terms"][t], 0)
+            self.assertGreater(doc["terms"]["intercept"] + doc["terms"]["per_decode_token"], 0)
+            # The printed table has a row per shape and the fit quality.
+            self.assertIn("quality: R^2", p.stdout)
+            self.assertEqual(sum(1 for l in p.stdout.splitlines() if l[:1].isdigit() and l.rstrip().endswith("%")), 14)
+            # More prompt tokens never cost less in the fitted model.
+            s = doc["samples"]
+            pred = lambda x: sum(doc["terms"][t] * v for t, v in zip(TERMS, [1, x["n_decode"], x["n_prefill"],
+                                                                              x["decode_ctx"], x["prefill_ctx"]]))
+            chunks = sorted((x for x in s if x["n_decode"] == 0), key=lambda x: (x["prefill_ctx"]))
+            self.assertLessEqual(pred(chunks[0]), pred(chunks[-1]))
+
+    def test_profile_errors(self):
+        p = run([DUET, "profile", "-m", MODEL], check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--out", p.stderr)
+        p = run([DUET, "profile", "-m", MODEL, "--out", "/tmp/x.json", "--chunks", "16,x"], check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--chunks wants a list", p.stderr)
+        p = run([DUET, "profile", "-m", "/nonexistent.gguf", "--out", "/tmp/x.json"], check=False)
+        self.assertEqual(p.returncode, 1)
+        self.assertIn("/nonexistent.gguf", p.stderr)
+
+
+class Simulate(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp()
+        self.prof = os.path.join(self.dir, "prof.json")
+        # 10 ms a step, plus 0.1 ms a prompt token.
+        write_profile(self.prof, [0.010, 0, 0.0001, 0, 0])
+
+    def tearDown(self):
+        shutil.rmtree(self.dir)
+
+    def points(self, out):
+        return read_csv(os.path.join(out, "points.csv"))
+
+    def test_lone_requests_match_the_hand_timeline(self):
+        out = os.path.join(self.dir, "a")
+        # Far apart (0.01 req/s): each request runs alone. 2 ms batch
+        # timeout, a 20-token prompt step (10 + 2 ms), then 10 ms decodes.
+        bench("--simulate", self.prof, "--request-rate", "0.01", "--num-prompts", "5", "--random-input-len", "20",
+              "--random-output-len", "8", "--output-dir", out, "--no-plots", "--save-detailed")
+        pt = self.points(out)[0]
+        self.assertEqual(int(pt["completed"]), 5)
+        self.assertAlmostEqual(float(pt["ttft_median_ms"]), 14.0, places=6)
+        self.assertAlmostEqual(float(pt["itl_p99_ms"]), 10.0, places=6)
+        self.assertAlmostEqual(float(pt["e2el_median_ms"]), 14.0 + 7 * 10.0, places=6)
+        with open(os.path.join(out, "results.json")) as fh:
+            doc = json.load(fh)
+        self.assertIn("simulated", json.dumps(doc))
+        reqs = read_csv(os.path.join(out, "requests.csv"))
+        self.assertEqual(len(reqs), 5)
+        # The client-server path, when given, adds to every time.
+        out2 = os.path.join(self.dir, "b")
+        bench("--simulate", self.prof, "--request-rate", "0.01", "--num-prompts", "5", "--random-input-len", "20",
+              "--random-output-len", "8", "--output-dir", out2, "--no-plots", "--sim-latency-ms", "3")
+        self.assertAlmostEqual(float(self.points(out2)[0]["ttft_median_ms"]), 17.0, places=6)
+
+    def test_load_sweep_is_deterministic_and_saturates(self):
+        args = ["--simulate", self.prof, "--sweep-rate", "2,20,200", "--num-prompts", "300", "--random-input-len",
+                "32", "--random-output-len", "16", "--no-plots", "--seed", "3", "-m", MODEL]
+        a, b = os.path.join(self.dir, "a"), os.path.join(self.dir, "b")
+        bench(*args, "--output-dir", a)
+        bench(*args, "--output-dir", b)
+        pa, pb = self.points(a), self.points(b)
+        self.assertEqual(len(pa), 3)
+        for x, y in zip(pa, pb):
+            for k in ("ttft_p99_ms", "itl_p50_ms", "request_throughput"):
+                self.assertEqual(x[k], y[k])
+        # Throughput follows the offered load until the instance saturates,
+        # and queueing shows up in TTFT.
+        thr = [float(p["request_throughput"]) for p in pa]
+        ttft = [float(p["ttft_p99_ms"]) for p in pa]
+        self.assertAlmostEqual(thr[0], 2, delta=0.6)
+        self.assertLess(thr[2], 200 * 0.5)
+        self.assertLess(ttft[0], ttft[2])
+        self.assertEqual(int(pa[2]["completed"]) + int(pa[2]["failed"]), 300)
+
+    def test_trace(self):
+        trace = os.path.join(self.dir, "t.csv")
+        with open(trace, "w") as fh:
+            fh.write("# a comment\narrival_s,prompt_tokens,output_tokens,priority\n")
+            for i in range(30):
+                fh.write(f"{100 + i * 1.0},{10 + i},{4},{'batch' if i % 2 else 'interactive'}\n")
+        out = os.path.join(self.dir, "t")
+        bench("--simulate", self.prof, "--trace", trace, "--output-dir", out, "--no-plots", "--save-detailed")
+        pt = self.points(out)[0]
+        self.assertEqual(int(pt["completed"]), 30)
+        reqs = read_csv(os.path.join(out, "requests.csv"))
+        self.assertEqual(sorted(int(r["prompt_tokens"]) for r in reqs), list(range(10, 40)))
+        # Times start at the first arrival; 1 s apart: no queueing.
+        self.assertAlmostEqual(float(pt["duration_s"]), 29 + 0.002 + 0.010 + 0.0001 * 39 + 3 * 0.010, places=6)
+        # A JSONL trace, rescaled to 10 req/s by --request-rate.
+        jtrace = os.path.join(self.dir, "t.jsonl")
+        with open(jtrace, "w") as fh:
+            for i in range(11):
+                fh.write(json.dumps({"arrival": i * 2.0, "prompt_tokens": 8, "output_tokens": 2}) + "\n")
+        out = os.path.join(self.dir, "j")
+        bench("--simulate", self.prof, "--trace", jtrace, "--request-rate", "10", "--output-dir", out, "--no-plots")
+        self.assertAlmostEqual(float(self.points(out)[0]["duration_s"]), 1.0 + 0.002 + 0.0108 + 0.010, places=6)
+        # Bad traces name the line.
+        with open(trace, "w") as fh:
+            fh.write("0,10,4\n1,10,4\n0.5,10,4\n")
+        p = bench("--simulate", self.prof, "--trace", trace, "--no-plots", "--output-dir", out, check=False)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("t.csv:3: arrival", p.stderr)
+        with open(trace, "w") as fh:
+            fh.write("0,10,0\n")
+        p = bench("--simulate", self.prof, "--trace", trace, "--no-plots", "--output-dir", out, check=False)
+        self.assertIn("t.csv:1: prompt_tokens and output_tokens", p.stderr)
+
+    def test_find_instances(self):
+        out = os.path.join(self.dir, "f")
+        # 10 ms a step, 5 ms a decode token, 0.5 ms a prompt token: one
+        # instance cannot keep 4 req/s of 32+32 tokens under 60 ms a token.
+        write_profile(self.prof, [0.010, 0.005, 0.0005, 0, 0])
+        p = bench("--simulate", self.prof, "--find-instances", "12", "--sweep-rate", "4,8", "--num-prompts", "400",
+                  "--random-input-len", "32", "--random-output-len", "32", "--slo-ttft-ms", "200",
+                  "--slo-itl-ms", "60", "--output-dir", out, *([] if HAVE_GNUPLOT else ["--no-plots"]))
+        rows = read_csv(os.path.join(out, "instances.csv"))
+        needed = {float(r["request_rate"]): int(r["instances_needed"])
+                  for r in read_csv(os.path.join(out, "needed.csv"))}
+        self.assertEqual(set(needed), {4.0, 8.0})
+        self.assertGreater(needed[4.0], 1)
+        self.assertGreaterEqual(needed[8.0], needed[4.0])
+        for rate, n in needed.items():
+            at = {int(r["instances"]): r for r in rows if float(r["request_rate"]) == rate}
+            self.assertEqual(at[n]["meets_slo"], "1")
+            self.assertEqual(at[n - 1]["meets_slo"], "0")
+            self.assertLessEqual(float(at[n]["ttft_p99_ms"]), 200)
+        self.assertIn("instances needed", p.stdout)
+        self.assertTrue(os.path.isdir(os.path.join(out, f"x{needed[8.0]}")))
+        if HAVE_GNUPLOT:
+            self.assertGreater(os.path.getsize(os.path.join(out, "instances.png")), 1000)
+
+    def test_errors(self):
+        bad = os.path.join(self.dir, "bad.json")
+        with open(bad, "w") as fh:
+            fh.write("{not json")
+        p = bench("--simulate", bad, "--no-plots", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("bad.json: not JSON", p.stderr)
+        write_profile(bad, [0.01, -1, 0, 0, 0])
+        p = bench("--simulate", bad, "--no-plots", check=False)
+        self.assertIn("\"per_decode_token\" is -1", p.stderr)
+        p = bench("--simulate", self.prof, "--base-url", "http://127.0.0.1:1", check=False)
+        self.assertIn("choose one target", p.stderr)
+        p = bench("--simulate", self.prof, "--find-instances", "4", "--no-plots", check=False)
+        self.assertIn("--slo-ttft-ms", p.stderr)
+        p = bench("--in-process", "-m", MODEL, "--instances", "2", check=False)
+        self.assertIn("belong to --simulate", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main(argv=sys.argv[:1], verbosity=2)

@@ -1,0 +1,335 @@
+/* test_step_cost.c — the step-cost model (core/step_cost.c): the offline fit
+ * recovers known coefficients from synthetic steps (exactly without noise,
+ * closely with it, never negative), the online fit converges, keeps a
+ * prior's terms that its steps do not exercise and follows a change, the
+ * JSON file round-trips and bad files are refused with a message that says
+ * what is wrong; the engine fits its own steps and exports them. */
+#include <check.h>
+#include <math.h>
+#include <pthread.h>
+
+#include "prom_check.h"
+#include "step_cost.h"
+#include "test_util.h"
+
+static const double truth[DUET_STEP_COST_TERMS] = {2e-3, 4e-4, 1.5e-4, 2e-7, 1e-7};
+
+/* A deterministic uniform in [0, 1). */
+static double urand(uint64_t *s) {
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    return (double)(*s >> 11) * 0x1.0p-53;
+}
+
+/* A step of a random mix: b decodes at contexts around ctx, and a chunk of
+ * k prompt tokens starting at p. */
+static duet_step_shape random_shape(uint64_t *rng, bool with_prefill) {
+    duet_step_shape s = {0};
+    int b = 1 + (int)(urand(rng) * 16);
+    for (int i = 0; i < b; i++)
+        duet_step_shape_add(&s, (int)(urand(rng) * 1024), 1, true);
+    if (with_prefill && urand(rng) < 0.6) duet_step_shape_add(&s, (int)(urand(rng) * 512), 1 + (int)(urand(rng) * 128), false);
+    return s;
+}
+
+static double true_time(const duet_step_shape *s) {
+    duet_step_cost m = {0};
+    memcpy(m.coef, truth, sizeof truth);
+    return duet_step_cost_predict(&m, s);
+}
+
+START_TEST(shape_arithmetic) {
+    duet_step_shape s = {0};
+    duet_step_shape_add(&s, 9, 1, true);   /* attends 10 positions */
+    duet_step_shape_add(&s, 0, 4, false);  /* 1 + 2 + 3 + 4 */
+    duet_step_shape_add(&s, 16, 2, false); /* 17 + 18 */
+    ck_assert_int_eq(s.n_decode, 1);
+    ck_assert_int_eq(s.n_prefill, 6);
+    ck_assert(s.decode_ctx == 10);
+    ck_assert(s.prefill_ctx == 10 + 35);
+    duet_step_cost m = {.coef = {1, 10, 100, 1000, 10000}};
+    ck_assert(duet_step_cost_predict(&m, &s) == 1 + 10 + 600 + 10000 + 450000);
+    ck_assert_str_eq(duet_step_cost_term(0), "intercept");
+    ck_assert_ptr_null(duet_step_cost_term(DUET_STEP_COST_TERMS));
+}
+END_TEST
+
+START_TEST(fit_recovers_known_coefficients) {
+    enum { n = 400 };
+    duet_step_sample *smp = calloc(n, sizeof *smp);
+    uint64_t rng = 42;
+    for (int i = 0; i < n; i++) {
+        smp[i].shape = random_shape(&rng, true);
+        smp[i].seconds = true_time(&smp[i].shape);
+    }
+    duet_step_cost m;
+    ck_assert_int_eq(duet_step_cost_fit(smp, n, &m), DUET_OK);
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        ck_assert_msg(fabs(m.coef[j] - truth[j]) <= 1e-6 * truth[j], "term %d: %g, want %g", j, m.coef[j],
+                      truth[j]);
+    ck_assert_int_eq(m.n_samples, n);
+    ck_assert(m.r2 > 0.999999 && m.mean_rel_err < 1e-6);
+
+    /* 3% multiplicative noise: every term within 10%, predictions within 2%. */
+    for (int i = 0; i < n; i++)
+        smp[i].seconds = true_time(&smp[i].shape) * (1 + 0.06 * (urand(&rng) - 0.5));
+    ck_assert_int_eq(duet_step_cost_fit(smp, n, &m), DUET_OK);
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        ck_assert_msg(fabs(m.coef[j] - truth[j]) <= 0.1 * truth[j], "noisy term %d: %g, want %g", j, m.coef[j],
+                      truth[j]);
+    ck_assert(m.mean_rel_err < 0.02 && m.mean_rel_err > 0.001);
+    free(smp);
+}
+END_TEST
+
+START_TEST(fit_is_non_negative_and_leaves_idle_terms_at_zero) {
+    /* Decode-only steps whose time does not depend on context, with noise
+     * that pulls the unconstrained context term below zero. */
+    enum { n = 60 };
+    duet_step_sample smp[n];
+    uint64_t rng = 7;
+    for (int i = 0; i < n; i++) {
+        smp[i].shape = (duet_step_shape){0};
+        int b = 1 + i % 8, ctx = 10 + (i * 37) % 500;
+        for (int k = 0; k < b; k++)
+            duet_step_shape_add(&smp[i].shape, ctx, 1, true);
+        /* Longer contexts measured a little faster: noise, not physics. */
+        smp[i].seconds = 1e-3 + 5e-4 * b - 1e-8 * smp[i].shape.decode_ctx + 1e-5 * urand(&rng);
+    }
+    duet_step_cost m;
+    ck_assert_int_eq(duet_step_cost_fit(smp, n, &m), DUET_OK);
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        ck_assert_msg(m.coef[j] >= 0, "term %d is negative: %g", j, m.coef[j]);
+    ck_assert(m.coef[2] == 0 && m.coef[4] == 0); /* no prompt tokens: no evidence */
+    ck_assert(m.coef[3] == 0);                   /* pinned at zero, the rest refitted */
+    ck_assert(fabs(m.coef[1] - 5e-4) < 5e-5);
+
+    /* Refusals. */
+    smp[3].seconds = NAN;
+    ck_assert_int_eq(duet_step_cost_fit(smp, n, &m), DUET_INVALID_ARGUMENT);
+    ck_assert_msg(strstr(duet_last_error(), "sample 3"), "%s", duet_last_error());
+    ck_assert_int_eq(duet_step_cost_fit(smp, 0, &m), DUET_INVALID_ARGUMENT);
+}
+END_TEST
+
+START_TEST(online_converges_keeps_prior_and_follows_change) {
+    duet_step_cost_online o;
+    duet__step_cost_online_init(&o, NULL, 0.995, 0);
+    uint64_t rng = 3;
+    for (int i = 0; i < 2000; i++) {
+        duet_step_shape s = random_shape(&rng, true);
+        duet__step_cost_online_observe(&o, &s, true_time(&s) * (1 + 0.02 * (urand(&rng) - 0.5)));
+    }
+    const duet_step_cost *c = duet__step_cost_online_get(&o);
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        ck_assert_msg(fabs(c->coef[j] - truth[j]) <= 0.1 * truth[j], "online term %d: %g, want %g", j, c->coef[j],
+                      truth[j]);
+    ck_assert(c->n_samples == 2000 && c->mean_rel_err < 0.02);
+
+    /* The device gets twice as slow: the fit follows within a few hundred steps. */
+    for (int i = 0; i < 1500; i++) {
+        duet_step_shape s = random_shape(&rng, true);
+        duet__step_cost_online_observe(&o, &s, 2 * true_time(&s));
+    }
+    c = duet__step_cost_online_get(&o);
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        ck_assert_msg(fabs(c->coef[j] - 2 * truth[j]) <= 0.1 * truth[j], "after the change, term %d: %g", j,
+                      c->coef[j]);
+
+    /* With a profile as prior and only decode steps, the prompt terms keep
+     * the prior's values; the decode terms learn. */
+    duet_step_cost prior = {.coef = {1e-3, 1e-4, 3e-4, 1e-7, 5e-8}};
+    duet__step_cost_online_init(&o, &prior, 0.995, 2);
+    ck_assert(duet__step_cost_online_get(&o)->coef[2] == 3e-4);
+    for (int i = 0; i < 500; i++) {
+        duet_step_shape s = random_shape(&rng, false);
+        duet__step_cost_online_observe(&o, &s, true_time(&s));
+    }
+    c = duet__step_cost_online_get(&o);
+    ck_assert(c->coef[2] == 3e-4 && c->coef[4] == 5e-8);
+    /* Decode steps are predicted well (the split between the collinear
+     * per-token and per-position terms leans on the prior). */
+    ck_assert_msg(c->coef[1] > 2e-4, "decode term %g stayed near the prior", c->coef[1]);
+    double err = 0;
+    for (int i = 0; i < 100; i++) {
+        duet_step_shape s = random_shape(&rng, false);
+        err += fabs(duet_step_cost_predict(c, &s) / true_time(&s) - 1) / 100;
+    }
+    ck_assert_msg(err < 0.02, "decode steps predicted within %.1f%% on average", 100 * err);
+    /* Junk measurements are ignored. */
+    duet_step_shape s = random_shape(&rng, false);
+    uint64_t before = o.n_steps;
+    duet__step_cost_online_observe(&o, &s, NAN);
+    duet__step_cost_online_observe(&o, &s, -1);
+    ck_assert(o.n_steps == before);
+}
+END_TEST
+
+static char tmp_path[256];
+
+static const char *write_tmp(const char *text) {
+    snprintf(tmp_path, sizeof tmp_path, "%s/test_step_cost_%d.json", DUET_BINARY_DIR, (int)getpid());
+    FILE *f = fopen(tmp_path, "w");
+    ck_assert_ptr_nonnull(f);
+    fputs(text, f);
+    fclose(f);
+    return tmp_path;
+}
+
+static void expect_bad(const char *text, duet_status want, const char *phrase) {
+    duet_step_cost m;
+    memset(&m, 0x55, sizeof m);
+    const char *p = write_tmp(text);
+    duet_status st = duet_step_cost_load(p, &m);
+    ck_assert_msg(st == want, "load of %s gave %d, want %d (%s)", text, st, want, duet_last_error());
+    ck_assert_msg(strstr(duet_last_error(), phrase) && strstr(duet_last_error(), p), "message '%s' lacks '%s'",
+                  duet_last_error(), phrase);
+    ck_assert(m.coef[0] == 0); /* nothing half-read is left */
+    unlink(p);
+}
+
+START_TEST(file_round_trip_and_bad_files) {
+    duet_step_cost m = {.coef = {1.25e-3, 3.5e-4, 1.75e-4, 2.5e-7, 1.125e-7},
+                        .n_samples = 27,
+                        .rmse_s = 1e-4,
+                        .mean_rel_err = 0.031,
+                        .r2 = 0.997,
+                        .n_ctx = 2048};
+    snprintf(m.model, sizeof m.model, "SmolLM2 \"135M\"");
+    snprintf(m.backend, sizeof m.backend, "cpu");
+    snprintf(m.device, sizeof m.device, "Xeon");
+    duet_step_sample smp[2] = {{.shape = {.n_decode = 4, .decode_ctx = 100}, .seconds = 0.01},
+                               {.shape = {.n_prefill = 64, .prefill_ctx = 2080}, .seconds = 0.02}};
+    snprintf(tmp_path, sizeof tmp_path, "%s/test_step_cost_rt_%d.json", DUET_BINARY_DIR, (int)getpid());
+    ck_assert_int_eq(duet_step_cost_save(&m, smp, 2, tmp_path), DUET_OK);
+    duet_step_cost r;
+    ck_assert_int_eq(duet_step_cost_load(tmp_path, &r), DUET_OK);
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        ck_assert_msg(r.coef[j] == m.coef[j], "term %d: %.17g vs %.17g", j, r.coef[j], m.coef[j]);
+    ck_assert_str_eq(r.model, m.model);
+    ck_assert_str_eq(r.backend, "cpu");
+    ck_assert_str_eq(r.device, "Xeon");
+    ck_assert_int_eq(r.n_ctx, 2048);
+    ck_assert_int_eq(r.n_samples, 27);
+    ck_assert(fabs(r.r2 - 0.997) < 1e-12 && fabs(r.mean_rel_err - 0.031) < 1e-12);
+    unlink(tmp_path);
+
+    /* Unwritable and unreadable paths. */
+    ck_assert_int_eq(duet_step_cost_save(&m, NULL, 0, "/nonexistent-dir/x.json"), DUET_IO);
+    ck_assert(strstr(duet_last_error(), "/nonexistent-dir/x.json"));
+    ck_assert_int_eq(duet_step_cost_load("/nonexistent-dir/x.json", &r), DUET_IO);
+    ck_assert(strstr(duet_last_error(), "cannot open"));
+
+    const char *ok_terms = "\"terms\": {\"intercept\": 1e-3, \"per_decode_token\": 1e-4, \"per_prefill_token\": 1e-4,"
+                           " \"per_decode_context\": 0, \"per_prefill_context\": 0}";
+    char buf[1024];
+    expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, ", DUET_INVALID_ARGUMENT, "not JSON");
+    expect_bad("", DUET_INVALID_ARGUMENT, "not JSON");
+    snprintf(buf, sizeof buf, "{\"format\": \"something-else\", \"version\": 1, %s}", ok_terms);
+    expect_bad(buf, DUET_INVALID_ARGUMENT, "not a step-cost file");
+    snprintf(buf, sizeof buf, "{\"format\": \"duet-step-cost\", \"version\": 7, %s}", ok_terms);
+    expect_bad(buf, DUET_INVALID_ARGUMENT, "version 7");
+    expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1}", DUET_INVALID_ARGUMENT, "no \"terms\"");
+    expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, \"terms\": {\"intercept\": 1e-3}}",
+               DUET_INVALID_ARGUMENT, "\"per_decode_token\" is missing");
+    expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, \"terms\": {\"intercept\": 1e-3, \"per_decode_token\": "
+               "-1, \"per_prefill_token\": 0, \"per_decode_context\": 0, \"per_prefill_context\": 0}}",
+               DUET_INVALID_ARGUMENT, "must be finite and >= 0");
+    expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, \"terms\": {\"intercept\": \"fast\", "
+               "\"per_decode_token\": 0, \"per_prefill_token\": 0, \"per_decode_context\": 0, "
+               "\"per_prefill_context\": 0}}",
+               DUET_INVALID_ARGUMENT, "\"intercept\" is missing or not a number");
+    expect_bad("[1, 2, 3]", DUET_INVALID_ARGUMENT, "not a step-cost file");
+}
+END_TEST
+
+/* ---- the engine fits its own steps --------------------------------------------- */
+
+typedef struct waiter {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int done;
+} waiter;
+
+static void on_event(const duet_event *ev, void *user) {
+    waiter *w = user;
+    if (ev->kind != DUET_EVENT_DONE) return;
+    pthread_mutex_lock(&w->mu);
+    w->done++;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+}
+
+START_TEST(engine_fits_and_exports_its_steps) {
+    duet_engine_params p = duet_engine_params_default();
+    p.open.backend = "cpu";
+    p.open.n_ctx = 256;
+    p.max_batch_seqs = 4;
+    p.max_batch_tokens = 64;
+    p.prefill_chunk = 16;
+    duet_engine *e;
+    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK, "start: %s",
+                  duet_last_error());
+    duet_step_cost c;
+    ck_assert_int_eq(duet_engine_step_cost(e, &c), DUET_OK);
+    ck_assert_int_eq(c.n_samples, 0);
+    duet_step_cost bad = {.coef = {1e-3, -1, 0, 0, 0}};
+    ck_assert_int_eq(duet_engine_set_step_cost(e, &bad), DUET_INVALID_ARGUMENT);
+    ck_assert(strstr(duet_last_error(), "per_decode_token"));
+    duet_step_cost prior = {.coef = {1e-3, 1e-4, 1e-4, 1e-8, 1e-8}};
+    ck_assert_int_eq(duet_engine_set_step_cost(e, &prior), DUET_OK);
+    ck_assert_int_eq(duet_engine_step_cost(e, &c), DUET_OK);
+    ck_assert(c.coef[0] == 1e-3);
+
+    waiter w = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+    int32_t prompt[40];
+    for (int i = 0; i < 40; i++)
+        prompt[i] = 1 + (i * 7) % 200;
+    enum { n_req = 6 };
+    for (int i = 0; i < n_req; i++) {
+        duet_request q = {.prompt = prompt, .n_prompt = 10 + 5 * i, .max_tokens = 8 + i, .ignore_eos = true};
+        q.sampling = duet_sampling_default();
+        ck_assert_int_eq(duet_engine_submit(e, &q, on_event, &w, NULL), DUET_OK);
+    }
+    pthread_mutex_lock(&w.mu);
+    while (w.done < n_req)
+        pthread_cond_wait(&w.cv, &w.mu);
+    pthread_mutex_unlock(&w.mu);
+    ck_assert_int_eq(duet_engine_step_cost(e, &c), DUET_OK);
+    ck_assert_msg(c.n_samples >= 8, "steps seen: %d", c.n_samples);
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        ck_assert(isfinite(c.coef[j]) && c.coef[j] >= 0);
+    char *text = duet_engine_metrics(e);
+    ck_assert_ptr_nonnull(text);
+    ck_assert_msg(strstr(text, "duet_step_cost_seconds{model_name=") && strstr(text, "term=\"per_decode_token\"") &&
+                      strstr(text, "duet_step_cost_steps_total{"),
+                  "%s", text);
+    /* The whole exposition stays valid with the step-cost families in it. */
+    prom_doc d = {0};
+    char err[256];
+    ck_assert_msg(prom_parse(text, &d, err, sizeof err), "metrics: %s", err);
+    double v;
+    ck_assert_int_eq(prom_sum(&d, "duet_step_cost_seconds", "", &v), DUET_STEP_COST_TERMS);
+    ck_assert_str_eq(prom_type(&d, "duet_step_cost_seconds"), "gauge");
+    ck_assert_int_eq(prom_sum(&d, "duet_step_cost_steps_total", "", &v), 1);
+    ck_assert(v >= 8);
+    prom_free(&d);
+    free(text);
+    duet_engine_stop(e, true);
+}
+END_TEST
+
+int main(void) {
+    Suite *s = suite_create("step_cost");
+    TCase *model = tcase_create("model");
+    tcase_add_test(model, shape_arithmetic);
+    tcase_add_test(model, fit_recovers_known_coefficients);
+    tcase_add_test(model, fit_is_non_negative_and_leaves_idle_terms_at_zero);
+    tcase_add_test(model, online_converges_keeps_prior_and_follows_change);
+    tcase_add_test(model, file_round_trip_and_bad_files);
+    suite_add_tcase(s, model);
+    TCase *eng = tcase_create("engine");
+    tcase_set_timeout(eng, 120);
+    tcase_add_test(eng, engine_fits_and_exports_its_steps);
+    suite_add_tcase(s, eng);
+    return test_run_suite(s);
+}
