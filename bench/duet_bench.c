@@ -37,7 +37,7 @@ static const char usage[] =
     "  --served-model-name NAME   the \"model\" field (default: the first id of GET /v1/models)\n"
     "  --simulate PROFILE         no server: the engine's scheduler on a virtual clock, steps costed by the\n"
     "                             step-cost model `duet profile` wrote; the same workload, arrivals and report\n"
-    "  --instances N              --simulate: N identical instances behind a least-outstanding-work router\n"
+    "  --instances N              --simulate: N (1..64) identical instances behind the router\n"
     "  --find-instances MAX       --simulate: fleets of 1..MAX instances until every load meets\n"
     "                             --slo-ttft-ms/--slo-itl-ms; writes instances.csv, needed.csv, instances.png\n"
     "  --sim-ctx N                --simulate: context per sequence (default: the profile's)\n"
@@ -532,10 +532,10 @@ int main(int argc, char **argv) {
             c.simulate = v;
         } else if (!strcmp(a, "--instances")) {
             NEED_ARG();
-            ok = parse_int(a, v, 1, 4096, &c.sim_instances);
+            ok = parse_int(a, v, 1, 64, &c.sim_instances);
         } else if (!strcmp(a, "--find-instances")) {
             NEED_ARG();
-            ok = parse_int(a, v, 1, 4096, &c.find_instances);
+            ok = parse_int(a, v, 1, 64, &c.find_instances);
         } else if (!strcmp(a, "--sim-ctx")) {
             NEED_ARG();
             ok = parse_int(a, v, 2, 1 << 20, &c.sim_n_ctx);

@@ -562,7 +562,8 @@ duet_profile_params duet_profile_params_default(void);
 duet_status duet_profile_run(const char *model_path, const duet_profile_params *p, duet_step_sample **samples,
                              int *n_samples, duet_step_cost *fit);
 
-/* A fleet of identical instances behind a least-outstanding-work router,
+/* A fleet of identical instances behind the server's router (least
+ * outstanding work; at most 64 instances),
  * simulated on a virtual clock: each instance runs the engine's real
  * scheduler, and each planned step takes what the step-cost model says.
  * Every request generates exactly its n_output tokens (as with
@@ -582,7 +583,7 @@ typedef struct duet_sim_outcome {
 } duet_sim_outcome;
 
 typedef struct duet_sim_params {
-    int n_instances;           /* >= 1 */
+    int n_instances;           /* 1..64 */
     duet_engine_params engine; /* every instance's knobs, as duet_engine_start takes them (0 = default) */
     int n_ctx;                 /* context per sequence; 0 = the cost model's, else 2048 */
     duet_step_cost cost;

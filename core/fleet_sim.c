@@ -1,7 +1,10 @@
 /* fleet_sim.c — duet_simulate: a fleet of identical instances behind a
  * least-outstanding-work router, on a virtual clock.
  *
- * Each instance is the engine's real scheduler (scheduler.c) driven the way
+ * The router is the server's (router.c: least outstanding work over each
+ * instance's measured speed, tier-blind here since the instances are
+ * identical). Each instance is the engine's real scheduler (scheduler.c)
+ * driven the way
  * the engine thread drives it (engine.c's loop), except that a planned step
  * takes the time the step-cost model predicts instead of running a forward
  * pass, and every logits row "samples" a token. Events are processed in
@@ -20,26 +23,24 @@
 #include <string.h>
 
 #include "../backends/backend.h"
+#include "router.h"
 #include "scheduler.h"
 
 #define NS 1e9
 
 typedef struct sim_req {
-    int instance;
     int generated, n_output;
-    int64_t work; /* tokens still to compute: the router's measure */
     bool started;
 } sim_req;
 
 typedef struct sim_inst {
     duet_sched *s;
     bool stepping;
-    int64_t t_event; /* the step's end, or the wait's; INT64_MAX when idle */
+    int64_t t_event;      /* the step's end, or the wait's; INT64_MAX when idle */
     duet_sched_seq *seqs; /* the outstanding step's plan, copied */
     duet_sched_result *results;
-    int n_seqs;
-    int64_t work; /* outstanding tokens of the requests routed here */
-    int in_flight;
+    int n_seqs, n_tokens;
+    int64_t dt; /* the outstanding step's duration */
 } sim_inst;
 
 typedef struct sim {
@@ -49,25 +50,9 @@ typedef struct sim {
     sim_req *rq;
     sim_inst *inst;
     int n_inst;
-    int next_rr; /* ties in the router go round the instances */
+    duet_router *router;
     duet_sim_stats stats;
 } sim;
-
-/* The router: the least outstanding work (tokens still to compute), ties to
- * fewer requests in flight, then round the instances. */
-static int route(sim *f, const duet_sim_request *q) {
-    int best = -1;
-    for (int k = 0; k < f->n_inst; k++) {
-        int i = (f->next_rr + k) % f->n_inst;
-        const sim_inst *c = &f->inst[i];
-        if (best < 0 || c->work < f->inst[best].work ||
-            (c->work == f->inst[best].work && c->in_flight < f->inst[best].in_flight))
-            best = i;
-    }
-    f->next_rr = (best + 1) % f->n_inst;
-    (void)q;
-    return best;
-}
 
 static void plan_at(sim *f, int k, int64_t now) {
     sim_inst *in = &f->inst[k];
@@ -90,10 +75,12 @@ static void plan_at(sim *f, int k, int64_t now) {
         duet_step_shape_add(&sh, plan.seqs[i].pos, plan.seqs[i].n_tokens, plan.seqs[i].decode);
     }
     in->n_seqs = plan.n_seqs;
+    in->n_tokens = plan.n_tokens;
     double cost = duet_step_cost_predict(&f->p->cost, &sh);
     int64_t dt = cost > 0 ? (int64_t)llround(cost * NS) : 0;
     if (dt < 1) dt = 1; /* time always moves: a zero model still finishes */
     in->stepping = true;
+    in->dt = dt;
     in->t_event = now + dt;
     f->stats.steps++;
     f->stats.busy_s += (double)dt / NS;
@@ -103,17 +90,17 @@ static void plan_at(sim *f, int k, int64_t now) {
 static duet_status step_end(sim *f, int k, int64_t now) {
     sim_inst *in = &f->inst[k];
     double t = (double)now / NS;
+    duet__router_observe(f->router, k, in->n_tokens, (double)in->dt / NS);
     for (int i = 0; i < in->n_seqs; i++) {
         const duet_sched_seq *s = &in->seqs[i];
         int r = (int)(s->id - 1);
         sim_req *q = &f->rq[r];
         duet_sched_result *res = &in->results[i];
         *res = (duet_sched_result){.id = s->id};
-        /* The tokens this entry computes leave the router's work. */
-        int64_t done_work = s->n_tokens;
         if (s->logits) {
             res->n_generated = 1;
             if (f->p->on_token) f->p->on_token(r, q->generated, t, f->p->user);
+            duet__router_token(f->router, s->id);
             if (!q->started) {
                 q->started = true;
                 f->out[r].first_token = t;
@@ -121,13 +108,8 @@ static duet_status step_end(sim *f, int k, int64_t now) {
             q->generated++;
             res->finished = q->generated >= q->n_output;
         }
-        if (done_work > q->work) done_work = q->work; /* re-prefills after preemption */
-        q->work -= done_work;
-        in->work -= done_work;
         if (res->finished) {
-            in->work -= q->work;
-            q->work = 0;
-            in->in_flight--;
+            duet__router_done(f->router, s->id);
             f->out[r].done = t;
             f->out[r].n_generated = q->generated;
         }
@@ -139,8 +121,9 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
                           duet_sim_stats *stats) {
     if (!p || (n > 0 && (!reqs || !out)) || n < 0)
         return duet__error(DUET_INVALID_ARGUMENT, "duet_simulate: NULL argument");
-    if (p->n_instances < 1 || p->n_instances > 4096)
-        return duet__error(DUET_INVALID_ARGUMENT, "simulate: %d instances; 1 to 4096", p->n_instances);
+    if (p->n_instances < 1 || p->n_instances > DUET_ROUTER_MAX_INSTANCES)
+        return duet__error(DUET_INVALID_ARGUMENT, "simulate: %d instances; the router takes 1 to %d",
+                           p->n_instances, DUET_ROUTER_MAX_INSTANCES);
     for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
         if (!(isfinite(p->cost.coef[j]) && p->cost.coef[j] >= 0))
             return duet__error(DUET_INVALID_ARGUMENT, "simulate: step-cost term %s is %g", duet_step_cost_term(j),
@@ -192,6 +175,21 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
         if (!in->seqs || !in->results) st = duet__error(DUET_OUT_OF_MEMORY, "simulate: out of memory");
         if (!st) st = duet__sched_new(&sc, &in->s);
     }
+    /* The router, as the server configures it for identical instances; its
+     * speeds start at the model's single-sequence decode rate. */
+    duet_router_instance_config rc[DUET_ROUTER_MAX_INSTANCES];
+    duet_step_shape one = {0};
+    duet_step_shape_add(&one, 64, 1, true);
+    double t1 = duet_step_cost_predict(&p->cost, &one);
+    for (int k = 0; k < f.n_inst; k++)
+        rc[k] = (duet_router_instance_config){.tier = DUET_PRIORITY_INTERACTIVE, .speed = t1 > 0 ? 1 / t1 : 1e3};
+    duet_router_config rcfg = duet__router_config_default();
+    rcfg.n_instances = f.n_inst;
+    rcfg.instances = rc;
+    rcfg.tier_blind = true;
+    int64_t bound = (int64_t)f.n_inst * (sc.max_waiting + sc.max_seqs) + 1;
+    rcfg.max_requests = (int)(bound < n + 1 ? bound : n + 1);
+    if (!st) st = duet__router_new(&rcfg, &f.router);
 
     int next = 0;
     while (!st) {
@@ -219,20 +217,25 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
                 continue;
             }
             if (n_out > n_ctx - q->n_prompt) n_out = n_ctx - q->n_prompt; /* as submit clamps */
-            int i = route(&f, q);
+            int i;
+            duet_status rs = duet__router_route(f.router, (uint64_t)r + 1, q->priority, q->n_prompt, n_out, &i);
+            if (rs) {
+                o->status = rs == DUET_QUEUE_FULL ? DUET_QUEUE_FULL : DUET_BAD_REQUEST;
+                o->done = (double)t_arr / NS;
+                continue;
+            }
             o->instance = i;
             sim_inst *in = &f.inst[i];
             duet_sched_admit a = duet__sched_arrival(in->s, t_arr, (uint64_t)r + 1, q->n_prompt, n_out, q->priority);
             if (a != DUET_SCHED_ADMITTED) {
+                duet__router_done(f.router, (uint64_t)r + 1);
                 o->status = a == DUET_SCHED_QUEUE_FULL ? DUET_QUEUE_FULL
                             : a == DUET_SCHED_TOO_LONG ? DUET_CONTEXT_FULL
                                                        : DUET_BAD_REQUEST;
                 o->done = (double)t_arr / NS;
                 continue;
             }
-            f.rq[r] = (sim_req){.instance = i, .n_output = n_out, .work = (int64_t)q->n_prompt + n_out};
-            in->work += f.rq[r].work;
-            in->in_flight++;
+            f.rq[r] = (sim_req){.n_output = n_out};
             if (!in->stepping) plan_at(&f, i, t_arr);
             continue;
         }
@@ -254,6 +257,7 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
     }
     free(f.inst);
     free(f.rq);
+    duet__router_free(f.router);
     if (stats) *stats = f.stats;
     return st;
 }
