@@ -15,7 +15,8 @@
 #include "duet_bench.h"
 
 static const char usage[] =
-    "usage: duet-bench (--base-url URL | --in-process -m MODEL | --serve-cmd CMD | --simulate PROFILE) [options]\n"
+    "usage: duet-bench (--base-url URL | --in-process -m MODEL | --serve-cmd CMD | --simulate PROFILE) "
+    "[options]\n"
     "\n"
     "Target (one of):\n"
     "  --base-url URL             an OpenAI-compatible server (streams POST /v1/completions)\n"
@@ -36,15 +37,19 @@ static const char usage[] =
     "  --endpoint PATH            default /v1/completions\n"
     "  --served-model-name NAME   the \"model\" field (default: the first id of GET /v1/models)\n"
     "  --simulate PROFILE         no server: the engine's scheduler on a virtual clock, steps costed by the\n"
-    "                             step-cost model `duet profile` wrote; the same workload, arrivals and report\n"
+    "                             step-cost model `duet profile` wrote; the same workload, arrivals and "
+    "report\n"
     "  --instances N              --simulate: N (1..64) identical instances behind the router\n"
     "  --find-instances MAX       --simulate: fleets of 1..MAX instances until every load meets\n"
-    "                             --slo-ttft-ms/--slo-itl-ms; writes instances.csv, needed.csv, instances.png\n"
+    "                             --slo-ttft-ms/--slo-itl-ms; writes instances.csv, needed.csv, "
+    "instances.png\n"
     "  --sim-ctx N                --simulate: context per sequence (default: the profile's)\n"
     "  --sim-latency-ms X         --simulate: added to every token's time (the client-server path)\n"
     "  --trace FILE               --simulate: arrivals and lengths from a file, one request a line:\n"
-    "                             arrival_s,prompt_tokens,output_tokens[,interactive|batch] or JSONL with those\n"
-    "                             keys (arrival, prompt_tokens, output_tokens, priority); with --request-rate\n"
+    "                             arrival_s,prompt_tokens,output_tokens[,interactive|batch] or JSONL with "
+    "those\n"
+    "                             keys (arrival, prompt_tokens, output_tokens, priority); with "
+    "--request-rate\n"
     "                             or --sweep-rate the times are rescaled to that mean rate\n"
     "\n"
     "Workload:\n"
@@ -579,7 +584,8 @@ int main(int argc, char **argv) {
                 usage);
         return 2;
     }
-    if (!c.simulate && (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.trace_path)) {
+    if (!c.simulate &&
+        (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.trace_path)) {
         fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms and --trace "
                         "belong to --simulate\n");
         return 2;
@@ -596,11 +602,13 @@ int main(int argc, char **argv) {
             return 2;
         }
         if (n_peers) {
-            fprintf(stderr, "duet-bench: --peer compares real servers; it does not combine with --simulate\n");
+            fprintf(stderr,
+                    "duet-bench: --peer compares real servers; it does not combine with --simulate\n");
             return 2;
         }
         if (c.find_instances && c.sim_instances) {
-            fprintf(stderr, "duet-bench: --find-instances chooses the instance count itself (no --instances)\n");
+            fprintf(stderr,
+                    "duet-bench: --find-instances chooses the instance count itself (no --instances)\n");
             return 2;
         }
         if (!c.sim_instances) c.sim_instances = 1;

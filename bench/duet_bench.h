@@ -375,13 +375,13 @@ typedef struct db_config {
     const char *label;
     bool plots, progress, save_requests;
     /* --simulate: a virtual clock instead of real runs */
-    const char *simulate;   /* the step-cost file (duet profile); NULL = real runs */
+    const char *simulate;    /* the step-cost file (duet profile); NULL = real runs */
     duet_step_cost sim_cost; /* read from it */
-    int sim_instances;      /* instances behind the router (default 1) */
-    int sim_n_ctx;          /* context per sequence; 0 = the profile's */
-    double sim_latency_ms;  /* added to every token's time: the client-server path */
-    const char *trace_path; /* arrivals and lengths from a file */
-    int find_instances;     /* > 0: search 1..find_instances for the fewest meeting the targets */
+    int sim_instances;       /* instances behind the router (default 1) */
+    int sim_n_ctx;           /* context per sequence; 0 = the profile's */
+    double sim_latency_ms;   /* added to every token's time: the client-server path */
+    const char *trace_path;  /* arrivals and lengths from a file */
+    int find_instances;      /* > 0: search 1..find_instances for the fewest meeting the targets */
 } db_config;
 
 /* A whole sweep on one target, with its points and chosen operating point. */
@@ -427,8 +427,9 @@ const char *db_gnuplot_terminal(void); /* "pngcairo", "png", or NULL */
 /* Runs one point on the virtual clock: the same prompts and arrival times
  * as a real run of this load (or the trace's), on cfg->sim_instances
  * instances with knobs kn. Same contract as db_http_run. */
-bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n, const db_load *load,
-                db_result *results, int *n_sent, double *duration, char *err, size_t esize);
+bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n,
+                const db_load *load, db_result *results, int *n_sent, double *duration, char *err,
+                size_t esize);
 /* Requests a simulated point needs for cfg's duration and fastest rate. */
 int db_sim_requests_needed(const db_config *cfg);
 /* Reads a trace: one request a line, "arrival_s,prompt_tokens,output_tokens[,interactive|batch]"

@@ -60,8 +60,9 @@ int db_sim_requests_needed(const db_config *cfg) {
     return n > 50000000 ? 50000000 : (int)n;
 }
 
-bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n, const db_load *load,
-                db_result *results, int *n_sent, double *duration, char *err, size_t esize) {
+bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n,
+                const db_load *load, db_result *results, int *n_sent, double *duration, char *err,
+                size_t esize) {
     *n_sent = 0;
     *duration = 0;
     if (load->max_concurrency > 0) {
@@ -106,9 +107,12 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
     if (kn->batch_timeout_ms >= 0) sp.engine.batch_timeout_ms = kn->batch_timeout_ms;
     if (kn->max_batch_tokens > 0) sp.engine.max_batch_tokens = kn->max_batch_tokens;
     if (kn->prefill_chunk > 0) sp.engine.prefill_chunk = kn->prefill_chunk;
-    if (sp.engine.max_batch_tokens < sp.engine.max_batch_seqs) sp.engine.max_batch_tokens = sp.engine.max_batch_seqs;
-    if (sp.engine.prefill_chunk > sp.engine.max_batch_tokens) sp.engine.prefill_chunk = sp.engine.max_batch_tokens;
-    if (cfg->max_waiting > 0) sp.engine.max_waiting = cfg->max_waiting;
+    if (sp.engine.max_batch_tokens < sp.engine.max_batch_seqs)
+        sp.engine.max_batch_tokens = sp.engine.max_batch_seqs;
+    if (sp.engine.prefill_chunk > sp.engine.max_batch_tokens)
+        sp.engine.prefill_chunk = sp.engine.max_batch_tokens;
+    if (cfg->max_waiting > 0)
+        sp.engine.max_waiting = cfg->max_waiting;
     else
         sp.engine.max_waiting = sent < 256 ? 256 : sent > 100000 ? 100000 : sent;
     sim_ctx ctx = {.res = results, .t_last = t_last, .latency = cfg->sim_latency_ms / 1e3};
@@ -151,9 +155,12 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
 /* ---- traces --------------------------------------------------------------------- */
 
 static bool parse_priority(const char *s, duet_priority *p) {
-    if (!strcmp(s, "interactive") || !strcmp(s, "0")) *p = DUET_PRIORITY_INTERACTIVE;
-    else if (!strcmp(s, "batch") || !strcmp(s, "1")) *p = DUET_PRIORITY_BATCH;
-    else return false;
+    if (!strcmp(s, "interactive") || !strcmp(s, "0"))
+        *p = DUET_PRIORITY_INTERACTIVE;
+    else if (!strcmp(s, "batch") || !strcmp(s, "1"))
+        *p = DUET_PRIORITY_BATCH;
+    else
+        return false;
     return true;
 }
 
@@ -212,11 +219,13 @@ static bool trace_line(char *line, db_prompt *p, char *why, size_t wsize) {
         snprintf(why, wsize, "the arrival time is missing or not a number >= 0");
         return false;
     }
-    if (!(in >= 1 && in <= 1 << 24 && in == floor(in)) || !(outl >= 1 && outl <= 1 << 24 && outl == floor(outl))) {
+    if (!(in >= 1 && in <= 1 << 24 && in == floor(in)) ||
+        !(outl >= 1 && outl <= 1 << 24 && outl == floor(outl))) {
         snprintf(why, wsize, "prompt_tokens and output_tokens must be whole numbers >= 1");
         return false;
     }
-    *p = (db_prompt){.n_ids = (int)in, .output_len = (int)outl, .priority = prio, .priority_set = prio_set, .arrival = t};
+    *p = (db_prompt){
+        .n_ids = (int)in, .output_len = (int)outl, .priority = prio, .priority_set = prio_set, .arrival = t};
     return true;
 }
 
@@ -294,7 +303,8 @@ static bool meets(const db_config *cfg, const db_point *pt) {
 
 int db_sim_find_instances(db_config *cfg, const char *command) {
     if (cfg->slo_ttft_ms <= 0 && cfg->slo_itl_ms <= 0) {
-        fprintf(stderr, "duet-bench: --find-instances needs --slo-ttft-ms and/or --slo-itl-ms (p99 targets)\n");
+        fprintf(stderr,
+                "duet-bench: --find-instances needs --slo-ttft-ms and/or --slo-itl-ms (p99 targets)\n");
         return 2;
     }
     char top[1000];
@@ -346,11 +356,12 @@ int db_sim_find_instances(db_config *cfg, const char *command) {
             bool m = meets(cfg, pt);
             if (m && !needed[p]) needed[p] = n;
             all = all && needed[p];
-            fprintf(f, "%d,%g,%d,%d,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%d\n", n, pt->load.rate, pt->stats.completed,
-                    pt->stats.failed, pt->stats.request_throughput, pt->stats.output_throughput, pt->stats.goodput,
-                    pt->ttft_p50_ms, pt->ttft_p99_ms, pt->itl_p50_ms, pt->itl_p99_ms, m);
-            printf("x%-3d rate %-8g p99 TTFT %10.1f ms, p99 ITL %8.2f ms%s\n", n, pt->load.rate, pt->ttft_p99_ms,
-                   pt->itl_p99_ms, m ? "  meets the targets" : "");
+            fprintf(f, "%d,%g,%d,%d,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%.6g,%d\n", n, pt->load.rate,
+                    pt->stats.completed, pt->stats.failed, pt->stats.request_throughput,
+                    pt->stats.output_throughput, pt->stats.goodput, pt->ttft_p50_ms, pt->ttft_p99_ms,
+                    pt->itl_p50_ms, pt->itl_p99_ms, m);
+            printf("x%-3d rate %-8g p99 TTFT %10.1f ms, p99 ITL %8.2f ms%s\n", n, pt->load.rate,
+                   pt->ttft_p99_ms, pt->itl_p99_ms, m ? "  meets the targets" : "");
         }
         db_sweep_free(&s);
         last_n = n;
@@ -386,23 +397,27 @@ int db_sim_find_instances(db_config *cfg, const char *command) {
     if (!g) return 0;
     db_gp_header(g, png, 1400, 560);
     fprintf(g, "set datafile separator ','\nset multiplot layout 1,%d\n", n_loads > 1 ? 3 : 2);
-    fprintf(g, "set xlabel 'instances'\nset logscale y\nset ylabel 'p99 TTFT (ms)'\nset title 'p99 time to first token'\n");
+    fprintf(g, "set xlabel 'instances'\nset logscale y\nset ylabel 'p99 TTFT (ms)'\nset title 'p99 time to "
+               "first token'\n");
     fprintf(g, "plot ");
     for (int p = 0; p < n_loads; p++)
-        fprintf(g, "%s'%s' skip 1 using ($2==%.17g?$1:1/0):9 with linespoints title 'rate %g'", p ? ", " : "", csv,
-                rates[p], rates[p]);
-    if (cfg->slo_ttft_ms > 0) fprintf(g, ", %g with lines dt 2 lc rgb 'red' title 'target'", cfg->slo_ttft_ms);
+        fprintf(g, "%s'%s' skip 1 using ($2==%.17g?$1:1/0):9 with linespoints title 'rate %g'", p ? ", " : "",
+                csv, rates[p], rates[p]);
+    if (cfg->slo_ttft_ms > 0)
+        fprintf(g, ", %g with lines dt 2 lc rgb 'red' title 'target'", cfg->slo_ttft_ms);
     fprintf(g, "\nset ylabel 'p99 ITL (ms)'\nset title 'p99 inter-token latency'\nplot ");
     for (int p = 0; p < n_loads; p++)
-        fprintf(g, "%s'%s' skip 1 using ($2==%.17g?$1:1/0):11 with linespoints title 'rate %g'", p ? ", " : "", csv,
-                rates[p], rates[p]);
+        fprintf(g, "%s'%s' skip 1 using ($2==%.17g?$1:1/0):11 with linespoints title 'rate %g'",
+                p ? ", " : "", csv, rates[p], rates[p]);
     if (cfg->slo_itl_ms > 0) fprintf(g, ", %g with lines dt 2 lc rgb 'red' title 'target'", cfg->slo_itl_ms);
     fprintf(g, "\n");
     if (n_loads > 1)
-        fprintf(g, "unset logscale y\nset xlabel 'offered load (req/s)'\nset ylabel 'instances'\n"
-                   "set title 'instances needed'\nplot '%s' skip 1 using 1:2 with linespoints title 'fewest meeting "
-                   "the targets'\n",
-                dat);
+        fprintf(
+            g,
+            "unset logscale y\nset xlabel 'offered load (req/s)'\nset ylabel 'instances'\n"
+            "set title 'instances needed'\nplot '%s' skip 1 using 1:2 with linespoints title 'fewest meeting "
+            "the targets'\n",
+            dat);
     fprintf(g, "unset multiplot\n");
     fclose(g);
     char err[700];

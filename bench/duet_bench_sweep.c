@@ -318,10 +318,10 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
     db_utc_now(m->started, sizeof m->started);
     gethostname(m->host, sizeof m->host);
     snprintf(m->mode, sizeof m->mode, "%s",
-             cfg->simulate    ? "simulated"
+             cfg->simulate     ? "simulated"
              : cfg->in_process ? "in-process"
-             : cfg->serve_cmd ? "http (--serve-cmd)"
-                              : "http");
+             : cfg->serve_cmd  ? "http (--serve-cmd)"
+                               : "http");
     snprintf(m->model, sizeof m->model, "%s", cfg->model_path ? cfg->model_path : "");
     snprintf(m->backend, sizeof m->backend, "%s", backend ? backend : "auto");
     snprintf(m->device, sizeof m->device, "unknown");
@@ -520,8 +520,8 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
                 char *mb = NULL, *ma = NULL;
                 double dur = 0;
                 db_cpu cpu0 = db_cpu_sample();
-                bool rok = cfg->simulate ? db_sim_run(cfg, &kn, prompts, n_req, &pt->load, pt->results, &pt->n_sent,
-                                                      &dur, err, sizeof err)
+                bool rok = cfg->simulate ? db_sim_run(cfg, &kn, prompts, n_req, &pt->load, pt->results,
+                                                      &pt->n_sent, &dur, err, sizeof err)
                            : cfg->in_process
                                ? db_inproc_run(eng, prompts, n_req, &pt->load, &cfg->req, &prog, pt->results,
                                                &pt->n_sent, &dur, &mb, &ma, err, sizeof err)

@@ -544,12 +544,12 @@ typedef struct duet_profile_params {
     duet_open_params open;   /* backend, device, threads, n_ctx, kv_type */
     const int *decode_batch; /* decode batch sizes; NULL = 1, 2, 4, 8, 16 */
     int n_decode_batch;
-    const int *chunk;        /* prompt chunk sizes; NULL = 16, 32, 64, 128 */
+    const int *chunk; /* prompt chunk sizes; NULL = 16, 32, 64, 128 */
     int n_chunk;
-    const int *context;      /* contexts (positions before the step); NULL = 16, 128, 512 */
+    const int *context; /* contexts (positions before the step); NULL = 16, 128, 512 */
     int n_context;
-    int repeats;             /* timed runs per shape; 0 = 3 */
-    double budget_s;         /* stop starting new shapes after this long; 0 = 45 */
+    int repeats;     /* timed runs per shape; 0 = 3 */
+    double budget_s; /* stop starting new shapes after this long; 0 = 45 */
     /* Called after each shape (may be NULL): shapes done and in all. */
     void (*progress)(int done, int total, void *user);
     void *user;
@@ -575,10 +575,10 @@ typedef struct duet_sim_request {
 } duet_sim_request;
 
 typedef struct duet_sim_outcome {
-    duet_status status;   /* DUET_OK, or the refusal: DUET_QUEUE_FULL, DUET_CONTEXT_FULL, DUET_BAD_REQUEST */
-    int instance;         /* where the router sent it; -1 when refused before */
-    double first_token;   /* seconds (NAN when refused) */
-    double done;          /* seconds: its last token (the refusal's time when refused) */
+    duet_status status; /* DUET_OK, or the refusal: DUET_QUEUE_FULL, DUET_CONTEXT_FULL, DUET_BAD_REQUEST */
+    int instance;       /* where the router sent it; -1 when refused before */
+    double first_token; /* seconds (NAN when refused) */
+    double done;        /* seconds: its last token (the refusal's time when refused) */
     int n_generated;
 } duet_sim_outcome;
 
@@ -594,15 +594,15 @@ typedef struct duet_sim_params {
 } duet_sim_params;
 
 typedef struct duet_sim_stats {
-    double end;           /* the last step's end, seconds */
+    double end; /* the last step's end, seconds */
     uint64_t steps, preemptions;
-    double busy_s;        /* summed step time of every instance */
+    double busy_s; /* summed step time of every instance */
 } duet_sim_stats;
 
 /* Runs the requests to completion; out[i] for reqs[i]. DUET_INVALID_ARGUMENT
  * on bad parameters (a message says which) or arrivals out of order. */
-duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs, int n, duet_sim_outcome *out,
-                          duet_sim_stats *stats);
+duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs, int n,
+                          duet_sim_outcome *out, duet_sim_stats *stats);
 
 /* ---- quality evaluation ---------------------------------------------- */
 

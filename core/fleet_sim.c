@@ -117,8 +117,8 @@ static duet_status step_end(sim *f, int k, int64_t now) {
     return duet__sched_step_done(in->s, now, in->results, in->n_seqs);
 }
 
-duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs, int n, duet_sim_outcome *out,
-                          duet_sim_stats *stats) {
+duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs, int n,
+                          duet_sim_outcome *out, duet_sim_stats *stats) {
     if (!p || (n > 0 && (!reqs || !out)) || n < 0)
         return duet__error(DUET_INVALID_ARGUMENT, "duet_simulate: NULL argument");
     if (p->n_instances < 1 || p->n_instances > DUET_ROUTER_MAX_INSTANCES)
@@ -126,14 +126,15 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
                            p->n_instances, DUET_ROUTER_MAX_INSTANCES);
     for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
         if (!(isfinite(p->cost.coef[j]) && p->cost.coef[j] >= 0))
-            return duet__error(DUET_INVALID_ARGUMENT, "simulate: step-cost term %s is %g", duet_step_cost_term(j),
-                               p->cost.coef[j]);
+            return duet__error(DUET_INVALID_ARGUMENT, "simulate: step-cost term %s is %g",
+                               duet_step_cost_term(j), p->cost.coef[j]);
     for (int i = 0; i < n; i++)
-        if (!isfinite(reqs[i].arrival) || reqs[i].arrival < 0 || (i && reqs[i].arrival < reqs[i - 1].arrival) ||
-            reqs[i].arrival > 1e9)
-            return duet__error(DUET_INVALID_ARGUMENT,
-                               "simulate: request %d arrives at %g s: arrivals must be finite, >= 0 and in order", i,
-                               reqs[i].arrival);
+        if (!isfinite(reqs[i].arrival) || reqs[i].arrival < 0 ||
+            (i && reqs[i].arrival < reqs[i - 1].arrival) || reqs[i].arrival > 1e9)
+            return duet__error(
+                DUET_INVALID_ARGUMENT,
+                "simulate: request %d arrives at %g s: arrivals must be finite, >= 0 and in order", i,
+                reqs[i].arrival);
 
     /* The engine's defaults for knobs left at 0, as duet_engine_start does. */
     duet_engine_params e = p->engine, d = duet_engine_params_default();
@@ -145,10 +146,11 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
     if (!e.kv_block_size) e.kv_block_size = d.kv_block_size;
     /* What the scheduler does not check itself, duet_engine_start does. */
     if (e.max_batch_tokens < e.max_batch_seqs || e.prefill_chunk < 1 || e.prefill_chunk > e.max_batch_tokens)
-        return duet__error(DUET_INVALID_ARGUMENT,
-                           "simulate: want max_batch_seqs (%d) <= max_batch_tokens (%d) and prefill_chunk (%d) "
-                           "in [1, max_batch_tokens]",
-                           e.max_batch_seqs, e.max_batch_tokens, e.prefill_chunk);
+        return duet__error(
+            DUET_INVALID_ARGUMENT,
+            "simulate: want max_batch_seqs (%d) <= max_batch_tokens (%d) and prefill_chunk (%d) "
+            "in [1, max_batch_tokens]",
+            e.max_batch_seqs, e.max_batch_tokens, e.prefill_chunk);
     int n_ctx = p->n_ctx > 0 ? p->n_ctx : p->cost.n_ctx > 0 ? p->cost.n_ctx : 2048;
     int blocks_per_seq = (n_ctx + e.kv_block_size - 1) / e.kv_block_size;
     duet_sched_config sc = {.max_seqs = e.max_batch_seqs,
@@ -182,7 +184,8 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
     duet_step_shape_add(&one, 64, 1, true);
     double t1 = duet_step_cost_predict(&p->cost, &one);
     for (int k = 0; k < f.n_inst; k++)
-        rc[k] = (duet_router_instance_config){.tier = DUET_PRIORITY_INTERACTIVE, .speed = t1 > 0 ? 1 / t1 : 1e3};
+        rc[k] =
+            (duet_router_instance_config){.tier = DUET_PRIORITY_INTERACTIVE, .speed = t1 > 0 ? 1 / t1 : 1e3};
     duet_router_config rcfg = duet__router_config_default();
     rcfg.n_instances = f.n_inst;
     rcfg.instances = rc;
@@ -205,8 +208,8 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
             duet_sim_outcome *o = &out[r];
             *o = (duet_sim_outcome){.status = DUET_OK, .instance = -1, .first_token = NAN, .done = NAN};
             int n_out = q->n_output;
-            if (q->n_prompt < 1 || n_out < 1 || (q->priority != DUET_PRIORITY_INTERACTIVE &&
-                                                 q->priority != DUET_PRIORITY_BATCH)) {
+            if (q->n_prompt < 1 || n_out < 1 ||
+                (q->priority != DUET_PRIORITY_INTERACTIVE && q->priority != DUET_PRIORITY_BATCH)) {
                 o->status = DUET_BAD_REQUEST;
                 o->done = (double)t_arr / NS;
                 continue;
@@ -218,7 +221,8 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
             }
             if (n_out > n_ctx - q->n_prompt) n_out = n_ctx - q->n_prompt; /* as submit clamps */
             int i;
-            duet_status rs = duet__router_route(f.router, (uint64_t)r + 1, q->priority, q->n_prompt, n_out, &i);
+            duet_status rs =
+                duet__router_route(f.router, (uint64_t)r + 1, q->priority, q->n_prompt, n_out, &i);
             if (rs) {
                 o->status = rs == DUET_QUEUE_FULL ? DUET_QUEUE_FULL : DUET_BAD_REQUEST;
                 o->done = (double)t_arr / NS;
@@ -226,7 +230,8 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
             }
             o->instance = i;
             sim_inst *in = &f.inst[i];
-            duet_sched_admit a = duet__sched_arrival(in->s, t_arr, (uint64_t)r + 1, q->n_prompt, n_out, q->priority);
+            duet_sched_admit a =
+                duet__sched_arrival(in->s, t_arr, (uint64_t)r + 1, q->n_prompt, n_out, q->priority);
             if (a != DUET_SCHED_ADMITTED) {
                 duet__router_done(f.router, (uint64_t)r + 1);
                 o->status = a == DUET_SCHED_QUEUE_FULL ? DUET_QUEUE_FULL

@@ -157,8 +157,8 @@ static duet_status prefill_shared(profiler *pr, int n) {
     return DUET_OK;
 }
 
-duet_status duet_profile_run(const char *model_path, const duet_profile_params *params, duet_step_sample **samples,
-                             int *n_samples, duet_step_cost *fit) {
+duet_status duet_profile_run(const char *model_path, const duet_profile_params *params,
+                             duet_step_sample **samples, int *n_samples, duet_step_cost *fit) {
     if (!model_path || !samples || !n_samples || !fit)
         return duet__error(DUET_INVALID_ARGUMENT, "duet_profile_run: NULL argument");
     *samples = NULL;
@@ -177,7 +177,8 @@ duet_status duet_profile_run(const char *model_path, const duet_profile_params *
                            "profile: 1 to 64 decode batches, chunk sizes and contexts each, repeats <= 1000");
     for (int i = 0; i < n_dec; i++)
         if (dec[i] < 1 || dec[i] > 1024)
-            return duet__error(DUET_INVALID_ARGUMENT, "profile: decode batch %d out of range [1, 1024]", dec[i]);
+            return duet__error(DUET_INVALID_ARGUMENT, "profile: decode batch %d out of range [1, 1024]",
+                               dec[i]);
     for (int i = 0; i < n_chk; i++)
         if (chk[i] < 1 || chk[i] > 8192)
             return duet__error(DUET_INVALID_ARGUMENT, "profile: chunk %d out of range [1, 8192]", chk[i]);
@@ -250,7 +251,8 @@ duet_status duet_profile_run(const char *model_path, const duet_profile_params *
         if (st) break;
         qsort(times, (size_t)p.repeats, sizeof *times, cmp_double);
         duet_step_sample *s = &out[done++];
-        s->seconds = p.repeats % 2 ? times[p.repeats / 2] : (times[p.repeats / 2 - 1] + times[p.repeats / 2]) / 2;
+        s->seconds =
+            p.repeats % 2 ? times[p.repeats / 2] : (times[p.repeats / 2 - 1] + times[p.repeats / 2]) / 2;
         for (int k = 0; k < grid[i].n_dec; k++)
             duet_step_shape_add(&s->shape, grid[i].dec_ctx, 1, true);
         if (grid[i].chunk > 0) duet_step_shape_add(&s->shape, grid[i].chunk_pos, grid[i].chunk, false);

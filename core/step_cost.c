@@ -376,10 +376,11 @@ duet_status duet_step_cost_load(const char *path, duet_step_cost *out) {
         out->n_ctx = cJSON_IsNumber(nc) && nc->valuedouble >= 0 && nc->valuedouble < 1e8 ? nc->valueint : 0;
         const cJSON *fit = cJSON_GetObjectItemCaseSensitive(root, "fit");
         const cJSON *v;
-        if ((v = cJSON_GetObjectItemCaseSensitive(fit, "samples")) && cJSON_IsNumber(v) && v->valuedouble >= 0 &&
-            v->valuedouble < 1e9)
+        if ((v = cJSON_GetObjectItemCaseSensitive(fit, "samples")) && cJSON_IsNumber(v) &&
+            v->valuedouble >= 0 && v->valuedouble < 1e9)
             out->n_samples = v->valueint;
-        if ((v = cJSON_GetObjectItemCaseSensitive(fit, "rmse_s")) && cJSON_IsNumber(v)) out->rmse_s = v->valuedouble;
+        if ((v = cJSON_GetObjectItemCaseSensitive(fit, "rmse_s")) && cJSON_IsNumber(v))
+            out->rmse_s = v->valuedouble;
         if ((v = cJSON_GetObjectItemCaseSensitive(fit, "mean_rel_err")) && cJSON_IsNumber(v))
             out->mean_rel_err = v->valuedouble;
         if ((v = cJSON_GetObjectItemCaseSensitive(fit, "r2")) && cJSON_IsNumber(v)) out->r2 = v->valuedouble;
@@ -392,33 +393,38 @@ duet_status duet_step_cost_load(const char *path, duet_step_cost *out) {
 
 /* ---- metrics ----------------------------------------------------------------- */
 
-int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err, const char *model_name,
-                                char *buf, size_t size) {
+int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err,
+                                const char *model_name, char *buf, size_t size) {
     char label[512];
     size_t k = 0;
     for (const char *p = model_name ? model_name : ""; *p && k + 3 < sizeof label; p++) {
-        if (*p == '\\' || *p == '"') label[k++] = '\\', label[k++] = *p;
-        else if (*p == '\n') label[k++] = '\\', label[k++] = 'n';
-        else label[k++] = *p;
+        if (*p == '\\' || *p == '"')
+            label[k++] = '\\', label[k++] = *p;
+        else if (*p == '\n')
+            label[k++] = '\\', label[k++] = 'n';
+        else
+            label[k++] = *p;
     }
     label[k] = 0;
-    int n = snprintf(buf, size,
-                     "# HELP duet_step_cost_seconds The step-cost model the engine fits online from its steps "
-                     "(seconds per unit of each term).\n"
-                     "# TYPE duet_step_cost_seconds gauge\n");
+    int n =
+        snprintf(buf, size,
+                 "# HELP duet_step_cost_seconds The step-cost model the engine fits online from its steps "
+                 "(seconds per unit of each term).\n"
+                 "# TYPE duet_step_cost_seconds gauge\n");
     for (int j = 0; j < N; j++) {
         size_t at = (size_t)n < size ? (size_t)n : size;
-        n += snprintf(buf + at, size - at, "duet_step_cost_seconds{model_name=\"%s\",term=\"%s\"} %.9g\n", label,
-                      term_names[j], m->coef[j]);
+        n += snprintf(buf + at, size - at, "duet_step_cost_seconds{model_name=\"%s\",term=\"%s\"} %.9g\n",
+                      label, term_names[j], m->coef[j]);
     }
     size_t at = (size_t)n < size ? (size_t)n : size;
-    n += snprintf(buf + at, size - at,
-                  "# HELP duet_step_cost_steps_total Steps the step-cost model has learnt from.\n"
-                  "# TYPE duet_step_cost_steps_total counter\n"
-                  "duet_step_cost_steps_total{model_name=\"%s\"} %llu\n"
-                  "# HELP duet_step_cost_relative_error Recent mean |predicted - measured| / measured step time.\n"
-                  "# TYPE duet_step_cost_relative_error gauge\n"
-                  "duet_step_cost_relative_error{model_name=\"%s\"} %.6g\n",
-                  label, (unsigned long long)n_steps, label, rel_err);
+    n += snprintf(
+        buf + at, size - at,
+        "# HELP duet_step_cost_steps_total Steps the step-cost model has learnt from.\n"
+        "# TYPE duet_step_cost_steps_total counter\n"
+        "duet_step_cost_steps_total{model_name=\"%s\"} %llu\n"
+        "# HELP duet_step_cost_relative_error Recent mean |predicted - measured| / measured step time.\n"
+        "# TYPE duet_step_cost_relative_error gauge\n"
+        "duet_step_cost_relative_error{model_name=\"%s\"} %.6g\n",
+        label, (unsigned long long)n_steps, label, rel_err);
     return n;
 }

@@ -45,7 +45,7 @@ const duet_step_cost *duet__step_cost_online_get(duet_step_cost_online *o);
 /* Prometheus text of a model (duet_step_cost_seconds{term=...} gauges and
  * the fit quality) appended to buf; returns the length written (like
  * snprintf, clipped to size). */
-int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err, const char *model_name,
-                                char *buf, size_t size);
+int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err,
+                                const char *model_name, char *buf, size_t size);
 
 #endif /* DUET_STEP_COST_H */

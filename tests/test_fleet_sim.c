@@ -133,7 +133,8 @@ START_TEST(refusals_and_context_clamp) {
     ck_assert_int_eq(o[4].n_generated, 12);
 
     /* Bad parameters say what is wrong. */
-    duet_sim_request bad[2] = {{.arrival = 1, .n_prompt = 8, .n_output = 2}, {.arrival = 0.5, .n_prompt = 8, .n_output = 2}};
+    duet_sim_request bad[2] = {{.arrival = 1, .n_prompt = 8, .n_output = 2},
+                               {.arrival = 0.5, .n_prompt = 8, .n_output = 2}};
     ck_assert_int_eq(duet_simulate(&p, bad, 2, o, NULL), DUET_INVALID_ARGUMENT);
     ck_assert_msg(strstr(duet_last_error(), "request 1"), "%s", duet_last_error());
     p.cost.coef[3] = -1;
@@ -196,7 +197,9 @@ START_TEST(long_poisson_run) {
         s = s * 6364136223846793005ull + 1442695040888963407ull;
         double u = ((double)(s >> 11) + 0.5) * 0x1.0p-53;
         t += -log(u) / 3.0;
-        r[i] = (duet_sim_request){.arrival = t, .n_prompt = 50 + i % 100, .n_output = 20 + i % 60,
+        r[i] = (duet_sim_request){.arrival = t,
+                                  .n_prompt = 50 + i % 100,
+                                  .n_output = 20 + i % 60,
                                   .priority = i % 3 ? DUET_PRIORITY_INTERACTIVE : DUET_PRIORITY_BATCH};
     }
     duet_sim_stats st, st2;
@@ -224,7 +227,8 @@ START_TEST(long_poisson_run) {
     ck_assert_int_eq(duet_simulate(&p, r, n, o2, &st2), DUET_OK);
     ck_assert(st.steps == st2.steps && st.end == st2.end);
     for (int i = 0; i < n; i++)
-        ck_assert(o[i].first_token == o2[i].first_token && o[i].done == o2[i].done && o[i].instance == o2[i].instance);
+        ck_assert(o[i].first_token == o2[i].first_token && o[i].done == o2[i].done &&
+                  o[i].instance == o2[i].instance);
     fprintf(stderr, "simulated %.0f s of traffic (%d requests, %llu steps) in %.3f s\n", st.end, n,
             (unsigned long long)st.steps, wall);
     free(r), free(o), free(o2), free(k);

@@ -27,7 +27,8 @@ static duet_step_shape random_shape(uint64_t *rng, bool with_prefill) {
     int b = 1 + (int)(urand(rng) * 16);
     for (int i = 0; i < b; i++)
         duet_step_shape_add(&s, (int)(urand(rng) * 1024), 1, true);
-    if (with_prefill && urand(rng) < 0.6) duet_step_shape_add(&s, (int)(urand(rng) * 512), 1 + (int)(urand(rng) * 128), false);
+    if (with_prefill && urand(rng) < 0.6)
+        duet_step_shape_add(&s, (int)(urand(rng) * 512), 1 + (int)(urand(rng) * 128), false);
     return s;
 }
 
@@ -74,8 +75,8 @@ START_TEST(fit_recovers_known_coefficients) {
         smp[i].seconds = true_time(&smp[i].shape) * (1 + 0.06 * (urand(&rng) - 0.5));
     ck_assert_int_eq(duet_step_cost_fit(smp, n, &m), DUET_OK);
     for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
-        ck_assert_msg(fabs(m.coef[j] - truth[j]) <= 0.1 * truth[j], "noisy term %d: %g, want %g", j, m.coef[j],
-                      truth[j]);
+        ck_assert_msg(fabs(m.coef[j] - truth[j]) <= 0.1 * truth[j], "noisy term %d: %g, want %g", j,
+                      m.coef[j], truth[j]);
     ck_assert(m.mean_rel_err < 0.02 && m.mean_rel_err > 0.001);
     free(smp);
 }
@@ -121,8 +122,8 @@ START_TEST(online_converges_keeps_prior_and_follows_change) {
     }
     const duet_step_cost *c = duet__step_cost_online_get(&o);
     for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
-        ck_assert_msg(fabs(c->coef[j] - truth[j]) <= 0.1 * truth[j], "online term %d: %g, want %g", j, c->coef[j],
-                      truth[j]);
+        ck_assert_msg(fabs(c->coef[j] - truth[j]) <= 0.1 * truth[j], "online term %d: %g, want %g", j,
+                      c->coef[j], truth[j]);
     ck_assert(c->n_samples == 2000 && c->mean_rel_err < 0.02);
 
     /* The device gets twice as slow: the fit follows within a few hundred steps. */
@@ -181,8 +182,8 @@ static void expect_bad(const char *text, duet_status want, const char *phrase) {
     const char *p = write_tmp(text);
     duet_status st = duet_step_cost_load(p, &m);
     ck_assert_msg(st == want, "load of %s gave %d, want %d (%s)", text, st, want, duet_last_error());
-    ck_assert_msg(strstr(duet_last_error(), phrase) && strstr(duet_last_error(), p), "message '%s' lacks '%s'",
-                  duet_last_error(), phrase);
+    ck_assert_msg(strstr(duet_last_error(), phrase) && strstr(duet_last_error(), p),
+                  "message '%s' lacks '%s'", duet_last_error(), phrase);
     ck_assert(m.coef[0] == 0); /* nothing half-read is left */
     unlink(p);
 }
@@ -219,8 +220,9 @@ START_TEST(file_round_trip_and_bad_files) {
     ck_assert_int_eq(duet_step_cost_load("/nonexistent-dir/x.json", &r), DUET_IO);
     ck_assert(strstr(duet_last_error(), "cannot open"));
 
-    const char *ok_terms = "\"terms\": {\"intercept\": 1e-3, \"per_decode_token\": 1e-4, \"per_prefill_token\": 1e-4,"
-                           " \"per_decode_context\": 0, \"per_prefill_context\": 0}";
+    const char *ok_terms =
+        "\"terms\": {\"intercept\": 1e-3, \"per_decode_token\": 1e-4, \"per_prefill_token\": 1e-4,"
+        " \"per_decode_context\": 0, \"per_prefill_context\": 0}";
     char buf[1024];
     expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, ", DUET_INVALID_ARGUMENT, "not JSON");
     expect_bad("", DUET_INVALID_ARGUMENT, "not JSON");
@@ -231,7 +233,8 @@ START_TEST(file_round_trip_and_bad_files) {
     expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1}", DUET_INVALID_ARGUMENT, "no \"terms\"");
     expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, \"terms\": {\"intercept\": 1e-3}}",
                DUET_INVALID_ARGUMENT, "\"per_decode_token\" is missing");
-    expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, \"terms\": {\"intercept\": 1e-3, \"per_decode_token\": "
+    expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, \"terms\": {\"intercept\": 1e-3, "
+               "\"per_decode_token\": "
                "-1, \"per_prefill_token\": 0, \"per_decode_context\": 0, \"per_prefill_context\": 0}}",
                DUET_INVALID_ARGUMENT, "must be finite and >= 0");
     expect_bad("{\"format\": \"duet-step-cost\", \"version\": 1, \"terms\": {\"intercept\": \"fast\", "
@@ -267,8 +270,8 @@ START_TEST(engine_fits_and_exports_its_steps) {
     p.max_batch_tokens = 64;
     p.prefill_chunk = 16;
     duet_engine *e;
-    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK, "start: %s",
-                  duet_last_error());
+    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
+                  "start: %s", duet_last_error());
     duet_step_cost c;
     ck_assert_int_eq(duet_engine_step_cost(e, &c), DUET_OK);
     ck_assert_int_eq(c.n_samples, 0);
@@ -300,7 +303,8 @@ START_TEST(engine_fits_and_exports_its_steps) {
         ck_assert(isfinite(c.coef[j]) && c.coef[j] >= 0);
     char *text = duet_engine_metrics(e);
     ck_assert_ptr_nonnull(text);
-    ck_assert_msg(strstr(text, "duet_step_cost_seconds{model_name=") && strstr(text, "term=\"per_decode_token\"") &&
+    ck_assert_msg(strstr(text, "duet_step_cost_seconds{model_name=") &&
+                      strstr(text, "term=\"per_decode_token\"") &&
                       strstr(text, "duet_step_cost_steps_total{"),
                   "%s", text);
     /* The whole exposition stays valid with the step-cost families in it. */

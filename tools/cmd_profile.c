@@ -12,26 +12,25 @@
 #include "cli.h"
 
 static void usage(FILE *f) {
-    fprintf(f,
-            "usage: duet profile -m MODEL --out FILE [options]\n"
-            "Times real engine steps (decode batches at several contexts, prompt chunks, and mixed\n"
-            "steps) on one backend and device, fits\n"
-            "  seconds = intercept + per_decode_token*n_decode + per_prefill_token*n_prefill\n"
-            "          + per_decode_context*decode_ctx + per_prefill_context*prefill_ctx\n"
-            "by non-negative least squares, writes it as JSON and prints the fit.\n"
-            "  -m, --model FILE          the GGUF model\n"
-            "  -o, --out FILE            where to write the step-cost model (JSON)\n"
-            "      --backend NAME        auto|cpu|vulkan|opencl (default auto)\n"
-            "      --device I            device within the backend (default: best)\n"
-            "  -t, --threads N           cpu threads (default: all cores)\n"
-            "  -c, --ctx N               context recorded for the simulator (default: what serve uses)\n"
-            "      --kv-type T           f32|f16|q8_0 (default: as serve)\n"
-            "      --decode-batches L    decode batch sizes (default 1,2,4,8,16)\n"
-            "      --chunks L            prompt chunk sizes (default 16,32,64,128)\n"
-            "      --contexts L          contexts, in tokens before the step (default 16,128,512)\n"
-            "      --repeats N           timed runs per shape, the median kept (default 3)\n"
-            "      --budget S            stop starting new shapes after S seconds (default 45)\n"
-            "      --quiet               no progress line\n");
+    fprintf(f, "usage: duet profile -m MODEL --out FILE [options]\n"
+               "Times real engine steps (decode batches at several contexts, prompt chunks, and mixed\n"
+               "steps) on one backend and device, fits\n"
+               "  seconds = intercept + per_decode_token*n_decode + per_prefill_token*n_prefill\n"
+               "          + per_decode_context*decode_ctx + per_prefill_context*prefill_ctx\n"
+               "by non-negative least squares, writes it as JSON and prints the fit.\n"
+               "  -m, --model FILE          the GGUF model\n"
+               "  -o, --out FILE            where to write the step-cost model (JSON)\n"
+               "      --backend NAME        auto|cpu|vulkan|opencl (default auto)\n"
+               "      --device I            device within the backend (default: best)\n"
+               "  -t, --threads N           cpu threads (default: all cores)\n"
+               "  -c, --ctx N               context recorded for the simulator (default: what serve uses)\n"
+               "      --kv-type T           f32|f16|q8_0 (default: as serve)\n"
+               "      --decode-batches L    decode batch sizes (default 1,2,4,8,16)\n"
+               "      --chunks L            prompt chunk sizes (default 16,32,64,128)\n"
+               "      --contexts L          contexts, in tokens before the step (default 16,128,512)\n"
+               "      --repeats N           timed runs per shape, the median kept (default 3)\n"
+               "      --budget S            stop starting new shapes after S seconds (default 45)\n"
+               "      --quiet               no progress line\n");
 }
 
 /* Parses "1,2,4" into out[] (at most max); false with a message. */
@@ -42,8 +41,8 @@ static bool parse_ints(const char *flag, const char *s, int *out, int max, int *
         char *end;
         long v = strtol(p, &end, 10);
         if (end == p || v < 1 || v > 65536 || *n == max || (*end && *end != ',')) {
-            fprintf(stderr, "duet: %s wants a list of up to %d positive integers (e.g. 1,2,4), got '%s'\n", flag,
-                    max, s);
+            fprintf(stderr, "duet: %s wants a list of up to %d positive integers (e.g. 1,2,4), got '%s'\n",
+                    flag, max, s);
             return false;
         }
         out[(*n)++] = (int)v;
@@ -86,13 +85,27 @@ int cmd_profile(int argc, char **argv) {
         bool ok = true;
         float budget;
         switch (c) {
-        case 'm': model = optarg; break;
-        case 'o': out = optarg; break;
-        case O_BACKEND: p.open.backend = optarg; break;
-        case O_DEVICE: ok = cli_int("--device", optarg, 0, 1024, &p.open.device); break;
-        case 't': ok = cli_int("--threads", optarg, 0, 1024, &p.open.n_threads); break;
-        case 'c': ok = cli_int("--ctx", optarg, 2, 1 << 20, &n_ctx); break;
-        case O_KV: p.open.kv_type = optarg; break;
+        case 'm':
+            model = optarg;
+            break;
+        case 'o':
+            out = optarg;
+            break;
+        case O_BACKEND:
+            p.open.backend = optarg;
+            break;
+        case O_DEVICE:
+            ok = cli_int("--device", optarg, 0, 1024, &p.open.device);
+            break;
+        case 't':
+            ok = cli_int("--threads", optarg, 0, 1024, &p.open.n_threads);
+            break;
+        case 'c':
+            ok = cli_int("--ctx", optarg, 2, 1 << 20, &n_ctx);
+            break;
+        case O_KV:
+            p.open.kv_type = optarg;
+            break;
         case O_DEC:
             ok = parse_ints("--decode-batches", optarg, dec, 64, &p.n_decode_batch);
             p.decode_batch = dec;
@@ -105,14 +118,22 @@ int cmd_profile(int argc, char **argv) {
             ok = parse_ints("--contexts", optarg, ctx, 64, &p.n_context);
             p.context = ctx;
             break;
-        case O_REP: ok = cli_int("--repeats", optarg, 1, 1000, &p.repeats); break;
+        case O_REP:
+            ok = cli_int("--repeats", optarg, 1, 1000, &p.repeats);
+            break;
         case O_BUDGET:
             ok = cli_float("--budget", optarg, 0.1, 86400, &budget);
             p.budget_s = budget;
             break;
-        case O_QUIET: progress = false; break;
-        case 'h': usage(stdout); return 0;
-        default: usage(stderr); return 2;
+        case O_QUIET:
+            progress = false;
+            break;
+        case 'h':
+            usage(stdout);
+            return 0;
+        default:
+            usage(stderr);
+            return 2;
         }
         if (!ok) return 2;
     }
@@ -141,20 +162,21 @@ int cmd_profile(int argc, char **argv) {
         return cli_fail("profile", st);
     }
     printf("%s on %s (%s): %d step shapes\n", fit.model, fit.backend, fit.device, n);
-    printf("%-8s %-8s %-10s %-11s %10s %10s %7s\n", "decode", "prefill", "decode_ctx", "prefill_ctx", "measured",
-           "predicted", "error");
+    printf("%-8s %-8s %-10s %-11s %10s %10s %7s\n", "decode", "prefill", "decode_ctx", "prefill_ctx",
+           "measured", "predicted", "error");
     for (int i = 0; i < n; i++) {
         double pred = duet_step_cost_predict(&fit, &smp[i].shape);
-        printf("%-8d %-8d %-10.0f %-11.0f %8.2fms %8.2fms %+6.1f%%\n", smp[i].shape.n_decode, smp[i].shape.n_prefill,
-               smp[i].shape.decode_ctx, smp[i].shape.prefill_ctx, smp[i].seconds * 1e3, pred * 1e3,
+        printf("%-8d %-8d %-10.0f %-11.0f %8.2fms %8.2fms %+6.1f%%\n", smp[i].shape.n_decode,
+               smp[i].shape.n_prefill, smp[i].shape.decode_ctx, smp[i].shape.prefill_ctx,
+               smp[i].seconds * 1e3, pred * 1e3,
                smp[i].seconds > 0 ? 100 * (pred - smp[i].seconds) / smp[i].seconds : 0.0);
     }
     printf("fit: ");
     for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
         printf("%s%s %.4g %s", j ? ", " : "", duet_step_cost_term(j), fit.coef[j] * (j < 3 ? 1e3 : 1e6),
                j < 3 ? "ms" : "us");
-    printf("\nquality: R^2 %.4f, rmse %.3f ms, mean relative error %.1f%%\nwritten: %s\n", fit.r2, fit.rmse_s * 1e3,
-           fit.mean_rel_err * 100, out);
+    printf("\nquality: R^2 %.4f, rmse %.3f ms, mean relative error %.1f%%\nwritten: %s\n", fit.r2,
+           fit.rmse_s * 1e3, fit.mean_rel_err * 100, out);
     free(smp);
     return 0;
 }
