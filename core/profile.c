@@ -56,6 +56,7 @@ typedef struct grid_shape {
 typedef struct profiler {
     duet_model *m;
     int max_blocks, chunk_slot;
+    int max_step; /* tokens the step arrays hold (the run state may take more) */
     int32_t *tok, *pos, *seq, *out, *tables;
 } profiler;
 
@@ -136,7 +137,7 @@ static duet_status prefill_shared(profiler *pr, int n) {
     for (int i = 0; i < n_seqs * mb; i++)
         pr->tables[i] = i / mb == 0 ? i : -1;
     for (int at = 0; at < n;) {
-        int k = n - at < m->run.max_step_tokens ? n - at : m->run.max_step_tokens;
+        int k = n - at < pr->max_step ? n - at : pr->max_step;
         for (int t = 0; t < k; t++) {
             pr->tok[t] = token_at(at + t, m->hp.n_vocab);
             pr->pos[t] = at + t;
@@ -217,7 +218,8 @@ duet_status duet_profile_run(const char *model_path, const duet_profile_params *
      * the middle decode batch with every chunk (mixed steps). */
     int cap = n_dec * n_cx + n_chk * (n_cx + 1) + n_chk;
     grid_shape *grid = calloc((size_t)cap, sizeof *grid);
-    profiler pr = {.m = m, .max_blocks = m->run.state->max_blocks, .chunk_slot = op.n_seqs - 1};
+    profiler pr = {
+        .m = m, .max_blocks = m->run.state->max_blocks, .chunk_slot = op.n_seqs - 1, .max_step = max_step};
     pr.tok = malloc((size_t)max_step * sizeof(int32_t));
     pr.pos = malloc((size_t)max_step * sizeof(int32_t));
     pr.seq = malloc((size_t)max_step * sizeof(int32_t));
