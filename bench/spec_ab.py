@@ -64,10 +64,15 @@ def main():
         off = run(a.duet, a.model, prompt, a.n_predict, a.threads, False, a.spec_k)
         on = run(a.duet, a.model, prompt, a.n_predict, a.threads, True, a.spec_k)
         sp = on.get("speculative", {})
+        n = len(on["tokens"]) - 1  # decode_tokens_per_s's count: tokens after the first
         r = {
             "off_tps": off["decode_tokens_per_s"],
             "on_tps": on["decode_tokens_per_s"],
             "ratio": on["decode_tokens_per_s"] / off["decode_tokens_per_s"],
+            # CPU time of the decode (all threads): robust to the neighbours' load.
+            "off_cpu_tps": n / off["decode_cpu_seconds"],
+            "on_cpu_tps": n / on["decode_cpu_seconds"],
+            "cpu_ratio": off["decode_cpu_seconds"] / on["decode_cpu_seconds"],
             "generated": len(on["tokens"]),
             "identical": off["tokens"] == on["tokens"],
             "draft_tokens": sp.get("draft_tokens", 0),
@@ -76,12 +81,13 @@ def main():
         }
         rounds.append(r)
         print(f"round {i + 1}: off {r['off_tps']:.1f} tok/s, on {r['on_tps']:.1f} tok/s, ratio {r['ratio']:.2f}, "
-              f"acceptance {r['acceptance_rate']:.2f} ({r['accepted_tokens']}/{r['draft_tokens']}), "
+              f"cpu-time ratio {r['cpu_ratio']:.2f}, acceptance {r['acceptance_rate']:.2f} ({r['accepted_tokens']}/{r['draft_tokens']}), "
               f"{r['generated']} tokens, identical {r['identical']}", flush=True)
     summary = {
         "median_ratio": statistics.median(r["ratio"] for r in rounds),
         "min_ratio": min(r["ratio"] for r in rounds),
         "max_ratio": max(r["ratio"] for r in rounds),
+        "median_cpu_ratio": statistics.median(r["cpu_ratio"] for r in rounds),
         "median_off_tps": statistics.median(r["off_tps"] for r in rounds),
         "median_on_tps": statistics.median(r["on_tps"] for r in rounds),
         "acceptance_rate": rounds[0]["acceptance_rate"],

@@ -20,6 +20,14 @@ duet_open_params duet_open_params_default(void) {
     return (duet_open_params){.backend = "auto", .device = -1};
 }
 
+/* CPU time of the whole process (all its threads), for measurements on a
+ * shared machine where wall time depends on the neighbours' load. */
+static double cpu_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
 static double now_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -404,7 +412,7 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
 
     double t0 = now_seconds();
     st = eval_seq0(m, prompt, n_prompt, 0);
-    double t1 = now_seconds();
+    double t1 = now_seconds(), c1 = cpu_seconds();
     stats->prefill_seconds = t1 - t0;
 
     duet_detok detok;
@@ -520,6 +528,7 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
     }
     free(text);
     stats->decode_seconds = now_seconds() - t1;
+    stats->decode_cpu_seconds = cpu_seconds() - c1;
     duet_sampler_free(smp);
     return st;
 }

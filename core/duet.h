@@ -107,7 +107,7 @@ typedef struct duet_open_params {
     bool weights_only;
     /* Speculative decoding (duet_generate and the engine): NULL or "off",
      * or "ngram" (prompt lookup: drafts continue the latest earlier
-     * occurrence of the last 1-3 tokens in the prompt and output). Lossless:
+     * occurrence of the last 3 or 2 tokens in the prompt and output). Lossless:
      * greedy output is the target's own, sampled output has the target's
      * distribution (rejection sampling). Sequences with a grammar are not
      * speculated. Helps where the output repeats its input (editing,
@@ -279,6 +279,7 @@ typedef bool (*duet_token_fn)(int32_t id, const char *text, size_t len, void *us
 typedef struct duet_generate_stats {
     int prompt_tokens, generated_tokens;
     double prefill_seconds, decode_seconds;
+    double decode_cpu_seconds; /* the process's CPU time during decode (all threads) */
     bool stopped_by_eos;
     /* Speculative decoding: verification steps with drafts, draft tokens
      * proposed, and how many of them the target kept. */

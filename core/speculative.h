@@ -48,9 +48,10 @@
 
 /* Draft tokens one step may propose per sequence, at most. */
 #define DUET_SPEC_MAX_K 16
-/* n-gram drafter: the longest and shortest suffix it looks up. */
+/* n-gram drafter: the longest and shortest suffix it looks up (a single
+ * token matches too often by chance: its drafts were mostly rejected). */
 #define DUET_SPEC_NGRAM_MAX 3
-#define DUET_SPEC_NGRAM_MIN 1
+#define DUET_SPEC_NGRAM_MIN 2
 
 /* The default of duet_open_params.spec_k. */
 #define DUET_SPEC_DEFAULT_K 8

@@ -166,6 +166,7 @@ int cmd_run(int argc, char **argv) {
         cJSON_AddNumberToObject(o, "decode_tokens_per_s", decode_tps);
         cJSON_AddNumberToObject(o, "prefill_seconds", gs.prefill_seconds);
         cJSON_AddNumberToObject(o, "decode_seconds", gs.decode_seconds);
+        cJSON_AddNumberToObject(o, "decode_cpu_seconds", gs.decode_cpu_seconds);
         cJSON_AddBoolToObject(o, "stopped_by_eos", gs.stopped_by_eos);
         cJSON_AddNumberToObject(o, "seed", (double)smp.seed);
         if ((op.spec && strcmp(op.spec, "off") != 0) || op.draft) {
