@@ -428,6 +428,7 @@ typedef struct duet_event {
     size_t text_len;
     duet_finish finish;      /* DONE */
     const char *message;     /* DONE with ERROR */
+    int instance;            /* from a fleet: the instance that served it (its index); 0 from an engine */
     int prompt_tokens, generated_tokens;
     double queue_seconds, ttft_seconds, total_seconds; /* DONE: timings */
     int spec_draft_tokens, spec_accepted_tokens;       /* DONE: speculative drafts proposed and kept */
@@ -604,6 +605,61 @@ typedef struct duet_sim_stats {
  * on bad parameters (a message says which) or arrivals out of order. */
 duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs, int n,
                           duet_sim_outcome *out, duet_sim_stats *stats);
+
+/* ---- several instances behind a router ------------------------------- */
+
+/* A fleet puts a router (core/router.h) in front of several engines: each
+ * request goes to an instance of its tier (priority) with the least
+ * outstanding work for its measured speed; when the tier is saturated it
+ * may spill over to the other; an instance whose device is lost is taken
+ * out, and its requests that had streamed nothing are retried once on
+ * another instance (the client sees one request: its events, then one
+ * DONE). The engines may be of any backends and devices, loaded from the
+ * same model file (tokenize with duet_fleet_model). The caller starts the
+ * engines, and stops them before duet_fleet_free (so every DONE has been
+ * delivered). Thread-safe like an engine. */
+typedef struct duet_fleet duet_fleet;
+
+typedef struct duet_fleet_instance {
+    duet_engine *engine;
+    duet_priority tier;  /* the requests it is for */
+    int max_outstanding; /* requests at which it counts as saturated (spill-over); 0 = never */
+    const char *name;    /* its `instance` label in the metrics (copied); NULL = its index */
+} duet_fleet_instance;
+
+typedef struct duet_fleet_params {
+    bool tier_blind;        /* ignore tiers: every instance serves every request */
+    bool spill_interactive; /* interactive requests may use batch instances when theirs are saturated
+                               (default) */
+    bool spill_batch;       /* batch requests may use interactive instances when theirs are saturated */
+} duet_fleet_params;
+
+duet_fleet_params duet_fleet_params_default(void);
+/* n instances, 1..64. */
+duet_status duet_fleet_new(const duet_fleet_instance *instances, int n, const duet_fleet_params *params,
+                           duet_fleet **out);
+void duet_fleet_free(duet_fleet *f);
+/* As duet_engine_submit, on the instance the router picks; events carry
+ * the fleet's id and the serving instance. DUET_DEVICE_LOST when no
+ * instance can serve. */
+duet_status duet_fleet_submit(duet_fleet *f, const duet_request *req, duet_event_fn fn, void *user,
+                              uint64_t *id);
+duet_status duet_fleet_cancel(duet_fleet *f, uint64_t id);
+/* True while any instance is healthy; `why` lists the ones that are not. */
+bool duet_fleet_healthy(duet_fleet *f, char *why, size_t why_size);
+/* duet_engine_warmup on every instance. */
+duet_status duet_fleet_warmup(duet_fleet *f);
+/* Prometheus text: the engines' families summed (the names and labels of a
+ * single engine's), then per-instance families (duet_instance_*, with
+ * instance, backend, device and tier labels) and the router's decisions
+ * (duet_router_*). malloc'd; free(). */
+char *duet_fleet_metrics(duet_fleet *f);
+int duet_fleet_size(const duet_fleet *f);
+duet_engine *duet_fleet_engine(duet_fleet *f, int i);
+/* The first instance's model (tokenizer, chat template, description). */
+const duet_model *duet_fleet_model(const duet_fleet *f);
+/* The least of the instances' duet_engine_max_sequence_tokens. */
+int duet_fleet_max_sequence_tokens(const duet_fleet *f);
 
 /* ---- quality evaluation ---------------------------------------------- */
 

@@ -29,6 +29,7 @@
 
 #include "duet.h"
 #include "forward.h"
+#include "metrics.h"
 #include "tokenizer.h"
 
 /* A run state on a model's device: what one instance (or the handle's
@@ -82,5 +83,9 @@ void duet__run_free(duet_model *m, duet_run *run);
 duet_status duet__run_forward(duet_model *m, duet_run *run, const duet_batch *b, float *logits);
 /* Makes m->run at first use when the model was opened weights_only. */
 duet_status duet__model_own_run(duet_model *m);
+
+/* The engine's metrics, its gauges refreshed (for a fleet's export and
+ * its router's speed estimates). Takes the engine's lock briefly. */
+duet_metrics *duet__engine_metrics(duet_engine *e);
 
 #endif

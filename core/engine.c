@@ -1156,6 +1156,13 @@ duet_status duet_engine_warmup(duet_engine *e) {
     return st;
 }
 
+duet_metrics *duet__engine_metrics(duet_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    update_gauges(e);
+    pthread_mutex_unlock(&e->mu);
+    return e->metrics;
+}
+
 char *duet_engine_metrics(duet_engine *e) {
     pthread_mutex_lock(&e->mu);
     update_gauges(e);

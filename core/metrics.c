@@ -358,16 +358,9 @@ void duet__metrics_window(duet_metrics *m, double now, double window_s, duet_met
 /* The window of duet_device_busy_ratio (a scrape interval or two). */
 #define BUSY_GAUGE_WINDOW_S 10.0
 
-typedef struct wbuf {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} wbuf;
+typedef duet_text wbuf;
 
-#if defined(__GNUC__)
-__attribute__((format(printf, 2, 3)))
-#endif
-static void wprintf(wbuf *w, const char *fmt, ...) {
+void duet__text_printf(duet_text *w, const char *fmt, ...) {
     if (w->oom) return;
     for (;;) {
         va_list ap;
@@ -411,7 +404,7 @@ static void fmt_double(char *buf, size_t size, double v) {
 }
 
 static void family(wbuf *w, const char *name, const char *type, const char *help) {
-    wprintf(w, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
+    duet__text_printf(w, "# HELP %s %s\n# TYPE %s %s\n", name, help, name, type);
 }
 
 /* One sample: name{model_name="...",<extra>} value. `extra` is "" or
@@ -419,12 +412,13 @@ static void family(wbuf *w, const char *name, const char *type, const char *help
 static void sample(wbuf *w, const duet_metrics *m, const char *name, const char *extra, double v) {
     char num[40];
     fmt_double(num, sizeof num, v);
-    wprintf(w, "%s{model_name=\"%s\"%s%s} %s\n", name, m->model_name, extra[0] ? "," : "", extra, num);
+    duet__text_printf(w, "%s{model_name=\"%s\"%s%s} %s\n", name, m->model_name, extra[0] ? "," : "", extra,
+                      num);
 }
 
 static void sample_u64(wbuf *w, const duet_metrics *m, const char *name, const char *extra, uint64_t v) {
-    wprintf(w, "%s{model_name=\"%s\"%s%s} %llu\n", name, m->model_name, extra[0] ? "," : "", extra,
-            (unsigned long long)v);
+    duet__text_printf(w, "%s{model_name=\"%s\"%s%s} %llu\n", name, m->model_name, extra[0] ? "," : "", extra,
+                      (unsigned long long)v);
 }
 
 /* The _bucket/_sum/_count series of one histogram (one label set). */
@@ -494,15 +488,8 @@ static void counter_one(wbuf *w, const duet_metrics *m, const char *name, const 
     sample(w, m, name, "", v);
 }
 
-char *duet__metrics_render(duet_metrics *m) {
-    counters *c = malloc(sizeof *c);
-    if (!c) return NULL;
-    double now = now_s();
-    pthread_mutex_lock(&m->mu);
-    *c = m->c;
-    double busy_ratio = busy_ratio_locked(m, now, BUSY_GAUGE_WINDOW_S);
-    pthread_mutex_unlock(&m->mu);
-
+/* Renders counters c (a copy) under m's model name; frees c. */
+static char *render(const duet_metrics *m, counters *c, double now, double busy_ratio) {
     wbuf w = {0};
     const duet_metrics_gauges *g = &c->gauges;
     char extra[128];
@@ -663,4 +650,89 @@ char *duet__metrics_render(duet_metrics *m) {
         return NULL;
     }
     return w.p ? w.p : calloc(1, 1);
+}
+
+char *duet__metrics_render(duet_metrics *m) {
+    return duet__metrics_render_sum(&m, 1);
+}
+
+static void hist_add_all(hist *dst, const hist *src) {
+    hist_merge(dst, src, MAX_BOUNDS - 1);
+}
+
+/* dst += src, counters and histograms; gauges as the sum says in metrics.h. */
+static void counters_add(counters *dst, const counters *src) {
+    for (int p = 0; p < N_PRIO; p++) {
+        for (int o = 0; o < N_OUT; o++)
+            dst->requests[p][o] += src->requests[p][o];
+        dst->preemptions[p] += src->preemptions[p];
+        hist_add_all(&dst->e2e[p], &src->e2e[p]);
+        hist_add_all(&dst->ttft[p], &src->ttft[p]);
+        hist_add_all(&dst->queue[p], &src->queue[p]);
+    }
+    dst->prompt_tokens += src->prompt_tokens;
+    dst->generated_tokens += src->generated_tokens;
+    dst->busy_s += src->busy_s;
+    hist *d[6] = {&dst->itl,          &dst->tpot_req,   &dst->batch_seqs,
+                  &dst->batch_tokens, &dst->prompt_len, &dst->gen_len};
+    const hist *sr[6] = {&src->itl,          &src->tpot_req,   &src->batch_seqs,
+                         &src->batch_tokens, &src->prompt_len, &src->gen_len};
+    for (int i = 0; i < 6; i++)
+        hist_add_all(d[i], sr[i]);
+    duet_metrics_gauges *g = &dst->gauges;
+    const duet_metrics_gauges *h = &src->gauges;
+    /* KV usage: blocks in use over all pools' blocks. */
+    double used = g->kv_usage * g->kv_blocks + h->kv_usage * h->kv_blocks;
+    for (int p = 0; p < N_PRIO; p++)
+        g->waiting[p] += h->waiting[p], g->running[p] += h->running[p];
+    g->max_batch_seqs += h->max_batch_seqs;
+    g->max_batch_tokens += h->max_batch_tokens;
+    g->kv_blocks += h->kv_blocks;
+    g->kv_usage = g->kv_blocks ? used / g->kv_blocks : 0;
+    if (!g->kv_block_size) g->kv_block_size = h->kv_block_size;
+    if (!g->prefill_chunk) g->prefill_chunk = h->prefill_chunk, g->batch_timeout_s = h->batch_timeout_s;
+}
+
+char *duet__metrics_render_sum(duet_metrics *const *ms, int n) {
+    counters *c = calloc(1, sizeof *c), *one = malloc(sizeof *one);
+    if (!c || !one || n < 1) {
+        free(c), free(one);
+        return NULL;
+    }
+    double now = now_s(), busy_ratio = 0;
+    int healthy = 0;
+    for (int i = 0; i < n; i++) {
+        pthread_mutex_lock(&ms[i]->mu);
+        *one = ms[i]->c;
+        busy_ratio += busy_ratio_locked(ms[i], now, BUSY_GAUGE_WINDOW_S) / n;
+        pthread_mutex_unlock(&ms[i]->mu);
+        healthy += !one->unhealthy;
+        if (i == 0) {
+            *c = *one;
+            continue;
+        }
+        counters_add(c, one);
+    }
+    c->unhealthy = healthy == 0;
+    free(one);
+    return render(ms[0], c, now, busy_ratio);
+}
+
+const char *duet__metrics_model_name(const duet_metrics *m) {
+    return m->model_name;
+}
+
+void duet__metrics_summary(duet_metrics *m, duet_metrics_summary *out) {
+    pthread_mutex_lock(&m->mu);
+    out->gauges = m->c.gauges;
+    out->healthy = !m->c.unhealthy;
+    out->step_tokens = m->c.batch_tokens.sum;
+    out->busy_s = m->c.busy_s;
+    out->prompt_tokens = m->c.prompt_tokens;
+    out->generated_tokens = m->c.generated_tokens;
+    out->finished = 0;
+    for (int p = 0; p < N_PRIO; p++)
+        for (int o = 0; o < OUT_REJECTED; o++)
+            out->finished += m->c.requests[p][o];
+    pthread_mutex_unlock(&m->mu);
 }

@@ -10,6 +10,7 @@
 #define DUET_METRICS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "duet.h"
@@ -75,7 +76,38 @@ typedef struct duet_metrics_window {
 } duet_metrics_window;
 void duet__metrics_window(duet_metrics *m, double now_s, double window_s, duet_metrics_window *out);
 
+/* A growing text, as the exposition is built: appends printf-style; a
+ * failed allocation sets oom (and later appends do nothing). p is malloc'd,
+ * NUL-terminated once anything was appended. */
+typedef struct duet_text {
+    char *p;
+    size_t len, cap;
+    bool oom;
+} duet_text;
+void duet__text_printf(duet_text *t, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+
 /* Prometheus text exposition (malloc'd; caller frees). */
 char *duet__metrics_render(duet_metrics *m);
+/* The same families over several instances (the first one's model name):
+ * counters and histograms summed; gauges: waiting and running summed, KV
+ * usage over all pools' blocks, max_batch_seqs/tokens and kv_blocks summed
+ * (the fleet's capacity), prefill_chunk, batch_timeout and kv_block_size
+ * the first instance's; busy ratio the mean; healthy while any one is. */
+char *duet__metrics_render_sum(duet_metrics *const *ms, int n);
+
+/* What a router and per-instance exports read of one instance. */
+typedef struct duet_metrics_summary {
+    duet_metrics_gauges gauges;
+    bool healthy;
+    double step_tokens, busy_s; /* tokens computed in steps, device seconds of those steps */
+    uint64_t prompt_tokens, generated_tokens, finished;
+} duet_metrics_summary;
+void duet__metrics_summary(duet_metrics *m, duet_metrics_summary *out);
+/* The model_name label's value, escaped (lives as long as m). */
+const char *duet__metrics_model_name(const duet_metrics *m);
 
 #endif /* DUET_METRICS_H */

@@ -42,6 +42,7 @@ set(DUET_TEST_COLD_SECONDS
   test_reference.stories260K=8
   test_reference.smollm2=120
   test_duet_bench.py=8
+  test_instances.py=38
   test_openai_client.py=20
   test_sampler=7
   test_speculative.distribution=10)

@@ -1216,6 +1216,150 @@ START_TEST(controller_retunes_the_running_engine) {
 }
 END_TEST
 
+/* ---- a fleet: two instances behind the router, one losing its device ---- */
+
+#define FL_N 10
+
+typedef struct fleet_run {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int32_t ids[FL_N][MAX_GEN + 8];
+    int n[FL_N], done[FL_N], inst[FL_N], tokens_from[2], n_done;
+    bool streamed_from_lost[FL_N]; /* a token came from instance 0 before its device was lost */
+    duet_finish finish[FL_N];
+    bool lost;
+    bool released; /* every request submitted: events may go on */
+} fleet_run;
+
+typedef struct fleet_ctx {
+    fleet_run *f;
+    int i;
+} fleet_ctx;
+
+static void fleet_cb(const duet_event *ev, void *user) {
+    fleet_ctx *x = user;
+    fleet_run *f = x->f;
+    pthread_mutex_lock(&f->mu);
+    /* The engines wait here until every request is in, so that instance 0
+     * holds running and waiting ones when its device goes. */
+    while (!f->released)
+        pthread_cond_wait(&f->cv, &f->mu);
+    if (ev->kind == DUET_EVENT_TOKEN && ev->token >= 0) {
+        if (f->n[x->i] < MAX_GEN + 8) f->ids[x->i][f->n[x->i]++] = ev->token;
+        if (ev->instance == 0 && !f->lost) f->streamed_from_lost[x->i] = true;
+        /* Instance 0's device goes after it has streamed a few tokens, with
+         * requests running and waiting there. */
+        if (++f->tokens_from[ev->instance] == 3 && ev->instance == 0) {
+            f->lost = true;
+            fault_lose_device();
+        }
+    } else if (ev->kind == DUET_EVENT_DONE) {
+        f->done[x->i]++;
+        f->finish[x->i] = ev->finish;
+        f->inst[x->i] = ev->instance;
+        f->n_done++;
+        pthread_cond_broadcast(&f->cv);
+    }
+    pthread_mutex_unlock(&f->mu);
+}
+
+/* Two cpu instances behind a fleet (tier-blind: both serve every request);
+ * instance 0 loses its device mid-run. Every request ends exactly once: the
+ * ones instance 0 had streamed tokens for end with an error, the others
+ * (instance 1's, and instance 0's that had streamed nothing) finish with the
+ * tokens an engine alone gives; the router counts the retries, takes
+ * instance 0 out, and the fleet serves on with instance 1. */
+START_TEST(fleet_retries_what_a_lost_instance_had_not_streamed) {
+    duet_engine *alone = start(8, 0, 64);
+    collected *ref = run_requests(alone, true, FL_N);
+    duet_engine_stop(alone, true);
+
+    duet_engine_params p = duet_engine_params_default();
+    p.open.backend = "cpu";
+    p.open.n_ctx = 256;
+    p.max_batch_tokens = 64;
+    p.prefill_chunk = 8;
+    p.max_batch_seqs = 2; /* instance 0 runs 2 and queues the rest of its share */
+    duet_engine *e[2];
+    for (int k = 0; k < 2; k++)
+        ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e[k]) == DUET_OK,
+                      "start: %s", duet_last_error());
+    duet_model *m0 = (duet_model *)duet_engine_model(e[0]);
+    fault_install(m0->be);
+    duet_fleet_instance fi[2] = {{.engine = e[0], .tier = DUET_PRIORITY_BATCH, .name = "lost"},
+                                 {.engine = e[1], .tier = DUET_PRIORITY_BATCH, .name = "ok"}};
+    duet_fleet_params fp = duet_fleet_params_default();
+    fp.tier_blind = true;
+    duet_fleet *fl;
+    ck_assert_int_eq(duet_fleet_new(fi, 2, &fp, &fl), DUET_OK);
+    fleet_run *f = calloc(1, sizeof *f);
+    pthread_mutex_init(&f->mu, NULL);
+    pthread_cond_init(&f->cv, NULL);
+    fleet_ctx xs[FL_N];
+    for (int i = 0; i < FL_N; i++) {
+        int32_t ids[64];
+        int n = tokenize(duet_fleet_model(fl), i, ids);
+        xs[i] = (fleet_ctx){f, i};
+        duet_request q = greedy_request(ids, n, 16 + (i * 7) % (MAX_GEN - 16), DUET_PRIORITY_BATCH);
+        ck_assert_msg(duet_fleet_submit(fl, &q, fleet_cb, &xs[i], NULL) == DUET_OK, "submit %d: %s", i,
+                      duet_last_error());
+    }
+    pthread_mutex_lock(&f->mu);
+    f->released = true;
+    pthread_cond_broadcast(&f->cv);
+    while (f->n_done < FL_N)
+        pthread_cond_wait(&f->cv, &f->mu);
+    pthread_mutex_unlock(&f->mu);
+    int errors = 0, retried_ok = 0;
+    for (int i = 0; i < FL_N; i++) {
+        ck_assert_int_eq(f->done[i], 1);
+        if (f->finish[i] == DUET_FINISH_ERROR) {
+            ck_assert_msg(f->streamed_from_lost[i], "request %d failed without having streamed", i);
+            errors++;
+            continue;
+        }
+        ck_assert_int_eq(f->finish[i], DUET_FINISH_LENGTH);
+        ck_assert_int_eq(f->inst[i], 1);
+        ck_assert_int_eq(f->n[i], ref->n[i]);
+        for (int t = 0; t < ref->n[i]; t++)
+            ck_assert_msg(f->ids[i][t] == ref->ids[i][t], "request %d token %d: %d, alone %d", i, t,
+                          f->ids[i][t], ref->ids[i][t]);
+    }
+    char *text = duet_fleet_metrics(fl);
+    ck_assert_ptr_nonnull(text);
+    double retries = metric_value(text, "duet_router_retries_total", NULL);
+    double failed = metric_value(text, "duet_router_failed_total", NULL);
+    double live = metric_value(text, "duet_router_instances_live", NULL);
+    retried_ok = (int)retries;
+    printf("fleet: %d requests; instance 0 lost: %d ended with an error (had streamed), %d retried on "
+           "instance 1\n",
+           FL_N, errors, retried_ok);
+    ck_assert_int_gt(errors, 0);
+    ck_assert_int_gt(retried_ok, 0);
+    ck_assert_int_eq((int)failed, errors);
+    ck_assert_int_eq((int)live, 1);
+    ck_assert_double_eq(metric_value(text, "duet_instance_healthy", "instance=\"lost\""), 0);
+    free(text);
+    char why[256];
+    ck_assert(duet_fleet_healthy(fl, why, sizeof why));
+    ck_assert_msg(strstr(why, "lost"), "why names the lost instance: '%s'", why);
+    /* New requests go to the live instance. */
+    collected *c = collected_new();
+    ctx cx = {c, 0};
+    int32_t ids[64];
+    int n = tokenize(duet_fleet_model(fl), 0, ids);
+    duet_request q = greedy_request(ids, n, 8, DUET_PRIORITY_INTERACTIVE);
+    ck_assert_int_eq(duet_fleet_submit(fl, &q, on_event, &cx, NULL), DUET_OK);
+    wait_all(c, 1);
+    ck_assert_int_eq(c->finish[0], DUET_FINISH_LENGTH);
+    fault_remove(m0->be); /* before the stop frees the model (the engine holds the last reference) */
+    for (int k = 0; k < 2; k++)
+        duet_engine_stop(e[k], true);
+    duet_fleet_free(fl);
+    free(c), free(ref), free(f);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("engine");
     TCase *tc = tcase_create("stories260K");
@@ -1240,6 +1384,10 @@ int main(void) {
     tcase_add_test(spec, speculative_greedy_is_identical);
     tcase_add_test(spec, speculative_sampled_and_cancelled);
     suite_add_tcase(s, spec);
+    TCase *fleet = tcase_create("fleet");
+    tcase_set_timeout(fleet, 300);
+    tcase_add_test(fleet, fleet_retries_what_a_lost_instance_had_not_streamed);
+    suite_add_tcase(s, fleet);
     TCase *hal = tcase_create("profile");
     tcase_set_timeout(hal, 600);
     tcase_add_loop_test(hal, profile_accounts_every_op_kind, 0, 3);

@@ -1,5 +1,7 @@
 /* cmd_serve.c — `duet serve`: an OpenAI-compatible HTTP server over one
- * engine instance. Options come from a JSON --config file first, then the
+ * engine instance, or several (--instance, repeated) behind the router:
+ * instances on one backend and device share one loaded model's weights.
+ * Options come from a JSON --config file first, then the
  * command line (which wins). SIGTERM or SIGINT stops accepting, lets the
  * requests in flight finish (up to --drain-timeout), then exits 0; a second
  * signal cancels what is left.
@@ -56,6 +58,18 @@ static void usage(FILE *f) {
         "      --slo-ttft-ms T         p99 time-to-first-token target: MS (interactive requests) or\n"
         "                              interactive=MS,batch=MS\n"
         "      --slo-itl-ms T          p99 inter-token latency target, the same way\n"
+        "  instances (repeat --instance for several engines behind one router):\n"
+        "      --instance SPEC         one engine: KEY=VALUE,... with keys backend, device, tier\n"
+        "                              (interactive|batch), threads, ctx, max-batch-seqs,\n"
+        "                              max-batch-tokens, batch-timeout-ms, prefill-chunk, max-waiting,\n"
+        "                              kv-blocks; keys left out take the options above. Instances on\n"
+        "                              one backend and device share the weights. Example:\n"
+        "                              --instance backend=vulkan,device=0,tier=interactive,max-batch-seqs=4\n"
+        "                              --instance backend=opencl,tier=batch,max-batch-seqs=32\n"
+        "      --spill-over WHICH      when every instance of a tier holds 2 x its max-batch-seqs\n"
+        "                              requests, whose requests may use the other tier's instances:\n"
+        "                              interactive (default), batch, both or none\n"
+        "      --tier-blind            route each request to any instance (least outstanding work)\n"
         "  server:\n"
         "      --config FILE           JSON object with any of these options by name (\"max_batch_seqs\": "
         "32);\n"
@@ -107,7 +121,10 @@ enum {
     O_SPEC_K,
     O_SPEC_MAX_BATCH,
     O_SLO_TTFT,
-    O_SLO_ITL
+    O_SLO_ITL,
+    O_INSTANCE,
+    O_SPILL,
+    O_TIER_BLIND
 };
 
 static const struct option opts[] = {
@@ -143,16 +160,24 @@ static const struct option opts[] = {
     {"api-key", required_argument, 0, O_API_KEY},
     {"metrics-public", no_argument, 0, O_METRICS_PUBLIC},
     {"allowed-origins", required_argument, 0, O_ORIGINS},
+    {"instance", required_argument, 0, O_INSTANCE},
+    {"spill-over", required_argument, 0, O_SPILL},
+    {"tier-blind", no_argument, 0, O_TIER_BLIND},
     {"verbose", no_argument, 0, 'v'},
     {"help", no_argument, 0, 'h'},
     {0, 0, 0, 0},
 };
+
+#define MAX_INSTANCES 16
 
 typedef struct serve_opts {
     const char *model, *config;
     srv_config srv;
     duet_engine_params ep;
     double drain_timeout_s;
+    const char *instances[MAX_INSTANCES]; /* --instance specs */
+    int n_instances;
+    duet_fleet_params fleet;
 } serve_opts;
 
 /* A latency target per priority class: "MS" (interactive) or
@@ -245,6 +270,22 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         return true;
     case O_METRICS_PUBLIC: o->srv.metrics_public = true; return true;
     case O_ORIGINS: o->srv.allowed_origins = v; return true;
+    case O_INSTANCE:
+        if (o->n_instances == MAX_INSTANCES)
+            return fprintf(stderr, "duet: at most %d --instance options\n", MAX_INSTANCES), false;
+        o->instances[o->n_instances++] = v;
+        return true;
+    case O_SPILL:
+        if (strcmp(v, "interactive") && strcmp(v, "batch") && strcmp(v, "both") && strcmp(v, "none"))
+            return fprintf(stderr, "duet: --spill-over must be interactive, batch, both or none (not '%s')\n",
+                           v),
+                   false;
+        o->fleet.spill_interactive = !strcmp(v, "interactive") || !strcmp(v, "both");
+        o->fleet.spill_batch = !strcmp(v, "batch") || !strcmp(v, "both");
+        return true;
+    case O_TIER_BLIND:
+        o->fleet.tier_blind = true;
+        return true;
     case 'v': o->srv.verbose = true; return true;
     default: return false;
     }
@@ -291,6 +332,14 @@ static bool load_config(serve_opts *o, const char *path, cJSON **doc) {
             fprintf(stderr, "duet: --config %s: unknown option \"%s\"\n", path, it->string);
             return false;
         }
+        if (cJSON_IsArray(it)) { /* a repeatable option: "instance": ["backend=cpu", ...] */
+            for (cJSON *el = it->child; el; el = el->next)
+                if (!cJSON_IsString(el) || !set_opt(o, op->val, el->valuestring)) {
+                    fprintf(stderr, "duet: --config %s: \"%s\" must hold valid strings\n", path, it->string);
+                    return false;
+                }
+            continue;
+        }
         char num[64];
         const char *v = NULL;
         if (op->has_arg == no_argument) {
@@ -327,6 +376,113 @@ static char *default_name(const char *path) {
     return s;
 }
 
+/* One --instance: its engine's params (the global ones, overridden by the
+ * spec's keys) and tier. The backend name lives in `backend`. */
+typedef struct instance_spec {
+    duet_engine_params ep;
+    duet_priority tier;
+    char backend[32];
+} instance_spec;
+
+static bool parse_instance(const char *spec, const duet_engine_params *base, instance_spec *out) {
+    out->ep = *base;
+    out->tier = DUET_PRIORITY_INTERACTIVE;
+    snprintf(out->backend, sizeof out->backend, "%s", base->open.backend ? base->open.backend : "auto");
+    char buf[512];
+    if (snprintf(buf, sizeof buf, "%s", spec) >= (int)sizeof buf)
+        return fprintf(stderr, "duet: --instance '%s' is too long\n", spec), false;
+    duet_engine_params *ep = &out->ep;
+    char *save = NULL;
+    for (char *kv = strtok_r(buf, ",", &save); kv; kv = strtok_r(NULL, ",", &save)) {
+        char *v = strchr(kv, '=');
+        if (!v || v == kv || !v[1])
+            return fprintf(stderr, "duet: --instance '%s': '%s' is not KEY=VALUE\n", spec, kv), false;
+        *v++ = 0;
+        float f;
+        bool ok = true;
+        if (!strcmp(kv, "backend")) {
+            if (strcmp(v, "auto") && strcmp(v, "cpu") && strcmp(v, "vulkan") && strcmp(v, "opencl"))
+                return fprintf(stderr, "duet: --instance '%s': backend must be auto, cpu, vulkan or opencl\n",
+                               spec),
+                       false;
+            snprintf(out->backend, sizeof out->backend, "%s", v);
+        } else if (!strcmp(kv, "tier")) {
+            if (!strcmp(v, "interactive"))
+                out->tier = DUET_PRIORITY_INTERACTIVE;
+            else if (!strcmp(v, "batch"))
+                out->tier = DUET_PRIORITY_BATCH;
+            else
+                return fprintf(stderr, "duet: --instance '%s': tier must be interactive or batch\n", spec),
+                       false;
+        } else if (!strcmp(kv, "device"))
+            ok = cli_int("device", v, 0, 1024, &ep->open.device);
+        else if (!strcmp(kv, "threads"))
+            ok = cli_int("threads", v, 0, 1024, &ep->open.n_threads);
+        else if (!strcmp(kv, "ctx"))
+            ok = cli_int("ctx", v, 1, 1 << 20, &ep->open.n_ctx);
+        else if (!strcmp(kv, "max-batch-seqs"))
+            ok = cli_int("max-batch-seqs", v, 1, 4096, &ep->max_batch_seqs);
+        else if (!strcmp(kv, "max-batch-tokens"))
+            ok = cli_int("max-batch-tokens", v, 1, 1 << 20, &ep->max_batch_tokens);
+        else if (!strcmp(kv, "prefill-chunk"))
+            ok = cli_int("prefill-chunk", v, 1, 1 << 20, &ep->prefill_chunk);
+        else if (!strcmp(kv, "max-waiting"))
+            ok = cli_int("max-waiting", v, 1, 1 << 20, &ep->max_waiting);
+        else if (!strcmp(kv, "kv-blocks"))
+            ok = cli_int("kv-blocks", v, 1, 1 << 24, &ep->kv_blocks);
+        else if (!strcmp(kv, "batch-timeout-ms")) {
+            ok = cli_float("batch-timeout-ms", v, 0, 60000, &f);
+            ep->batch_timeout_ms = f;
+        } else {
+            return fprintf(stderr, "duet: --instance '%s': unknown key '%s'\n", spec, kv), false;
+        }
+        if (!ok) return fprintf(stderr, "duet: (in --instance '%s')\n", spec), false;
+    }
+    ep->open.backend = out->backend;
+    return true;
+}
+
+/* Starts the engines of the --instance specs: one model load per backend,
+ * device and thread count, shared by the instances there. On failure stops
+ * what started and returns false after printing why. */
+static bool start_instances(const serve_opts *o, instance_spec *spec, int n, duet_engine **engines) {
+    duet_model *models[MAX_INSTANCES] = {0};
+    bool ok = true;
+    for (int i = 0; i < n && ok; i++) {
+        int same = -1;
+        for (int k = 0; k < i && same < 0; k++)
+            if (!strcmp(spec[k].backend, spec[i].backend) &&
+                spec[k].ep.open.device == spec[i].ep.open.device &&
+                spec[k].ep.open.n_threads == spec[i].ep.open.n_threads)
+                same = k;
+        duet_status st = DUET_OK;
+        if (same >= 0) {
+            models[i] = models[same];
+        } else {
+            duet_open_params op = spec[i].ep.open;
+            op.weights_only = true; /* each engine makes its own KV pool */
+            fprintf(stderr, "duet: instance %d: loading %s on %s\n", i, o->model, spec[i].backend);
+            st = duet_model_open(o->model, &op, &models[i]);
+        }
+        if (!st) st = duet_engine_start_model(models[i], &spec[i].ep, &engines[i]);
+        if (st) {
+            fprintf(stderr, "duet: instance %d (%s): %s: %s\n", i, o->instances[i], duet_status_str(st),
+                    duet_last_error());
+            ok = false;
+        }
+    }
+    /* The engines hold their references: ours go. */
+    for (int i = 0; i < n; i++) {
+        bool first = true;
+        for (int k = 0; k < i; k++)
+            if (models[k] == models[i]) first = false;
+        if (first) duet_model_close(models[i]);
+    }
+    for (int i = 0; !ok && i < n; i++)
+        if (engines[i]) duet_engine_stop(engines[i], false), engines[i] = NULL;
+    return ok;
+}
+
 static double mono_seconds(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -334,8 +490,10 @@ static double mono_seconds(void) {
 }
 
 int cmd_serve(int argc, char **argv) {
-    serve_opts o = {.srv = {.host = "127.0.0.1", .port = 8000}, .ep = duet_engine_params_default(),
-                    .drain_timeout_s = 60};
+    serve_opts o = {.srv = {.host = "127.0.0.1", .port = 8000},
+                    .ep = duet_engine_params_default(),
+                    .drain_timeout_s = 60,
+                    .fleet = duet_fleet_params_default()};
     /* Pass 1 finds --config, so the command line can override it in pass 2. */
     int c;
     opterr = 0;
@@ -382,36 +540,69 @@ int cmd_serve(int argc, char **argv) {
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN); /* a vanished client must not kill the server */
 
-    duet_engine *e;
+    duet_engine *engines[MAX_INSTANCES] = {0};
+    duet_fleet_instance fi[MAX_INSTANCES];
+    instance_spec spec[MAX_INSTANCES];
+    int n_inst = o.n_instances ? o.n_instances : 1;
+    duet_fleet *fleet = NULL;
     o.ep.served_name = o.srv.model_name; /* the metrics name the model as the API does */
+    for (int i = 0; i < o.n_instances; i++)
+        if (!parse_instance(o.instances[i], &o.ep, &spec[i])) {
+            rc = 2;
+            goto out;
+        }
     const double t_start = mono_seconds();
     fprintf(stderr, "duet: loading %s\n", o.model);
     fflush(stderr);
-    duet_status st = duet_engine_start(o.model, &o.ep, &e);
-    if (st) {
-        rc = cli_fail(o.model, st);
+    duet_status st = DUET_OK;
+    if (!o.n_instances) {
+        if ((st = duet_engine_start(o.model, &o.ep, &engines[0]))) {
+            rc = cli_fail(o.model, st);
+            goto out;
+        }
+        spec[0] = (instance_spec){.ep = o.ep, .tier = DUET_PRIORITY_INTERACTIVE};
+    } else if (!start_instances(&o, spec, n_inst, engines)) {
         goto out;
+    }
+    char names[MAX_INSTANCES][16];
+    for (int i = 0; i < n_inst; i++) {
+        snprintf(names[i], sizeof names[i], "%d", i);
+        int seqs = spec[i].ep.max_batch_seqs ? spec[i].ep.max_batch_seqs : 16;
+        fi[i] = (duet_fleet_instance){.engine = engines[i],
+                                      .tier = spec[i].tier,
+                                      .max_outstanding = o.n_instances > 1 ? 2 * seqs : 0,
+                                      .name = names[i]};
+    }
+    if ((st = duet_fleet_new(fi, n_inst, &o.fleet, &fleet))) {
+        fprintf(stderr, "duet: %s\n", duet_last_error());
+        goto stop_engines;
     }
     const double t_loaded = mono_seconds();
     fprintf(stderr, "duet: loaded in %.2f s; warming up (a first forward pass)\n", t_loaded - t_start);
     fflush(stderr);
-    if ((st = duet_engine_warmup(e))) {
+    if ((st = duet_fleet_warmup(fleet))) {
         fprintf(stderr, "duet: warm-up failed: %s: %s\n", duet_status_str(st), duet_last_error());
-        duet_engine_stop(e, false);
-        goto out;
+        goto stop_engines;
     }
     const double t_warm = mono_seconds();
     srv *s;
-    if (srv_start(e, &o.srv, &s)) {
-        duet_engine_stop(e, false);
-        goto out;
-    }
+    if (srv_start(fleet, &o.srv, &s)) goto stop_engines;
     srv_set_ready(s);
-    duet_model_desc d;
-    duet_model_describe(duet_engine_model(e), &d);
-    fprintf(stderr, "duet: serving %s (%s, %s on %s, context %d, chat template %s) on http://%s:%d\n",
-            o.srv.model_name, d.arch, d.backend, d.device, d.n_ctx, srv_chat_template_in_use(s), o.srv.host,
-            srv_port(s));
+    for (int i = 0; i < n_inst; i++) {
+        duet_model_desc d;
+        duet_model_describe(duet_engine_model(engines[i]), &d);
+        if (n_inst > 1)
+            fprintf(stderr, "duet: instance %d: %s on %s, tier %s, context %d\n", i, d.backend, d.device,
+                    spec[i].tier == DUET_PRIORITY_BATCH ? "batch" : "interactive",
+                    duet_engine_max_sequence_tokens(engines[i]));
+        else
+            fprintf(stderr, "duet: serving %s (%s, %s on %s, context %d, chat template %s) on http://%s:%d\n",
+                    o.srv.model_name, d.arch, d.backend, d.device, d.n_ctx, srv_chat_template_in_use(s),
+                    o.srv.host, srv_port(s));
+    }
+    if (n_inst > 1)
+        fprintf(stderr, "duet: serving %s (%d instances, chat template %s) on http://%s:%d\n",
+                o.srv.model_name, n_inst, srv_chat_template_in_use(s), o.srv.host, srv_port(s));
     fprintf(stderr, "duet: ready in %.2f s (load %.2f s, warm-up %.2f s)\n", mono_seconds() - t_start,
             t_loaded - t_start, t_warm - t_loaded);
     fflush(stderr);
@@ -438,9 +629,13 @@ int cmd_serve(int argc, char **argv) {
         }
     }
     srv_stop(s);
-    duet_engine_stop(e, true);
-    fprintf(stderr, "duet: stopped\n");
     rc = 0;
+stop_engines:
+    /* Engines first: their last events go through the fleet. */
+    for (int i = 0; i < n_inst; i++)
+        duet_engine_stop(engines[i], rc == 0);
+    duet_fleet_free(fleet);
+    if (rc == 0) fprintf(stderr, "duet: stopped\n");
 out:
     free(name);
     cJSON_Delete(config_doc);

@@ -26,6 +26,12 @@
  * Locks: the job mutex is never held while calling into the engine
  * (duet_engine_cancel is called after unlocking), so the engine may hold its
  * own lock while delivering events without risking a lock-order deadlock.
+ *
+ * Instances: requests go through a fleet (duet_fleet_*): one engine, or
+ * several (--instance) behind the router, which picks the instance of each
+ * engine request and retries it elsewhere when its instance fails first.
+ * Events carry the instance that served them; a non-streamed response
+ * names them in its X-Duet-Instance header.
  */
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
@@ -83,7 +89,7 @@ typedef struct conn_rec {
 
 struct srv {
     struct MHD_Daemon *d;
-    duet_engine *e;
+    duet_fleet *f;
     const duet_model *model;
     char *name, *path, *name_label;
     srv_limits lim;
@@ -126,6 +132,7 @@ typedef struct slot {
     int index;  /* the choice index in the response */
     int prompt; /* which prompt it answers */
     uint64_t id;
+    int instance; /* the fleet instance that served it (set at DONE) */
     bool submitted, done, failed;
     srv_text text; /* the generated text (the engine cuts it at a stop string); echo: the prompt's first */
     int tokens, prompt_tokens;
@@ -182,6 +189,7 @@ typedef struct conn {
     bool received;   /* ... and it arrived whole */
     int outcome;     /* -1 until an error response decides it; else from the job */
     job *j;
+    char instances[96]; /* X-Duet-Instance of a non-streamed answer: its choices' instances */
 } conn;
 
 static double mono_now(void) {
@@ -283,6 +291,7 @@ static void on_event(const duet_event *ev, void *user) {
         }
     } else {
         sl->done = true;
+        sl->instance = ev->instance;
         j->n_done++;
         sl->finish = sl->error[0] ? DUET_FINISH_ERROR : ev->finish;
         sl->tokens = ev->generated_tokens;
@@ -294,7 +303,7 @@ static void on_event(const duet_event *ev, void *user) {
     }
     pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
-    if (cancel) duet_engine_cancel(j->s->e, ev->request_id);
+    if (cancel) duet_fleet_cancel(j->s->f, ev->request_id);
     if (last) job_free(j);
 }
 
@@ -307,7 +316,8 @@ static void job_cancel(job *j) {
     for (int i = 0; i < j->n_slots; i++)
         if (j->slots[i].submitted && !j->slots[i].done) ids[n++] = j->slots[i].id;
     pthread_mutex_unlock(&j->mu);
-    for (int i = 0; i < n; i++) duet_engine_cancel(j->s->e, ids[i]);
+    for (int i = 0; i < n; i++)
+        duet_fleet_cancel(j->s->f, ids[i]);
 }
 
 /* What the client's side of the socket says. An orderly close (EOF) may be
@@ -413,6 +423,7 @@ static enum MHD_Result send_body(srv *s, conn *cn, struct MHD_Connection *c, int
     if (retry_after) MHD_add_response_header(r, MHD_HTTP_HEADER_RETRY_AFTER, retry_after);
     if (atomic_load(&s->draining)) MHD_add_response_header(r, MHD_HTTP_HEADER_CONNECTION, "close");
     if (code == 401) MHD_add_response_header(r, MHD_HTTP_HEADER_WWW_AUTHENTICATE, "Bearer");
+    if (cn && cn->instances[0]) MHD_add_response_header(r, "X-Duet-Instance", cn->instances);
     add_cors(s, c, r);
     enum MHD_Result ret = MHD_queue_response(c, (unsigned)code, r);
     MHD_destroy_response(r);
@@ -471,7 +482,7 @@ static enum MHD_Result get_models(srv *s, conn *cn, struct MHD_Connection *c) {
 }
 
 static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
-    char *engine = duet_engine_metrics(s->e);
+    char *engine = duet_fleet_metrics(s->f);
     if (!engine) {
         srv_error e = server_error(500, "server_error", NULL, "could not render the metrics");
         return send_error(s, cn, c, &e);
@@ -525,7 +536,7 @@ static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
  * (its device was lost): {"status":"unhealthy","error":"..."}. */
 static enum MHD_Result get_health(srv *s, conn *cn, struct MHD_Connection *c) {
     char why[512];
-    if (!duet_engine_healthy(s->e, why, sizeof why)) {
+    if (!duet_fleet_healthy(s->f, why, sizeof why)) {
         cJSON *o = cJSON_CreateObject();
         cJSON_AddStringToObject(o, "status", "unhealthy");
         cJSON_AddStringToObject(o, "error", why);
@@ -544,10 +555,10 @@ static enum MHD_Result get_health(srv *s, conn *cn, struct MHD_Connection *c) {
  * was called (the model is loaded and warm) and until draining starts; 503
  * {"status":"starting"|"draining"|"unhealthy"} otherwise. */
 static enum MHD_Result get_ready(srv *s, conn *cn, struct MHD_Connection *c) {
-    const char *why = atomic_load(&s->draining)             ? "draining"
-                      : !atomic_load(&s->ready)             ? "starting"
-                      : !duet_engine_healthy(s->e, NULL, 0) ? "unhealthy"
-                                                            : NULL;
+    const char *why = atomic_load(&s->draining)            ? "draining"
+                      : !atomic_load(&s->ready)            ? "starting"
+                      : !duet_fleet_healthy(s->f, NULL, 0) ? "unhealthy"
+                                                           : NULL;
     char body[64];
     snprintf(body, sizeof body, "{\"status\":\"%s\"}", why ? why : "ready");
     return send_json(s, cn, c, why ? 503 : 200, strdup(body));
@@ -798,7 +809,7 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
         j->refs++;
         pthread_mutex_unlock(&j->mu);
         uint64_t id = 0;
-        duet_status st = duet_engine_submit(s->e, &q, on_event, sl, &id);
+        duet_status st = duet_fleet_submit(s->f, &q, on_event, sl, &id);
         if (st) {
             job_release(j); /* the reference the engine did not take */
             const char *msg = duet_last_error()[0] ? duet_last_error() : duet_status_str(st);
@@ -1040,6 +1051,10 @@ static enum MHD_Result finish_plain(srv *s, conn *cn, struct MHD_Connection *c, 
         }
         pthread_mutex_lock(&j->mu);
     }
+    size_t at = 0;
+    for (int i = 0; i < j->n_slots && at + 12 < sizeof cn->instances; i++)
+        at += (size_t)snprintf(cn->instances + at, sizeof cn->instances - at, "%s%d", i ? "," : "",
+                               j->slots[i].instance);
     pthread_mutex_unlock(&j->mu);
     int code;
     char *body = plain_answer(s, j, &code);
@@ -1539,7 +1554,7 @@ static void raise_fd_limit(rlim_t want) {
                 (unsigned long long)target);
 }
 
-int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
+int srv_start(duet_fleet *f, const srv_config *cfg, srv **out) {
     *out = NULL;
     srv *s = calloc(1, sizeof *s);
     if (!s) return fprintf(stderr, "duet: out of memory\n"), -1;
@@ -1547,8 +1562,8 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     pthread_cond_init(&s->idle, NULL);
     pthread_mutex_init(&s->conns_mu, NULL);
     pthread_cond_init(&s->sweep_cv, NULL);
-    s->e = e;
-    s->model = duet_engine_model(e);
+    s->f = f;
+    s->model = duet_fleet_model(f);
     s->name = strdup(cfg->model_name ? cfg->model_name : "duet");
     s->path = strdup(cfg->model_path ? cfg->model_path : "");
     s->name_label = s->name ? escape_label(s->name) : NULL;
@@ -1561,7 +1576,7 @@ int srv_start(duet_engine *e, const srv_config *cfg, srv **out) {
     /* What one request can hold: a --kv-blocks pool smaller than a context
      * lowers it, so a default max_tokens is clamped to what fits and an
      * explicit one gets a 400 that says the real limit. */
-    s->n_ctx = duet_engine_max_sequence_tokens(e); /* at most d.n_ctx */
+    s->n_ctx = duet_fleet_max_sequence_tokens(f); /* at most d.n_ctx; the least of the instances' */
     s->bos = d.bos;
     /* A context's worth of the longest tokens, with room for control tokens
      * (which print nothing but match their text). */

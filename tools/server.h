@@ -203,8 +203,9 @@ typedef struct srv_config {
 
 typedef struct srv srv;
 
-/* Starts listening. Returns 0, or -1 after printing why. */
-int srv_start(duet_engine *e, const srv_config *cfg, srv **out);
+/* Starts listening, serving through fleet f (one instance or several, all
+ * of one model). Returns 0, or -1 after printing why. */
+int srv_start(duet_fleet *f, const srv_config *cfg, srv **out);
 int srv_port(const srv *s);
 const char *srv_chat_template_in_use(const srv *s);
 /* From now on GET /ready answers 200 (until srv_drain): call it once the
@@ -217,7 +218,7 @@ void srv_drain(srv *s);
 bool srv_wait_idle(srv *s, double timeout_s);
 /* Cancels every request in flight (their clients get what was generated). */
 void srv_cancel_all(srv *s);
-/* Closes every connection and frees the server (the engine stays). */
+/* Closes every connection and frees the server (the fleet and its engines stay). */
 void srv_stop(srv *s);
 
 #endif /* DUET_SERVER_H */
