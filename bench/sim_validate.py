@@ -1,0 +1,238 @@
+#!/usr/bin/env python3
+"""Validates duet-bench --simulate against real runs on this machine.
+
+For each backend: `duet profile` measures the step costs; a `duet serve`
+(default knobs) is started; its capacity is measured (every request at
+once: the request throughput at saturation); then at each load (a share of
+that capacity) `runs` real runs (duet-bench over HTTP, Poisson arrivals,
+seeds 1..runs) and the same runs simulated (duet-bench --simulate with the
+profile, the same seeds, so the same prompts and arrival times). The
+predicted p50 TTFT and ITL should be within 15% of the real runs' median,
+and the p99s within 25% or within the real runs' own range (min..max),
+whichever is wider. Writes a markdown table and a JSON file with every
+number and command.
+
+usage: bench/sim_validate.py [--model M] [--backends cpu,vulkan] [--runs 5]
+                             [--loads 0.3,0.6,0.85] [--out bench/results/...]
+"""
+import argparse
+import csv
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def sh(cmd, log=None, timeout=1800):
+    line = " ".join(shlex.quote(c) for c in cmd)
+    print("$", line, flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if log is not None:
+        log.append(line)
+    if p.returncode != 0:
+        sys.exit(f"failed ({p.returncode}): {line}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return p
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url, timeout=2):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def point(out_dir):
+    with open(os.path.join(out_dir, "points.csv"), newline="") as fh:
+        row = list(csv.DictReader(fh))[0]
+    f = lambda k: float(row[k]) if row[k] not in ("", "nan") else float("nan")
+    return {"ttft_p50": f("ttft_median_ms"), "ttft_p99": f("ttft_p99_ms"), "itl_p50": f("itl_median_ms"),
+            "itl_p99": f("itl_p99_ms"), "completed": int(row["completed"]), "failed": int(row["failed"]),
+            "req_s": f("request_throughput"), "other_cpu": f("other_cpu_ratio") if "other_cpu_ratio" in row else None}
+
+
+def step_cost_metrics(base):
+    try:
+        text = get(base + "/metrics")
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("duet_step_cost_seconds{"):
+            term = line.split('term="')[1].split('"')[0]
+            out[term] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("duet_step_cost_relative_error{"):
+            out["relative_error"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("duet_step_cost_steps_total{"):
+            out["steps"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default=os.path.join(ROOT, "build"))
+    ap.add_argument("--model", default=os.path.join(ROOT, "..", "shared", "models", "smollm2-135m-instruct-q4_k_m.gguf"))
+    ap.add_argument("--backends", default="cpu,vulkan")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--loads", default="0.3,0.6,0.85")
+    ap.add_argument("--num-prompts", type=int, default=30)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--profile-args", default="--decode-batches 1,2,4,8,16 --chunks 16,32,64 --contexts 16,64,128",
+                    help="grid flags for duet profile (cover the workload's batch sizes and contexts)")
+    ap.add_argument("--sim-latency-ms", type=float, default=0.0)
+    ap.add_argument("--out", default=None, help="folder for the table, JSON and every run's report")
+    a = ap.parse_args()
+
+    duet, bench = os.path.join(a.build, "duet"), os.path.join(a.build, "duet-bench")
+    stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
+    out = a.out or os.path.join(ROOT, "bench", "results", f"sim-validation-{stamp}")
+    os.makedirs(out, exist_ok=True)
+    loads = [float(x) for x in a.loads.split(",")]
+    wl = ["-m", a.model, "--num-prompts", str(a.num_prompts), "--random-input-len", str(a.input_len),
+          "--random-output-len", str(a.output_len), "--disable-tqdm", "--no-plots"]
+    report = {"model": a.model, "threads": a.threads, "runs": a.runs, "workload": wl, "backends": {}}
+
+    for backend in a.backends.split(","):
+        cmds = []
+        t0 = time.time()
+        prof = os.path.join(out, f"profile-{backend}.json")
+        p = sh([duet, "profile", "-m", a.model, "--backend", backend, "--threads", str(a.threads), "--out", prof,
+                "--quiet", *a.profile_args.split()], cmds)
+        print(p.stdout)
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        serve = [duet, "serve", "-m", a.model, "--backend", backend, "--threads", str(a.threads), "--port", str(port)]
+        cmds.append(" ".join(shlex.quote(c) for c in serve))
+        log = open(os.path.join(out, f"serve-{backend}.log"), "w")
+        srv = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            for _ in range(600):
+                try:
+                    get(base + "/health")
+                    break
+                except OSError:
+                    time.sleep(0.2)
+            # Capacity: everything at once, the request throughput at saturation.
+            cap_dir = os.path.join(out, f"real-{backend}-capacity")
+            sh([bench, "--base-url", base, "--request-rate", "inf", "--seed", "0", "--output-dir", cap_dir, *wl], cmds)
+            capacity = point(cap_dir)["req_s"]
+            sim_cap_dir = os.path.join(out, f"sim-{backend}-capacity")
+            sh([bench, "--simulate", prof, "--request-rate", "inf", "--seed", "0", "--output-dir", sim_cap_dir,
+                "--sim-latency-ms", str(a.sim_latency_ms), *wl], cmds)
+            sim_capacity = point(sim_cap_dir)["req_s"]
+            print(f"{backend}: capacity {capacity:.3f} req/s measured, {sim_capacity:.3f} simulated", flush=True)
+            # The engine's own online fit after the capacity run: a second
+            # step-cost model, measured under the server's real conditions.
+            online0 = step_cost_metrics(base)
+            prof_online = os.path.join(out, f"profile-{backend}-online.json")
+            doc = json.load(open(prof))
+            doc["terms"] = {k: online0.get(k, 0.0) for k in doc["terms"]}
+            doc.pop("samples", None)
+            doc["fit"] = {"samples": int(online0.get("steps", 0)), "rmse_s": 0, "r2": 0,
+                          "mean_rel_err": online0.get("relative_error", 0)}
+            with open(prof_online, "w") as fh:
+                json.dump(doc, fh, indent=1)
+            models = {"profile": prof, "online": prof_online}
+            rows = []
+            for f in loads:
+                rate = round(f * capacity, 4)
+                real, sim = [], {m: [] for m in models}
+                for seed in range(1, a.runs + 1):
+                    d = os.path.join(out, f"real-{backend}-{f}-{seed}")
+                    sh([bench, "--base-url", base, "--request-rate", str(rate), "--seed", str(seed), "--warmup", "0",
+                        "--output-dir", d, *wl], cmds)
+                    real.append(point(d))
+                    for name, path in models.items():
+                        d = os.path.join(out, f"sim-{name}-{backend}-{f}-{seed}")
+                        sh([bench, "--simulate", path, "--request-rate", str(rate), "--seed", str(seed),
+                            "--output-dir", d, "--sim-latency-ms", str(a.sim_latency_ms), *wl], cmds)
+                        sim[name].append(point(d))
+                row = {"load": f, "rate": rate, "real": real, "sim": sim, "checks": {}}
+                for k, tol in (("ttft_p50", 0.15), ("itl_p50", 0.15), ("ttft_p99", 0.25), ("itl_p99", 0.25)):
+                    meas = [r[k] for r in real]
+                    m = statistics.median(meas)
+                    c = {"measured_median": m, "measured_min": min(meas), "measured_max": max(meas)}
+                    for name in models:
+                        pred = statistics.median(s[k] for s in sim[name])
+                        err = (pred - m) / m if m else float("nan")
+                        in_range = min(meas) <= pred <= max(meas)
+                        c[name] = {"predicted": pred, "error": err,
+                                   "ok": abs(err) <= tol or (k.endswith("p99") and in_range)}
+                    row["checks"][k] = c
+                rows.append(row)
+            online = step_cost_metrics(base)
+        finally:
+            srv.terminate()
+            try:
+                srv.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                srv.kill()
+            log.close()
+        report["backends"][backend] = {"capacity_req_s": capacity, "sim_capacity_req_s": sim_capacity,
+                                       "profile": json.load(open(prof)), "online_step_cost": online, "rows": rows,
+                                       "commands": cmds, "wall_s": time.time() - t0}
+
+    with open(os.path.join(out, "validation.json"), "w") as fh:
+        json.dump(report, fh, indent=1)
+    lines = [f"# duet-bench --simulate against real runs", "",
+             f"Model `{os.path.basename(a.model)}`, {a.threads} threads, {a.num_prompts} requests a run "
+             f"({a.input_len} prompt tokens, {a.output_len} output tokens, Poisson arrivals), {a.runs} real and "
+             f"{a.runs} simulated runs per load (seeds 1..{a.runs}: the same prompts and arrival times in both). "
+             "Measured: median over the real runs (min..max); predicted: median over the simulated runs. "
+             "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Two step-cost models: "
+             "`duet profile`'s (measured before the server started) and the engine's own online fit, read from "
+             "/metrics after the capacity run (the server's steps under the real load).", ""]
+    total = passed = 0
+    passed_online = [0]
+    for backend, b in report["backends"].items():
+        prof = b["profile"]
+        lines += [f"## {backend}: {prof.get('device', '')}", "",
+                  f"Capacity {b['capacity_req_s']:.3f} req/s measured (all requests at once), "
+                  f"{b['sim_capacity_req_s']:.3f} simulated. Profile fit R^2 {prof['fit']['r2']:.4f}, mean relative "
+                  f"error {100 * prof['fit']['mean_rel_err']:.1f}%; terms "
+                  + ", ".join(f"{k} {v:.4g}" for k, v in prof["terms"].items())
+                  + (f". The engine's online fit after the runs: "
+                     + ", ".join(f"{k} {v:.4g}" for k, v in b["online_step_cost"].items()) if b["online_step_cost"] else "")
+                  + ".", "",
+                  "| load | rate req/s | metric | measured median (min..max) ms | predicted: profile | error | pass "
+                  "| predicted: online fit | error | pass |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in b["rows"]:
+            for k, c in r["checks"].items():
+                total += 1
+                passed += c["profile"]["ok"]
+                passed_online[0] += c["online"]["ok"]
+                cells = "".join(f" {c[n]['predicted']:.1f} | {100 * c[n]['error']:+.0f}% | "
+                                f"{'yes' if c[n]['ok'] else 'NO'} |" for n in ("profile", "online"))
+                lines.append(f"| {int(100 * r['load'])}% | {r['rate']:.3g} | {k.replace('_', ' ')} | "
+                             f"{c['measured_median']:.1f} ({c['measured_min']:.1f}..{c['measured_max']:.1f}) |"
+                             + cells)
+        other = [x["other_cpu"] for r in b["rows"] for x in r["real"] if x.get("other_cpu") is not None]
+        if other:
+            lines += ["", f"Other processes' share of the machine's CPU during the real runs: median "
+                          f"{100 * statistics.median(other):.0f}%, max {100 * max(other):.0f}% (the server counts as "
+                          "other: it is the client's view)."]
+        lines += ["", "Commands:", "", "```"] + b["commands"][:4] + [f"... ({len(b['commands'])} commands in all, "
+                                                                     "every one in validation.json)", "```", ""]
+    lines.insert(2, f"**{passed} of {total} checks pass with the profile's model ({passed_online[0]} of {total} "
+                    "with the engine's online fit).**\n")
+    with open(os.path.join(out, "validation.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
