@@ -38,6 +38,7 @@
 #include "duet.h"
 #include "duet_internal.h"
 #include "jinja.h"
+#include "tool_calls.h"
 
 typedef enum family {
     FAM_PLAIN,   /* no template: "User: ...\nAssistant: ..." */
@@ -61,6 +62,7 @@ struct duet_chat_template {
     char *bos, *eos;             /* what bos_token and eos_token stand for */
     bool strip_bos;              /* leave a leading BOS text out: tokenizing with add_special adds it */
     char reason[512];            /* why the model's template fell back to a family ("" when it did not) */
+    duet_tool_syntax tools;      /* how the Jinja writes tool calls (NONE: it renders no tools) */
 };
 
 /* ---- families ----------------------------------------------------------- */
@@ -391,6 +393,41 @@ static const char probe_conversation[] =
     "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}, {\"role\": \"assistant\", \"content\": "
     "\"Hi! How can I help?\"}, {\"role\": \"user\", \"content\": \"Tell me a joke.\"}]}";
 
+/* A tool, and an assistant turn that calls it (the id has Mistral's 9
+ * characters; the arguments are an object, as transformers passes them). */
+#define PROBE_TOOL                                                                                           \
+    "[{\"type\": \"function\", \"function\": {\"name\": \"" DUET__TOOL_PROBE_NAME                            \
+    "\", \"description\": \"Probe.\", \"parameters\": {\"type\": \"object\", \"properties\": "               \
+    "{\"x\": {\"type\": \"integer\"}}, \"required\": [\"x\"]}}}]"
+static const char probe_tools[] =
+    "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}], \"tools\": " PROBE_TOOL "}";
+static const char probe_call[] =
+    "{\"messages\": [{\"role\": \"user\", \"content\": \"Hello!\"}, {\"role\": \"assistant\", "
+    "\"content\": \"\", \"tool_calls\": [{\"id\": \"abcDEF123\", \"type\": \"function\", \"function\": "
+    "{\"name\": \"" DUET__TOOL_PROBE_NAME "\", \"arguments\": {\"x\": 7}}}]}], \"tools\": " PROBE_TOOL "}";
+
+/* Renders a probe conversation; NULL when the template refuses it. */
+static char *render_probe(const duet_chat_template *t, const char *conv_json, bool gen) {
+    cJSON *conv = cJSON_Parse(conv_json);
+    char *text = NULL;
+    if (conv && render_jinja(t, conv, gen, &text) != DUET_OK) text = NULL;
+    cJSON_Delete(conv);
+    return text;
+}
+
+/* The tool-call syntax a Jinja template writes: it must render the tool
+ * definitions, then a call in a syntax duet parses. */
+static duet_tool_syntax probe_tool_syntax(const duet_chat_template *t) {
+    char *text = render_probe(t, probe_tools, true);
+    bool renders = text && strstr(text, DUET__TOOL_PROBE_NAME);
+    free(text);
+    if (!renders) return DUET_TOOL_SYNTAX_NONE;
+    text = render_probe(t, probe_call, false);
+    duet_tool_syntax s = duet__tool_syntax_detect(text);
+    free(text);
+    return s;
+}
+
 static duet_status template_from_source(const char *source, const char *bos_token, const char *eos_token,
                                         bool strip_bos, duet_chat_template **out) {
     *out = NULL;
@@ -419,6 +456,7 @@ static duet_status template_from_source(const char *source, const char *bos_toke
         cJSON_Delete(probe);
         free(text);
         if (st == DUET_OK) {
+            t->tools = probe_tool_syntax(t);
             *out = t;
             return DUET_OK;
         }
@@ -499,6 +537,10 @@ const char *duet_chat_template_name(const duet_chat_template *t) {
 
 const char *duet_chat_template_fallback_reason(const duet_chat_template *t) {
     return t ? t->reason : "";
+}
+
+duet_tool_syntax duet_chat_template_tool_syntax(const duet_chat_template *t) {
+    return t && t->jinja ? t->tools : DUET_TOOL_SYNTAX_NONE;
 }
 
 const char *const *duet_chat_template_stops(const duet_chat_template *t) {

@@ -253,6 +253,60 @@ duet_status duet_chat_template_apply(const duet_chat_template *t, const char *co
  * always end it). */
 const char *const *duet_chat_template_stops(const duet_chat_template *t);
 
+/* ---- tool calls ------------------------------------------------------- */
+
+/* How a chat template writes an assistant's tool calls, found by rendering
+ * a probe conversation with the template (what it writes, not the model's
+ * name): */
+typedef enum duet_tool_syntax {
+    DUET_TOOL_SYNTAX_NONE = 0, /* no tools rendered, or calls in a syntax duet does not parse */
+    DUET_TOOL_SYNTAX_HERMES,   /* <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Hermes, Qwen) */
+    DUET_TOOL_SYNTAX_LLAMA3, /* {"name": ..., "parameters": {...}}, maybe after <|python_tag|> (Llama 3.1+) */
+    DUET_TOOL_SYNTAX_MISTRAL /* [TOOL_CALLS][{"name": ..., "arguments": {...}}, ...] (Mistral) */
+} duet_tool_syntax;
+
+/* The template's tool-call syntax: NONE when it renders no tool
+ * definitions (the families never do) or writes calls in another syntax. */
+duet_tool_syntax duet_chat_template_tool_syntax(const duet_chat_template *t);
+/* "none", "hermes", "llama3", "mistral". */
+const char *duet_tool_syntax_name(duet_tool_syntax s);
+
+#define DUET_MAX_TOOL_CALLS 16
+
+typedef struct duet_tool_call {
+    char *name;      /* NULL until the model has written the whole name */
+    char *arguments; /* the arguments' JSON text so far (NUL-terminated); whole once complete */
+    size_t arguments_len;
+    bool complete; /* the call's JSON is closed */
+} duet_tool_call;
+
+typedef struct duet_tool_calls {
+    size_t content_len; /* text[0..content_len) is the reply's text outside the calls */
+    int n;              /* calls found, in order */
+    duet_tool_call call[DUET_MAX_TOOL_CALLS];
+} duet_tool_calls;
+
+/* Parses a model's reply (text[0..len)) written in `syntax`. With final
+ * false the text may still grow: content_len stops before anything that may
+ * begin a call, a call's name appears once whole, and its arguments grow as
+ * a prefix of their final text (arguments written as a JSON object are kept
+ * as the model wrote them; as a JSON string, decoded once whole), so a
+ * stream can send the differences. With final true the text is all there
+ * is. Text after the calls is dropped. *out is filled (free it with
+ * duet_tool_calls_free) even when the text holds no call. */
+duet_status duet_tool_calls_parse(duet_tool_syntax syntax, const char *text, size_t len, bool final,
+                                  duet_tool_calls *out);
+void duet_tool_calls_free(duet_tool_calls *c);
+/* A GBNF grammar (for duet_request.grammar) whose sentences are exactly one
+ * call, in `syntax`, of one of the functions of tools_json (an OpenAI
+ * "tools" array), or of the function `name` only when not NULL, with
+ * arguments that satisfy the function's "parameters" JSON Schema (the
+ * subset of duet_json_schema_to_gbnf). The Mistral and Llama forms start
+ * at the JSON: their marker is a control token no grammar can write.
+ * DUET_BAD_REQUEST for an unknown name or a schema outside the subset. */
+duet_status duet_tool_call_grammar(duet_tool_syntax syntax, const char *tools_json, const char *name,
+                                   char **out);
+
 /* ---- generation ------------------------------------------------------- */
 
 typedef struct duet_sampling {
@@ -302,7 +356,7 @@ duet_status duet_eval(duet_model *model, const int32_t *tokens, int n, int pos0,
 
 /* A JSON Schema (JSON text; the common subset: types, properties and
  * required, enum, const, items with minItems/maxItems, string lengths,
- * anyOf/oneOf, $ref to $defs; formats and patterns left free) as a GBNF
+ * anyOf/oneOf, $ref to $defs, integer bounds; formats and patterns left free) as a GBNF
  * grammar for duet_request.grammar whose sentences satisfy the schema.
  * NULL: any JSON object. *out is malloc'd for the caller to free.
  * DUET_BAD_REQUEST with a message for what the subset cannot express. */

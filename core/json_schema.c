@@ -2,6 +2,7 @@
 #include "json_schema.h"
 
 #include <cjson/cJSON.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -210,6 +211,134 @@ static int gen_array(ctx *c, const cJSON *s, int depth) {
     return r;
 }
 
+/* ---- numeric bounds ---------------------------------------------------- */
+
+#define MAX_DIGITS 16 /* what the base rules' integer allows */
+
+/* The decimal numbers of n digits from a to b (digit strings, a <= b), as
+ * a GBNF group: equal leading digits are literal, then the lower edge, the
+ * full middle and the upper edge. */
+static void put_same_len(out_text *t, const char *a, const char *b, int n) {
+    if (n == 0) return;
+    if (a[0] == b[0]) {
+        put(t, "\"%c\" ", a[0]);
+        put_same_len(t, a + 1, b + 1, n - 1);
+        return;
+    }
+    bool a_zeros = true, b_nines = true;
+    for (int i = 1; i < n; i++)
+        a_zeros &= a[i] == '0', b_nines &= b[i] == '9';
+    char lo = a_zeros ? a[0] : (char)(a[0] + 1), hi = b_nines ? b[0] : (char)(b[0] - 1);
+    char nines[MAX_DIGITS + 1], zeros[MAX_DIGITS + 1];
+    memset(nines, '9', sizeof nines);
+    memset(zeros, '0', sizeof zeros);
+    put(t, "(");
+    bool alt = false;
+    if (!a_zeros) {
+        put(t, "\"%c\" (", a[0]);
+        put_same_len(t, a + 1, nines, n - 1);
+        put(t, ")");
+        alt = true;
+    }
+    if (lo <= hi) {
+        put(t, "%s[%c-%c]", alt ? " | " : "", lo, hi);
+        if (n > 1) put(t, " [0-9]{%d}", n - 1);
+        alt = true;
+    }
+    if (!b_nines) {
+        put(t, "%s\"%c\" (", alt ? " | " : "", b[0]);
+        put_same_len(t, zeros, b + 1, n - 1);
+        put(t, ")");
+    }
+    put(t, ") ");
+}
+
+/* The non-negative integers lo..hi (no leading zeros) as alternatives. */
+static void put_uint_range(out_text *t, unsigned long long lo, unsigned long long hi) {
+    bool first = true;
+    for (int n = 1; n <= MAX_DIGITS && lo <= hi; n++) {
+        unsigned long long top = 1;
+        for (int i = 0; i < n; i++)
+            top *= 10;
+        top -= 1; /* the largest n-digit number */
+        if (lo > top) continue;
+        unsigned long long end = hi < top ? hi : top;
+        char a[MAX_DIGITS + 2], b[MAX_DIGITS + 2];
+        snprintf(a, sizeof a, "%0*llu", n, lo);
+        snprintf(b, sizeof b, "%0*llu", n, end);
+        put(t, first ? "(" : " | (");
+        put_same_len(t, a, b, n);
+        put(t, ")");
+        first = false;
+        if (end == hi) break;
+        lo = end + 1;
+    }
+}
+
+/* Integer bounds: minimum/maximum, and exclusiveMinimum/exclusiveMaximum as
+ * numbers (JSON Schema 6+). False when the schema sets none. */
+static bool int_bounds(const cJSON *s, double *lo, double *hi) {
+    const double lim = 9999999999999999.0; /* MAX_DIGITS nines */
+    *lo = -lim, *hi = lim;
+    const cJSON *v;
+    bool any = false;
+    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(s, "minimum")))
+        *lo = fmax(*lo, ceil(v->valuedouble)), any = true;
+    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum")))
+        *lo = fmax(*lo, floor(v->valuedouble) + 1), any = true;
+    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(s, "maximum")))
+        *hi = fmin(*hi, floor(v->valuedouble)), any = true;
+    if (cJSON_IsNumber(v = cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum")))
+        *hi = fmin(*hi, ceil(v->valuedouble) - 1), any = true;
+    *lo = fmax(*lo, -lim), *hi = fmin(*hi, lim);
+    return any;
+}
+
+/* An integer rule within the schema's bounds; -1 when it has none. */
+static int gen_int_range(ctx *c, const cJSON *s) {
+    double lo, hi;
+    if (!int_bounds(s, &lo, &hi)) return -1;
+    if (lo > hi) return fail(c, "no integer lies within the bounds");
+    int r = rule_open(c);
+    bool alt = false;
+    if (lo < 0) { /* the negatives: -(max(1, -hi)) .. -(-lo) */
+        put(&c->rules, "\"-\" (");
+        put_uint_range(&c->rules, hi < 0 ? (unsigned long long)-hi : 1, (unsigned long long)-lo);
+        put(&c->rules, ")");
+        alt = true;
+    }
+    if (hi >= 0) {
+        if (alt) put(&c->rules, " | ");
+        put_uint_range(&c->rules, lo > 0 ? (unsigned long long)lo : 0, (unsigned long long)hi);
+    }
+    put(&c->rules, "\n");
+    return r;
+}
+
+/* A number within [minimum, maximum] when both are non-negative integers
+ * (the common case: scores, ratios, percentages): the integer part below
+ * the maximum with any fraction, or the maximum itself. Other bounds on
+ * numbers are left free; -1 then. */
+static int gen_number_range(ctx *c, const cJSON *s) {
+    const cJSON *mn = cJSON_GetObjectItemCaseSensitive(s, "minimum"),
+                *mx = cJSON_GetObjectItemCaseSensitive(s, "maximum");
+    if (!cJSON_IsNumber(mn) || !cJSON_IsNumber(mx) ||
+        cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum") ||
+        cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum"))
+        return -1;
+    double lo = mn->valuedouble, hi = mx->valuedouble;
+    if (lo != floor(lo) || hi != floor(hi) || lo < 0 || hi > 9999999999999999.0) return -1;
+    if (lo > hi) return fail(c, "minimum %g > maximum %g", lo, hi);
+    int r = rule_open(c);
+    if (lo < hi) {
+        put(&c->rules, "(");
+        put_uint_range(&c->rules, (unsigned long long)lo, (unsigned long long)hi - 1);
+        put(&c->rules, ") (\".\" [0-9]{1,16})? | ");
+    }
+    put(&c->rules, "\"%.0f\" (\".\" \"0\"{1,16})?\n", hi);
+    return r;
+}
+
 static int gen_typed(ctx *c, const cJSON *s, const char *type, int depth) {
     if (!strcmp(type, "object")) return gen_object(c, s, depth);
     if (!strcmp(type, "array")) return gen_array(c, s, depth);
@@ -227,6 +356,9 @@ static int gen_typed(ctx *c, const cJSON *s, const char *type, int depth) {
             put(&c->rules, "\"\\\"\" char{%d,%d} \"\\\"\"\n", lo, hi);
         return r;
     }
+    if (!strcmp(type, "integer") && (r = gen_int_range(c, s)) >= 0) return r;
+    if (!strcmp(type, "number") && (r = gen_number_range(c, s)) >= 0) return r;
+    if (c->failed) return -1;
     static const char *const simple[] = {"number", "integer", "boolean", "null"};
     for (int i = 0; i < 4; i++)
         if (!strcmp(type, simple[i])) {
@@ -355,12 +487,26 @@ static const char *const base_rules =
     "null ::= \"null\"\n";
 
 duet_status duet_json_schema_to_gbnf(const char *schema_json, char **out) {
+    return duet__json_schema_to_gbnf_wrapped(schema_json, NULL, NULL, out);
+}
+
+/* root ::= prefix sN suffix, the literals left out when empty. */
+static void put_root(out_text *t, const char *prefix, const char *body, const char *suffix) {
+    put(t, "root ::= ");
+    if (prefix && *prefix) put_literal(t, prefix), put(t, " ");
+    put(t, "%s", body);
+    if (suffix && *suffix) put(t, " "), put_literal(t, suffix);
+    put(t, "\n");
+}
+
+duet_status duet__json_schema_to_gbnf_wrapped(const char *schema_json, const char *prefix, const char *suffix,
+                                              char **out) {
     *out = NULL;
     ctx c = {0};
     cJSON *schema = NULL;
     put(&c.rules, "%s", base_rules);
     if (!schema_json) {
-        put(&c.rules, "root ::= object\n");
+        put_root(&c.rules, prefix, "object", suffix);
     } else {
         schema = cJSON_Parse(schema_json);
         if (!schema) {
@@ -369,7 +515,9 @@ duet_status duet_json_schema_to_gbnf(const char *schema_json, char **out) {
         }
         c.root = schema;
         int r = gen(&c, schema, 0);
-        if (r >= 0) put(&c.rules, "root ::= s%d\n", r);
+        char body[32];
+        snprintf(body, sizeof body, "s%d", r);
+        if (r >= 0) put_root(&c.rules, prefix, body, suffix);
     }
     cJSON_Delete(schema);
     if (c.failed) {

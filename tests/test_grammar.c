@@ -205,6 +205,70 @@ START_TEST(json_schema_subset) {
 }
 END_TEST
 
+/* Integer bounds: every integer near and between the bounds is accepted
+ * exactly when it lies within them (against the arithmetic). */
+START_TEST(json_schema_numeric_bounds) {
+    static const struct {
+        const char *bounds;
+        long long lo, hi;
+    } cases[] = {
+        {"\"minimum\": 5, \"maximum\": 123", 5, 123},
+        {"\"minimum\": 0, \"maximum\": 100", 0, 100},
+        {"\"minimum\": -37, \"maximum\": 12", -37, 12},
+        {"\"minimum\": -1000, \"maximum\": -990", -1000, -990},
+        {"\"exclusiveMinimum\": 9, \"exclusiveMaximum\": 1001", 10, 1000},
+        {"\"minimum\": 1.5, \"maximum\": 19.5", 2, 19},
+        {"\"minimum\": 7, \"maximum\": 7", 7, 7},
+        {"\"minimum\": 1995", 1995, 9999999999999999LL},
+        {"\"maximum\": 3", -9999999999999999LL, 3},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
+        char schema[160], *gbnf;
+        snprintf(schema, sizeof schema, "{\"type\": \"integer\", %s}", cases[i].bounds);
+        ck_assert_int_eq(duet_json_schema_to_gbnf(schema, &gbnf), DUET_OK);
+        duet_grammar *g = parse_ok(gbnf);
+        long long lo = cases[i].lo, hi = cases[i].hi;
+        long long probes[] = {lo, hi, 0, -1, 1, 9, 10, 99, 100, 101, 999, 1000, 1001, 10000, -9, -10, -100};
+        for (long long x = lo - 30; x <= lo + 30; x++)
+            if (x > -9999999999999999LL) {
+                char t[32];
+                snprintf(t, sizeof t, "%lld", x);
+                ck_assert_msg(accepts(g, t) == (x >= lo && x <= hi), "%s: %s", schema, t);
+            }
+        for (long long x = hi - 30; x <= hi + 30; x++)
+            if (x < 9999999999999999LL) {
+                char t[32];
+                snprintf(t, sizeof t, "%lld", x);
+                ck_assert_msg(accepts(g, t) == (x >= lo && x <= hi), "%s: %s", schema, t);
+            }
+        for (size_t k = 0; k < sizeof probes / sizeof *probes; k++) {
+            char t[32];
+            snprintf(t, sizeof t, "%lld", probes[k]);
+            ck_assert_msg(accepts(g, t) == (probes[k] >= lo && probes[k] <= hi), "%s: %s", schema, t);
+        }
+        ck_assert_msg(!accepts(g, "007") && !accepts(g, "-0") && !accepts(g, "1.0"), "%s", schema);
+        duet_grammar_free(g);
+        free(gbnf);
+    }
+    /* A number between non-negative integers: fractions below the maximum. */
+    char *gbnf;
+    ck_assert_int_eq(
+        duet_json_schema_to_gbnf("{\"type\": \"number\", \"minimum\": 0, \"maximum\": 10}", &gbnf), DUET_OK);
+    duet_grammar *g = parse_ok(gbnf);
+    const char *yes[] = {"0", "0.5", "9.99", "10", "10.0", "3"};
+    const char *no[] = {"-1", "10.5", "11", "-0.5", "1e3", "100"};
+    for (size_t i = 0; i < sizeof yes / sizeof *yes; i++)
+        ck_assert_msg(accepts(g, yes[i]), "refused %s", yes[i]);
+    for (size_t i = 0; i < sizeof no / sizeof *no; i++)
+        ck_assert_msg(!accepts(g, no[i]), "accepted %s", no[i]);
+    duet_grammar_free(g);
+    free(gbnf);
+    ck_assert_int_eq(
+        duet_json_schema_to_gbnf("{\"type\": \"integer\", \"minimum\": 5, \"maximum\": 4}", &gbnf),
+        DUET_BAD_REQUEST);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("grammar");
     TCase *tc = tcase_create("grammar");
@@ -213,6 +277,7 @@ int main(void) {
     tcase_add_test(tc, utf8_split_across_tokens);
     tcase_add_test(tc, mask_matches_brute_force);
     tcase_add_test(tc, json_schema_subset);
+    tcase_add_test(tc, json_schema_numeric_bounds);
     suite_add_tcase(s, tc);
     SRunner *sr = srunner_create(s);
     srunner_run_all(sr, CK_NORMAL);

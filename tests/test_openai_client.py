@@ -140,6 +140,27 @@ class OpenAIClient(unittest.TestCase):
                 texts[c.index] += c.text
         self.assertEqual(texts, [c.text for c in a.choices])
 
+    def test_chat_n_seed_stop_and_token_limits(self):
+        # What clients send to chat: n choices (seeded: reproducible, and not all alike), stop,
+        # max_completion_tokens winning over max_tokens, user, unknown fields.
+        msgs = [{"role": "user", "content": "Tell me a story about a dog."}]
+        args = dict(model=self.model, messages=msgs, temperature=1.0, seed=5, n=3, max_tokens=50,
+                    max_completion_tokens=10, user="u-1", extra_body={"some_new_field": [1, 2]})
+        a = self.client.chat.completions.create(**args)
+        b = self.client.chat.completions.create(**args)
+        self.assertEqual([c.index for c in a.choices], [0, 1, 2])
+        self.assertEqual([c.message.content for c in a.choices], [c.message.content for c in b.choices])
+        self.assertGreater(len({c.message.content for c in a.choices}), 1)
+        self.assertLessEqual(a.usage.completion_tokens, 30)
+        c = self.client.chat.completions.create(**dict(args, seed=6))
+        self.assertNotEqual([x.message.content for x in a.choices], [x.message.content for x in c.choices])
+        text = a.choices[0].message.content
+        self.assertGreaterEqual(len(text), 8, text)
+        stop = text[4:8]
+        r = self.client.chat.completions.create(**dict(args, n=1, stop=[stop]))
+        self.assertEqual(r.choices[0].message.content, text[:text.index(stop)])
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+
     def test_stop_strings(self):
         full = self.client.completions.create(model=self.model, prompt="Lily wanted", max_tokens=40,
                                               temperature=0).choices[0].text
@@ -377,6 +398,127 @@ class StructuredOutputsSmolLM2(unittest.TestCase):
                     stop += 1
                     jsonschema.validate(json.loads(r["text"]), req["schema"])
             self.assertGreaterEqual(stop, 4)
+        finally:
+            rc, log = server.stop()
+            self.assertEqual(rc, 0, log)
+
+
+SMOLLM2_Q4_K_M = os.path.join(SHARED, "models", "smollm2-135m-instruct-q4_k_m.gguf")
+QWEN25_TEMPLATE = os.path.join(SHARED, "models", "chat-templates", "Qwen-Qwen2.5-7B-Instruct.jinja")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "description": "The city's name"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"]}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "description": "The local time in a time zone.",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+
+class ToolCallsSmolLM2(unittest.TestCase):
+    """Tool calls end to end: SmolLM2-135M-Instruct (the shared Q4_K_M file)
+    with Qwen2.5's template forced (SmolLM2's own renders no tools), so the
+    server renders the tools, parses Hermes-style <tool_call> replies, and
+    constrains decoding when a call is required."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.server = Server("--chat-template", QWEN25_TEMPLATE, model=SMOLLM2_Q4_K_M)
+        cls.client = openai.OpenAI(base_url=cls.server.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+        cls.model = cls.client.models.list().data[0].id
+
+    @classmethod
+    def tearDownClass(cls):
+        rc, log = cls.server.stop()
+        if rc != 0:
+            raise AssertionError(f"duet serve exited {rc} after SIGTERM:\n{log}")
+        if "tool calls in the hermes syntax" not in log:
+            raise AssertionError(f"the server did not find the template's tool-call syntax:\n{log}")
+
+    def chat(self, **kw):
+        args = dict(model=self.model, temperature=0, max_tokens=80)
+        args.update(kw)
+        return self.client.chat.completions.create(**args)
+
+    def test_required_call_round_trip(self):
+        msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+        r = self.chat(messages=msgs, tools=[WEATHER, CLOCK], tool_choice="required")
+        choice = r.choices[0]
+        self.assertEqual(choice.finish_reason, "tool_calls")
+        calls = choice.message.tool_calls
+        self.assertEqual(len(calls), 1, choice.message)
+        call = calls[0]
+        self.assertEqual(call.type, "function")
+        self.assertTrue(call.id)
+        self.assertIn(call.function.name, ("get_weather", "get_time"))
+        args = json.loads(call.function.arguments)
+        tool = WEATHER if call.function.name == "get_weather" else CLOCK
+        jsonschema.validate(args, tool["function"]["parameters"])
+        self.assertFalse(choice.message.content)
+
+        # The same request streamed: the call's opening, then its arguments in pieces; no content.
+        opened, pieces, content, finish = [], [], "", None
+        for chunk in self.chat(messages=msgs, tools=[WEATHER, CLOCK], tool_choice="required", stream=True):
+            for c in chunk.choices:
+                content += c.delta.content or ""
+                finish = c.finish_reason or finish
+                for tc in c.delta.tool_calls or []:
+                    self.assertEqual(tc.index, 0)
+                    if tc.id:
+                        opened.append((tc.id, tc.type, tc.function.name))
+                    pieces.append(tc.function.arguments or "")
+        self.assertEqual(len(opened), 1, opened)
+        self.assertEqual(opened[0][1:], ("function", call.function.name))
+        self.assertEqual("".join(pieces), call.function.arguments)
+        self.assertGreater(len(pieces), 2, "the arguments were not streamed in pieces")
+        self.assertEqual(content, "")
+        self.assertEqual(finish, "tool_calls")
+
+        # The result goes back; the model answers in words.
+        msgs += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id,
+                  "content": json.dumps({"city": "Paris", "temperature": 18, "unit": "celsius", "sky": "sunny"})}]
+        r2 = self.chat(messages=msgs, tools=[WEATHER, CLOCK])
+        self.assertIn(r2.choices[0].finish_reason, ("stop", "length"))
+        self.assertFalse(r2.choices[0].message.tool_calls)
+        self.assertTrue(r2.choices[0].message.content and r2.choices[0].message.content.strip())
+
+    def test_named_none_and_refusals(self):
+        msgs = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+        r = self.chat(messages=msgs, tools=[WEATHER, CLOCK],
+                      tool_choice={"type": "function", "function": {"name": "get_time"}})
+        call = r.choices[0].message.tool_calls[0]
+        self.assertEqual(call.function.name, "get_time")
+        jsonschema.validate(json.loads(call.function.arguments), CLOCK["function"]["parameters"])
+        r = self.chat(messages=msgs, tools=[WEATHER, CLOCK], tool_choice="none", max_tokens=12)
+        self.assertFalse(r.choices[0].message.tool_calls)
+        self.assertNotEqual(r.choices[0].finish_reason, "tool_calls")
+        bad = [dict(tool_choice={"type": "function", "function": {"name": "nope"}}),
+               dict(tools=[{"type": "function", "function": {"name": "bad name!"}}]),
+               dict(tools=[{"type": "retrieval"}]),
+               dict(tools=[WEATHER], tool_choice="sometimes"),
+               dict(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})]
+        for kw in bad:
+            args = dict(messages=msgs, tools=[WEATHER])
+            args.update(kw)
+            with self.assertRaises(openai.BadRequestError, msg=str(kw)):
+                self.chat(**args)
+
+
+class ToolsNeedATemplateThatRendersThem(unittest.TestCase):
+    def test_refused_with_the_reason(self):
+        server = Server()
+        try:
+            client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+            with self.assertRaises(openai.BadRequestError) as cm:
+                client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "x"}],
+                                               tools=[WEATHER], max_tokens=4)
+            self.assertIn("--chat-template", cm.exception.body["message"])
+            # tool_choice "none" leaves the tools out, as if there were none.
+            r = client.chat.completions.create(model="stories260K", messages=[{"role": "user", "content": "x"}],
+                                               tools=[WEATHER], tool_choice="none", max_tokens=4)
+            self.assertFalse(r.choices[0].message.tool_calls)
         finally:
             rc, log = server.stop()
             self.assertEqual(rc, 0, log)

@@ -105,6 +105,42 @@ START_TEST(parse_chat_messages) {
     ck_assert_str_eq(r.messages[1].content, "a\nb");
     ck_assert_str_eq(r.messages[2].content, "");
     ck_assert_msg(r.messages[3].role == SRV_ROLE_USER, "user role");
+    ck_assert_int_eq(r.tool_choice, SRV_TOOLS_NONE);
+    srv_request_free(&r);
+
+    /* A tool round: the call's arguments reach the template as an object,
+     * the tool's answer with its call id; the tools come along. */
+    body = "{\"messages\":[{\"role\":\"user\",\"content\":\"weather?\"},{\"role\":\"assistant\",\"content\":"
+           "null,\"tool_calls\":[{\"id\":\"call_1\",\"type\":\"function\",\"function\":{\"name\":\"w\","
+           "\"arguments\":\"{\\\"city\\\":\\\"Oslo\\\"}\"}}]},{\"role\":\"tool\",\"tool_call_id\":\"call_1\","
+           "\"content\":\"sunny\"}],\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"w\"}}],"
+           "\"parallel_tool_calls\":false}";
+    ck_assert_msg(parse(SRV_CHAT, body, &r, &e), "tool round refused: %s", e.message);
+    ck_assert_int_eq(r.tool_choice, SRV_TOOLS_AUTO);
+    ck_assert_msg(r.messages[2].role == SRV_ROLE_TOOL, "tool role");
+    char *conv = srv_conversation_json(&r);
+    cJSON *c = cJSON_Parse(conv);
+    const cJSON *msgs = cJSON_GetObjectItem(c, "messages");
+    const cJSON *args = cJSON_GetObjectItem(
+        cJSON_GetObjectItem(
+            cJSON_GetArrayItem(cJSON_GetObjectItem(cJSON_GetArrayItem(msgs, 1), "tool_calls"), 0),
+            "function"),
+        "arguments");
+    ck_assert_msg(cJSON_IsObject(args) && !strcmp(cJSON_GetObjectItem(args, "city")->valuestring, "Oslo"),
+                  "%s", conv);
+    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(msgs, 2), "tool_call_id")->valuestring, "call_1");
+    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(msgs, 2), "role")->valuestring, "tool");
+    ck_assert_int_eq(cJSON_GetArraySize(cJSON_GetObjectItem(c, "tools")), 1);
+    cJSON_Delete(c);
+    free(conv);
+    srv_request_free(&r);
+    /* tool_choice "none": the tools stay out of the prompt. */
+    ck_assert(parse(SRV_CHAT,
+                    "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+                    "\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"none\"}",
+                    &r, &e));
+    ck_assert_int_eq(r.tool_choice, SRV_TOOLS_NONE);
+    ck_assert_ptr_null(r.tools_json);
     srv_request_free(&r);
 }
 END_TEST
@@ -199,7 +235,27 @@ START_TEST(parse_rejects_bad_input) {
         {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":5}]}", "messages[0].content"},
         {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":[{\"type\":\"image_url\"}]}]}",
          "messages[0].content"},
-        {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{}]}", "tools"},
+        {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{}]}", "tools[0]"},
+        {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":{}}", "tools"},
+        {SRV_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"a b\"}}]}",
+         "tools[0]"},
+        {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tool_choice\":\"required\"}",
+         "tool_choice"},
+        {SRV_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}],\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":"
+         "\"g\"}}}",
+         "tool_choice"},
+        {SRV_CHAT,
+         "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"tools\":[{\"type\":\"function\","
+         "\"function\":{\"name\":\"f\"}}],\"tool_choice\":\"required\",\"grammar\":\"root ::= \\\"a\\\"\"}",
+         "tool_choice"},
+        {SRV_CHAT, "{\"messages\":[{\"role\":\"assistant\",\"tool_calls\":[{\"function\":{}}]}]}",
+         "messages[0].tool_calls"},
+        {SRV_CHAT, "{\"messages\":[{\"role\":\"tool\",\"content\":\"x\",\"tool_call_id\":5}]}",
+         "messages[0].tool_call_id"},
         {SRV_CHAT, "{\"messages\":[{\"role\":\"user\",\"content\":\"x\"}],\"max_completion_tokens\":-5}",
          "max_completion_tokens"},
     };
@@ -281,6 +337,30 @@ START_TEST(response_and_chunk_json) {
                   "usage %s", s);
     cJSON_Delete(o);
     free(s);
+
+    /* Tool calls: content null, the calls with their ids; a call's stream chunks. */
+    duet_tool_calls tc = {0};
+    const char *call = "<tool_call>{\"name\": \"f\", \"arguments\": {\"x\": 1}}</tool_call>";
+    ck_assert_int_eq(duet_tool_calls_parse(DUET_TOOL_SYNTAX_HERMES, call, strlen(call), true, &tc), DUET_OK);
+    srv_call_id ids[1] = {"call_0"};
+    srv_choice_result tcr = {.text = call, .len = 0, .finish = "tool_calls", .calls = &tc, .call_ids = ids};
+    s = srv_response_json(SRV_CHAT, "chatcmpl-2", 1, "m", &tcr, 1, u);
+    ck_assert_msg(strstr(s, "\"message\":{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":"
+                            "\"call_0\",\"type\":\"function\",\"function\":{\"name\":\"f\",\"arguments\":"
+                            "\"{\\\"x\\\": 1}\"}}]}"),
+                  "%s", s);
+    free(s);
+    duet_tool_calls_free(&tc);
+    srv_text tt = {0};
+    ck_assert(srv_tool_chunk_sse(&tt, "id", 1, "m", 0, 0, "call_0", "f", "", 0, false));
+    ck_assert(srv_tool_chunk_sse(&tt, "id", 1, "m", 0, 0, NULL, NULL, "{\"x\"", 4, false));
+    ck_assert_msg(
+        strstr(tt.p, "\"delta\":{\"tool_calls\":[{\"index\":0,\"id\":\"call_0\",\"type\":\"function\","
+                     "\"function\":{\"name\":\"f\",\"arguments\":\"\"}}]}") &&
+            strstr(tt.p,
+                   "\"delta\":{\"tool_calls\":[{\"index\":0,\"function\":{\"arguments\":\"{\\\"x\\\"\"}}]}"),
+        "%s", tt.p);
+    srv_text_free(&tt);
 
     srv_choice_result nul = {.text = "a\0b\"c", .len = 5, .finish = "stop"};
     s = srv_response_json(SRV_COMPLETION, "cmpl-1", 1, "m", &nul, 1, u);

@@ -59,11 +59,26 @@
 #define CONN_STACK (2u << 20)   /* per connection thread: cJSON recursion up to its nesting limit fits */
 #define CONN_MARGIN 64          /* connections past max_connections that still get their 503 */
 
-enum { R_COMPLETIONS, R_CHAT, R_MODELS, R_HEALTH, R_METRICS, R_TOKENIZE, R_DETOKENIZE, R_READY, R_OTHER };
+enum {
+    R_COMPLETIONS,
+    R_CHAT,
+    R_MODELS,
+    R_HEALTH,
+    R_METRICS,
+    R_TOKENIZE,
+    R_DETOKENIZE,
+    R_READY,
+    R_OPENAPI,
+    R_OTHER
+};
 #define N_ROUTES (R_OTHER + 1)
 static const char *const route_paths[N_ROUTES] = {
-    "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-    "/tokenize",       "/detokenize",          "/ready",     "other"};
+    "/v1/completions", "/v1/chat/completions", "/v1/models", "/health",       "/metrics",
+    "/tokenize",       "/detokenize",          "/ready",     "/openapi.json", "other"};
+
+/* tools/openapi.json, embedded by the build (tools/embed_file.cmake). */
+extern const char srv_openapi_json[];
+extern const unsigned long srv_openapi_json_len;
 
 /* Status codes counted per endpoint; the last column counts every other one. */
 static const int tracked_codes[] = {200, 204, 400, 401, 403, 404, 405, 408, 413, 415, 429, 499, 500, 503};
@@ -96,6 +111,7 @@ struct srv {
     int n_ctx, port;
     size_t fit_bytes; /* prompts longer than this may be refused early (prompt_may_fit) */
     duet_chat_template *chat;
+    duet_tool_syntax tool_syntax; /* how the chat template writes tool calls */
     int32_t bos; /* -1 when the model has none */
     bool verbose;
     long started;
@@ -140,6 +156,11 @@ typedef struct slot {
     int n_lp, cap_lp;
     duet_finish finish;
     char error[256];
+    /* Chat with tools (the connection's thread only): each call's id, and
+     * what the stream has sent of the content and of each call. */
+    srv_call_id call_ids[DUET_MAX_TOOL_CALLS];
+    int calls_opened;
+    size_t content_sent, args_sent[DUET_MAX_TOOL_CALLS];
 } slot;
 
 /* A stream event: slot's text grew to `end` bytes, or (finish) it ended. */
@@ -156,6 +177,7 @@ struct job {
     int refs;
     srv *s;
     srv_request req;
+    duet_tool_syntax tools;        /* the syntax the replies' tool calls are parsed in; NONE: not parsed */
     char *stops[SRV_MAX_STOP + 4]; /* request's and the chat template's (not owned) */
     int n_stops;
     char id[48];
@@ -691,10 +713,46 @@ static bool prompt_may_fit(srv *s, const char *text) {
     return n < s->n_ctx; /* a tokenizer error is left to the full tokenization to report */
 }
 
+/* A call id as OpenAI writes them, or Mistral's 9 letters and digits
+ * (its template refuses others when the call comes back). */
+static void make_call_id(srv *s, duet_tool_syntax syn, srv_call_id out) {
+    static const char digits[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+    uint64_t x = fresh_u64(s);
+    if (syn != DUET_TOOL_SYNTAX_MISTRAL) {
+        snprintf(out, sizeof(srv_call_id), "call_%016llx", (unsigned long long)x);
+        return;
+    }
+    for (int i = 0; i < 9; i++, x /= 62)
+        out[i] = digits[x % 62];
+    out[9] = '\0';
+}
+
+/* A chat request with tools: the template must render them and write calls
+ * duet parses; a required call becomes the request's grammar. */
+static bool prepare_tools(srv *s, job *j, srv_error *err) {
+    srv_request *r = &j->req;
+    j->tools = s->tool_syntax;
+    if (j->tools == DUET_TOOL_SYNTAX_NONE)
+        return srv_bad(
+            err, "tools", "unsupported",
+            "this server's chat template (%s) renders no tools, or writes tool calls in a syntax duet "
+            "does not parse (Hermes <tool_call>, Llama 3.1 JSON, Mistral [TOOL_CALLS]); start it with "
+            "--chat-template FILE naming a template that does (e.g. Qwen2.5's), or send tool_choice \"none\"",
+            duet_chat_template_name(s->chat));
+    if (r->tool_choice != SRV_TOOLS_REQUIRED && r->tool_choice != SRV_TOOLS_NAMED) return true;
+    duet_status st = duet_tool_call_grammar(
+        j->tools, r->tools_json, r->tool_choice == SRV_TOOLS_NAMED ? r->tool_name : NULL, &r->grammar);
+    if (st == DUET_OUT_OF_MEMORY)
+        return *err = server_error(500, "server_error", NULL, "out of memory"), false;
+    if (st) return srv_bad(err, "tools", "invalid_value", "%s", duet_last_error());
+    return true;
+}
+
 /* Builds the job's slots and prompts; on failure fills err. */
 static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *err) {
     srv_request *r = &j->req;
     int n_prompts = r->kind == SRV_CHAT ? 1 : r->n_prompts;
+    if (r->kind == SRV_CHAT && r->tools_json && !prepare_tools(s, j, err)) return false;
     for (int p = 0; p < n_prompts; p++) {
         const char *text = NULL;
         srv_text chat = {0};
@@ -828,6 +886,57 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
     return true;
 }
 
+static bool is_space(char c) {
+    return c == ' ' || c == '\n' || c == '\t' || c == '\r';
+}
+
+/* A chat reply with tools, streamed: sends what text[0..len) adds to what
+ * the client of slot si has: content (whole UTF-8 characters, and not the
+ * whitespace that may lead into a call), then each call's opening once its
+ * name is whole and its arguments as they grow, as OpenAI streams them.
+ * Returns the calls found. */
+static int tool_stream(job *j, int si, const char *text, size_t len, bool final) {
+    srv *s = j->s;
+    slot *sl = &j->slots[si];
+    bool null_usage = j->req.include_usage;
+    duet_tool_calls tc;
+    if (!text) text = "", len = 0;
+    if (duet_tool_calls_parse(j->tools, text, len, final, &tc)) return 0;
+    size_t cl = tc.content_len;
+    if (!final || tc.n)
+        while (cl > sl->content_sent && is_space(text[cl - 1]))
+            cl--;
+    if (cl > sl->content_sent) {
+        size_t n = cl - sl->content_sent;
+        if (!final) n = srv_utf8_valid_prefix(text + sl->content_sent, n);
+        if (n)
+            srv_chunk_sse(&j->out, SRV_CHAT, j->id, j->created, s->name, si, text + sl->content_sent, n, NULL,
+                          false, null_usage);
+        sl->content_sent += n;
+    }
+    int named = 0;
+    for (; named < tc.n && tc.call[named].name; named++) {
+        const duet_tool_call *c = &tc.call[named];
+        int k = named;
+        if (k >= sl->calls_opened) {
+            make_call_id(s, j->tools, sl->call_ids[k]);
+            srv_tool_chunk_sse(&j->out, j->id, j->created, s->name, si, k, sl->call_ids[k], c->name, "", 0,
+                               null_usage);
+            sl->calls_opened = k + 1;
+        }
+        if (c->arguments_len > sl->args_sent[k]) {
+            size_t n = c->arguments_len - sl->args_sent[k];
+            if (!final && !c->complete) n = srv_utf8_valid_prefix(c->arguments + sl->args_sent[k], n);
+            if (n)
+                srv_tool_chunk_sse(&j->out, j->id, j->created, s->name, si, k, NULL, NULL,
+                                   c->arguments + sl->args_sent[k], n, null_usage);
+            sl->args_sent[k] += n;
+        }
+    }
+    duet_tool_calls_free(&tc);
+    return named;
+}
+
 /* Formats what the engine produced since the last call into j->out. */
 static void stream_fill(job *j) {
     srv *s = j->s;
@@ -879,11 +988,16 @@ static void stream_fill(job *j) {
         evs[k] = j->ev[j->ev_sent + k];
         slot *sl = &j->slots[evs[k].slot];
         size_t from = j->sent_end[evs[k].slot];
-        if (!evs[k].finish && evs[k].end > from) srv_text_append(&texts[k], sl->text.p + from, evs[k].end - from);
+        if (j->tools) /* the whole reply so far: the tool-call parser rescans it */
+            srv_text_append(&texts[k], sl->text.p ? sl->text.p : "",
+                            evs[k].finish ? sl->text.len : evs[k].end);
+        else if (!evs[k].finish && evs[k].end > from)
+            srv_text_append(&texts[k], sl->text.p + from, evs[k].end - from);
         if (!evs[k].finish) j->sent_end[evs[k].slot] = evs[k].end;
         offs[k] = from;
         /* The logprobs of the tokens since the last chunk (at the end, all the rest). */
         int lp_from = j->sent_lp[evs[k].slot], lp_to = evs[k].finish ? sl->n_lp : evs[k].lp_end;
+        if (j->tools && !evs[k].finish) lp_to = lp_from; /* with tools, logprobs come with the last chunk */
         if (r->logprobs && lp_to > lp_from) {
             srv_lp *copy = malloc((size_t)(lp_to - lp_from) * sizeof *copy);
             if (copy) {
@@ -904,11 +1018,15 @@ static void stream_fill(job *j) {
     pthread_mutex_unlock(&j->mu);
 
     for (int k = 0; k < n; k++) {
+        bool failed = evs[k].finish &&
+                      (fin[k] == DUET_FINISH_ERROR || (j->timed_out && fin[k] == DUET_FINISH_CANCELLED));
+        int calls =
+            j->tools && !failed ? tool_stream(j, evs[k].slot, texts[k].p, texts[k].len, evs[k].finish) : 0;
         if (!evs[k].finish) {
-            if (texts[k].len)
+            if (texts[k].len && !j->tools)
                 srv_chunk_sse_lp(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, texts[k].p,
                                  texts[k].len, NULL, false, usage_null, &lps[k], offs[k]);
-        } else if (fin[k] == DUET_FINISH_ERROR || (j->timed_out && fin[k] == DUET_FINISH_CANCELLED)) {
+        } else if (failed) {
             if (fin[k] != DUET_FINISH_ERROR && j->timeout_sent) continue; /* one timeout event per stream */
             srv_error e = fin[k] == DUET_FINISH_ERROR ? server_error(500, "server_error", NULL, errs[k])
                                                       : timeout_error(j);
@@ -917,8 +1035,9 @@ static void stream_fill(job *j) {
             if (ej) srv_text_printf(&j->out, "data: %s\n\n", ej);
             free(ej);
         } else {
-            srv_chunk_sse_lp(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, "", 0,
-                             finish_name(fin[k]), false, usage_null, lps[k].n_lp ? &lps[k] : NULL, offs[k]);
+            const char *why = calls && fin[k] == DUET_FINISH_STOP ? "tool_calls" : finish_name(fin[k]);
+            srv_chunk_sse_lp(&j->out, r->kind, j->id, j->created, s->name, evs[k].slot, "", 0, why, false,
+                             usage_null, lps[k].n_lp ? &lps[k] : NULL, offs[k]);
         }
         srv_text_free(&texts[k]);
         free((void *)lps[k].lp);
@@ -977,14 +1096,37 @@ static char *plain_answer(srv *s, job *j, int *code) {
         return srv_error_json(&e);
     }
     srv_choice_result *res = calloc((size_t)(j->n_slots > 0 ? j->n_slots : 1), sizeof *res);
-    for (int i = 0; res && i < j->n_slots; i++) {
+    duet_tool_calls *tcs = j->tools ? calloc((size_t)j->n_slots, sizeof *tcs) : NULL;
+    bool ok = res && (!j->tools || tcs);
+    for (int i = 0; ok && i < j->n_slots; i++) {
         slot *sl = &j->slots[i];
-        res[i] = (srv_choice_result){
-            sl->text.p, sl->text.len, finish_name(sl->finish), j->req.logprobs, sl->lp, sl->n_lp, s->model};
+        res[i] = (srv_choice_result){.text = sl->text.p,
+                                     .len = sl->text.len,
+                                     .finish = finish_name(sl->finish),
+                                     .logprobs = j->req.logprobs,
+                                     .lp = sl->lp,
+                                     .n_lp = sl->n_lp,
+                                     .model = s->model};
+        if (!j->tools) continue;
+        /* The calls apart from the content (whose trailing whitespace led into them). */
+        if (duet_tool_calls_parse(j->tools, sl->text.p ? sl->text.p : "", sl->text.len, true, &tcs[i])) {
+            ok = false;
+            break;
+        }
+        res[i].len = tcs[i].content_len;
+        while (tcs[i].n && res[i].len && is_space(res[i].text[res[i].len - 1]))
+            res[i].len--;
+        for (int k = 0; k < tcs[i].n; k++)
+            make_call_id(s, j->tools, sl->call_ids[k]);
+        res[i].calls = &tcs[i];
+        res[i].call_ids = sl->call_ids;
+        if (tcs[i].n && sl->finish == DUET_FINISH_STOP) res[i].finish = "tool_calls";
     }
     char *body =
-        res ? srv_response_json(j->req.kind, j->id, j->created, s->name, res, j->n_slots, job_usage(j))
-            : NULL;
+        ok ? srv_response_json(j->req.kind, j->id, j->created, s->name, res, j->n_slots, job_usage(j)) : NULL;
+    for (int i = 0; tcs && i < j->n_slots; i++)
+        duet_tool_calls_free(&tcs[i]);
+    free(tcs);
     free(res);
     *code = 200;
     return body;
@@ -1393,6 +1535,9 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
     case R_DETOKENIZE:
         if (post) return post_detokenize(s, cn, c);
         break;
+    case R_OPENAPI:
+        if (get) return send_json(s, cn, c, 200, strndup(srv_openapi_json, srv_openapi_json_len));
+        break;
     default:
         err = server_error(404, "invalid_request_error", "not_found", "");
         snprintf(err.message, sizeof err.message, "no such endpoint: %s %.200s", method, url);
@@ -1606,6 +1751,10 @@ int srv_start(duet_fleet *f, const srv_config *cfg, srv **out) {
         srv_free(s);
         return -1;
     }
+    s->tool_syntax = duet_chat_template_tool_syntax(s->chat);
+    if (s->tool_syntax != DUET_TOOL_SYNTAX_NONE)
+        fprintf(stderr, "duet: the chat template writes tool calls in the %s syntax\n",
+                duet_tool_syntax_name(s->tool_syntax));
     if (duet_chat_template_fallback_reason(s->chat)[0])
         fprintf(stderr, "duet: chat template '%s' (%s; force one with --chat-template)\n",
                 duet_chat_template_name(s->chat), duet_chat_template_fallback_reason(s->chat));

@@ -7,6 +7,17 @@
 pkg_check_modules(MHD REQUIRED IMPORTED_TARGET libmicrohttpd)
 target_link_libraries(duet PRIVATE PkgConfig::MHD)
 
+# The API's OpenAPI description (tools/openapi.json), served at GET /openapi.json.
+set(DUET_OPENAPI_EMBEDDED ${CMAKE_BINARY_DIR}/generated/openapi_json.c)
+add_custom_command(
+  OUTPUT ${DUET_OPENAPI_EMBEDDED}
+  COMMAND ${CMAKE_COMMAND} -DIN=${CMAKE_SOURCE_DIR}/tools/openapi.json -DOUT=${DUET_OPENAPI_EMBEDDED}
+          -DNAME=srv_openapi_json -P ${CMAKE_SOURCE_DIR}/tools/embed_file.cmake
+  DEPENDS ${CMAKE_SOURCE_DIR}/tools/openapi.json ${CMAKE_SOURCE_DIR}/tools/embed_file.cmake
+  COMMENT "Embedding the OpenAPI description"
+  VERBATIM)
+target_sources(duet PRIVATE ${DUET_OPENAPI_EMBEDDED})
+
 if(DUET_TESTS AND TARGET test_server)
   pkg_check_modules(CURL REQUIRED IMPORTED_TARGET libcurl)
   # test_server unit-tests the server's pure parts (parsing, stop strings,

@@ -55,12 +55,22 @@ char *srv_error_json(const srv_error *err);
 
 /* ---- chat messages --------------------------------------------------- */
 
-typedef enum srv_role { SRV_ROLE_SYSTEM, SRV_ROLE_USER, SRV_ROLE_ASSISTANT } srv_role;
+typedef enum srv_role { SRV_ROLE_SYSTEM, SRV_ROLE_USER, SRV_ROLE_ASSISTANT, SRV_ROLE_TOOL } srv_role;
 
 typedef struct srv_message {
     srv_role role;
-    char *content;
+    char *content; /* the text ("" for none) */
 } srv_message;
+
+/* tool_choice: what the model may or must do with the request's tools. */
+typedef enum srv_tool_choice {
+    SRV_TOOLS_NONE,     /* no tools, or "none": tools are not shown to the model, no calls parsed */
+    SRV_TOOLS_AUTO,     /* the model may call them (the default with tools) */
+    SRV_TOOLS_REQUIRED, /* it must call one: decoding is constrained to one call */
+    SRV_TOOLS_NAMED     /* it must call tool_name */
+} srv_tool_choice;
+
+#define SRV_MAX_TOOLS 128
 
 /* ---- requests -------------------------------------------------------- */
 
@@ -99,6 +109,14 @@ typedef struct srv_request {
     /* GBNF the output must follow: the request's "grammar" (llama.cpp), or
      * from "response_format" json_object / json_schema. NULL: none. */
     char *grammar;
+    /* Chat: the messages as the chat template reads them (JSON array:
+     * roles, content as text, assistant tool_calls with their arguments as
+     * objects where they parse, tool results), and the "tools" array
+     * (NULL: none, or tool_choice "none"). */
+    char *messages_json;
+    char *tools_json;
+    srv_tool_choice tool_choice;
+    char tool_name[72]; /* SRV_TOOLS_NAMED */
 } srv_request;
 
 /* What validation needs to know about the served model. */
@@ -114,8 +132,8 @@ typedef struct srv_limits {
 bool srv_request_parse(srv_kind kind, const char *body, size_t len, const srv_limits *lim, srv_request *out,
                        srv_error *err);
 void srv_request_free(srv_request *r);
-/* A chat request's messages as the conversation JSON duet_chat_template_apply
- * reads (malloc'd; NULL when out of memory). */
+/* A chat request's messages (and tools) as the conversation JSON
+ * duet_chat_template_apply reads (malloc'd; NULL when out of memory). */
 char *srv_conversation_json(const srv_request *r);
 
 /* ---- responses ------------------------------------------------------- */
@@ -135,6 +153,8 @@ typedef struct srv_lp {
  * cJSON * (void * keeps cJSON out of this header). */
 void *srv_logprobs_json(srv_kind kind, const duet_model *m, const srv_lp *lp, int n, size_t text_offset0);
 
+typedef char srv_call_id[32];
+
 typedef struct srv_choice_result {
     const char *text;
     size_t len;
@@ -145,6 +165,11 @@ typedef struct srv_choice_result {
     const srv_lp *lp;
     int n_lp;
     const duet_model *model;
+    /* Chat with tools: the calls parsed from the text (text and len are
+     * then the content outside them; with calls and no content, content
+     * is null) and their ids. */
+    const duet_tool_calls *calls;
+    const srv_call_id *call_ids;
 } srv_choice_result;
 
 typedef struct srv_usage {
@@ -164,6 +189,11 @@ bool srv_chunk_sse(srv_text *out, srv_kind kind, const char *id, long created, c
 bool srv_chunk_sse_lp(srv_text *out, srv_kind kind, const char *id, long created, const char *model,
                       int index, const char *text, size_t len, const char *finish, bool role, bool null_usage,
                       const srv_choice_result *lp, size_t text_offset0);
+/* A chat chunk with one tool call's delta: its opening (call_id and name
+ * set: id, type and name, arguments "") or a piece of its arguments. */
+bool srv_tool_chunk_sse(srv_text *out, const char *id, long created, const char *model, int index, int call,
+                        const char *call_id, const char *name, const char *args, size_t args_len,
+                        bool null_usage);
 /* The usage chunk (empty choices) that ends a stream with include_usage. */
 bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, srv_usage u);
 

@@ -208,11 +208,7 @@ static bool refuse_unsupported(const cJSON *o, srv_kind kind, srv_error *err) {
     v = cJSON_GetObjectItemCaseSensitive(o, "suffix");
     if (given(v) && !(cJSON_IsString(v) && !v->valuestring[0]))
         return srv_bad(err, "suffix", "unsupported", "suffix is not supported");
-    if (kind == SRV_CHAT) {
-        v = cJSON_GetObjectItemCaseSensitive(o, "tools");
-        if (given(v) && !(cJSON_IsArray(v) && !v->child))
-            return srv_bad(err, "tools", "unsupported", "tools are not supported");
-    }
+    (void)kind;
     return true;
 }
 
@@ -383,7 +379,49 @@ static bool parse_content(const cJSON *c, int i, char **out, srv_error *err) {
     return *out != NULL || srv_bad(err, param, NULL, "out of memory");
 }
 
+/* An assistant message's "tool_calls" as the template reads them: each
+ * {"id", "type": "function", "function": {"name", "arguments"}} with the
+ * arguments (a JSON string in OpenAI's API) as the object they spell,
+ * which is what templates print with tojson (transformers passes dicts). */
+static bool copy_tool_calls(const cJSON *tc, int i, cJSON *msg, srv_error *err) {
+    char param[48];
+    snprintf(param, sizeof param, "messages[%d].tool_calls", i);
+    if (!cJSON_IsArray(tc)) return srv_bad(err, param, "invalid_type", "'tool_calls' must be an array");
+    cJSON *arr = cJSON_AddArrayToObject(msg, "tool_calls");
+    if (!arr) return srv_bad(err, param, NULL, "out of memory");
+    for (const cJSON *c = tc->child; c; c = c->next) {
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(c, "id");
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(c, "function");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(f, "name");
+        const cJSON *args = cJSON_GetObjectItemCaseSensitive(f, "arguments");
+        if (!cJSON_IsObject(c) || !cJSON_IsObject(f) || !cJSON_IsString(name) ||
+            (given(id) && !cJSON_IsString(id)) ||
+            (given(args) && !cJSON_IsString(args) && !cJSON_IsObject(args)))
+            return srv_bad(err, param, "invalid_type",
+                           "each tool call must be {\"id\": string, \"type\": \"function\", \"function\": "
+                           "{\"name\": string, \"arguments\": string}}");
+        cJSON *call = cJSON_CreateObject(), *fn = NULL, *a = NULL;
+        if (!call || !cJSON_AddItemToArray(arr, call))
+            return cJSON_Delete(call), srv_bad(err, param, NULL, "out of memory");
+        if (cJSON_IsString(args)) a = cJSON_Parse(args->valuestring);
+        if (cJSON_IsString(args) && !cJSON_IsObject(a))
+            cJSON_Delete(a), a = cJSON_CreateString(args->valuestring);
+        if (cJSON_IsObject(args)) a = cJSON_Duplicate(args, true);
+        if (!given(args)) a = cJSON_CreateObject();
+        bool ok = (!given(id) || cJSON_AddStringToObject(call, "id", id->valuestring)) &&
+                  cJSON_AddStringToObject(call, "type", "function") &&
+                  (fn = cJSON_AddObjectToObject(call, "function")) &&
+                  cJSON_AddStringToObject(fn, "name", name->valuestring);
+        if (!ok || !a || !cJSON_AddItemToObject(fn, "arguments", a)) {
+            cJSON_Delete(a);
+            return srv_bad(err, param, NULL, "out of memory");
+        }
+    }
+    return true;
+}
+
 static bool parse_messages(const cJSON *o, srv_request *r, srv_error *err) {
+    static const char *const role_names[] = {"system", "user", "assistant", "tool"};
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, "messages");
     if (!given(v)) return srv_bad(err, "messages", "missing_required_parameter", "'messages' is required");
     if (!cJSON_IsArray(v) || !v->child)
@@ -391,22 +429,149 @@ static bool parse_messages(const cJSON *o, srv_request *r, srv_error *err) {
     int n = cJSON_GetArraySize(v);
     if (n > 4096) return srv_bad(err, "messages", "invalid_value", "at most 4096 messages");
     if (!(r->messages = calloc((size_t)n, sizeof *r->messages))) return srv_bad(err, "messages", NULL, "out of memory");
+    cJSON *out = cJSON_CreateArray();
+    if (!out) return srv_bad(err, "messages", NULL, "out of memory");
     int i = 0;
-    for (const cJSON *m = v->child; m; m = m->next, i++) {
-        char param[32];
+    bool ok = true;
+    for (const cJSON *m = v->child; ok && m; m = m->next, i++) {
+        char param[40];
         snprintf(param, sizeof param, "messages[%d].role", i);
         const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
-        if (!cJSON_IsObject(m) || !cJSON_IsString(role))
-            return srv_bad(err, param, "invalid_type", "each message must be an object with a string 'role'");
+        if (!cJSON_IsObject(m) || !cJSON_IsString(role)) {
+            ok = srv_bad(err, param, "invalid_type", "each message must be an object with a string 'role'");
+            break;
+        }
         const char *s = role->valuestring;
         srv_message *msg = &r->messages[i];
         if (!strcmp(s, "system") || !strcmp(s, "developer")) msg->role = SRV_ROLE_SYSTEM;
         else if (!strcmp(s, "user")) msg->role = SRV_ROLE_USER;
         else if (!strcmp(s, "assistant")) msg->role = SRV_ROLE_ASSISTANT;
-        else return srv_bad(err, param, "invalid_value", "role '%.64s' is not supported (system, user, assistant)", s);
+        else if (!strcmp(s, "tool"))
+            msg->role = SRV_ROLE_TOOL;
+        else {
+            ok = srv_bad(err, param, "invalid_value",
+                         "role '%.64s' is not supported (system, user, assistant, tool)", s);
+            break;
+        }
         r->n_messages = i + 1;
-        if (!parse_content(cJSON_GetObjectItemCaseSensitive(m, "content"), i, &msg->content, err)) return false;
+        if (!(ok = parse_content(cJSON_GetObjectItemCaseSensitive(m, "content"), i, &msg->content, err)))
+            break;
+        cJSON *c = cJSON_CreateObject();
+        if (!c || !cJSON_AddItemToArray(out, c)) {
+            cJSON_Delete(c);
+            ok = srv_bad(err, "messages", NULL, "out of memory");
+            break;
+        }
+        if (!cJSON_AddStringToObject(c, "role", role_names[msg->role]) ||
+            !cJSON_AddStringToObject(c, "content", msg->content)) {
+            ok = srv_bad(err, "messages", NULL, "out of memory");
+            break;
+        }
+        /* What tool turns carry besides their text. */
+        const cJSON *tc = cJSON_GetObjectItemCaseSensitive(m, "tool_calls");
+        if (msg->role == SRV_ROLE_ASSISTANT && given(tc) && !(ok = copy_tool_calls(tc, i, c, err))) break;
+        static const char *const strings[] = {"tool_call_id", "name"};
+        for (int k = 0; ok && k < 2; k++) {
+            const cJSON *x = cJSON_GetObjectItemCaseSensitive(m, strings[k]);
+            if (!given(x)) continue;
+            snprintf(param, sizeof param, "messages[%d].%s", i, strings[k]);
+            if (!cJSON_IsString(x))
+                ok = srv_bad(err, param, "invalid_type", "'%s' must be a string", strings[k]);
+            else if (!cJSON_AddStringToObject(c, strings[k], x->valuestring))
+                ok = srv_bad(err, param, NULL, "out of memory");
+        }
     }
+    if (ok && !(r->messages_json = cJSON_PrintUnformatted(out)))
+        ok = srv_bad(err, "messages", NULL, "out of memory");
+    cJSON_Delete(out);
+    return ok;
+}
+
+/* A function name as OpenAI allows it: [a-zA-Z0-9_-]{1,64}. */
+static bool function_name_ok(const char *s) {
+    size_t n = strlen(s);
+    if (n < 1 || n > 64) return false;
+    for (size_t i = 0; i < n; i++)
+        if (!((s[i] >= 'a' && s[i] <= 'z') || (s[i] >= 'A' && s[i] <= 'Z') || (s[i] >= '0' && s[i] <= '9') ||
+              s[i] == '_' || s[i] == '-'))
+            return false;
+    return true;
+}
+
+/* "tools": [{"type": "function", "function": {"name", "description",
+ * "parameters"}}], "tool_choice": "none" | "auto" | "required" |
+ * {"type": "function", "function": {"name"}}, "parallel_tool_calls". */
+static bool parse_tools(const cJSON *o, srv_request *r, srv_error *err) {
+    const cJSON *tools = cJSON_GetObjectItemCaseSensitive(o, "tools");
+    const cJSON *choice = cJSON_GetObjectItemCaseSensitive(o, "tool_choice");
+    const cJSON *par = cJSON_GetObjectItemCaseSensitive(o, "parallel_tool_calls");
+    if (given(par) && !cJSON_IsBool(par))
+        return srv_bad(err, "parallel_tool_calls", "invalid_type",
+                       "'parallel_tool_calls' must be true or false");
+    int n = 0;
+    if (given(tools)) {
+        if (!cJSON_IsArray(tools)) return srv_bad(err, "tools", "invalid_type", "'tools' must be an array");
+        n = cJSON_GetArraySize(tools);
+        if (n > SRV_MAX_TOOLS)
+            return srv_bad(err, "tools", "invalid_value", "at most %d tools", SRV_MAX_TOOLS);
+        int i = 0;
+        for (const cJSON *t = tools->child; t; t = t->next, i++) {
+            char param[32];
+            snprintf(param, sizeof param, "tools[%d]", i);
+            const cJSON *ty = cJSON_GetObjectItemCaseSensitive(t, "type");
+            const cJSON *f = cJSON_GetObjectItemCaseSensitive(t, "function");
+            const cJSON *name = cJSON_GetObjectItemCaseSensitive(f, "name");
+            const cJSON *desc = cJSON_GetObjectItemCaseSensitive(f, "description");
+            const cJSON *params = cJSON_GetObjectItemCaseSensitive(f, "parameters");
+            if (!cJSON_IsObject(t) || !cJSON_IsString(ty) || strcmp(ty->valuestring, "function") ||
+                !cJSON_IsObject(f) || !cJSON_IsString(name) || (given(desc) && !cJSON_IsString(desc)) ||
+                (given(params) && !cJSON_IsObject(params)))
+                return srv_bad(err, param, "invalid_type",
+                               "each tool must be {\"type\": \"function\", \"function\": {\"name\": string, "
+                               "\"description\": string, \"parameters\": JSON Schema object}}");
+            if (!function_name_ok(name->valuestring))
+                return srv_bad(err, param, "invalid_value",
+                               "a function name must match ^[a-zA-Z0-9_-]{1,64}$");
+        }
+    }
+    r->tool_choice = n ? SRV_TOOLS_AUTO : SRV_TOOLS_NONE;
+    if (given(choice)) {
+        const cJSON *f = cJSON_GetObjectItemCaseSensitive(choice, "function");
+        const cJSON *name = cJSON_GetObjectItemCaseSensitive(f, "name");
+        const cJSON *ty = cJSON_GetObjectItemCaseSensitive(choice, "type");
+        if (cJSON_IsString(choice) && !strcmp(choice->valuestring, "none"))
+            r->tool_choice = SRV_TOOLS_NONE;
+        else if (cJSON_IsString(choice) && !strcmp(choice->valuestring, "auto"))
+            r->tool_choice = n ? SRV_TOOLS_AUTO : SRV_TOOLS_NONE;
+        else if (cJSON_IsString(choice) && !strcmp(choice->valuestring, "required"))
+            r->tool_choice = SRV_TOOLS_REQUIRED;
+        else if (cJSON_IsObject(choice) && cJSON_IsString(ty) && !strcmp(ty->valuestring, "function") &&
+                 cJSON_IsString(name)) {
+            r->tool_choice = SRV_TOOLS_NAMED;
+            snprintf(r->tool_name, sizeof r->tool_name, "%.64s", name->valuestring);
+            bool found = false;
+            for (const cJSON *t = n ? tools->child : NULL; t && !found; t = t->next) {
+                const cJSON *tn =
+                    cJSON_GetObjectItemCaseSensitive(cJSON_GetObjectItemCaseSensitive(t, "function"), "name");
+                found = !strcmp(tn->valuestring, name->valuestring);
+            }
+            if (!found)
+                return srv_bad(err, "tool_choice", "invalid_value",
+                               "tool_choice names '%.64s', which is not in 'tools'", name->valuestring);
+        } else {
+            return srv_bad(
+                err, "tool_choice", "invalid_value",
+                "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                "\"function\": {\"name\": string}}");
+        }
+        if (r->tool_choice == SRV_TOOLS_REQUIRED && !n)
+            return srv_bad(err, "tool_choice", "invalid_value", "tool_choice \"required\" needs 'tools'");
+    }
+    if (r->tool_choice == SRV_TOOLS_NONE) return true;
+    if ((r->tool_choice == SRV_TOOLS_REQUIRED || r->tool_choice == SRV_TOOLS_NAMED) && r->grammar)
+        return srv_bad(err, "tool_choice", "invalid_value",
+                       "a required tool call and a 'grammar' or JSON 'response_format' exclude each other");
+    if (!(r->tools_json = cJSON_PrintUnformatted(tools))) return srv_bad(err, "tools", NULL, "out of memory");
     return true;
 }
 
@@ -474,7 +639,7 @@ static bool parse_fields(const cJSON *o, const srv_limits *lim, srv_request *r, 
     /* timeout: duet's own field, seconds until the server gives up on it. */
     if (!read_number(o, "timeout", 0, 86400 * 7, true, &r->timeout_s, err)) return false;
     return parse_stop(o, r, err) && parse_priority(o, r, err) && parse_logprobs(o, r, err) &&
-           parse_structured(o, r, err);
+           parse_structured(o, r, err) && (r->kind != SRV_CHAT || parse_tools(o, r, err));
 }
 
 /* True when a JSON string in body holds the escape \u0000. cJSON decodes
@@ -539,6 +704,8 @@ void srv_request_free(srv_request *r) {
     free(r->messages);
     for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
     free(r->grammar);
+    cJSON_free(r->messages_json);
+    cJSON_free(r->tools_json);
     memset(r, 0, sizeof *r);
 }
 
@@ -591,7 +758,26 @@ char *srv_response_json(srv_kind kind, const char *id, long created, const char 
         if (kind == SRV_CHAT) {
             cJSON *m = cJSON_AddObjectToObject(c, "message");
             cJSON_AddStringToObject(m, "role", "assistant");
-            cJSON_AddItemToObject(m, "content", text);
+            const duet_tool_calls *tc = choices[i].calls;
+            if (tc && tc->n && !choices[i].len) {
+                cJSON_Delete(text);
+                cJSON_AddNullToObject(m, "content");
+            } else {
+                cJSON_AddItemToObject(m, "content", text);
+            }
+            if (tc && tc->n) {
+                cJSON *calls = cJSON_AddArrayToObject(m, "tool_calls");
+                for (int k = 0; k < tc->n; k++) {
+                    cJSON *call = cJSON_CreateObject(), *fn;
+                    cJSON_AddItemToArray(calls, call);
+                    cJSON_AddStringToObject(call, "id", choices[i].call_ids[k]);
+                    cJSON_AddStringToObject(call, "type", "function");
+                    fn = cJSON_AddObjectToObject(call, "function");
+                    cJSON_AddStringToObject(fn, "name", tc->call[k].name ? tc->call[k].name : "");
+                    cJSON_AddItemToObject(fn, "arguments",
+                                          string_n(tc->call[k].arguments, tc->call[k].arguments_len));
+                }
+            }
         } else {
             cJSON_AddItemToObject(c, "text", text);
         }
@@ -716,6 +902,30 @@ bool srv_chunk_sse_lp(srv_text *out, srv_kind kind, const char *id, long created
     return append_sse(out, o);
 }
 
+bool srv_tool_chunk_sse(srv_text *out, const char *id, long created, const char *model, int index, int call,
+                        const char *call_id, const char *name, const char *args, size_t args_len,
+                        bool null_usage) {
+    cJSON *o = response_head(SRV_CHAT, true, id, created, model);
+    cJSON *c = cJSON_CreateObject();
+    cJSON_AddNumberToObject(c, "index", index);
+    cJSON *d = cJSON_AddObjectToObject(c, "delta");
+    cJSON *tc = cJSON_CreateObject();
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(d, "tool_calls"), tc);
+    cJSON_AddNumberToObject(tc, "index", call);
+    if (call_id) {
+        cJSON_AddStringToObject(tc, "id", call_id);
+        cJSON_AddStringToObject(tc, "type", "function");
+    }
+    cJSON *fn = cJSON_AddObjectToObject(tc, "function");
+    if (name) cJSON_AddStringToObject(fn, "name", name);
+    cJSON_AddItemToObject(fn, "arguments", string_n(args ? args : "", args ? args_len : 0));
+    cJSON_AddNullToObject(c, "logprobs");
+    cJSON_AddNullToObject(c, "finish_reason");
+    cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "choices"), c);
+    if (null_usage) cJSON_AddNullToObject(o, "usage");
+    return append_sse(out, o);
+}
+
 bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, const char *model, srv_usage u) {
     cJSON *o = response_head(kind, true, id, created, model);
     cJSON_AddArrayToObject(o, "choices");
@@ -724,16 +934,10 @@ bool srv_usage_sse(srv_text *out, srv_kind kind, const char *id, long created, c
 }
 
 char *srv_conversation_json(const srv_request *r) {
-    static const char *const roles[] = {"system", "user", "assistant"};
-    cJSON *conv = cJSON_CreateObject(), *msgs = cJSON_AddArrayToObject(conv, "messages");
-    bool ok = msgs != NULL;
-    for (int i = 0; ok && i < r->n_messages; i++) {
-        cJSON *m = cJSON_CreateObject();
-        ok = m && cJSON_AddItemToArray(msgs, m) &&
-             cJSON_AddStringToObject(m, "role", roles[r->messages[i].role]) &&
-             cJSON_AddStringToObject(m, "content", r->messages[i].content);
-    }
-    char *out = ok ? cJSON_PrintUnformatted(conv) : NULL;
-    cJSON_Delete(conv);
-    return out;
+    srv_text t = {0};
+    bool ok = srv_text_printf(&t, "{\"messages\":%s", r->messages_json ? r->messages_json : "[]") &&
+              (!r->tools_json || srv_text_printf(&t, ",\"tools\":%s", r->tools_json)) &&
+              srv_text_append(&t, "}", 1);
+    if (!ok) srv_text_free(&t);
+    return t.p;
 }

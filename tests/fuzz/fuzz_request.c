@@ -199,7 +199,7 @@ static void check_request(const srv_request *r, srv_kind kind, const srv_limits 
         for (int i = 0; i < r->n_messages; i++) {
             check(r->messages[i].content != NULL, "message without content");
             check(r->messages[i].role == SRV_ROLE_SYSTEM || r->messages[i].role == SRV_ROLE_USER ||
-                      r->messages[i].role == SRV_ROLE_ASSISTANT,
+                      r->messages[i].role == SRV_ROLE_ASSISTANT || r->messages[i].role == SRV_ROLE_TOOL,
                   "message role");
         }
     }
@@ -219,6 +219,16 @@ static bool ends_with(const srv_text *t, const char *tail) {
 static void render(int f, const srv_request *r, srv_text *out) {
     char *conv = srv_conversation_json(r), *text = NULL;
     check(conv != NULL, "out of memory");
+    /* The families know no tool turns (they refuse them: a 400). */
+    for (int i = 0; i < r->n_messages; i++)
+        if (r->messages[i].role == SRV_ROLE_TOOL) {
+            check(duet_chat_template_apply(families[f], conv, true, &text) != DUET_OK,
+                  "a family rendered a tool turn");
+            free(conv);
+            out->p = strdup("");
+            out->len = 0;
+            return;
+        }
     check(duet_chat_template_apply(families[f], conv, true, &text) == DUET_OK,
           "duet_chat_template_apply failed");
     free(conv);
