@@ -66,14 +66,14 @@ static duet_status open_draft(duet_model *m, const duet_open_params *p) {
         snprintf(why, sizeof why, "%s", duet_last_error());
         return duet__error(st, "draft model %s: %s", p->draft, why);
     }
-    int nt = duet_tokenizer_n_vocab(m->tok), nd = duet_tokenizer_n_vocab(v->tok);
-    if (nt != nd || m->hp.n_vocab != v->hp.n_vocab) {
+    int nt = duet_tokenizer_n_vocab(m->tok), nd = duet_tokenizer_n_vocab(v->tok), nv = v->hp.n_vocab;
+    if (nt != nd || m->hp.n_vocab != nv) {
         duet_model_close(v);
         return duet__error(
             DUET_BAD_MODEL,
             "draft model %s has %d tokens (%d logits), the target %d (%d): speculative decoding needs "
             "the same vocabulary",
-            p->draft, nd, v->hp.n_vocab, nt, m->hp.n_vocab);
+            p->draft, nd, nv, nt, m->hp.n_vocab);
     }
     for (int id = 0; id < nt; id++) {
         char a[256], b[256];
