@@ -9,12 +9,9 @@ usage: test_openai_client.py DUET_BINARY SHARED_DIR BUILD_DIR
 import json
 import math
 import os
-import re
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 import urllib.request
 
@@ -32,39 +29,11 @@ except ImportError as e:  # CI installs them; a missing module is a failure, not
 SMOLLM2 = os.environ.get("DUET_SMOLLM2_Q4_1") or os.path.expanduser(
     "~/.cache/duet/models/SmolLM2-135M-Instruct.Q4_1.gguf")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import duet_server  # noqa: E402 (tests/duet_server.py)
 
 
-class Server:
-    """A `duet serve` on a free port, stopped with SIGTERM."""
-
-    def __init__(self, *extra, model=STORIES):
-        self.log = tempfile.NamedTemporaryFile(prefix="duet-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [DUET, "serve", "-m", model, "--backend", "cpu", "--port", "0", "-c", "1024", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        self.port = None
-        deadline = time.time() + 120
-        while time.time() < deadline and self.port is None:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"duet serve exited during start-up:\n{self.text()}")
-            m = re.search(r" on http://[^\s]*:(\d+)\n", self.text())
-            if m:
-                self.port = int(m.group(1))
-            time.sleep(0.05)
-        if self.port is None:
-            raise AssertionError(f"duet serve did not start:\n{self.text()}")
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def text(self):
-        with open(self.log.name, errors="replace") as f:
-            return f.read()
-
-    def stop(self):
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout=60)
-        log = self.text()
-        os.unlink(self.log.name)
-        return rc, log
+def Server(*extra, model=STORIES):
+    return duet_server.Server(DUET, model, *extra)
 
 
 class OpenAIClient(unittest.TestCase):

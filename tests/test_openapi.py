@@ -15,7 +15,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 import time
 import unittest
 import urllib.error
@@ -28,43 +27,18 @@ SERVER_C = os.path.join(HERE, "..", "tools", "server.c")
 STORIES = os.path.join(SHARED, "models", "stories260K.gguf")
 EXAMPLES = os.environ.get("DUET_SCHEMATHESIS_EXAMPLES", "30")
 
+import duet_server  # tests/duet_server.py
+
 try:
     import schemathesis  # noqa: F401 (the CLI below is its own)
 except ImportError as e:  # CI installs it; a missing module is a failure, not a skip
     sys.exit(f"test_openapi.py: needs the PyPI package schemathesis ({e}); see tools/bootstrap.sh")
 
 
-class Server:
-    def __init__(self):
-        self.log = tempfile.NamedTemporaryFile(prefix="duet-openapi-", suffix=".log", delete=False)
-        # A short context keeps the longest generated request (n=16, no
-        # max_tokens) quick; the queue is long enough for schemathesis.
-        self.proc = subprocess.Popen(
-            [DUET, "serve", "-m", STORIES, "--backend", "cpu", "--port", "0", "-c", "128"],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        self.port = None
-        deadline = time.time() + 60
-        while time.time() < deadline and self.port is None:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"duet serve exited during start-up:\n{self.text()}")
-            m = re.search(r" on http://[^\s]*:(\d+)\n", self.text())
-            if m:
-                self.port = int(m.group(1))
-            time.sleep(0.05)
-        if self.port is None:
-            raise AssertionError(f"duet serve did not start:\n{self.text()}")
-        self.base = f"http://127.0.0.1:{self.port}"
-
-    def text(self):
-        with open(self.log.name, errors="replace") as f:
-            return f.read()
-
-    def stop(self):
-        self.proc.terminate()
-        rc = self.proc.wait(timeout=60)
-        log = self.text()
-        os.unlink(self.log.name)
-        return rc, log
+def Server():
+    # A short context keeps the longest generated request (n=16, no
+    # max_tokens) quick; the queue is long enough for schemathesis.
+    return duet_server.Server(DUET, STORIES, ctx=128, start_timeout=60)
 
 
 class OpenAPI(unittest.TestCase):
