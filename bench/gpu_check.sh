@@ -78,19 +78,21 @@ if [ "$quick" = 1 ]; then
     : "${shape:=125m}" "${types:=f16,q8_0,q4_0,q4_k_m}" "${ctxs:=128,512}" "${prefill:=256}" "${tokens:=8}"
     : "${budget:=900}"
     perf_filter="q8_0 1b-up,f16 1b-up,q4_0 1b-up,q4_k 1b-up"
-    parity_variants=default batch_tokens=8 perf_variants=default perf_quick=--quick
+    parity_variants=default batch_tokens=8 perf_opts=--quick tune_perf=0
 else
     : "${shape:=1b}" "${types:=f16,q8_0,q4_0,q4_k_m}" "${ctxs:=128,4096}" "${prefill:=512}" "${tokens:=32}"
     : "${budget:=480}"
     perf_filter="1b-up,1b-out,c4096,125m-pf4096,125m-16seq"
-    parity_variants=all batch_tokens=32 perf_variants=perf perf_quick=""
+    parity_variants="default all" batch_tokens=32 perf_opts="--min-time 0.1" tune_perf=1
 fi
 # Time boxes (seconds) of one step, before --scale: GPU-sized for the full
 # run, sized for lavapipe/PoCL on 2 cores for --quick.
 if [ "$quick" = 1 ]; then
     t_devices=30 t_parity=120 t_models=240 t_decode=90 t_prefill=60 t_batch=120 t_perf=120 t_llama=120 t_sweep=60
+    t_perf_variants=0
 else
-    t_devices=30 t_parity=60 t_models=180 t_decode=45 t_prefill=20 t_batch=40 t_perf=60 t_llama=60 t_sweep=25
+    t_devices=30 t_parity=60 t_models=180 t_decode=30 t_prefill=20 t_batch=40 t_perf=60 t_llama=60 t_sweep=25
+    t_perf_variants=90
 fi
 sc() { awk -v a="$1" -v s="$scale" 'BEGIN { printf "%d", a * s + 0.5 }'; }
 budget="$(sc "$budget")"
@@ -415,19 +417,19 @@ sel_backends="$(cut -f1 "$sel" | awk '!s[$0]++' | tr '\n' ' ')"
 
 # ---- 1. op parity ------------------------------------------------------------------------
 if [ "$do_parity" = 1 ]; then
-    for be in $sel_backends; do
+    # the default variant first (what runs in production; quick), then every forced path
+    for pv in $parity_variants; do for be in $sel_backends; do
         lim="$(box $t_parity)"
-        w="\"backend\":\"$be\",\"variants\":\"$parity_variants\",\"cases\":\"small\""
+        w="\"backend\":\"$be\",\"variants\":\"$pv\",\"cases\":\"small\""
         [ "$lim" = 0 ] && { skipped parity "$w" "budget spent"; continue; }
-        say "parity $be: bench_backend_ops --mode test --cases small --variants $parity_variants (box ${lim} s)"
+        say "parity $be: bench_backend_ops --mode test --cases small --variants $pv (box ${lim} s)"
+        rm -f "$work/tmp/parity.json"
         run "$lim" "$work/tmp/parity.txt" "$build/bench_backend_ops" --mode test --cases small --backends "$be" \
-            --variants "$parity_variants" --json --out "$work/tmp/parity.json"
-        [ "$rc" = 124 ] || [ "$rc" = 137 ] || [ -s "$work/tmp/parity.json" ] || : >"$work/tmp/parity.json"
+            --variants "$pv" --json --out "$work/tmp/parity.json"
         emit parity "$w" "$rc" "$wall" "$lim" "$work/tmp/parity.json"
         say "  rc $rc in ${wall} s: $(sed -n 's/.*"passed":[[:space:]]*\([0-9]*\).*/\1/p' "$work/tmp/parity.json" | tail -1) passed," \
             "$(sed -n 's/.*"failed":[[:space:]]*\([0-9]*\).*/\1/p' "$work/tmp/parity.json" | tail -1) failed (summary)"
-        rm -f "$work/tmp/parity.json"
-    done
+    done; done
 fi
 
 # ---- 2. decode (batch 1) and prefill, per type, backend and device ------------------------
@@ -455,15 +457,19 @@ for ty in $ordered_types; do
         for i in $(backend_devices "$be"); do
             dn="$(dev_name "$be" "$i")"
             w="\"backend\":\"$be\",\"device_index\":$i,\"device\":$(jstr "$dn"),\"model\":\"$shape-$ty\",\"type\":\"$ty\""
+            # one bench_decode per context: a long context that runs out of
+            # its box does not take the short one's figures with it
+            for c in $(echo "$ctxs" | tr ',' ' '); do
             lim="$(box $t_decode)"
-            if [ "$lim" = 0 ]; then skipped decode "$w" "budget spent"; else
-                say "decode $be/$i $shape-$ty: bench_decode --ctx $ctxs --tokens $tokens (box ${lim} s)"
+            if [ "$lim" = 0 ]; then skipped decode "$w,\"contexts\":\"$c\"" "budget spent"; else
+                say "decode $be/$i $shape-$ty: bench_decode --ctx $c --tokens $tokens (box ${lim} s)"
                 run "$lim" "$work/tmp/decode.json" "$build/bench_decode" --backend "$be" --device "$i" \
-                    --models "$shape-$ty" --ctx "$ctxs" --tokens "$tokens" --json
-                emit decode "$w,\"contexts\":\"$ctxs\",\"tokens\":$tokens" "$rc" "$wall" "$lim" "$work/tmp/decode.json"
+                    --models "$shape-$ty" --ctx "$c" --tokens "$tokens" --json
+                emit decode "$w,\"contexts\":\"$c\",\"tokens\":$tokens" "$rc" "$wall" "$lim" "$work/tmp/decode.json"
                 say "  rc $rc in ${wall} s: $(tr -d '\n\t' <"$work/tmp/decode.json" | sed -n 's/.*"prefill_tokens_per_s":\([0-9.]*\).*/prefill-128 \1 tok\/s;/p')" \
                     "$(tr -d '\n\t' <"$work/tmp/decode.json" | grep -o '"context":[0-9]*,"tokens_per_s":[0-9.]*' | sed 's/"context":\([0-9]*\),"tokens_per_s":\([0-9.]*\)/ctx \1: \2 tok\/s/' | tr '\n' ' ')"
             fi
+            done
             lim="$(box $t_prefill)"
             if [ "$lim" = 0 ]; then skipped prefill "$w" "budget spent"; else
                 say "prefill $be/$i $shape-$ty: duet run --json, $prefill-token prompt (box ${lim} s)"
@@ -499,15 +505,16 @@ if [ "$do_batch" = 1 ]; then
 fi
 
 # ---- 4. op GB/s and GFLOP/s against the peak ----------------------------------------------
-if [ "$do_perf" = 1 ]; then
+perf_run() { # VARIANTS BOX: bench_backend_ops --mode perf on each backend
     for be in $sel_backends; do
-        lim="$(box $t_perf)"
-        w="\"backend\":\"$be\",\"variants\":\"$perf_variants\",\"filter\":$(jstr "$perf_filter")"
+        lim="$(box "$2")"
+        w="\"backend\":\"$be\",\"variants\":\"$1\",\"filter\":$(jstr "$perf_filter")"
         [ "$lim" = 0 ] && { skipped perf "$w" "budget spent"; continue; }
-        say "perf $be: bench_backend_ops --mode perf --variants $perf_variants $perf_quick --filter '$perf_filter' (box ${lim} s)"
+        say "perf $be: bench_backend_ops --mode perf --variants $1 $perf_opts --filter '$perf_filter' (box ${lim} s)"
         rm -f "$work/tmp/perf.json"
-        run "$lim" "$work/tmp/perf.txt" "$build/bench_backend_ops" --mode perf $perf_quick --backends "$be" \
-            --variants "$perf_variants" --filter "$perf_filter" --json --out "$work/tmp/perf.json"
+        # shellcheck disable=SC2086 # $perf_opts: options, split on purpose
+        run "$lim" "$work/tmp/perf.txt" "$build/bench_backend_ops" --mode perf $perf_opts --backends "$be" \
+            --variants "$1" --filter "$perf_filter" --json --out "$work/tmp/perf.json"
         emit perf "$w" "$rc" "$wall" "$lim" "$work/tmp/perf.json"
         # rows: case, variant, GB/s, GFLOP/s, fraction of bench_backend_ops's peak
         tr -d '\n\t' <"$work/tmp/perf.json" 2>/dev/null | sed 's/{"op":/\n&/g' |
@@ -515,7 +522,8 @@ if [ "$do_perf" = 1 ]; then
             awk -F'|' '{ printf "  %-34s %-28s %8.1f GB/s %9.1f GFLOP/s %5.1f%% of peak\n", substr($1, 1, 34), substr($2, 1, 28), $3, $4, 100 * $5 }'
         tr -d '\n\t' <"$work/tmp/perf.json" 2>/dev/null | grep -o '"peak_gbs":[0-9.e+-]*,"peak_source":"[^"]*"' | sed 's/^/  /'
     done
-fi
+}
+[ "$do_perf" = 1 ] && perf_run default "$t_perf"
 
 # ---- 5. llama.cpp side by side -----------------------------------------------------------
 if [ -n "$llama" ]; then
@@ -543,6 +551,8 @@ if [ "$quick" = 1 ]; then
     vk_sweep="default tile_rows=4 dot=0"
     ocl_sweep="default mv_nr=4 dot=0"
 fi
+# every forced kernel path of the perf cases (bench_backend_ops's bo_perf_variants), full run only
+[ "$do_perf" = 1 ] && [ "$tune_perf" = 1 ] && perf_run perf "$t_perf_variants"
 if [ "$do_sweep" = 1 ] && wait_model q8_0; then
     c1="${ctxs%%,*}"
     for be in $sel_backends; do
