@@ -427,8 +427,8 @@ if [ "$do_parity" = 1 ]; then
         run "$lim" "$work/tmp/parity.txt" "$build/bench_backend_ops" --mode test --cases small --backends "$be" \
             --variants "$pv" --json --out "$work/tmp/parity.json"
         emit parity "$w" "$rc" "$wall" "$lim" "$work/tmp/parity.json"
-        say "  rc $rc in ${wall} s: $(sed -n 's/.*"passed":[[:space:]]*\([0-9]*\).*/\1/p' "$work/tmp/parity.json" | tail -1) passed," \
-            "$(sed -n 's/.*"failed":[[:space:]]*\([0-9]*\).*/\1/p' "$work/tmp/parity.json" | tail -1) failed (summary)"
+        say "  rc $rc in ${wall} s: $(sed -n 's/.*"passed":[[:space:]]*\([0-9]*\).*/\1/p' "$work/tmp/parity.json" 2>/dev/null | tail -1) passed," \
+            "$(sed -n 's/.*"failed":[[:space:]]*\([0-9]*\).*/\1/p' "$work/tmp/parity.json" 2>/dev/null | tail -1) failed (summary)"
     done; done
 fi
 
@@ -538,7 +538,7 @@ if [ -n "$llama" ]; then
             -p "$prefill" -n "$tokens" -d "0,$max_ctx" -ngl 99 -r 2 -o json
         emit llama "$w" "$rc" "$wall" "$lim" "$work/tmp/llama.txt"
         tr -d '\n\t' <"$work/tmp/llama.txt" | sed 's/},[[:space:]]*{/}\n{/g' |
-            sed -n 's/.*"n_prompt": *\([0-9]*\).*"n_gen": *\([0-9]*\).*"n_depth": *\([0-9]*\).*"avg_ts": *\([0-9.e+-]*\).*/  pp \1 tg \2 depth \3: \4 tok\/s/p'
+            sed -n 's/.*"n_prompt": *\([0-9]*\).*"n_gen": *\([0-9]*\).*"n_depth": *\([0-9]*\).*"avg_ts": *\([0-9.e+-]*\).*/  pp \1 tg \2 depth \3: \4 tok\/s/p'; echo
     done
 fi
 
