@@ -448,10 +448,19 @@ for ty in $ordered_types; do
         continue
     fi
     mp="$(model_path "$ty")"
-    if [ -z "$prompt" ]; then # about one token a word: trim to the target once
+    if [ -z "$prompt" ]; then # scale the word count to the target, then trim any excess (a word is >= 1 token)
         prompt="$(prompt_words "$prompt_n")"
         k="$(n_ids "$mp" "$prompt")"
-        [ "$k" -gt 0 ] && prompt_n=$((prompt_n - (k - prefill))) && prompt="$(prompt_words "$prompt_n")"
+        if [ "$k" -gt 0 ]; then
+            prompt_n=$((prompt_n * prefill / k))
+            [ "$prompt_n" -lt 1 ] && prompt_n=1
+            prompt="$(prompt_words "$prompt_n")"
+            k="$(n_ids "$mp" "$prompt")"
+            if [ "$k" -gt "$prefill" ] && [ "$prompt_n" -gt $((k - prefill)) ]; then
+                prompt_n=$((prompt_n - (k - prefill)))
+                prompt="$(prompt_words "$prompt_n")"
+            fi
+        fi
     fi
     for be in $sel_backends; do
         for i in $(backend_devices "$be"); do
