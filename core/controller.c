@@ -23,11 +23,14 @@ duet_status duet__ctl_init(duet_ctl *c, const duet_ctl_config *cfg) {
     memset(c, 0, sizeof *c);
     if (cfg->seqs_min < 1 || cfg->seqs_max < cfg->seqs_min || cfg->tokens_min < 1 ||
         cfg->tokens_max < cfg->tokens_min || cfg->timeout_min_ns < 0 ||
-        cfg->timeout_max_ns < cfg->timeout_min_ns)
+        cfg->timeout_max_ns < cfg->timeout_min_ns || !(cfg->share_max >= 0 && cfg->share_max <= 1) ||
+        (cfg->share_max > 0 && !(cfg->share_min > 0 && cfg->share_min <= cfg->share_max)))
         return duet__error(DUET_INVALID_ARGUMENT,
-                           "controller: bad bounds (seqs %d..%d, tokens %d..%d, timeout %lld..%lld ns)",
+                           "controller: bad bounds (seqs %d..%d, tokens %d..%d, timeout %lld..%lld ns, "
+                           "budget share %g..%g)",
                            cfg->seqs_min, cfg->seqs_max, cfg->tokens_min, cfg->tokens_max,
-                           (long long)cfg->timeout_min_ns, (long long)cfg->timeout_max_ns);
+                           (long long)cfg->timeout_min_ns, (long long)cfg->timeout_max_ns, cfg->share_min,
+                           cfg->share_max);
     for (int p = 0; p < 2; p++)
         if (!(cfg->ttft_target_s[p] >= 0) || !(cfg->itl_target_s[p] >= 0) || isinf(cfg->ttft_target_s[p]) ||
             isinf(cfg->itl_target_s[p]))
@@ -69,6 +72,9 @@ static int clamp_int(long v, int lo, int hi) {
 static int64_t clamp_i64(int64_t v, int64_t lo, int64_t hi) {
     return v < lo ? lo : v > hi ? hi : v;
 }
+static double clamp_d(double v, double lo, double hi) {
+    return v < lo ? lo : v > hi ? hi : v;
+}
 
 /* v * f, moving by at least 1 when f != 1. */
 static long scale(int v, double f) {
@@ -88,6 +94,9 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
     int seqs = clamp_int(cur->max_batch_seqs, g->seqs_min, g->seqs_max);
     int tokens = clamp_int(cur->max_batch_tokens, g->tokens_min, g->tokens_max);
     int64_t timeout = clamp_i64(cur->batch_timeout_ns, g->timeout_min_ns, g->timeout_max_ns);
+    /* The step budget: a share of the ITL targets (timed), or tokens. */
+    const bool timed = g->share_max > 0;
+    double share = timed ? clamp_d(cur->budget_share, g->share_min, g->share_max) : cur->budget_share;
     /* The longest timeout that TTFT targets allow. */
     double tightest = 0;
     for (int p = 0; p < 2; p++)
@@ -106,7 +115,9 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
         double f = CUT_AIM / (itl > itl_now ? itl : itl_now);
         f = f < CUT_MIN ? CUT_MIN : f > CUT_MAX ? CUT_MAX : f;
         int floor_tokens = seqs > g->tokens_min ? seqs : g->tokens_min;
-        if (tokens > floor_tokens) {
+        if (timed && share > g->share_min) {
+            share = clamp_d(share * f, g->share_min, g->share_max);
+        } else if (!timed && tokens > floor_tokens) {
             tokens = clamp_int(scale(tokens, f), floor_tokens, g->tokens_max);
         } else {
             seqs = clamp_int(scale(seqs, f), g->seqs_min, g->seqs_max);
@@ -116,7 +127,10 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
         a = DUET_CTL_CATCH_UP;
         timeout = clamp_i64(timeout / 2, g->timeout_min_ns, g->timeout_max_ns);
         if (itl < ITL_HEADROOM) {
-            tokens = clamp_int(scale(tokens, GROW), g->tokens_min, g->tokens_max);
+            if (timed)
+                share = clamp_d(share * GROW, g->share_min, g->share_max);
+            else
+                tokens = clamp_int(scale(tokens, GROW), g->tokens_min, g->tokens_max);
             if (backlog) seqs = clamp_int(scale(seqs, GROW), g->seqs_min, g->seqs_max);
         }
     } else if (ttft < TTFT_QUIET && w->waiting == 0) { /* -1: no samples, quiet */
@@ -124,13 +138,20 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
         int64_t grown = (int64_t)((double)timeout * GROW);
         if (grown < timeout + TIMEOUT_STEP_NS) grown = timeout + TIMEOUT_STEP_NS;
         if (timeout < timeout_cap) timeout = grown < timeout_cap ? grown : timeout_cap;
-        if (itl < ITL_QUIET) tokens = clamp_int(scale(tokens, GROW), g->tokens_min, g->tokens_max);
+        if (itl < ITL_QUIET && timed)
+            share = clamp_d(share * GROW, g->share_min, g->share_max);
+        else if (itl < ITL_QUIET)
+            tokens = clamp_int(scale(tokens, GROW), g->tokens_min, g->tokens_max);
     }
     /* Every running sequence decodes each step: the budget covers the batch. */
     if (tokens < seqs) tokens = clamp_int(seqs, g->tokens_min, g->tokens_max);
     if (tokens < seqs) seqs = tokens;
-    *next = (duet_ctl_knobs){.max_batch_seqs = seqs, .max_batch_tokens = tokens, .batch_timeout_ns = timeout};
-    if (seqs == cur->max_batch_seqs && tokens == cur->max_batch_tokens && timeout == cur->batch_timeout_ns)
+    *next = (duet_ctl_knobs){.max_batch_seqs = seqs,
+                             .max_batch_tokens = tokens,
+                             .batch_timeout_ns = timeout,
+                             .budget_share = share};
+    if (seqs == cur->max_batch_seqs && tokens == cur->max_batch_tokens && timeout == cur->batch_timeout_ns &&
+        share == cur->budget_share)
         a = DUET_CTL_HOLD; /* nothing moved (at the bounds) */
     c->actions[a]++;
     c->last = a;

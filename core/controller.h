@@ -1,7 +1,10 @@
 /* controller.h — the adaptive controller of one instance: from the metrics
  * window and per priority-class latency targets, new values for the
- * scheduler's knobs (batch_timeout, max_batch_seqs, max_batch_tokens: the
- * step token budget).
+ * scheduler's knobs (batch_timeout, max_batch_seqs, and the step budget:
+ * with time budgets (share_max > 0) the share of each class's ITL target
+ * that a step with its decodes may take (the scheduler's step_budget_ns,
+ * sized with the step-cost model), else max_batch_tokens, the step token
+ * budget).
  *
  * Pure, like the scheduler: it reads no clock, starts no thread and
  * allocates nothing; its state is a few numbers in a struct the caller
@@ -14,10 +17,10 @@
  *   the classes that have a target and samples in the window, smoothed
  *   (half the old value, half the new) so one noisy window moves little.
  * - ITL over 0.9 of its target (smoothed), or this window over the target:
- *   the step is too long. Cut the step token budget (prefill rides along
- *   with the decodes) by 0.8 / ratio, at least 8% and at most 40% per
- *   window; once the budget is down to the batch size, cut max_batch_seqs
- *   the same way.
+ *   the step is too long. Cut the step budget (prefill rides along with
+ *   the decodes) by 0.8 / ratio, at least 8% and at most 40% per window;
+ *   once the budget is down to its floor (the batch size for tokens,
+ *   share_min for a time budget), cut max_batch_seqs the same way.
  * - Else TTFT over its target, or requests waiting while every slot is
  *   full: requests wait too long. Halve batch_timeout; while ITL has clear
  *   headroom (ratio < 0.65) grow the budget, and with a full batch and a
@@ -30,8 +33,10 @@
  * The bands between the thresholds are wider than one window's step (8%
  * up from below 0.65 or 0.5; cuts land near 0.8), so at constant load the
  * knobs settle and stay (no limit cycle between cutting and growing).
- * Knobs stay within the configured bounds, and the budget never goes
- * below max_batch_seqs (every running sequence decodes each step).
+ * Knobs stay within the configured bounds, and a token budget never goes
+ * below max_batch_seqs (every running sequence decodes each step). With a
+ * time budget max_batch_tokens is left as it is (it sizes the steps
+ * without decodes, where time to first token matters).
  */
 #ifndef DUET_CONTROLLER_H
 #define DUET_CONTROLLER_H
@@ -47,6 +52,7 @@ typedef struct duet_ctl_config {
     int seqs_min, seqs_max;                 /* bounds of max_batch_seqs (1 <= min <= max) */
     int tokens_min, tokens_max;             /* bounds of max_batch_tokens */
     int64_t timeout_min_ns, timeout_max_ns; /* bounds of batch_timeout */
+    double share_min, share_max;            /* bounds of budget_share; share_max 0: no time budget */
 } duet_ctl_config;
 
 /* What the last window measured. */
@@ -63,6 +69,8 @@ typedef struct duet_ctl_window {
 typedef struct duet_ctl_knobs {
     int max_batch_seqs, max_batch_tokens;
     int64_t batch_timeout_ns;
+    double budget_share; /* time budgets: a step with decodes of a class may take this share of the
+                            class's ITL target (predicted); ignored when cfg.share_max is 0 */
 } duet_ctl_knobs;
 
 typedef enum duet_ctl_action {

@@ -397,6 +397,12 @@ typedef struct duet_engine_params {
      * values are the ceilings of the last two). */
     double slo_ttft_ms[2], slo_itl_ms[2];
     double controller_window_ms; /* 0 = 2000 */
+    /* Seeds the engine's step-cost model (duet_step_cost_load of a file
+     * `duet profile` wrote; copied), which the engine refits online from its
+     * steps; NULL = learn it from the warm-up and the steps. Under an ITL
+     * target the scheduler sizes each step with decodes from it: prompt
+     * chunks fill what the predicted decode time leaves of the target. */
+    const struct duet_step_cost *step_cost;
 } duet_engine_params;
 
 duet_engine_params duet_engine_params_default(void);

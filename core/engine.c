@@ -100,6 +100,11 @@ struct duet_engine {
     duet_ctl ctl;
     bool ctl_on;
     int64_t ctl_window_ns, ctl_next;
+    /* Stall-free steps: a step with decodes of a class may take this share
+     * of the class's ITL target, as the step-cost model predicts it (the
+     * scheduler's step_budget_ns; the controller retunes the share). */
+    double budget_share;
+    double slo_itl_s[2];
 
     engine_req *reqs; /* [cap] */
     int cap;
@@ -505,6 +510,13 @@ static void fail_request(duet_engine *e, engine_req *r) {
     release_req(r);
 }
 
+/* The scheduler's step budgets from the share of each class's ITL target
+ * (no target: no budget). */
+static void set_step_budgets(duet_engine *e, duet_sched_knobs *k) {
+    for (int c = 0; c < 2; c++)
+        k->step_budget_ns[c] = (int64_t)(e->budget_share * e->slo_itl_s[c] * 1e9);
+}
+
 static void update_gauges(duet_engine *e) {
     duet_sched_stats st;
     duet__sched_stats(e->sched, &st);
@@ -525,10 +537,14 @@ static void update_gauges(duet_engine *e) {
                              .spec_throttled_tokens = st.spec_throttled,
                              .controller = e->ctl_on,
                              .ctl_itl_ratio = e->ctl.itl_ratio,
-                             .ctl_ttft_ratio = e->ctl.ttft_ratio};
+                             .ctl_ttft_ratio = e->ctl.ttft_ratio,
+                             .budget_share = e->ctl.cfg.share_max > 0 ? e->budget_share : 0,
+                             .budget_cut_steps = st.budget_cut,
+                             .budget_over_steps = st.budget_over};
     for (int c = 0; c < 2; c++) {
         g.slo_ttft_s[c] = e->ctl.cfg.ttft_target_s[c];
         g.slo_itl_s[c] = e->ctl.cfg.itl_target_s[c];
+        g.step_budget_s[c] = secs(k.step_budget_ns[c]);
     }
     for (int a = 0; a < DUET_CTL_N_ACTIONS; a++)
         g.ctl_decisions[a] = e->ctl.actions[a];
@@ -725,20 +741,24 @@ static void controller_tick(duet_engine *e, int64_t now) {
         cw.itl_p99_s[c] = w.itl_p99_prio_s[c], cw.itl_n[c] = w.itl_n[c];
     }
     duet_sched_knobs k = duet__sched_knobs(e->sched);
-    duet_ctl_knobs cur = {k.max_batch_seqs, k.max_batch_tokens, k.batch_timeout_ns}, next;
+    duet_ctl_knobs cur = {k.max_batch_seqs, k.max_batch_tokens, k.batch_timeout_ns, e->budget_share}, next;
     duet__ctl_update(&e->ctl, &cw, &cur, &next);
     k.max_batch_seqs = next.max_batch_seqs;
     k.max_batch_tokens = next.max_batch_tokens;
     k.batch_timeout_ns = next.batch_timeout_ns;
+    if (e->ctl.cfg.share_max > 0) e->budget_share = next.budget_share;
+    set_step_budgets(e, &k);
     duet__sched_set_knobs(e->sched, &k); /* within the configured capacities by construction */
 }
 
-/* Feeds the step just run to the online step-cost fit (under the lock). */
+/* Feeds the step just run to the online step-cost fit, and the fit to the
+ * scheduler's time budget (under the lock). */
 static void observe_step(duet_engine *e, int n_seqs) {
     duet_step_shape sh = {0};
     for (int i = 0; i < n_seqs; i++)
         duet_step_shape_add(&sh, e->plan_seqs[i].pos, e->plan_seqs[i].n_tokens, e->plan_seqs[i].decode);
     duet__step_cost_online_observe(&e->cost, &sh, e->step_s);
+    duet__sched_set_cost(e->sched, &e->cost.current);
 }
 
 static void *engine_main(void *arg) {
@@ -883,6 +903,15 @@ static void engine_free(duet_engine *e) {
     free(e);
 }
 
+/* A step-cost model's coefficients: finite and >= 0. */
+static duet_status check_step_cost(const duet_step_cost *m) {
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        if (!(isfinite(m->coef[j]) && m->coef[j] >= 0))
+            return duet__error(DUET_INVALID_ARGUMENT, "step-cost term %s is %g; it must be finite and >= 0",
+                               duet_step_cost_term(j), m->coef[j]);
+    return DUET_OK;
+}
+
 /* The knobs with their defaults filled in, checked before anything loads. */
 static duet_status engine_params(const duet_engine_params *params, duet_engine_params *out) {
     duet_engine_params p = params ? *params : duet_engine_params_default();
@@ -928,6 +957,7 @@ static duet_status engine_params(const duet_engine_params *params, duet_engine_p
     if (!(p.controller_window_ms >= 10 && p.controller_window_ms <= 3.6e6))
         return duet__error(DUET_INVALID_ARGUMENT, "controller_window_ms %g out of range [10, 3600000]",
                            p.controller_window_ms);
+    if (p.step_cost && (st = check_step_cost(p.step_cost))) return st;
     *out = p;
     return DUET_OK;
 }
@@ -987,8 +1017,17 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
                                       .max_waiting = p.max_waiting,
                                       .batch_timeout_ns = (int64_t)(p.batch_timeout_ms * 1e6),
                                       .spec_max_batch = spec_max_batch}};
+    /* Stall-free steps under ITL targets: the budget starts at this share
+     * of each class's target (headroom for a p99 over predicted means). */
+    e->budget_share = 0.8;
+    for (int c = 0; c < 2; c++)
+        e->slo_itl_s[c] = p.slo_itl_ms[c] * 1e-3;
+    set_step_budgets(e, &sc.knobs);
     if ((st = duet__sched_new(&sc, &e->sched))) goto fail;
-    duet__step_cost_online_init(&e->cost, NULL, 0, 0);
+    /* One step-cost model: seeded by a profile (duet profile), else by the
+     * warm-up's steps, then fitted online from every step. */
+    duet__step_cost_online_init(&e->cost, p.step_cost, 0, 0);
+    duet__sched_set_cost(e->sched, &e->cost.current);
     char name[256] = "";
     if (p.served_name && *p.served_name)
         snprintf(name, sizeof name, "%s", p.served_name);
@@ -1007,6 +1046,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     for (int c = 0; c < 2; c++) {
         cc.ttft_target_s[c] = p.slo_ttft_ms[c] * 1e-3;
         cc.itl_target_s[c] = p.slo_itl_ms[c] * 1e-3;
+        if (cc.itl_target_s[c] > 0) cc.share_min = 0.25, cc.share_max = 1; /* time budgets */
     }
     if ((st = duet__ctl_init(&e->ctl, &cc))) goto fail;
     e->ctl_on = duet__ctl_active(&e->ctl);
@@ -1107,9 +1147,30 @@ void duet_engine_stop(duet_engine *e, bool drain) {
     engine_free(e);
 }
 
+/* One warm-up forward pass (under mu): k tokens at positions pos0.. of
+ * slot 0, the last one's logits; *seconds its time. */
+static duet_status warm_pass(duet_engine *e, int k, int pos0, double *seconds) {
+    for (int i = 0; i < k; i++) {
+        e->tok[i] = 0;
+        e->pos[i] = pos0 + i;
+        e->seq[i] = 0;
+    }
+    e->out[0] = k - 1;
+    duet_batch b = {.n_tokens = k,
+                    .tokens = e->tok,
+                    .pos = e->pos,
+                    .seq = e->seq,
+                    .n_out = 1,
+                    .out = e->out,
+                    .block_tables = e->tables};
+    int64_t t0 = now_ns();
+    duet_status st = duet__run_forward(e->model, &e->run, &b, e->run.logits);
+    *seconds = secs(now_ns() - t0);
+    return st;
+}
+
 duet_status duet_engine_warmup(duet_engine *e) {
     if (!e) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_warmup: e is NULL");
-    duet_model *m = e->model;
     pthread_mutex_lock(&e->mu);
     /* The engine thread plans under mu, so nothing steps while it is held;
      * an engine that already has work is warm (or soon will be) anyway. */
@@ -1117,39 +1178,40 @@ duet_status duet_engine_warmup(duet_engine *e) {
         pthread_mutex_unlock(&e->mu);
         return DUET_OK;
     }
-    /* Slot 0 in KV block 0: a request given that block later writes each
-     * position before it reads it, so what is left there is never seen
-     * (the prefix cache is cleared below, since it would). */
+    /* Slot 0 in the first KV blocks: a request given those blocks later
+     * writes each position before it reads it, so what is left there is
+     * never seen (the prefix cache is cleared below, since it would). */
     const int bs = e->run.state->p.block_size;
     int n = 8;
     if (n > e->max_tokens) n = e->max_tokens;
     if (n > e->run.n_ctx - 1) n = e->run.n_ctx - 1;
     if (n > bs - 1) n = bs - 1;
+    /* The timed passes: a longer chunk over the first blocks, so the
+     * step-cost model starts from prefill and decode steps of this device. */
+    int blocks = e->run.state->p.n_blocks < e->max_blocks ? e->run.state->p.n_blocks : e->max_blocks;
+    int big = 32;
+    if (big > e->max_tokens) big = e->max_tokens;
+    if (big > e->run.n_ctx - 1) big = e->run.n_ctx - 1;
+    if (big > blocks * bs - 1) big = blocks * bs - 1;
     /* Block 0 may hold a cached prefix: the cache forgets it. */
     duet__sched_prefix_clear(e->sched);
     for (int j = 0; j < e->max_blocks; j++)
-        e->tables[j] = j ? -1 : 0;
+        e->tables[j] = j * bs <= big ? j : -1;
     duet_status st = DUET_OK;
+    double t;
     /* A prompt chunk of n tokens, then one decode token: each path's first
-     * run (pipeline and kernel builds, first touches) happens here. */
-    for (int pass = 0; pass < 2 && !st; pass++) {
-        const int k = pass ? 1 : n, pos0 = pass ? n : 0;
-        if (k < 1) continue;
-        for (int i = 0; i < k; i++) {
-            e->tok[i] = 0;
-            e->pos[i] = pos0 + i;
-            e->seq[i] = 0;
-        }
-        e->out[0] = k - 1;
-        duet_batch b = {.n_tokens = k,
-                        .tokens = e->tok,
-                        .pos = e->pos,
-                        .seq = e->seq,
-                        .n_out = 1,
-                        .out = e->out,
-                        .block_tables = e->tables};
-        st = duet__run_forward(m, &e->run, &b, e->run.logits);
+     * run (pipeline and kernel builds, first touches) happens here, untimed. */
+    if (n >= 1) st = warm_pass(e, n, 0, &t);
+    if (!st && n >= 1) st = warm_pass(e, 1, n, &t);
+    /* Then timed: a chunk of `big` and of n tokens, decodes after them. */
+    const int shapes[4][2] = {{big, 0}, {1, big}, {n, 0}, {1, n}};
+    for (int i = 0; i < 4 && !st && n >= 1 && big > n; i++) {
+        st = warm_pass(e, shapes[i][0], shapes[i][1], &t);
+        duet_step_shape sh = {0};
+        duet_step_shape_add(&sh, shapes[i][1], shapes[i][0], i % 2 == 1);
+        if (!st) duet__step_cost_online_observe(&e->cost, &sh, t);
     }
+    duet__sched_set_cost(e->sched, duet__step_cost_online_get(&e->cost));
     for (int j = 0; j < e->max_blocks; j++)
         e->tables[j] = -1;
     pthread_mutex_unlock(&e->mu);
@@ -1190,12 +1252,11 @@ duet_status duet_engine_step_cost(duet_engine *e, duet_step_cost *out) {
 
 duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prior) {
     if (!e || !prior) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_set_step_cost: NULL argument");
-    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
-        if (!(isfinite(prior->coef[j]) && prior->coef[j] >= 0))
-            return duet__error(DUET_INVALID_ARGUMENT, "step-cost term %s is %g; it must be finite and >= 0",
-                               duet_step_cost_term(j), prior->coef[j]);
+    duet_status st = check_step_cost(prior);
+    if (st) return st;
     pthread_mutex_lock(&e->mu);
     duet__step_cost_online_init(&e->cost, prior, 0, 0);
+    duet__sched_set_cost(e->sched, &e->cost.current);
     pthread_mutex_unlock(&e->mu);
     return DUET_OK;
 }

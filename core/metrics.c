@@ -562,6 +562,20 @@ static char *render(const duet_metrics *m, counters *c, double now, double busy_
         snprintf(extra, sizeof extra, "action=\"%s\"", duet__ctl_action_name((duet_ctl_action)a));
         sample_u64(&w, m, "duet_controller_decisions_total", extra, g->ctl_decisions[a]);
     }
+    family(&w, "duet_step_budget_seconds", "gauge",
+           "Stall-free steps: the predicted time a step with decodes of the class may take; prompt chunks "
+           "shrink to fit (0 = none: token counts only).");
+    for (int p = 0; p < N_PRIO; p++) {
+        snprintf(extra, sizeof extra, "priority=\"%s\"", prio_names[p]);
+        sample(&w, m, "duet_step_budget_seconds", extra, g->step_budget_s[p]);
+    }
+    gauge_one(&w, m, "duet_step_budget_share",
+              "The step budget as a share of each class's ITL target (0 = no ITL target).", g->budget_share);
+    counter_one(&w, m, "duet_step_budget_cut_steps_total", "Steps whose prompt chunks the step budget cut.",
+                (double)g->budget_cut_steps);
+    counter_one(&w, m, "duet_step_budget_over_steps_total",
+                "Steps predicted over their budget (decodes alone, or the minimum prompt chunk).",
+                (double)g->budget_over_steps);
     gauge_one(&w, m, "duet_prefix_cache_blocks", "KV blocks with a prefix cache entry (in use or evictable).",
               g->kv_blocks_cached);
     counter_one(&w, m, "duet_prompt_tokens_total", "Prompt tokens of finished requests.", (double)c->prompt_tokens);
@@ -686,6 +700,8 @@ static void counters_add(counters *dst, const counters *src) {
     for (int p = 0; p < N_PRIO; p++)
         g->waiting[p] += h->waiting[p], g->running[p] += h->running[p];
     g->max_batch_seqs += h->max_batch_seqs;
+    g->budget_cut_steps += h->budget_cut_steps;
+    g->budget_over_steps += h->budget_over_steps;
     g->max_batch_tokens += h->max_batch_tokens;
     g->kv_blocks += h->kv_blocks;
     g->kv_usage = g->kv_blocks ? used / g->kv_blocks : 0;

@@ -60,6 +60,11 @@ typedef struct duet_metrics_gauges {
     double slo_ttft_s[2], slo_itl_s[2];
     double ctl_itl_ratio, ctl_ttft_ratio;
     uint64_t ctl_decisions[4];
+    /* Stall-free steps: the step budget per class (seconds, 0 = none), its
+     * share of the ITL target, and the steps whose prompt chunks it cut /
+     * that the model predicted over it (cumulative). */
+    double step_budget_s[2], budget_share;
+    uint64_t budget_cut_steps, budget_over_steps;
 } duet_metrics_gauges;
 void duet__metrics_set_gauges(duet_metrics *m, const duet_metrics_gauges *g);
 /* The engine's health (duet_engine_healthy); a new instance is healthy. */
@@ -95,7 +100,7 @@ char *duet__metrics_render(duet_metrics *m);
 /* The same families over several instances (the first one's model name):
  * counters and histograms summed; gauges: waiting and running summed, KV
  * usage over all pools' blocks, max_batch_seqs/tokens and kv_blocks summed
- * (the fleet's capacity), prefill_chunk, batch_timeout and kv_block_size
+ * (the fleet's capacity), the step-budget step counts summed, prefill_chunk, batch_timeout and kv_block_size
  * the first instance's; busy ratio the mean; healthy while any one is. */
 char *duet__metrics_render_sum(duet_metrics *const *ms, int n);
 

@@ -6,6 +6,7 @@
 #include "scheduler.h"
 
 #include <assert.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -61,6 +62,13 @@ struct duet_sched {
     uint64_t epoch;   /* bumped per plan, to recognise this plan's preemptions */
     uint64_t next_order;
     bool outstanding;
+    /* The time budget (duet__sched_set_cost): the model, and while a plan
+     * is built, whether a budget applies, the seconds it has left, whether
+     * a prompt chunk is placed yet and whether one was cut short. */
+    bool have_cost;
+    duet_step_cost cost;
+    bool timed, chunked, cut;
+    double time_left;
 
     duet_sched_stats st; /* counters only; gauges are computed on demand */
 };
@@ -152,6 +160,8 @@ static duet_status check_knobs(const duet_sched_config *c, const duet_sched_knob
     if (k->spec_max_batch < 0)
         return duet__error(DUET_INVALID_ARGUMENT, "scheduler: spec_max_batch %d must be >= 0",
                            k->spec_max_batch);
+    if (k->step_budget_ns[0] < 0 || k->step_budget_ns[1] < 0)
+        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: step_budget must be >= 0");
     return DUET_OK;
 }
 
@@ -299,6 +309,16 @@ duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id) {
     return DUET_OK;
 }
 
+void duet__sched_set_cost(duet_sched *s, const duet_step_cost *m) {
+    memset(&s->cost, 0, sizeof s->cost);
+    s->have_cost = m != NULL;
+    for (int j = 0; m && j < DUET_STEP_COST_TERMS; j++) {
+        if (!(isfinite(m->coef[j]) && m->coef[j] >= 0))
+            s->have_cost = false; /* no guesses from a broken fit */
+        s->cost.coef[j] = m->coef[j];
+    }
+}
+
 void duet__sched_set_draft(duet_sched *s, uint64_t id, int n_draft) {
     int i = find(s, id);
     if (i < 0 || s->reqs[i].state != ST_RUNNING) return;
@@ -418,6 +438,61 @@ static int grow_chunk(duet_sched *s, int i, int n_order, int want) {
 
 static int min_int(int a, int b) { return a < b ? a : b; }
 
+/* ---- the time budget ------------------------------------------------------ */
+
+/* Predicted seconds that prompt tokens [pos, pos + n) add to a step. */
+static double chunk_cost(const duet_sched *s, int pos, int n) {
+    duet_step_shape none = {0}, sh = {0};
+    duet_step_shape_add(&sh, pos, n, false);
+    return duet_step_cost_predict(&s->cost, &sh) - duet_step_cost_predict(&s->cost, &none);
+}
+
+/* Starts the budget of the step being planned, once its decodes (and
+ * drafts) are placed: the tightest budget of their classes, less their
+ * predicted time. Returns the budget (0: none applies). */
+static int64_t time_start(duet_sched *s) {
+    s->timed = s->chunked = s->cut = false;
+    int64_t budget = 0;
+    for (int k = 0; s->have_cost && k < s->n_seqs; k++) {
+        int64_t b = s->knobs.step_budget_ns[s->reqs[s->seq_req[k]].prio];
+        if (b > 0 && (budget == 0 || b < budget)) budget = b;
+    }
+    if (budget == 0) return 0;
+    duet_step_shape sh = {0};
+    for (int k = 0; k < s->n_seqs; k++)
+        duet_step_shape_add(&sh, s->seqs[k].pos, s->seqs[k].n_tokens, true);
+    s->timed = true;
+    s->time_left = (double)budget * 1e-9 - duet_step_cost_predict(&s->cost, &sh);
+    return budget;
+}
+
+/* The prompt tokens of `want` at stream position pos that the time left
+ * allows: all without a budget; else the most that fit, when that is all
+ * of them or at least the minimum chunk; the step's first chunk gets the
+ * minimum chunk anyway (prefill always progresses); else none. */
+static int time_fit(duet_sched *s, int pos, int want) {
+    if (!s->timed || want <= 0 || chunk_cost(s, pos, want) <= s->time_left) return want;
+    int lo = 0, hi = want; /* lo tokens fit, hi do not (cost grows with n) */
+    while (hi - lo > 1) {
+        int mid = lo + (hi - lo) / 2;
+        if (chunk_cost(s, pos, mid) <= s->time_left)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    int min = want < DUET_SCHED_MIN_CHUNK ? want : DUET_SCHED_MIN_CHUNK;
+    s->cut = true;
+    if (lo >= min) return lo;
+    return s->chunked ? 0 : min;
+}
+
+/* A chunk of n tokens at pos was placed: its time comes off the budget. */
+static void time_spend(duet_sched *s, int pos, int n) {
+    if (!s->timed || n <= 0) return;
+    s->time_left -= chunk_cost(s, pos, n);
+    s->chunked = true;
+}
+
 /* Blocks among the first n of s->hits that nobody references: sharing
  * them takes them out of the free count. */
 static int unreferenced(const duet_sched *s, int n) {
@@ -513,14 +588,22 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
         s->budget -= want;
         s->st.spec_granted += (uint64_t)want;
     }
+    /* The time budget of a step with decodes. */
+    const int64_t step_budget = time_start(s);
     /* 2. Prompt chunks of running sequences still prefilling. */
     for (int k = 0; k < n_order && s->budget > 0; k++) {
         int i = s->order[k];
         req *r = &s->reqs[i];
         if (r->state != ST_RUNNING || r->plan_index >= 0) continue;
-        int want = min_int(min_int(stream_len(r) - r->n_computed, s->knobs.prefill_chunk), s->budget);
+        int pos = r->n_computed;
+        int want = min_int(min_int(stream_len(r) - pos, s->knobs.prefill_chunk), s->budget);
+        want = time_fit(s, pos, want);
+        if (want <= 0) continue;
         int got = grow_chunk(s, i, n_order, want);
-        if (got > 0) plan_add(s, i, got);
+        if (got > 0) {
+            plan_add(s, i, got);
+            time_spend(s, pos, got);
+        }
     }
     /* 3. Admissions: interactive, then batch; FIFO; stop at the first that
      *    does not fit so nobody is overtaken. */
@@ -536,6 +619,10 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
             if (r->lookup)
                 n_hit = duet__kv_blocks_lookup(s->kv, r->tokens, len - 1,
                                                duet__kv_blocks_max_blocks_per_seq(s->kv), s->hits, &hit_hash);
+            /* Its first chunk, if the time budget leaves room for one. */
+            int pos = n_hit * duet__kv_blocks_block_size(s->kv);
+            int want = time_fit(s, pos, min_int(min_int(len - pos, s->knobs.prefill_chunk), s->budget));
+            if (want <= 0) goto admitted_all;
             int need = duet__kv_blocks_needed(s->kv, len) - n_hit;
             while (duet__kv_blocks_n_free(s->kv) - unreferenced(s, n_hit) < need) {
                 int v = pick_victim(s, n_order, r, true);
@@ -562,11 +649,12 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
                 s->st.prefix_queries += (uint64_t)len;
                 s->st.prefix_hits += (uint64_t)r->n_hit;
             }
-            int want = min_int(min_int(len - r->n_computed, s->knobs.prefill_chunk), s->budget);
+            assert(r->n_computed == pos);
             bool ok = duet__kv_blocks_ensure(s->kv, slot, r->n_computed + want);
             assert(ok);
             (void)ok;
             plan_add(s, i, want);
+            time_spend(s, pos, want);
         }
     }
 admitted_all:
@@ -589,9 +677,11 @@ admitted_all:
         s->seq_req[j] = ri;
         s->reqs[ri].plan_index = j;
     }
+    duet_step_shape shape = {0};
     for (int k = 0; k < s->n_seqs; k++) {
         duet_sched_seq *e = &s->seqs[k];
         req *r = &s->reqs[s->seq_req[k]];
+        duet_step_shape_add(&shape, e->pos, e->n_tokens, e->decode);
         e->blocks = duet__kv_blocks_table(s->kv, e->slot, &e->n_blocks);
         plan->n_tokens += e->n_tokens;
         plan->n_logits += e->logits ? 1 + e->n_draft : 0;
@@ -600,6 +690,12 @@ admitted_all:
     }
     for (int k = 0; k < n_order; k++) /* offers last one plan */
         s->reqs[s->order[k]].draft_offer = 0;
+    if (s->have_cost) plan->predicted_s = duet_step_cost_predict(&s->cost, &shape);
+    if (s->timed) {
+        plan->budget_ns = step_budget;
+        s->st.budget_cut += s->cut;
+        s->st.budget_over += plan->predicted_s > (double)step_budget * 1e-9 * (1 + 1e-9);
+    }
     plan->n_seqs = s->n_seqs;
     plan->n_preempted = s->n_preempted;
     s->outstanding = true;

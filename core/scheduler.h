@@ -51,6 +51,18 @@
  *   prefill_chunk tokens per sequence) fill the rest of max_batch_tokens;
  *   first those of running sequences still prefilling, then newly admitted
  *   requests.
+ * - Stall-free steps (a time budget, Sarathi-Serve's idea): with a step-cost
+ *   model (duet__sched_set_cost) and a step budget for the class of a
+ *   sequence decoding in the step (knobs.step_budget_ns, the tightest of
+ *   the decoding classes'), prompt chunks shrink so that the model's
+ *   predicted time of the whole step (decodes, drafts, chunks) stays
+ *   within the budget. Chunks are whole or at least DUET_SCHED_MIN_CHUNK
+ *   tokens (smaller ones waste the matrix multiply); the first chunk of a
+ *   step gets at least that many even when the budget has no room left, so
+ *   prefill never starves (a step then runs over its budget by at most one
+ *   minimum chunk). A step without decodes, a class without a budget, or
+ *   no model: token counts only (as above). Admission stops at the first
+ *   request whose first chunk finds no time left.
  * - Admission: interactive queue first, then batch; FIFO by arrival within a
  *   class; admission stops at the first request that does not fit (no
  *   overtaking). A request is admitted only when free KV blocks cover its
@@ -128,7 +140,15 @@ typedef struct duet_sched_knobs {
     int64_t batch_timeout_ns; /* idle wait for more arrivals; >= 0 */
     int spec_max_batch;       /* drafts only in steps with at most this many
                                  decodes (0: never); >= 0 */
+    int64_t step_budget_ns[2]; /* per duet_priority: the predicted time of a
+                                  step in which a sequence of that class
+                                  decodes, at most (prompt chunks shrink to
+                                  fit; see Policies); 0 = none; >= 0 */
 } duet_sched_knobs;
+
+/* The smallest prompt chunk the time budget cuts to (a chunk may still be
+ * smaller when that is all the prompt has left). */
+#define DUET_SCHED_MIN_CHUNK 16
 
 /* Capacities, fixed at creation (all memory is sized from them). */
 typedef struct duet_sched_config {
@@ -188,6 +208,8 @@ typedef struct duet_sched_plan {
     int n_preempted;            /* requests preempted by this plan: the engine */
     const uint64_t *preempted;  /* drops their KV state; they stay queued */
     int64_t wake_at;            /* DUET_SCHED_WAIT: when to call plan again */
+    int64_t budget_ns;          /* the time budget the step was sized to; 0 = none */
+    double predicted_s;         /* the cost model's time for the step; 0 without a model */
 } duet_sched_plan;
 
 /* What the engine reports for plan->seqs[i], in plan order. */
@@ -220,6 +242,8 @@ typedef struct duet_sched_stats {
     uint64_t prefix_evictions;
     uint64_t spec_granted;   /* draft tokens placed into steps */
     uint64_t spec_throttled; /* draft tokens offered but refused because the batch was full */
+    uint64_t budget_cut;     /* steps whose prompt chunks the time budget shortened */
+    uint64_t budget_over;    /* steps predicted over their budget (decodes alone, or the minimum chunk) */
 } duet_sched_stats;
 
 /* Validates config and allocates everything. DUET_INVALID_ARGUMENT on bad
@@ -250,6 +274,10 @@ void duet__sched_prefix_clear(duet_sched *s);
  * blocks are released at that step's step_done (the engine ignores its
  * result; pass it anyway, in order). */
 duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id);
+
+/* The step-cost model the time budget (knobs.step_budget_ns) predicts
+ * steps with; its coefficients are copied. NULL: none (token counts only). */
+void duet__sched_set_cost(duet_sched *s, const duet_step_cost *m);
 
 /* Offers n_draft (>= 0) draft tokens for request id's next decode; the
  * next plan grants all, some or none of them (see the policies above).

@@ -95,6 +95,50 @@ START_TEST(test_law) {
     bad.timeout_max_ns = -1;
     ck_assert_int_eq(duet__ctl_init(&c, &bad), DUET_INVALID_ARGUMENT);
     ck_assert_str_eq(duet__ctl_action_name(DUET_CTL_CATCH_UP), "catch_up");
+    bad = g;
+    bad.share_max = 0.5, bad.share_min = 0.6;
+    ck_assert_int_eq(duet__ctl_init(&c, &bad), DUET_INVALID_ARGUMENT);
+    bad.share_max = 1.5, bad.share_min = 0.2;
+    ck_assert_int_eq(duet__ctl_init(&c, &bad), DUET_INVALID_ARGUMENT);
+}
+END_TEST
+
+START_TEST(test_law_time_budget) {
+    /* With time budgets the step budget is a share of the ITL targets:
+     * it moves, max_batch_tokens does not. */
+    duet_ctl c;
+    duet_ctl_config g = base_cfg();
+    g.share_min = 0.25, g.share_max = 1;
+    ck_assert_int_eq(duet__ctl_init(&c, &g), DUET_OK);
+    duet_ctl_knobs k = {.max_batch_seqs = 16,
+                        .max_batch_tokens = 256,
+                        .batch_timeout_ns = 2 * MS,
+                        .budget_share = 0.8},
+                   n;
+    duet_ctl_window w = window(0.030, 0.2, 0, 8);
+    ck_assert_int_eq(duet__ctl_update(&c, &w, &k, &n), DUET_CTL_PROTECT);
+    ck_assert_msg(n.budget_share < 0.8 && n.budget_share >= 0.8 * 0.6 && n.max_batch_tokens == 256 &&
+                      n.max_batch_seqs == 16,
+                  "protect: share %g tokens %d seqs %d", n.budget_share, n.max_batch_tokens,
+                  n.max_batch_seqs);
+    /* At its floor, the batch shrinks instead. */
+    k.budget_share = 0.25;
+    ck_assert_int_eq(duet__ctl_update(&c, &w, &k, &n), DUET_CTL_PROTECT);
+    ck_assert_msg(n.budget_share == 0.25 && n.max_batch_seqs < 16, "share %g seqs %d", n.budget_share,
+                  n.max_batch_seqs);
+    /* Quiet: the share grows to its ceiling, the token budget stays. */
+    ck_assert_int_eq(duet__ctl_init(&c, &g), DUET_OK);
+    k = (duet_ctl_knobs){
+        .max_batch_seqs = 16, .max_batch_tokens = 128, .batch_timeout_ns = 2 * MS, .budget_share = 0.5};
+    w = window(0.003, 0.05, 0, 1);
+    for (int i = 0; i < 100; i++) {
+        duet_ctl_action a = duet__ctl_update(&c, &w, &k, &n);
+        ck_assert(a == DUET_CTL_RELAX || a == DUET_CTL_HOLD);
+        ck_assert(n.budget_share <= k.budget_share * 1.081);
+        k = n;
+    }
+    ck_assert_msg(k.budget_share == 1 && k.max_batch_tokens == 128, "quiet: share %g tokens %d",
+                  k.budget_share, k.max_batch_tokens);
 }
 END_TEST
 
@@ -157,7 +201,11 @@ static double unit(void) {
  * burst(w) requests arrive at its start on top. With use_ctl the
  * controller retunes the scheduler after every window. Fills rec[]. */
 typedef double (*rate_fn)(int w);
-static void run_loop(int n_windows, rate_fn rate, int (*burst)(int w), bool use_ctl, window_rec *rec) {
+/* With `timed` the scheduler sizes steps with time budgets, from a
+ * step-cost model of the stand-in device, and the controller retunes their
+ * share of the ITL target. */
+static void run_loop(int n_windows, rate_fn rate, int (*burst)(int w), bool use_ctl, bool timed,
+                     window_rec *rec) {
     duet_sched_config sc = {.max_seqs = 32,
                             .max_tokens = 512,
                             .max_waiting = 8192,
@@ -173,6 +221,16 @@ static void run_loop(int n_windows, rate_fn rate, int (*burst)(int w), bool use_
     ck_assert_int_eq(duet__sched_new(&sc, &s), DUET_OK);
     duet_ctl ctl;
     duet_ctl_config cc = base_cfg();
+    double share = 0;
+    if (timed) {
+        /* The model knows the device but for its per-chunk cost. */
+        duet_step_cost m = {.coef = {3e-3, 160e-6, 60e-6, 0, 0}};
+        duet__sched_set_cost(s, &m);
+        cc.share_min = 0.25, cc.share_max = 1, share = 0.8;
+        duet_sched_knobs kn = duet__sched_knobs(s);
+        kn.step_budget_ns[0] = (int64_t)(share * cc.itl_target_s[0] * 1e9);
+        ck_assert_int_eq(duet__sched_set_knobs(s, &kn), DUET_OK);
+    }
     ck_assert_int_eq(duet__ctl_init(&ctl, &cc), DUET_OK);
     loop_req *reqs = calloc(MAX_REQ, sizeof *reqs);
     samples sm = {0};
@@ -241,7 +299,7 @@ static void run_loop(int n_windows, rate_fn rate, int (*burst)(int w), bool use_
             duet__sched_stats(s, &st);
             duet_sched_knobs kn = duet__sched_knobs(s);
             wr->rate = rate(w);
-            wr->knobs = (duet_ctl_knobs){kn.max_batch_seqs, kn.max_batch_tokens, kn.batch_timeout_ns};
+            wr->knobs = (duet_ctl_knobs){kn.max_batch_seqs, kn.max_batch_tokens, kn.batch_timeout_ns, share};
             wr->waiting = st.waiting[0] + st.waiting[1];
             duet_ctl_window cw = {
                 .arrival_rate = wr->rate, .waiting = wr->waiting, .running = st.running[0] + st.running[1]};
@@ -258,15 +316,19 @@ static void run_loop(int n_windows, rate_fn rate, int (*burst)(int w), bool use_
                 kn.max_batch_seqs = next.max_batch_seqs;
                 kn.max_batch_tokens = next.max_batch_tokens;
                 kn.batch_timeout_ns = next.batch_timeout_ns;
+                if (timed) {
+                    share = next.budget_share;
+                    kn.step_budget_ns[0] = (int64_t)(share * cc.itl_target_s[0] * 1e9);
+                }
                 ck_assert_int_eq(duet__sched_set_knobs(s, &kn), DUET_OK);
             }
             if (getenv("DUET_CTL_TRACE"))
                 fprintf(stderr,
                         "w %3d rate %5.1f itl p99 %5.1f/%5.1f ms ttft p99 %7.1f/%7.1f ms wait %4d -> %-8s "
-                        "seqs %2d tokens %3d timeout %6.2f ms\n",
+                        "seqs %2d tokens %3d timeout %6.2f ms share %.2f\n",
                         w, wr->rate, wr->itl_p99[0] * 1e3, wr->itl_p99[1] * 1e3, wr->ttft_p99[0] * 1e3,
                         wr->ttft_p99[1] * 1e3, wr->waiting, duet__ctl_action_name(wr->action),
-                        kn.max_batch_seqs, kn.max_batch_tokens, (double)kn.batch_timeout_ns / MS);
+                        kn.max_batch_seqs, kn.max_batch_tokens, (double)kn.batch_timeout_ns / MS, share);
             w++;
             if (w < n_windows && burst) pending_burst = burst(w);
             if (w < n_windows && fabs(rate(w) - rate(w - 1)) > 1e-9) /* a new rate from here */
@@ -288,18 +350,22 @@ static double knob_change(const window_rec *a, const window_rec *b) {
     /* The timeout is compared on a 1 ms floor (0 -> 0.1 ms is not a 100% swing). */
     double base = (double)(a->knobs.batch_timeout_ns > MS ? a->knobs.batch_timeout_ns : MS);
     double o = fabs((double)(b->knobs.batch_timeout_ns - a->knobs.batch_timeout_ns)) / base;
-    return fmax(d, fmax(t, o));
+    double sh = a->knobs.budget_share > 0
+                    ? fabs(b->knobs.budget_share - a->knobs.budget_share) / a->knobs.budget_share
+                    : 0;
+    return fmax(fmax(d, sh), fmax(t, o));
 }
 
 static double rate_steady(int w) {
     return 20;
 }
 
+/* _i: 0 with token budgets, 1 with time budgets. */
 START_TEST(test_constant_load_converges) {
     enum { N = 60 };
     static window_rec fixed[N], tuned[N];
-    run_loop(N, rate_steady, NULL, false, fixed);
-    run_loop(N, rate_steady, NULL, true, tuned);
+    run_loop(N, rate_steady, NULL, false, false, fixed);
+    run_loop(N, rate_steady, NULL, true, _i == 1, tuned);
     int over_fixed = 0;
     for (int w = 2; w < N; w++)
         over_fixed += fixed[w].itl_p99[0] > 0.015;
@@ -330,7 +396,7 @@ static double rate_ramp(int w) {
 START_TEST(test_ramp_keeps_interactive_itl) {
     enum { N = 100 };
     static window_rec rec[N];
-    run_loop(N, rate_ramp, NULL, true, rec);
+    run_loop(N, rate_ramp, NULL, true, _i == 1, rec);
     int checked = 0;
     for (int w = 0; w < N; w++) {
         /* Below capacity (and not still draining a backlog from above it),
@@ -361,7 +427,7 @@ static int burst_once(int w) {
 START_TEST(test_burst_then_settles) {
     enum { N = 40 };
     static window_rec rec[N];
-    run_loop(N, rate_quiet, burst_once, true, rec);
+    run_loop(N, rate_quiet, burst_once, true, false, rec);
     /* Quiet before the burst: the timeout grew from 2 ms. */
     ck_assert_msg(rec[9].knobs.batch_timeout_ns > 2 * MS, "quiet windows lengthen the timeout (%lld ns)",
                   (long long)rec[9].knobs.batch_timeout_ns);
@@ -384,11 +450,12 @@ static Suite *suite(void) {
     Suite *s = suite_create("controller");
     TCase *tc = tcase_create("law");
     tcase_add_test(tc, test_law);
+    tcase_add_test(tc, test_law_time_budget);
     suite_add_tcase(s, tc);
     TCase *loop = tcase_create("closed_loop");
     tcase_set_timeout(loop, 300);
-    tcase_add_test(loop, test_constant_load_converges);
-    tcase_add_test(loop, test_ramp_keeps_interactive_itl);
+    tcase_add_loop_test(loop, test_constant_load_converges, 0, 2);
+    tcase_add_loop_test(loop, test_ramp_keeps_interactive_itl, 0, 2);
     tcase_add_test(loop, test_burst_then_settles);
     suite_add_tcase(s, loop);
     return s;

@@ -4,6 +4,7 @@
  * requests of its step, and the engine keeps serving; a lost device fails
  * every request and leaves the engine unhealthy (case "faults", on the cpu
  * backend and on vulkan). */
+#include <math.h>
 #include <pthread.h>
 #include <time.h>
 #include <unistd.h>
@@ -1169,7 +1170,8 @@ END_TEST
 
 START_TEST(controller_retunes_the_running_engine) {
     /* An ITL target no step can meet and a 50 ms window: the controller
-     * protects it, shrinking the step budget, and says so in the metrics. */
+     * protects it, shrinking the step budget (a share of the target the
+     * steps are sized to), and says so in the metrics. */
     duet_engine_params p = duet_engine_params_default();
     p.open.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
     p.open.n_ctx = 256;
@@ -1188,12 +1190,17 @@ START_TEST(controller_retunes_the_running_engine) {
         free(metrics);
         metrics = duet_engine_metrics(e);
         ck_assert_ptr_nonnull(metrics);
-        if (metric_value(metrics, "duet_max_batch_tokens", NULL) < 64) break;
+        if (metric_value(metrics, "duet_step_budget_share", NULL) < 0.8) break;
     }
     ck_assert_msg(metric_value(metrics, "duet_controller_active", NULL) == 1, "the controller runs");
     ck_assert_msg(metric_value(metrics, "duet_controller_decisions_total", "action=\"protect\"") >= 1,
                   "it protected the ITL target");
-    ck_assert_msg(metric_value(metrics, "duet_max_batch_tokens", NULL) < 64, "the step budget shrank");
+    double share = metric_value(metrics, "duet_step_budget_share", NULL);
+    ck_assert_msg(share < 0.8 && share >= 0.25, "the step budget shrank (share %g)", share);
+    double budget = metric_value(metrics, "duet_step_budget_seconds", "priority=\"interactive\"");
+    ck_assert_msg(fabs(budget - share * 1e-6) < 1e-9, "the budget exported (%g s)", budget);
+    ck_assert_msg(metric_value(metrics, "duet_max_batch_tokens", NULL) == 64,
+                  "the token budget is left to steps without decodes");
     ck_assert_msg(metric_value(metrics, "duet_slo_itl_seconds", "priority=\"interactive\"") == 0.001 * 1e-3,
                   "the target is exported");
     ck_assert_msg(metric_value(metrics, "duet_controller_itl_ratio", NULL) > 1, "the ratio is exported");
@@ -1205,12 +1212,49 @@ START_TEST(controller_retunes_the_running_engine) {
     free(run_requests(e, false, 4));
     metrics = duet_engine_metrics(e);
     ck_assert_msg(metric_value(metrics, "duet_controller_active", NULL) == 0 &&
-                      metric_value(metrics, "duet_max_batch_tokens", NULL) == 64,
-                  "without targets nothing is retuned");
+                      metric_value(metrics, "duet_max_batch_tokens", NULL) == 64 &&
+                      metric_value(metrics, "duet_step_budget_seconds", "priority=\"interactive\"") == 0,
+                  "without targets nothing is retuned, and steps have no time budget");
     free(metrics);
     duet_engine_stop(e, true);
     /* Bad targets are refused. */
     p.slo_ttft_ms[DUET_PRIORITY_BATCH] = -5;
+    ck_assert_int_eq(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e),
+                     DUET_INVALID_ARGUMENT);
+}
+END_TEST
+
+START_TEST(step_cost_seeds_and_learns) {
+    /* A profile seeds the engine's one step-cost model; the warm-up's timed
+     * steps and then the served ones refit it; a broken profile is refused. */
+    duet_engine_params p = duet_engine_params_default();
+    p.open.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    p.open.n_ctx = 256;
+    p.max_batch_seqs = 4;
+    p.slo_itl_ms[DUET_PRIORITY_INTERACTIVE] = 50;
+    duet_step_cost seed = {.coef = {0.002, 0.001, 0.05, 0, 0}}; /* 50 ms a prompt token: far too slow */
+    p.step_cost = &seed;
+    duet_engine *e;
+    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
+                  "start: %s", duet_last_error());
+    duet_step_cost m;
+    ck_assert_int_eq(duet_engine_step_cost(e, &m), DUET_OK);
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        ck_assert_msg(m.coef[j] == seed.coef[j], "term %d seeded %g, got %g", j, seed.coef[j], m.coef[j]);
+    ck_assert_int_eq(duet_engine_warmup(e), DUET_OK);
+    ck_assert_int_eq(duet_engine_step_cost(e, &m), DUET_OK);
+    ck_assert_msg(m.coef[2] < seed.coef[2] / 2, "the warm-up's steps pull the prompt-token cost down (%g)",
+                  m.coef[2]);
+    free(run_requests(e, false, 4));
+    char *metrics = duet_engine_metrics(e);
+    ck_assert_msg(fabs(metric_value(metrics, "duet_step_budget_seconds", "priority=\"interactive\"") - 0.04) <
+                      1e-9,
+                  "the step budget is 0.8 of the ITL target");
+    ck_assert_msg(metric_value(metrics, "duet_step_budget_seconds", "priority=\"batch\"") == 0,
+                  "no target, no budget");
+    free(metrics);
+    duet_engine_stop(e, true);
+    seed.coef[1] = NAN;
     ck_assert_int_eq(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e),
                      DUET_INVALID_ARGUMENT);
 }
@@ -1373,6 +1417,7 @@ int main(void) {
     tcase_add_test(tc, cancel_racing_completion);
     tcase_add_test(tc, prefix_cache_keeps_greedy_outputs);
     tcase_add_test(tc, controller_retunes_the_running_engine);
+    tcase_add_test(tc, step_cost_seeds_and_learns);
     suite_add_tcase(s, tc);
     TCase *share = tcase_create("sharing");
     tcase_set_timeout(share, 300);

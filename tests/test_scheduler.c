@@ -327,6 +327,223 @@ START_TEST(test_chunked_prefill_mixed_with_decodes) {
 }
 END_TEST
 
+/* ---- stall-free steps: the time budget ------------------------------------------ */
+
+/* A device where prefill is expensive: 4 ms a step, 1 ms a decode token,
+ * 2 ms a prompt token (a 128-token chunk costs 256 ms), and a little per
+ * position attended. */
+static duet_step_cost costly_prefill(void) {
+    duet_step_cost m = {0};
+    m.coef[0] = 4e-3, m.coef[1] = 1e-3, m.coef[2] = 2e-3, m.coef[3] = 1e-6, m.coef[4] = 1e-6;
+    return m;
+}
+
+/* The step's predicted time, computed here from the plan's entries. */
+static double predict_plan(const duet_step_cost *m, const duet_sched_plan *p, double *decodes_only) {
+    duet_step_shape all = {0}, dec = {0};
+    for (int k = 0; k < p->n_seqs; k++) {
+        duet_step_shape_add(&all, p->seqs[k].pos, p->seqs[k].n_tokens, p->seqs[k].decode);
+        if (p->seqs[k].decode) duet_step_shape_add(&dec, p->seqs[k].pos, p->seqs[k].n_tokens, true);
+    }
+    if (decodes_only) *decodes_only = duet_step_cost_predict(m, &dec);
+    return duet_step_cost_predict(m, &all);
+}
+
+static duet_sched_config budget_config(int64_t interactive_ns, int64_t batch_ns) {
+    duet_sched_config c = base_config();
+    c.max_seqs = 8, c.max_tokens = 512, c.kv_blocks = 256, c.n_ctx = 1024;
+    c.knobs.max_batch_seqs = 8, c.knobs.max_batch_tokens = 512, c.knobs.prefill_chunk = 128;
+    c.knobs.step_budget_ns[DUET_PRIORITY_INTERACTIVE] = interactive_ns;
+    c.knobs.step_budget_ns[DUET_PRIORITY_BATCH] = batch_ns;
+    return c;
+}
+
+/* A scheduler with those budgets that predicts steps with model m. */
+static duet_sched *budget_sched(int64_t interactive_ns, int64_t batch_ns, const duet_step_cost *m) {
+    duet_sched_config c = budget_config(interactive_ns, batch_ns);
+    duet_sched *s = make(&c);
+    duet__sched_set_cost(s, m);
+    return s;
+}
+
+/* Starts n requests of class prio with 2-token prompts and runs the step
+ * that prefills them: they decode from the next step on. */
+static void start_decoders(duet_sched *s, int64_t *now, uint64_t first, int n, duet_priority prio) {
+    duet_sched_plan p;
+    for (int i = 0; i < n; i++)
+        arrive(s, *now, first + (uint64_t)i, 2, 1000, prio);
+    plan_step(s, *now, &p);
+    *now += MS;
+    complete(s, *now, &p);
+}
+
+/* Runs request `id` (arrived) through its prefill under the budget and
+ * checks every step: decodes first and all present, the predicted time
+ * within the budget (or over it by at most the minimum chunk when the
+ * decodes alone fill it), chunks whole or at least the minimum. Returns the
+ * steps its prefill took. */
+static int prefill_under_budget(duet_sched *s, int64_t *now, uint64_t id, int n_prompt, int n_decoders,
+                                const duet_step_cost *m, int64_t budget_ns) {
+    duet_sched_plan p;
+    int pos = 0, steps = 0;
+    while (pos < n_prompt) {
+        plan_step(s, *now, &p);
+        ck_assert_msg(steps++ < 1000, "prefill of %llu starves", (unsigned long long)id);
+        int dec = 0;
+        for (int k = 0; k < p.n_seqs; k++)
+            dec += p.seqs[k].decode;
+        ck_assert_msg(dec == n_decoders, "step %d: %d of %d decodes", steps, dec, n_decoders);
+        int k = find_seq(&p, id);
+        ck_assert_msg(k >= 0, "step %d: the prefill made no progress (no starvation)", steps);
+        const duet_sched_seq *e = &p.seqs[k];
+        ck_assert_int_eq(e->pos, pos);
+        ck_assert_msg(e->n_tokens >= DUET_SCHED_MIN_CHUNK || e->pos + e->n_tokens == n_prompt,
+                      "step %d: a chunk of %d tokens mid-prompt (under the minimum)", steps, e->n_tokens);
+        double decodes_only, t = predict_plan(m, &p, &decodes_only);
+        ck_assert_msg(fabs(t - p.predicted_s) < 1e-12, "the plan's prediction %g, the model's %g",
+                      p.predicted_s, t);
+        ck_assert_msg(p.budget_ns == budget_ns, "step %d sized to %lld ns, want %lld", steps,
+                      (long long)p.budget_ns, (long long)budget_ns);
+        double b = (double)budget_ns * 1e-9;
+        if (decodes_only + 2e-3 * DUET_SCHED_MIN_CHUNK < b) {
+            ck_assert_msg(t <= b + 1e-12, "step %d predicted %.2f ms over the budget %.2f ms", steps, t * 1e3,
+                          b * 1e3);
+            /* ...and not much under it: the chunk fills what the budget leaves. */
+            if (e->pos + e->n_tokens < n_prompt)
+                ck_assert_msg(t > b - 2 * 2.1e-3, "step %d predicted %.2f ms, the budget %.2f ms left unused",
+                              steps, t * 1e3, b * 1e3);
+        } else {
+            ck_assert_msg(e->n_tokens == DUET_SCHED_MIN_CHUNK || e->pos + e->n_tokens == n_prompt,
+                          "decodes alone fill the budget: the minimum chunk, got %d", e->n_tokens);
+        }
+        pos += e->n_tokens;
+        *now += MS;
+        complete(s, *now, &p);
+    }
+    return steps;
+}
+
+START_TEST(test_budget_keeps_decode_steps_short) {
+    duet_step_cost m = costly_prefill();
+    duet_sched *s = budget_sched(60 * MS, 0, &m);
+    int64_t now = 0;
+    start_decoders(s, &now, 1, 4, DUET_PRIORITY_INTERACTIVE);
+    /* A 300-token prompt while 4 interactive streams decode: about 24 of
+     * its tokens per step (60 ms less 8 ms of decodes, at 2 ms a token). */
+    arrive(s, now, 10, 300, 4, DUET_PRIORITY_BATCH);
+    int steps = prefill_under_budget(s, &now, 10, 300, 4, &m, 60 * MS);
+    ck_assert_msg(steps >= 12 && steps <= 14, "300 tokens in %d steps of about 24", steps);
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.budget_cut >= 12 && st.budget_over == 0, "cut %llu over %llu",
+                  (unsigned long long)st.budget_cut, (unsigned long long)st.budget_over);
+
+    /* Without the model, the same step takes the whole chunk (as before). */
+    duet__sched_set_cost(s, NULL);
+    arrive(s, now, 11, 300, 4, DUET_PRIORITY_BATCH);
+    duet_sched_plan p;
+    plan_step(s, now, &p);
+    int k = find_seq(&p, 11);
+    ck_assert_msg(k >= 0 && p.seqs[k].n_tokens == 128 && p.budget_ns == 0 && p.predicted_s == 0,
+                  "no model: a full chunk (%d)", k >= 0 ? p.seqs[k].n_tokens : -1);
+    complete(s, now + MS, &p);
+    duet__sched_free(s);
+}
+END_TEST
+
+START_TEST(test_budget_full_chunks_without_decodes) {
+    duet_step_cost m = costly_prefill();
+    duet_sched *s = budget_sched(60 * MS, 60 * MS, &m);
+    /* Nobody decodes: time to first token matters, full chunks. */
+    arrive(s, 0, 1, 300, 4, DUET_PRIORITY_INTERACTIVE);
+    arrive(s, 0, 2, 300, 4, DUET_PRIORITY_INTERACTIVE);
+    duet_sched_plan p;
+    plan_step(s, 0, &p);
+    ck_assert_msg(p.n_seqs == 2 && p.seqs[0].n_tokens == 128 && p.seqs[1].n_tokens == 128 && p.budget_ns == 0,
+                  "two full chunks, no budget (%d entries)", p.n_seqs);
+    ck_assert_msg(p.predicted_s > 0.5, "the model still predicts the step (%g s)", p.predicted_s);
+    complete(s, MS, &p);
+    duet__sched_free(s);
+}
+END_TEST
+
+START_TEST(test_budget_by_class_and_starvation) {
+    duet_step_cost m = costly_prefill();
+    /* Only batch streams decode and batch has no budget: full chunks. */
+    duet_sched *s = budget_sched(60 * MS, 0, &m);
+    int64_t now = 0;
+    start_decoders(s, &now, 1, 3, DUET_PRIORITY_BATCH);
+    arrive(s, now, 10, 200, 2, DUET_PRIORITY_INTERACTIVE);
+    duet_sched_plan p;
+    plan_step(s, now, &p);
+    int k = find_seq(&p, 10);
+    ck_assert_msg(k >= 0 && p.seqs[k].n_tokens == 128 && p.budget_ns == 0,
+                  "batch decodes only: a full chunk");
+    complete(s, now += MS, &p);
+    duet__sched_free(s);
+
+    /* Both classes decode: the tighter budget (interactive's 50 ms) rules. */
+    s = budget_sched(50 * MS, 200 * MS, &m);
+    now = 0;
+    start_decoders(s, &now, 1, 2, DUET_PRIORITY_BATCH);
+    start_decoders(s, &now, 3, 1, DUET_PRIORITY_INTERACTIVE);
+    arrive(s, now, 10, 100, 2, DUET_PRIORITY_BATCH);
+    prefill_under_budget(s, &now, 10, 100, 3, &m, 50 * MS);
+    duet__sched_free(s);
+
+    /* Decodes alone over the budget (7 decodes, 11 ms, budget 10 ms): the
+     * prefill still moves by the minimum chunk each step, the rest waits. */
+    s = budget_sched(10 * MS, 0, &m);
+    now = 0;
+    start_decoders(s, &now, 1, 7, DUET_PRIORITY_INTERACTIVE);
+    arrive(s, now, 10, 64, 2, DUET_PRIORITY_INTERACTIVE);
+    arrive(s, now, 11, 64, 2, DUET_PRIORITY_INTERACTIVE);
+    /* Only 8 slots: request 11 waits for a free one after 10 is admitted. */
+    int steps = prefill_under_budget(s, &now, 10, 64, 7, &m, 10 * MS);
+    ck_assert_int_eq(steps, 64 / DUET_SCHED_MIN_CHUNK);
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_msg(st.budget_over == (uint64_t)steps, "every such step is counted over (%llu)",
+                  (unsigned long long)st.budget_over);
+    duet__sched_free(s);
+}
+END_TEST
+
+START_TEST(test_budget_admission_waits_for_time) {
+    duet_step_cost m = costly_prefill();
+    duet_sched *s = budget_sched(60 * MS, 0, &m);
+    int64_t now = 0;
+    start_decoders(s, &now, 1, 2, DUET_PRIORITY_INTERACTIVE);
+    /* Two long prompts arrive: the first gets the step's time (a chunk of
+     * 26 tokens: 60 - 6 ms of decodes, at 2 ms a token); the second finds
+     * less than a minimum chunk left and is not admitted yet. */
+    arrive(s, now, 10, 300, 2, DUET_PRIORITY_INTERACTIVE);
+    arrive(s, now, 11, 300, 2, DUET_PRIORITY_INTERACTIVE);
+    duet_sched_plan p;
+    plan_step(s, now, &p);
+    ck_assert_msg(p.n_seqs == 3 && find_seq(&p, 10) == 2 && find_seq(&p, 11) < 0, "decodes + one chunk");
+    ck_assert_msg(p.seqs[2].n_tokens >= DUET_SCHED_MIN_CHUNK && p.predicted_s <= 0.060 + 1e-12,
+                  "chunk %d, predicted %.2f ms", p.seqs[2].n_tokens, p.predicted_s * 1e3);
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_int_eq(st.waiting[0], 1);
+    complete(s, now + MS, &p);
+    /* Knobs: a negative budget is refused. */
+    duet_sched_knobs k = duet__sched_knobs(s);
+    k.step_budget_ns[1] = -1;
+    ck_assert_int_eq(duet__sched_set_knobs(s, &k), DUET_INVALID_ARGUMENT);
+    /* A broken model (not finite) is ignored: full chunks again. */
+    duet_step_cost bad = m;
+    bad.coef[2] = NAN;
+    duet__sched_set_cost(s, &bad);
+    plan_step(s, now + MS, &p);
+    ck_assert_msg(p.budget_ns == 0 && find_seq(&p, 10) >= 0 && p.seqs[find_seq(&p, 10)].n_tokens == 128,
+                  "a non-finite model is not used");
+    complete(s, now + 2 * MS, &p);
+    duet__sched_free(s);
+}
+END_TEST
+
 /* ---- continuous batching --------------------------------------------------------- */
 
 START_TEST(test_continuous_batching_reuses_slot) {
@@ -1176,7 +1393,11 @@ typedef struct sim_cfg {
     bool retune;         /* change knobs at random */
     int n_prefixes;      /* > 0: streams start with one of this many shared token runs (prefix caching) */
     double spec_prob;    /* per decoding request and plan, offer 1..6 drafts */
+    bool timed;          /* a step-cost model and step budgets (retuned at random with retune) */
 } sim_cfg;
+
+/* The simulation's step-cost model (timed runs): its fake device's costs. */
+static const duet_step_cost *g_sim_cost;
 
 enum { SH_NONE = 0, SH_WAITING, SH_RUNNING, SH_DONE, SH_REFUSED };
 
@@ -1200,6 +1421,7 @@ typedef struct sim_out {
     uint64_t steps, preemptions, finished, cancelled, refused, rejected, tokens;
     uint64_t prefix_hits, prefix_queries;
     uint64_t drafts, kept, throttled;
+    uint64_t budget_cut, budget_over;
 } sim_out;
 
 static uint64_t mix(uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001B3ULL; }
@@ -1323,6 +1545,24 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
         *hash = mix(mix(mix(*hash, id), (uint64_t)e->pos), (uint64_t)e->n_tokens);
     }
     SIM_ASSERT(n_drafts == p->n_draft, "plan counts %d drafts, entries %d", p->n_draft, n_drafts);
+    /* The time budget: within it, or over by the step's first chunk only
+     * (the minimum chunk prefill always gets). */
+    if (g_sim_cost && p->budget_ns > 0) {
+        duet_step_shape all = {0}, dec = {0}, first = {0}, none = {0};
+        bool seen = false;
+        for (int k = 0; k < p->n_seqs; k++) {
+            const duet_sched_seq *e = &p->seqs[k];
+            duet_step_shape_add(&all, e->pos, e->n_tokens, e->decode);
+            if (e->decode) duet_step_shape_add(&dec, e->pos, e->n_tokens, true);
+            if (!e->decode && !seen) duet_step_shape_add(&first, e->pos, e->n_tokens, false), seen = true;
+        }
+        double t = duet_step_cost_predict(g_sim_cost, &all), d = duet_step_cost_predict(g_sim_cost, &dec);
+        double f = duet_step_cost_predict(g_sim_cost, &first) - duet_step_cost_predict(g_sim_cost, &none);
+        double b = (double)p->budget_ns * 1e-9;
+        SIM_ASSERT(fabs(t - p->predicted_s) < 1e-9 && t <= (b > d + f ? b : d + f) + 1e-9,
+                   "step predicted %.3f ms (plan %.3f), budget %.3f ms, decodes %.3f ms, first chunk %.3f ms",
+                   t * 1e3, p->predicted_s * 1e3, b * 1e3, d * 1e3, f * 1e3);
+    }
     SIM_ASSERT(n_drafts == 0 || n_decodes <= kn->spec_max_batch,
                "%d drafts in a step of %d decodes (limit %d)", n_drafts, n_decodes, kn->spec_max_batch);
     SIM_ASSERT(sum == p->n_tokens && n_logits == p->n_logits, "plan totals wrong");
@@ -1404,6 +1644,10 @@ static sim_out run_sim(const sim_cfg *cfg) {
     }
     duet_sched *s = NULL;
     SIM_ASSERT(duet__sched_new(&cfg->c, &s) == DUET_OK, "sched_new: %s", duet_last_error());
+    /* The fake device below: 2 ms a step, 20 us a token, 50 us a sequence. */
+    static const duet_step_cost sim_cost = {.coef = {2e-3, 70e-6, 20e-6, 0, 1e-9}};
+    g_sim_cost = cfg->timed ? &sim_cost : NULL;
+    duet__sched_set_cost(s, g_sim_cost);
     sim_out out = {.trace_hash = 1469598103934665603ULL};
     int next = 0, lo = 0;
     int64_t now = 0, step_end = 0, wake = 0;
@@ -1548,6 +1792,8 @@ static sim_out run_sim(const sim_cfg *cfg) {
                 .batch_timeout_ns = sim_int(0, 5) * MS,
                 .spec_max_batch = sim_int(0, cfg->c.max_seqs),
             };
+            if (cfg->timed)
+                k.step_budget_ns[0] = sim_int(0, 6) * MS, k.step_budget_ns[1] = sim_int(0, 12) * MS;
             SIM_CHECK(duet__sched_set_knobs(s, &k) == DUET_OK);
         }
         duet_status cs = duet__sched_check(s);
@@ -1576,6 +1822,9 @@ static sim_out run_sim(const sim_cfg *cfg) {
                   st.waiting[0] + st.waiting[1]);
     out.preemptions = st.preemptions;
     out.throttled = st.spec_throttled;
+    out.budget_cut = st.budget_cut;
+    out.budget_over = st.budget_over;
+    g_sim_cost = NULL;
     out.prefix_hits = st.prefix_hits;
     out.prefix_queries = st.prefix_queries;
     free(g_streams), free(g_content);
@@ -1632,6 +1881,26 @@ START_TEST(test_sim_retuned_knobs) {
             _i + 100, (unsigned long long)o.steps, (unsigned long long)o.finished, (unsigned long long)o.cancelled,
             (unsigned long long)o.refused, (unsigned long long)o.preemptions);
     ck_assert_msg(o.refused > 0, "overload with a retuned queue limit must refuse some arrivals");
+}
+END_TEST
+
+START_TEST(test_sim_step_budget) {
+    /* Step budgets (retuned at random) with the prefill chunks they cut,
+     * under preemption, cancels, failures and speculation. */
+    sim_cfg c = sim_tight_kv(300 + (uint64_t)_i);
+    c.timed = true;
+    c.retune = _i == 1;
+    c.spec_prob = 0.3;
+    c.c.max_tokens = 256;
+    c.c.knobs.max_batch_tokens = 256, c.c.knobs.prefill_chunk = 64, c.c.knobs.spec_max_batch = 4;
+    c.c.knobs.step_budget_ns[0] = 4 * MS, c.c.knobs.step_budget_ns[1] = 6 * MS;
+    sim_out o = run_sim(&c);
+    fprintf(stderr, "sim step budget seed %d: steps %llu finished %llu preemptions %llu cut %llu over %llu\n",
+            _i + 300, (unsigned long long)o.steps, (unsigned long long)o.finished,
+            (unsigned long long)o.preemptions, (unsigned long long)o.budget_cut,
+            (unsigned long long)o.budget_over);
+    ck_assert_msg(o.budget_cut > 100, "the budget must cut chunks (else the test proves little)");
+    ck_assert_msg(o.finished > 1000, "most requests finish (%llu)", (unsigned long long)o.finished);
 }
 END_TEST
 
@@ -1719,6 +1988,10 @@ static Suite *suite(void) {
     tcase_add_test(tc, test_batch_timeout_waits_then_starts);
     tcase_add_test(tc, test_batch_timeout_starts_early_when_full);
     tcase_add_test(tc, test_chunked_prefill_mixed_with_decodes);
+    tcase_add_test(tc, test_budget_keeps_decode_steps_short);
+    tcase_add_test(tc, test_budget_full_chunks_without_decodes);
+    tcase_add_test(tc, test_budget_by_class_and_starvation);
+    tcase_add_test(tc, test_budget_admission_waits_for_time);
     tcase_add_test(tc, test_continuous_batching_reuses_slot);
     tcase_add_test(tc, test_interactive_preempts_batch_and_batch_resumes);
     tcase_add_test(tc, test_decode_growth_preempts_youngest);
@@ -1743,6 +2016,7 @@ static Suite *suite(void) {
     tcase_add_loop_test(sim, test_sim_tight_kv, 0, 3);
     tcase_add_loop_test(sim, test_sim_retuned_knobs, 0, 2);
     tcase_add_test(sim, test_sim_tiny_pool);
+    tcase_add_loop_test(sim, test_sim_step_budget, 0, 2);
     tcase_add_loop_test(sim, test_sim_speculative, 0, 2);
     tcase_add_test(sim, test_sim_is_deterministic);
     tcase_add_loop_test(sim, test_sim_prefix_cache, 0, 2);

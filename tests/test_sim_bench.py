@@ -215,5 +215,44 @@ class Simulate(unittest.TestCase):
         self.assertIn("belong to --simulate", p.stderr)
 
 
+class ServeStepCost(unittest.TestCase):
+    """`duet serve --step-cost FILE`: a profile seeds the model the step
+    budget uses; a broken one is refused with a message naming it."""
+
+    def test_serve_step_cost(self):
+        from duet_server import Server
+        with tempfile.TemporaryDirectory() as d:
+            bad = os.path.join(d, "bad.json")
+            with open(bad, "w") as fh:
+                fh.write("{not json")
+            p = run([DUET, "serve", "-m", MODEL, "--port", "0", "--step-cost", bad], check=False, timeout=60)
+            self.assertNotEqual(p.returncode, 0)
+            self.assertIn("--step-cost", p.stderr)
+            self.assertIn("bad.json", p.stderr)
+            write_profile(bad, [0.01, -1, 0, 0, 0])
+            p = run([DUET, "serve", "-m", MODEL, "--port", "0", "--step-cost", bad], check=False, timeout=60)
+            self.assertNotEqual(p.returncode, 0)
+            self.assertIn("per_decode_token", p.stderr)
+            good = os.path.join(d, "good.json")
+            write_profile(good, [0.002, 0.001, 0.0005, 0, 0])
+            srv = Server(DUET, MODEL, "--step-cost", good, "--slo-itl-ms", "25", ctx=256)
+            try:
+                import urllib.request
+                body = json.dumps({"prompt": "Once upon a time", "max_tokens": 4}).encode()
+                req = urllib.request.Request(srv.base + "/v1/completions", body,
+                                             {"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    self.assertEqual(json.load(r)["object"], "text_completion")
+                with urllib.request.urlopen(srv.base + "/metrics", timeout=60) as r:
+                    metrics = r.read().decode()
+                line = [x for x in metrics.splitlines()
+                        if x.startswith("duet_step_budget_seconds{") and 'priority="interactive"' in x]
+                self.assertEqual(len(line), 1, metrics[:2000])
+                self.assertAlmostEqual(float(line[0].split()[-1]), 0.02, places=9)
+            finally:
+                rc, log = srv.stop()
+            self.assertEqual(rc, 0, log)
+
+
 if __name__ == "__main__":
     unittest.main(argv=sys.argv[:1], verbosity=2)

@@ -57,7 +57,11 @@ static void usage(FILE *f) {
         "  adaptive controller (on when a target is set; retunes batch timeout, batch size, step budget):\n"
         "      --slo-ttft-ms T         p99 time-to-first-token target: MS (interactive requests) or\n"
         "                              interactive=MS,batch=MS\n"
-        "      --slo-itl-ms T          p99 inter-token latency target, the same way\n"
+        "      --slo-itl-ms T          p99 inter-token latency target, the same way; steps with decodes of\n"
+        "                              the class are sized to a share of it: prompt chunks shrink so the\n"
+        "                              step-cost model's predicted step time fits (stall-free steps)\n"
+        "      --step-cost FILE        the step-cost model `duet profile` wrote: seeds the model the engine\n"
+        "                              fits online (default: learnt from the warm-up and the steps)\n"
         "  instances (repeat --instance for several engines behind one router):\n"
         "      --instance SPEC         one engine: KEY=VALUE,... with keys backend, device, tier\n"
         "                              (interactive|batch), threads, ctx, max-batch-seqs,\n"
@@ -124,7 +128,8 @@ enum {
     O_SLO_ITL,
     O_INSTANCE,
     O_SPILL,
-    O_TIER_BLIND
+    O_TIER_BLIND,
+    O_STEP_COST
 };
 
 static const struct option opts[] = {
@@ -151,6 +156,7 @@ static const struct option opts[] = {
     {"spec-max-batch", required_argument, 0, O_SPEC_MAX_BATCH},
     {"slo-ttft-ms", required_argument, 0, O_SLO_TTFT},
     {"slo-itl-ms", required_argument, 0, O_SLO_ITL},
+    {"step-cost", required_argument, 0, O_STEP_COST},
     {"config", required_argument, 0, O_CONFIG},
     {"drain-timeout", required_argument, 0, O_DRAIN},
     {"max-connections", required_argument, 0, O_MAX_CONN},
@@ -178,6 +184,7 @@ typedef struct serve_opts {
     const char *instances[MAX_INSTANCES]; /* --instance specs */
     int n_instances;
     duet_fleet_params fleet;
+    const char *step_cost; /* --step-cost FILE */
 } serve_opts;
 
 /* A latency target per priority class: "MS" (interactive) or
@@ -249,6 +256,9 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         return parse_slo("--slo-ttft-ms", v, ep->slo_ttft_ms);
     case O_SLO_ITL:
         return parse_slo("--slo-itl-ms", v, ep->slo_itl_ms);
+    case O_STEP_COST:
+        o->step_cost = v;
+        return true;
     case O_CONFIG: o->config = v; return true;
     case O_DRAIN:
         if (!cli_float("--drain-timeout", v, 0, 86400, &f)) return false;
@@ -523,6 +533,14 @@ int cmd_serve(int argc, char **argv) {
         goto out;
     }
     if (!o.srv.api_key && getenv("DUET_API_KEY") && *getenv("DUET_API_KEY")) o.srv.api_key = getenv("DUET_API_KEY");
+    duet_step_cost step_cost;
+    if (o.step_cost) {
+        if (duet_step_cost_load(o.step_cost, &step_cost)) {
+            fprintf(stderr, "duet: --step-cost %s: %s\n", o.step_cost, duet_last_error());
+            goto out;
+        }
+        o.ep.step_cost = &step_cost;
+    }
     rc = 1;
     if (!o.model && !(o.model = cli_default_model())) goto out;
     if (!o.srv.model_name) {
