@@ -34,6 +34,10 @@ static const char usage[] =
     "  --peer LABEL=URL           also run every load point against this OpenAI-compatible server (repeat\n"
     "                             for more), alternating point by point with the target; writes\n"
     "                             comparison.md/.png (the target is named by --label, default duet)\n"
+    "  --per-instance             --base-url of a duet server with several instances (--instance):\n"
+    "                             every load point against each instance in turn (pinned with the\n"
+    "                             X-Duet-Instance header), alternating point by point; writes\n"
+    "                             comparison.md/.csv/.png, the instances labelled backend/device/tier\n"
     "  --endpoint PATH            default /v1/completions\n"
     "  --served-model-name NAME   the \"model\" field (default: the first id of GET /v1/models)\n"
     "  --simulate PROFILE         no server: the engine's scheduler on a virtual clock, steps costed by the\n"
@@ -247,19 +251,26 @@ static bool append_points(db_sweep *dst, db_sweep *src) {
     return true;
 }
 
-/* --peer: every load point against the target, then against each peer,
+/* One server of a side-by-side comparison (--peer, --per-instance). */
+typedef struct db_target {
+    char label[128];
+    char url[512];    /* "" = the configured target itself (--base-url or --serve-cmd) */
+    db_instance inst; /* --per-instance: the instance pinned (inst.name "" = none) */
+} db_target;
+#define DB_MAX_TARGETS 16
+
+/* --peer and --per-instance: every load point against each target in turn,
  * then the next point: drift on a shared machine (other work, thermal
- * state) then hits every server alike. Each (point, server) pair is one
+ * state) then hits every target alike. Each (point, target) pair is one
  * sweep of one point, with its own warm-up. */
-static int run_compare(db_config *c, const db_peer *peers, int n_peers, const char *command) {
+static int run_compare(db_config *c, const db_target *tg, int n_t, const char *command) {
     char top[1024];
     if (c->output_dir)
         snprintf(top, sizeof top, "%s", c->output_dir);
     else
         default_dir("compare", top, sizeof top);
-    int n_t = 1 + n_peers;
     int n_load = c->n_sweep_rate ? c->n_sweep_rate : c->n_sweep_conc ? c->n_sweep_conc : 1;
-    db_sweep sw[1 + DB_MAX_PEERS];
+    db_sweep sw[DB_MAX_TARGETS];
     memset(sw, 0, sizeof sw);
     bool all_ok = true;
     for (int il = 0; il < n_load; il++)
@@ -267,13 +278,14 @@ static int run_compare(db_config *c, const db_peer *peers, int n_peers, const ch
             db_config cc = *c;
             if (c->n_sweep_rate) cc.sweep_rate[0] = c->sweep_rate[il], cc.n_sweep_rate = 1;
             if (c->n_sweep_conc) cc.sweep_conc[0] = c->sweep_conc[il], cc.n_sweep_conc = 1;
-            const char *label = t == 0 ? (c->label ? c->label : "duet") : peers[t - 1].label;
+            const char *label = tg[t].label;
             cc.label = label;
-            if (t > 0) {
+            if (tg[t].url[0]) {
                 cc.serve_cmd = NULL;
-                snprintf(cc.http.base_url, sizeof cc.http.base_url, "%s", peers[t - 1].url);
+                snprintf(cc.http.base_url, sizeof cc.http.base_url, "%s", tg[t].url);
                 cc.http.model_name[0] = 0; /* each server names its own model */
             }
+            snprintf(cc.http.instance, sizeof cc.http.instance, "%s", tg[t].inst.name);
             char slug[200];
             db_slug(slug, sizeof slug, label);
             db_sweep one = {0};
@@ -282,6 +294,13 @@ static int run_compare(db_config *c, const db_peer *peers, int n_peers, const ch
             printf("\n=== load point %d/%d: %s ===\n", il + 1, n_load, label);
             fflush(stdout);
             bool ok = db_sweep_run(&cc, c->backend, c->device, &one);
+            if (tg[t].inst.name[0]) { /* the instance, as the server describes it */
+                db_meta *m = &one.meta;
+                snprintf(m->backend, sizeof m->backend, "%s", tg[t].inst.backend);
+                snprintf(m->device, sizeof m->device, "%s", tg[t].inst.device);
+                snprintf(m->instance, sizeof m->instance, "%s", tg[t].inst.name);
+                snprintf(m->tier, sizeof m->tier, "%s", tg[t].inst.tier);
+            }
             if (!ok) {
                 fprintf(stderr, "duet-bench: %s: %s\n", label, one.why);
                 all_ok = false;
@@ -304,7 +323,7 @@ static int run_compare(db_config *c, const db_peer *peers, int n_peers, const ch
     for (int t = 0; t < n_t; t++) {
         snprintf(sw[t].meta.command, sizeof sw[t].meta.command, "%s", command);
         db_sweep_pick_op(c, &sw[t]);
-        printf("\n%s:", t == 0 ? (c->label ? c->label : "duet") : peers[t - 1].label);
+        printf("\n%s:", tg[t].label);
         print_table(&sw[t]);
         if (sw[t].n_points) db_report_write(c, &sw[t], sw[t].dir);
         db_report_print_op(c, &sw[t]);
@@ -314,6 +333,26 @@ static int run_compare(db_config *c, const db_peer *peers, int n_peers, const ch
     for (int t = 0; t < n_t; t++)
         db_sweep_free(&sw[t]);
     return all_ok ? 0 : 1;
+}
+
+/* --per-instance: the targets are the server's instances. */
+static int per_instance_targets(const db_config *c, db_target *tg) {
+    db_instance inst[DB_MAX_TARGETS];
+    char err[512];
+    int n = db_http_instances(c->http.base_url, inst, DB_MAX_TARGETS, err, sizeof err);
+    if (n < 0) {
+        fprintf(stderr, "duet-bench: --per-instance: %s\n", err);
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        memset(&tg[i], 0, sizeof tg[i]);
+        tg[i].inst = inst[i];
+        snprintf(tg[i].label, sizeof tg[i].label, "%.60s-%.40s-%.15s", inst[i].name, inst[i].backend,
+                 inst[i].tier);
+        printf("instance %s: %s on %s, tier %s, max_batch_seqs %d%s\n", inst[i].name, inst[i].backend,
+               inst[i].device, inst[i].tier, inst[i].max_batch_seqs, inst[i].healthy ? "" : " (unhealthy)");
+    }
+    return n;
 }
 
 int main(int argc, char **argv) {
@@ -332,8 +371,9 @@ int main(int argc, char **argv) {
     const char *host = NULL;
     int port = 0;
     bool goodput_given = false;
-    db_peer peers[DB_MAX_PEERS];
+    db_target peers[1 + DB_MAX_PEERS];
     int n_peers = 0;
+    bool per_instance = false;
 
 #define NEED_ARG()                                                                                           \
     do {                                                                                                     \
@@ -393,10 +433,13 @@ int main(int argc, char **argv) {
                         DB_MAX_PEERS, v);
                 ok = false;
             } else {
-                snprintf(peers[n_peers].label, sizeof peers[n_peers].label, "%.*s", (int)(eq - v), v);
-                snprintf(peers[n_peers].url, sizeof peers[n_peers].url, "%s", eq + 1);
-                n_peers++;
+                db_target *p = &peers[1 + n_peers++];
+                memset(p, 0, sizeof *p);
+                snprintf(p->label, sizeof p->label, "%.*s", (int)(eq - v), v);
+                snprintf(p->url, sizeof p->url, "%s", eq + 1);
             }
+        } else if (!strcmp(a, "--per-instance")) {
+            per_instance = true;
         } else if (!strcmp(a, "--all-devices")) {
             c.all_devices = true;
         } else if (!strcmp(a, "--serve-cmd")) {
@@ -636,6 +679,11 @@ int main(int argc, char **argv) {
                         "--base-url or --serve-cmd, without knob sweeps or --all-devices\n");
         return 2;
     }
+    if (per_instance && (!c.http.base_url[0] || n_peers || c.all_devices)) {
+        fprintf(stderr, "duet-bench: --per-instance compares the instances of one running duet server: it "
+                        "needs --base-url, without --peer or --all-devices\n");
+        return 2;
+    }
     if (c.num_prompts == 0) c.num_prompts = c.load.duration_s > 0 ? -1 : 100;
     /* p50 and p99 feed the plots and the operating point. */
     ensure_pct(&c, 50);
@@ -655,7 +703,16 @@ int main(int argc, char **argv) {
             "duet-bench: gnuplot not found (or it lacks the png terminals): CSV and JSON only, no plots\n");
 
     if (c.find_instances) return db_sim_find_instances(&c, command);
-    if (n_peers) return run_compare(&c, peers, n_peers, command);
+    if (n_peers) {
+        memset(&peers[0], 0, sizeof peers[0]); /* the target itself first */
+        snprintf(peers[0].label, sizeof peers[0].label, "%s", c.label ? c.label : "duet");
+        return run_compare(&c, peers, 1 + n_peers, command);
+    }
+    if (per_instance) {
+        db_target tg[DB_MAX_TARGETS];
+        int n = per_instance_targets(&c, tg);
+        return n < 0 ? 2 : run_compare(&c, tg, n, command);
+    }
     if (!c.all_devices) {
         db_sweep s = {0};
         bool ok = run_one(&c, c.backend, c.device, c.output_dir, &s, command);

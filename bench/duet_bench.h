@@ -290,6 +290,7 @@ typedef struct db_http {
     char base_url[512];
     char endpoint[128];   /* "/v1/completions" */
     char model_name[256]; /* sent as "model"; "" = omit */
+    char instance[64];    /* sent as the X-Duet-Instance header (pins the request there); "" = none */
 } db_http;
 
 /* Runs one point against an HTTP server: results[i] for prompts[i].
@@ -302,6 +303,17 @@ bool db_http_run(const db_http *h, const db_prompt *prompts, int n, const db_loa
 char *db_http_get(const char *base_url, const char *path, double timeout_s, long *status);
 /* The first model id of GET /v1/models into buf; false when unknown. */
 bool db_http_model_id(const char *base_url, char *buf, size_t size);
+
+/* One instance of a duet server, as GET /v1/models lists it. */
+typedef struct db_instance {
+    char name[64], backend[64], device[256], tier[16];
+    int max_batch_seqs;
+    bool healthy;
+} db_instance;
+/* The instances of the server's first model (duet's "instances" field of
+ * GET /v1/models) into out[max]; their count, or -1 with a message in err
+ * when the server does not list any (not duet, or too old). */
+int db_http_instances(const char *base_url, db_instance *out, int max, char *err, size_t esize);
 
 /* Runs one point against an engine in this process. */
 bool db_inproc_run(duet_engine *e, const db_prompt *prompts, int n, const db_load *load,
@@ -332,6 +344,7 @@ typedef struct db_point {
 typedef struct db_meta {
     char device[256], driver[256], backend[64], model[512], mode[32];
     char commit[64], started[32], host[128];
+    char instance[64], tier[16]; /* --per-instance: the server's instance and its tier ("" otherwise) */
     char command[2048];
     int device_index;
 } db_meta;
@@ -397,10 +410,6 @@ typedef struct db_sweep {
 
 /* --peer LABEL=URL: another OpenAI-compatible server run side by side. */
 #define DB_MAX_PEERS 7
-typedef struct db_peer {
-    char label[64];
-    char url[512];
-} db_peer;
 
 /* Runs every sweep point on one target (backend/device or URL). */
 bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_sweep *out);

@@ -95,6 +95,49 @@ bool db_http_model_id(const char *base_url, char *buf, size_t size) {
     return ok;
 }
 
+int db_http_instances(const char *base_url, db_instance *out, int max, char *err, size_t esize) {
+    long status = 0;
+    char *body = db_http_get(base_url, "/v1/models", 10, &status);
+    if (!body) {
+        snprintf(err, esize, "GET %s/v1/models failed (HTTP %ld)", base_url, status);
+        return -1;
+    }
+    cJSON *o = cJSON_Parse(body);
+    free(body);
+    const cJSON *data = o ? cJSON_GetObjectItemCaseSensitive(o, "data") : NULL;
+    const cJSON *first = cJSON_IsArray(data) ? data->child : NULL;
+    const cJSON *arr = first ? cJSON_GetObjectItemCaseSensitive(first, "instances") : NULL;
+    if (!cJSON_IsArray(arr) || !arr->child) {
+        snprintf(err, esize, "%s/v1/models lists no instances (not a duet server, or an older one)",
+                 base_url);
+        cJSON_Delete(o);
+        return -1;
+    }
+    int n = 0;
+    const cJSON *it;
+    cJSON_ArrayForEach(it, arr) {
+        if (n == max) {
+            snprintf(err, esize, "the server has more than %d instances", max);
+            cJSON_Delete(o);
+            return -1;
+        }
+        db_instance *d = &out[n++];
+        memset(d, 0, sizeof *d);
+        static const char *const keys[4] = {"name", "backend", "device", "tier"};
+        char *dst[4] = {d->name, d->backend, d->device, d->tier};
+        size_t sz[4] = {sizeof d->name, sizeof d->backend, sizeof d->device, sizeof d->tier};
+        for (int k = 0; k < 4; k++) {
+            const cJSON *v = cJSON_GetObjectItemCaseSensitive(it, keys[k]);
+            snprintf(dst[k], sz[k], "%s", cJSON_IsString(v) ? v->valuestring : "?");
+        }
+        const cJSON *mbs = cJSON_GetObjectItemCaseSensitive(it, "max_batch_seqs");
+        d->max_batch_seqs = cJSON_IsNumber(mbs) ? mbs->valueint : 0;
+        d->healthy = !cJSON_IsFalse(cJSON_GetObjectItemCaseSensitive(it, "healthy"));
+    }
+    cJSON_Delete(o);
+    return n;
+}
+
 /* ---- streaming requests ----------------------------------------------------- */
 
 typedef struct hc_req {
@@ -258,6 +301,11 @@ static bool hc_start(CURLM *multi, hc_req *q, const db_http *h, const db_prompt 
     snprintf(url, sizeof url, "%s%s", h->base_url, h->endpoint);
     q->hdrs = curl_slist_append(NULL, "Content-Type: application/json");
     q->hdrs = curl_slist_append(q->hdrs, "Accept: text/event-stream");
+    if (h->instance[0]) {
+        char pin[128];
+        snprintf(pin, sizeof pin, "X-Duet-Instance: %s", h->instance);
+        q->hdrs = curl_slist_append(q->hdrs, pin);
+    }
     /* A server started with --api-key: the key from the environment, as
      * OpenAI's clients take OPENAI_API_KEY. */
     const char *key = getenv("DUET_API_KEY");

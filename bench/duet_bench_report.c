@@ -228,6 +228,10 @@ static cJSON *meta_json(const db_config *cfg, const db_meta *m) {
     cJSON_AddStringToObject(o, "device", m->device);
     cJSON_AddNumberToObject(o, "device_index", m->device_index);
     cJSON_AddStringToObject(o, "driver", m->driver);
+    if (m->instance[0]) {
+        cJSON_AddStringToObject(o, "instance", m->instance);
+        cJSON_AddStringToObject(o, "tier", m->tier);
+    }
     cJSON_AddStringToObject(o, "model", m->model);
     cJSON_AddStringToObject(o, "commit", m->commit);
     cJSON_AddStringToObject(o, "started", m->started);
@@ -803,10 +807,18 @@ bool db_report_compare(const db_config *cfg, const db_sweep *sw, int n, const ch
             cfg->model_path ? cfg->model_path : "", n ? sw[0].meta.commit : "", n ? sw[0].meta.started : "",
             n ? sw[0].meta.host : "", n ? sw[0].meta.command : "");
     fprintf(f, "- targets: p99 TTFT <= %g ms, p99 ITL <= %g ms\n\n", cfg->slo_ttft_ms, cfg->slo_itl_ms);
-    fprintf(
-        f,
-        "| backend | device | driver | status | best out tok/s | operating point | op out tok/s | op req/s | "
-        "op TTFT p99 | op ITL p99 | results |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
+    /* --per-instance: the instances of one server, named as it names them. */
+    bool inst = n > 0 && sw[0].meta.instance[0];
+    if (inst)
+        fprintf(f,
+                "| instance | backend | device | tier | status | best out tok/s | operating point | op out "
+                "tok/s | op req/s | op TTFT p99 | op ITL p99 | results |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    else
+        fprintf(
+            f,
+            "| backend | device | driver | status | best out tok/s | operating point | op out tok/s | op "
+            "req/s | op TTFT p99 | op ITL p99 | results |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     for (int i = 0; i < n; i++) {
         const db_sweep *s = &sw[i];
         double best = NAN;
@@ -816,8 +828,12 @@ bool db_report_compare(const db_config *cfg, const db_sweep *sw, int n, const ch
         char rel[256];
         const char *slash = strrchr(s->dir, '/');
         snprintf(rel, sizeof rel, "%s", slash ? slash + 1 : s->dir);
-        fprintf(f, "| %s | %s | %s | %s |", s->meta.backend, s->meta.device, s->meta.driver,
-                s->failed ? (s->n_points ? "incomplete" : "unavailable") : "ok");
+        if (inst)
+            fprintf(f, "| %s | %s | %s | %s |", s->meta.instance, s->meta.backend, s->meta.device,
+                    s->meta.tier);
+        else
+            fprintf(f, "| %s | %s | %s |", s->meta.backend, s->meta.device, s->meta.driver);
+        fprintf(f, " %s |", s->failed ? (s->n_points ? "incomplete" : "unavailable") : "ok");
         md_num(f, "%.1f", best);
         if (s->op >= 0) {
             const db_point *pt = &s->points[s->op];
@@ -839,22 +855,50 @@ bool db_report_compare(const db_config *cfg, const db_sweep *sw, int n, const ch
     }
     for (int i = 0; i < n; i++)
         if (sw[i].failed) fprintf(f, "\n- %s/%s: %s", sw[i].meta.backend, sw[i].meta.device, sw[i].why);
-    fprintf(f, "\n\n![p99 latency against throughput on every device](comparison.png)\n");
+    /* Every load point, the targets side by side. */
+    int most = 0;
+    for (int i = 0; i < n; i++)
+        if (sw[i].n_points > most) most = sw[i].n_points;
+    fprintf(f, "\n\n## Every point\n\n| point | load | target | completed | failed | out tok/s | TTFT p50 | "
+               "TTFT p90 | TTFT p99 | ITL p50 | ITL p90 | ITL p99 |\n"
+               "|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+    for (int p = 0; p < most; p++)
+        for (int i = 0; i < n; i++) {
+            if (p >= sw[i].n_points) continue;
+            const db_point *pt = &sw[i].points[p];
+            char ld[128], who[400];
+            load_text(&pt->load, ld, sizeof ld);
+            if (inst)
+                snprintf(who, sizeof who, "%s: %s/%s/%s", sw[i].meta.instance, sw[i].meta.backend,
+                         sw[i].meta.device, sw[i].meta.tier);
+            else
+                snprintf(who, sizeof who, "%s/%s", sw[i].meta.backend, sw[i].meta.device);
+            fprintf(f, "| %d | %s | %s | %d | %d |", p, ld, who, pt->stats.completed, pt->stats.failed);
+            md_num(f, "%.1f", pt->stats.output_throughput);
+            const db_summary *m[2] = {&pt->stats.ttft, &pt->stats.itl};
+            for (int k = 0; k < 2; k++)
+                for (int q = 0; q < 3; q++)
+                    md_num(f, "%.1f", db_stats_pct(&pt->stats, m[k], q == 0 ? 50 : q == 1 ? 90 : 99));
+            fputc('\n', f);
+        }
+    fprintf(f, "\nTimes in ms. Points alternate between the targets (--peer, --per-instance) or follow each "
+               "other (--all-devices); see each target's summary.md for the machine's load.\n");
+    fprintf(f, "\n![p99 latency against throughput on every device](comparison.png)\n");
     fclose(f);
 
     /* comparison.csv: every point of every device, one table. */
     f = open_in(dir, "comparison.csv", path, sizeof path);
     if (!f) return false;
-    fprintf(
-        f,
-        "backend,device,driver,point,request_rate,max_concurrency,batch_timeout_ms,max_batch_seqs,completed,"
-        "failed,output_throughput,request_throughput,ttft_p50_ms,ttft_p99_ms,itl_p50_ms,itl_p99_ms,"
-        "mean_batch_size,device_busy_ratio,operating_point\n");
+    fprintf(f, "backend,device,driver,instance,tier,point,request_rate,max_concurrency,batch_timeout_ms,max_"
+               "batch_seqs,completed,"
+               "failed,output_throughput,request_throughput,ttft_p50_ms,ttft_p99_ms,itl_p50_ms,itl_p99_ms,"
+               "mean_batch_size,device_busy_ratio,operating_point\n");
     for (int i = 0; i < n; i++)
         for (int p = 0; p < sw[i].n_points; p++) {
             const db_point *pt = &sw[i].points[p];
             csv_str(f, sw[i].meta.backend), fputc(',', f), csv_str(f, sw[i].meta.device), fputc(',', f);
-            csv_str(f, sw[i].meta.driver);
+            csv_str(f, sw[i].meta.driver), fputc(',', f), csv_str(f, sw[i].meta.instance), fputc(',', f);
+            csv_str(f, sw[i].meta.tier);
             fprintf(f, ",%d,", p);
             csv_num(f, pt->load.rate), fputc(',', f);
             if (pt->load.max_concurrency > 0) fprintf(f, "%d", pt->load.max_concurrency);
@@ -913,7 +957,11 @@ bool db_report_compare(const db_config *cfg, const db_sweep *sw, int n, const ch
             fprintf(d, "\n\n");
         }
         char both[400];
-        snprintf(both, sizeof both, "%s: %s", sw[i].meta.backend, sw[i].meta.device);
+        if (sw[i].meta.instance[0])
+            snprintf(both, sizeof both, "%s: %s, %s", sw[i].meta.instance, sw[i].meta.backend,
+                     sw[i].meta.tier);
+        else
+            snprintf(both, sizeof both, "%s: %s", sw[i].meta.backend, sw[i].meta.device);
         gp_title(names[blocks], sizeof names[blocks], both);
         blocks++;
     }

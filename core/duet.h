@@ -704,6 +704,14 @@ void duet_fleet_free(duet_fleet *f);
  * instance can serve. */
 duet_status duet_fleet_submit(duet_fleet *f, const duet_request *req, duet_event_fn fn, void *user,
                               uint64_t *id);
+/* As duet_fleet_submit, on instance `inst` (0..size-1) whatever its tier
+ * and load: a benchmark comparing the instances, a client placing its own
+ * requests; -1 lets the router pick. A pinned request is never retried
+ * elsewhere: when its instance fails it ends with DONE(ERROR). Counted in
+ * the instance's routed and pinned metrics. DUET_INVALID_ARGUMENT for an
+ * instance out of range, DUET_DEVICE_LOST when it has failed. */
+duet_status duet_fleet_submit_to(duet_fleet *f, int inst, const duet_request *req, duet_event_fn fn,
+                                 void *user, uint64_t *id);
 duet_status duet_fleet_cancel(duet_fleet *f, uint64_t id);
 /* True while any instance is healthy; `why` lists the ones that are not. */
 bool duet_fleet_healthy(duet_fleet *f, char *why, size_t why_size);
@@ -716,6 +724,18 @@ duet_status duet_fleet_warmup(duet_fleet *f);
 char *duet_fleet_metrics(duet_fleet *f);
 int duet_fleet_size(const duet_fleet *f);
 duet_engine *duet_fleet_engine(duet_fleet *f, int i);
+/* One instance as the fleet labels it (strings owned by the fleet). */
+typedef struct duet_fleet_instance_desc {
+    const char *name;    /* its `instance` label (duet_fleet_instance.name, or its index) */
+    const char *backend; /* "cpu", "vulkan", "opencl" */
+    const char *device;  /* the device's name */
+    duet_priority tier;
+    int max_batch_seqs; /* its current knob */
+    bool healthy;       /* false once its device is lost */
+} duet_fleet_instance_desc;
+duet_status duet_fleet_describe(duet_fleet *f, int i, duet_fleet_instance_desc *out);
+/* The index of the instance named `name`, or -1. */
+int duet_fleet_find(const duet_fleet *f, const char *name);
 /* The first instance's model (tokenizer, chat template, description). */
 const duet_model *duet_fleet_model(const duet_fleet *f);
 /* The least of the instances' duet_engine_max_sequence_tokens. */

@@ -204,9 +204,26 @@ static bool req_copy(fleet_req *r, const duet_request *q) {
     return true;
 }
 
-duet_status duet_fleet_submit(duet_fleet *f, const duet_request *q, duet_event_fn fn, void *user,
-                              uint64_t *id) {
+/* Routes record fid: to `pin` when >= 0, else where the router says. */
+static duet_status route(duet_fleet *f, uint64_t fid, const duet_request *q, int pin, int *inst) {
+    duet_status st = pin >= 0
+                         ? duet__router_route_to(f->router, fid, q->priority, q->n_prompt, q->max_tokens, pin)
+                         : duet__router_route(f->router, fid, q->priority, q->n_prompt, q->max_tokens, inst);
+    if (pin >= 0 && !st) *inst = pin;
+    if (st == DUET_NO_DEVICE && pin >= 0)
+        return duet__error(DUET_DEVICE_LOST, "instance %s cannot serve: its device was lost",
+                           f->inst[pin].name);
+    if (st == DUET_NO_DEVICE)
+        return duet__error(DUET_DEVICE_LOST, "no instance can serve: every device was lost");
+    return st;
+}
+
+duet_status duet_fleet_submit_to(duet_fleet *f, int pin, const duet_request *q, duet_event_fn fn, void *user,
+                                 uint64_t *id) {
     if (!f || !q || !fn) return duet__error(DUET_INVALID_ARGUMENT, "fleet submit: NULL argument");
+    if (pin < -1 || pin >= f->n)
+        return duet__error(DUET_INVALID_ARGUMENT, "fleet submit: no instance %d (0..%d, or -1)", pin,
+                           f->n - 1);
     if (q->n_prompt < 1 || !q->prompt) return duet__error(DUET_BAD_REQUEST, "the prompt is empty");
     if (q->max_tokens < 1) return duet__error(DUET_BAD_REQUEST, "max_tokens %d must be >= 1", q->max_tokens);
     if (q->n_stop < 0 || q->n_stop > DUET_MAX_STOP || (q->n_stop && !q->stop))
@@ -231,23 +248,20 @@ duet_status duet_fleet_submit(duet_fleet *f, const duet_request *q, duet_event_f
     r->user = user;
     sync_instances(f);
     int inst = -1;
-    duet_status st = duet__router_route(f->router, fid, q->priority, q->n_prompt, q->max_tokens, &inst);
+    duet_status st = route(f, fid, q, pin, &inst);
     pthread_mutex_unlock(&f->mu);
-    if (st == DUET_NO_DEVICE)
-        st = duet__error(DUET_DEVICE_LOST, "no instance can serve: every device was lost");
     if (!st && !req_copy(r, q)) st = duet__error(DUET_OUT_OF_MEMORY, "fleet submit: out of memory");
     while (!st) {
         st = submit_to(f, r, inst);
         if (st != DUET_DEVICE_LOST) break;
         /* The instance lost its device since the last look: take it out,
-         * and try the router's next pick (this is no retry: nothing ran). */
+         * and try the router's next pick (this is no retry: nothing ran);
+         * a pinned request has no other pick. */
         pthread_mutex_lock(&f->mu);
         duet__router_fail_instance(f->router, inst, NULL, 0);
         duet__router_done(f->router, fid);
-        st = duet__router_route(f->router, fid, q->priority, q->n_prompt, q->max_tokens, &inst);
+        st = route(f, fid, q, pin, &inst);
         pthread_mutex_unlock(&f->mu);
-        if (st == DUET_NO_DEVICE)
-            st = duet__error(DUET_DEVICE_LOST, "no instance can serve: every device was lost");
     }
     if (st) {
         pthread_mutex_lock(&f->mu);
@@ -258,6 +272,11 @@ duet_status duet_fleet_submit(duet_fleet *f, const duet_request *q, duet_event_f
     }
     if (id) *id = fid;
     return DUET_OK;
+}
+
+duet_status duet_fleet_submit(duet_fleet *f, const duet_request *q, duet_event_fn fn, void *user,
+                              uint64_t *id) {
+    return duet_fleet_submit_to(f, -1, q, fn, user, id);
 }
 
 duet_status duet_fleet_cancel(duet_fleet *f, uint64_t id) {
@@ -344,6 +363,31 @@ duet_status duet_fleet_warmup(duet_fleet *f) {
     return DUET_OK;
 }
 
+int duet_fleet_find(const duet_fleet *f, const char *name) {
+    for (int i = 0; name && i < f->n; i++)
+        if (!strcmp(f->inst[i].name, name)) return i;
+    return -1;
+}
+
+duet_status duet_fleet_describe(duet_fleet *f, int i, duet_fleet_instance_desc *out) {
+    if (!f || !out || i < 0 || i >= f->n)
+        return duet__error(DUET_INVALID_ARGUMENT, "fleet describe: no instance %d", i);
+    fleet_inst *fi = &f->inst[i];
+    duet_metrics_summary s;
+    duet__metrics_summary(duet__engine_metrics(fi->e), &s);
+    duet_router_instance_stats rs;
+    pthread_mutex_lock(&f->mu);
+    duet__router_instance_stats(f->router, i, &rs);
+    pthread_mutex_unlock(&f->mu);
+    *out = (duet_fleet_instance_desc){.name = fi->name,
+                                      .backend = fi->backend,
+                                      .device = fi->device,
+                                      .tier = fi->tier,
+                                      .max_batch_seqs = (int)s.gauges.max_batch_seqs,
+                                      .healthy = s.healthy && !rs.failed};
+    return DUET_OK;
+}
+
 int duet_fleet_size(const duet_fleet *f) {
     return f->n;
 }
@@ -406,7 +450,11 @@ char *duet_fleet_metrics(duet_fleet *f) {
         {"duet_instance_requests_finished_total", "counter", "Requests the instance finished (any outcome)."},
         {"duet_instance_device_busy_seconds_total", "counter", "Device time of the instance's steps."},
         {"duet_router_requests_routed_total", "counter",
-         "Requests the router sent to the instance (retries included)."},
+         "Requests the router sent to the instance (retries and pinned requests included)."},
+        {"duet_router_requests_pinned_total", "counter",
+         "Requests pinned to the instance by their client (duet_fleet_submit_to; the server's "
+         "X-Duet-Instance "
+         "request header)."},
         {"duet_router_outstanding_tokens", "gauge",
          "Tokens still to compute for the requests routed to the instance."},
         {"duet_router_speed_tokens_per_second", "gauge", "The router's estimate of the instance's speed."},
@@ -450,6 +498,9 @@ char *duet_fleet_metrics(duet_fleet *f) {
                 v = (double)rs[i].routed;
                 break;
             case 10:
+                v = (double)rs[i].pinned;
+                break;
+            case 11:
                 v = (double)rs[i].outstanding;
                 break;
             default:

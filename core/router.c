@@ -15,6 +15,7 @@ typedef struct rreq {
     bool used;
     bool streamed; /* a token went out: no retry after a failure */
     bool retried;  /* routed a second time after a failure */
+    bool pinned;   /* placed by route_to: never moved */
     int inst;
     int tier;
     int n_prompt, max_tokens;
@@ -27,7 +28,7 @@ typedef struct rinst {
     double speed;
     int64_t outstanding;
     int requests;
-    uint64_t routed;
+    uint64_t routed, pinned;
 } rinst;
 
 struct duet_router {
@@ -219,22 +220,26 @@ static int choose(duet_router *r, const int *cand, int n, int64_t work) {
     return best;
 }
 
-/* Places q on an instance chosen for it; false when none is live. */
-static bool place(duet_router *r, rreq *q) {
-    int cand[DUET_ROUTER_MAX_INSTANCES];
-    int64_t work = (int64_t)q->n_prompt + q->max_tokens;
-    int n = candidates(r, q->tier, cand);
-    if (!n) return false;
-    int i = choose(r, cand, n, work);
+/* Puts q's work on instance i. */
+static void put(duet_router *r, rreq *q, int i) {
     rinst *in = &r->inst[i];
     q->inst = i;
-    q->work = work;
+    q->work = (int64_t)q->n_prompt + q->max_tokens;
     q->streamed = false;
-    in->outstanding += work;
+    in->outstanding += q->work;
     in->requests++;
     in->routed++;
     r->st.routed++;
-    if (!r->cfg.tier_blind && (int)in->cfg.tier != q->tier) r->st.spills++;
+}
+
+/* Places q on an instance chosen for it; false when none is live. */
+static bool place(duet_router *r, rreq *q) {
+    int cand[DUET_ROUTER_MAX_INSTANCES];
+    int n = candidates(r, q->tier, cand);
+    if (!n) return false;
+    int i = choose(r, cand, n, (int64_t)q->n_prompt + q->max_tokens);
+    put(r, q, i);
+    if (!r->cfg.tier_blind && (int)r->inst[i].cfg.tier != q->tier) r->st.spills++;
     r->rr_next = (i + 1) % r->cfg.n_instances;
     return true;
 }
@@ -249,10 +254,8 @@ static void unplace(duet_router *r, rreq *q) {
 
 /* ---- events ------------------------------------------------------------------ */
 
-duet_status duet__router_route(duet_router *r, uint64_t id, duet_priority tier, int n_prompt, int max_tokens,
-                               int *inst) {
-    if (!r || !inst) return duet__error(DUET_INVALID_ARGUMENT, "router: NULL argument");
-    *inst = -1;
+/* The checks every new request passes; DUET_OK when it may be routed. */
+static duet_status admit(duet_router *r, uint64_t id, duet_priority tier, int n_prompt, int max_tokens) {
     if (tier != DUET_PRIORITY_INTERACTIVE && tier != DUET_PRIORITY_BATCH)
         return duet__error(DUET_INVALID_ARGUMENT, "router: tier %d", (int)tier);
     if (n_prompt < 1 || max_tokens < 1)
@@ -263,18 +266,52 @@ duet_status duet__router_route(duet_router *r, uint64_t id, duet_priority tier, 
                            (unsigned long long)id);
     if (r->in_flight >= r->cfg.max_requests)
         return duet__error(DUET_QUEUE_FULL, "router: %d requests in flight", r->in_flight);
+    return DUET_OK;
+}
+
+static rreq *add(duet_router *r, uint64_t id, duet_priority tier, int n_prompt, int max_tokens) {
+    rreq *q = insert(r, id);
+    q->tier = tier;
+    q->n_prompt = n_prompt;
+    q->max_tokens = max_tokens;
+    r->in_flight++;
+    return q;
+}
+
+duet_status duet__router_route(duet_router *r, uint64_t id, duet_priority tier, int n_prompt, int max_tokens,
+                               int *inst) {
+    if (!r || !inst) return duet__error(DUET_INVALID_ARGUMENT, "router: NULL argument");
+    *inst = -1;
+    duet_status st = admit(r, id, tier, n_prompt, max_tokens);
+    if (st) return st;
     int cand[DUET_ROUTER_MAX_INSTANCES];
     if (!candidates(r, tier, cand)) {
         r->st.refused++;
         return duet__error(DUET_NO_DEVICE, "router: no live instance");
     }
-    rreq *q = insert(r, id);
-    q->tier = tier;
-    q->n_prompt = n_prompt;
-    q->max_tokens = max_tokens;
+    rreq *q = add(r, id, tier, n_prompt, max_tokens);
     place(r, q);
-    r->in_flight++;
     *inst = q->inst;
+    return DUET_OK;
+}
+
+duet_status duet__router_route_to(duet_router *r, uint64_t id, duet_priority tier, int n_prompt,
+                                  int max_tokens, int inst) {
+    if (!r) return duet__error(DUET_INVALID_ARGUMENT, "router: NULL argument");
+    if (inst < 0 || inst >= r->cfg.n_instances)
+        return duet__error(DUET_INVALID_ARGUMENT, "router: no instance %d (0..%d)", inst,
+                           r->cfg.n_instances - 1);
+    duet_status st = admit(r, id, tier, n_prompt, max_tokens);
+    if (st) return st;
+    if (r->inst[inst].failed) {
+        r->st.refused++;
+        return duet__error(DUET_NO_DEVICE, "router: instance %d has failed", inst);
+    }
+    rreq *q = add(r, id, tier, n_prompt, max_tokens);
+    q->pinned = true;
+    put(r, q, inst);
+    r->inst[inst].pinned++;
+    r->st.pinned++;
     return DUET_OK;
 }
 
@@ -324,7 +361,7 @@ duet_status duet__router_failed(duet_router *r, uint64_t id, int *to) {
         return duet__error(DUET_INVALID_ARGUMENT, "router: request %llu is not in flight",
                            (unsigned long long)id);
     int from = q->inst;
-    bool streamed = q->streamed, may_retry = !q->streamed && !q->retried;
+    bool streamed = q->streamed, pinned = q->pinned, may_retry = !q->streamed && !q->retried && !q->pinned;
     unplace(r, q);
     if (may_retry) {
         /* place() never picks a failed instance; if `from` is still live (the
@@ -345,7 +382,9 @@ duet_status duet__router_failed(duet_router *r, uint64_t id, int *to) {
     r->st.failed++;
     if (may_retry) return duet__error(DUET_NO_DEVICE, "no live instance to retry the request on");
     return duet__error(DUET_DEVICE_LOST, "its instance failed %s",
-                       streamed ? "after it had streamed tokens" : "and it was retried once already");
+                       streamed ? "after it had streamed tokens"
+                       : pinned ? "(the request was pinned to it)"
+                                : "and it was retried once already");
 }
 
 /* ---- observation --------------------------------------------------------------- */
@@ -373,7 +412,8 @@ void duet__router_instance_stats(const duet_router *r, int inst, duet_router_ins
                                         .speed = in->speed,
                                         .outstanding = in->outstanding,
                                         .requests = in->requests,
-                                        .routed = in->routed};
+                                        .routed = in->routed,
+                                        .pinned = in->pinned};
 }
 
 duet_status duet__router_check(const duet_router *r) {

@@ -48,6 +48,12 @@
  *   tests and the bench compare against); tiers, saturation and spills apply
  *   as above.
  *
+ * Pinning. duet__router_route_to places a request on the instance its
+ * caller names (a benchmark comparing instances, a client with its own
+ * placement), whatever its tier, load or saturation; its work counts there
+ * like any other's. A pinned request is never moved: when its instance
+ * fails it ends with an error, streamed or not.
+ *
  * Failures. An instance marked failed is taken out: nothing is routed to it
  * again. Each of its requests that has streamed no token is routed once more
  * (to another live instance, by the same policy; one retry per request);
@@ -104,13 +110,15 @@ typedef struct duet_router_instance_stats {
     double speed;        /* tokens/s, current estimate */
     int64_t outstanding; /* tokens still to compute */
     int requests;        /* requests in flight on it */
-    uint64_t routed;     /* requests routed to it (retries included) */
+    uint64_t routed;     /* requests routed to it (retries and pinned ones included) */
+    uint64_t pinned;     /* of those, pinned to it by duet__router_route_to */
 } duet_router_instance_stats;
 
 typedef struct duet_router_stats {
     int n_instances, live;
     int in_flight;
-    uint64_t routed;  /* routing decisions (first routes and retries) */
+    uint64_t routed;  /* routing decisions (first routes, retries and pinned requests) */
+    uint64_t pinned;  /* requests placed by duet__router_route_to */
     uint64_t spills;  /* routed to an instance of the other tier */
     uint64_t retries; /* re-routed after their instance failed */
     uint64_t failed;  /* ended by an instance failure (streamed, retried once already, or nowhere to go) */
@@ -129,6 +137,13 @@ void duet__router_free(duet_router *r);
  * Nothing is recorded on failure. */
 duet_status duet__router_route(duet_router *r, uint64_t id, duet_priority tier, int n_prompt, int max_tokens,
                                int *inst);
+
+/* As duet__router_route, but on instance `inst` (0..n_instances-1) itself:
+ * tiers, saturation and the policy do not apply, and the request will not
+ * be retried elsewhere (see Pinning). DUET_INVALID_ARGUMENT for an
+ * instance out of range, DUET_NO_DEVICE when it has failed. */
+duet_status duet__router_route_to(duet_router *r, uint64_t id, duet_priority tier, int n_prompt,
+                                  int max_tokens, int inst);
 
 /* A token of request id was streamed (the first one also ends its prompt's
  * work). Unknown ids are ignored. */
@@ -150,8 +165,8 @@ int duet__router_fail_instance(duet_router *r, int inst, uint64_t *ids, int max)
 /* Request id's instance failed it. DUET_OK: it streamed no token and was
  * not retried before, and *to is the live instance to resubmit it to (it
  * stays in flight there). Otherwise the request has left the router and
- * must end with an error: DUET_DEVICE_LOST (it had streamed or had been
- * retried), DUET_NO_DEVICE (no live instance left); DUET_INVALID_ARGUMENT
+ * must end with an error: DUET_DEVICE_LOST (it had streamed, had been
+ * retried, or was pinned), DUET_NO_DEVICE (no live instance left); DUET_INVALID_ARGUMENT
  * for an unknown id. */
 duet_status duet__router_failed(duet_router *r, uint64_t id, int *to);
 

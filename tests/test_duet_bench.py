@@ -346,6 +346,14 @@ class Http(Sweep):
         p = bench("--in-process", "-m", self.model, "--peer", f"x={self.url}", check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("--base-url or --serve-cmd", p.stderr)
+        # --per-instance: the instances of one running server, nothing else.
+        for args in (("--in-process", "-m", self.model), ("--base-url", self.url, "--peer", f"x={self.url}")):
+            p = bench(*args, "--per-instance", check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn("--per-instance compares the instances of one running duet server", p.stderr)
+        p = bench("--base-url", "http://127.0.0.1:9", "--per-instance", check=False)
+        self.assertEqual(p.returncode, 2, p.stderr)
+        self.assertIn("--per-instance: GET http://127.0.0.1:9/v1/models failed", p.stderr)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,20 @@
 behind the router (issue 20): 64 concurrent greedy requests, each answered
 with exactly the text a single-instance server of the backend that served it
 gives for the same prompt, with requests on every instance; the per-instance
-and router metrics parse with prometheus_client and add up.
+and router metrics parse with prometheus_client and add up. Then, on the
+same server: GET /v1/models lists the instances; a request pinned to one
+(X-Duet-Instance) is served there whatever its tier, with the same text,
+and is counted in that instance's metrics; an unknown name gets 400; and
+`duet-bench --per-instance` runs a short load against each instance in turn
+and writes one table with a row per instance.
 
 CI (DUET_REQUIRE_BACKENDS) fails when a backend cannot run; elsewhere the
 backends that cannot run are left out (the test needs two)."""
+import csv
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,9 +23,11 @@ import tempfile
 import threading
 import time
 import unittest
+import urllib.error
 import urllib.request
 
 DUET, SHARED, BUILD = sys.argv[1], sys.argv[2], sys.argv[3]
+BENCH = os.path.join(BUILD, "duet-bench")
 STORIES = os.path.join(SHARED, "models", "stories260K.gguf")
 
 try:
@@ -61,11 +70,14 @@ class Server:
         os.unlink(self.log.name)
         return rc, log
 
-    def complete(self, prompt, priority):
+    def complete(self, prompt, priority, pin=None):
         body = {"model": "stories260K", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
                 "ignore_eos": True, "priority": priority}
+        headers = {"Content-Type": "application/json"}
+        if pin is not None:
+            headers["X-Duet-Instance"] = pin
         req = urllib.request.Request(self.base + "/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers=headers)
         with urllib.request.urlopen(req, timeout=300) as resp:
             return json.loads(resp.read())["choices"][0]["text"], resp.headers.get("X-Duet-Instance")
 
@@ -160,9 +172,77 @@ class Instances(unittest.TestCase):
             self.assertEqual(ok, N_REQ)
             gen = sum(s.value for s in fams["vllm:generation_tokens"].samples if s.name.endswith("_total"))
             self.assertEqual(gen, N_REQ * MAX_TOKENS)
+            self.check_pinning(server, backends, ref, routed)
+            self.check_bench_per_instance(server, backends)
         finally:
             rc, log = server.stop()
         self.assertEqual(rc, 0, log[-2000:])
+
+    def counters(self, server, family):
+        with urllib.request.urlopen(server.base + "/metrics") as resp:
+            fams = {f.name: f for f in text_string_to_metric_families(resp.read().decode())}
+        return {s.labels["instance"]: s.value for s in fams[family].samples if s.name.endswith("_total")}
+
+    def check_pinning(self, server, backends, ref, routed_before):
+        with urllib.request.urlopen(server.base + "/v1/models") as resp:
+            insts = json.loads(resp.read())["data"][0]["instances"]
+        self.assertEqual([i["name"] for i in insts], [str(k) for k in range(len(backends))])
+        self.assertEqual([i["backend"] for i in insts], backends)
+        self.assertEqual([i["tier"] for i in insts], ["interactive"] + ["batch"] * (len(backends) - 1))
+        self.assertTrue(all(i["healthy"] and i["device"] for i in insts), insts)
+        # Each instance, pinned, with a request of the other tier: served
+        # there, the same text as a single instance of its backend.
+        for k, backend in enumerate(backends):
+            for i in (k, k + 8):
+                text, inst = server.complete(PROMPTS[i], "batch" if k == 0 else "interactive", pin=str(k))
+                self.assertEqual(inst, str(k), f"pinned to {k}, served by {inst}")
+                self.assertEqual(text, ref[backend][i], f"request {i} pinned to {k} ({backend})")
+        pinned = self.counters(server, "duet_router_requests_pinned")
+        self.assertEqual(pinned, {str(k): 2.0 for k in range(len(backends))})
+        routed = self.counters(server, "duet_router_requests_routed")
+        for k, backend in enumerate(backends):
+            self.assertEqual(routed[str(k)], routed_before[backend] + 2, "a pinned request is a routed one")
+        # An unknown instance: 400 naming the ones there are; the server goes on.
+        with self.assertRaises(urllib.error.HTTPError) as cm:
+            server.complete(PROMPTS[0], "interactive", pin="no-such")
+        self.assertEqual(cm.exception.code, 400)
+        err = json.loads(cm.exception.read())["error"]
+        self.assertIn("X-Duet-Instance", err["message"])
+        self.assertIn(f"0 ({backends[0]}, interactive)", err["message"])
+        text, _ = server.complete(PROMPTS[1], "batch")
+        self.assertTrue(text)
+
+    def check_bench_per_instance(self, server, backends):
+        out = tempfile.mkdtemp(prefix="duet-bench-instances-")
+        before = self.counters(server, "duet_router_requests_pinned")
+        p = subprocess.run([BENCH, "--base-url", server.base, "--per-instance", "--num-prompts", "4",
+                            "--random-input-len", "8", "--random-output-len", "4", "--warmup", "1",
+                            "--sweep-concurrency", "1,4", "--no-plots", "--disable-tqdm", "--output-dir", out],
+                           capture_output=True, text=True, timeout=120)
+        self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        # Point by point, each instance in turn.
+        order = re.findall(r"=== load point (\d)/2: (\S+) ===", p.stdout)
+        labels = [f"{k}-{b}-{'interactive' if k == 0 else 'batch'}" for k, b in enumerate(backends)]
+        self.assertEqual(order, [(str(pt), lb) for pt in (1, 2) for lb in labels], p.stdout)
+        with open(os.path.join(out, "comparison.md")) as fh:
+            md = fh.read()
+        rows = [line for line in md.splitlines() if line.startswith("| ") and "](" in line]
+        self.assertEqual(len(rows), len(backends), md)
+        for k, backend in enumerate(backends):
+            self.assertTrue(rows[k].startswith(f"| {k} | {backend} | "), rows[k])
+            self.assertIn(" | ok |", rows[k])
+        with open(os.path.join(out, "comparison.csv"), newline="") as fh:
+            comp = list(csv.DictReader(fh))
+        self.assertEqual(len(comp), 2 * len(backends))
+        for r in comp:
+            self.assertEqual(r["backend"], backends[int(r["instance"])])
+            self.assertEqual(int(r["completed"]), 4)
+            self.assertGreater(float(r["output_throughput"]), 0)
+        # Every request duet-bench sent was pinned: per instance, at each of
+        # the two points, a warm-up request and the 4 measured ones.
+        after = self.counters(server, "duet_router_requests_pinned")
+        self.assertEqual({k: after[k] - before[k] for k in after}, {str(k): 10.0 for k in range(len(backends))})
+        shutil.rmtree(out)
 
 
 if __name__ == "__main__":

@@ -222,6 +222,59 @@ START_TEST(test_failure_retries_once) {
 }
 END_TEST
 
+START_TEST(test_pinned_requests) {
+    /* Instance 0 interactive and saturated, 1 and 2 batch: a pinned request
+     * goes where it is told, whatever its tier, load and saturation, counts
+     * there, and is never moved. */
+    const duet_router_instance_config ic[3] = {
+        {DUET_PRIORITY_INTERACTIVE, 100, 1}, {DUET_PRIORITY_BATCH, 100, 0}, {DUET_PRIORITY_BATCH, 1, 0}};
+    duet_router *r = make(ic, 3, duet__router_config_default());
+    ck_assert_int_eq(route(r, 1, DUET_PRIORITY_INTERACTIVE, 10, 10), 0); /* 0 is now saturated */
+    ck_assert_int_eq(duet__router_route_to(r, 2, DUET_PRIORITY_BATCH, 10, 10, 0), DUET_OK);
+    ck_assert_int_eq(duet__router_route_to(r, 3, DUET_PRIORITY_INTERACTIVE, 10, 1000, 2), DUET_OK);
+    ck_assert_int_eq(duet__router_route_to(r, 4, DUET_PRIORITY_BATCH, 10, 10, 2), DUET_OK);
+    ck_assert_int_eq(duet__router_instance_of(r, 2), 0);
+    ck_assert_int_eq(duet__router_instance_of(r, 3), 2);
+    ck_assert_int_eq(duet__router_check(r), DUET_OK);
+    duet_router_instance_stats is;
+    duet__router_instance_stats(r, 2, &is);
+    ck_assert_int_eq(is.routed, 2);
+    ck_assert_int_eq(is.pinned, 2);
+    ck_assert_int_eq(is.outstanding, 1010 + 20);
+    duet__router_instance_stats(r, 0, &is);
+    ck_assert_int_eq(is.routed, 2);
+    ck_assert_int_eq(is.pinned, 1);
+    duet_router_stats s;
+    duet__router_stats(r, &s);
+    ck_assert_int_eq(s.routed, 4);
+    ck_assert_int_eq(s.pinned, 3);
+    ck_assert_int_eq(s.spills, 0); /* pinning is no spill */
+    /* Bad arguments: nothing is recorded. */
+    ck_assert_int_eq(duet__router_route_to(r, 5, DUET_PRIORITY_BATCH, 1, 1, 3), DUET_INVALID_ARGUMENT);
+    ck_assert_int_eq(duet__router_route_to(r, 5, DUET_PRIORITY_BATCH, 1, 1, -1), DUET_INVALID_ARGUMENT);
+    ck_assert_int_eq(duet__router_route_to(r, 4, DUET_PRIORITY_BATCH, 1, 1, 1), DUET_INVALID_ARGUMENT);
+    ck_assert_int_eq(duet__router_route_to(r, 5, DUET_PRIORITY_BATCH, 0, 1, 1), DUET_INVALID_ARGUMENT);
+    /* Instance 2 fails: its pinned requests, streamed or not, end (no retry). */
+    duet__router_token(r, 4);
+    uint64_t ids[8];
+    int n = duet__router_fail_instance(r, 2, ids, 8);
+    ck_assert_int_eq(n, 2);
+    int to = 7;
+    for (int k = 0; k < n; k++) {
+        ck_assert_int_eq(duet__router_failed(r, ids[k], &to), DUET_DEVICE_LOST);
+        ck_assert_int_eq(to, -1);
+    }
+    /* A failed instance takes no pinned request. */
+    ck_assert_int_eq(duet__router_route_to(r, 6, DUET_PRIORITY_BATCH, 1, 1, 2), DUET_NO_DEVICE);
+    duet__router_stats(r, &s);
+    ck_assert_int_eq(s.retries, 0);
+    ck_assert_int_eq(s.failed, 2);
+    ck_assert_int_eq(s.in_flight, 2);
+    ck_assert_int_eq(duet__router_check(r), DUET_OK);
+    duet__router_free(r);
+}
+END_TEST
+
 START_TEST(test_table_and_refusals) {
     const duet_router_instance_config ic[2] = {{DUET_PRIORITY_BATCH, 100, 0}, {DUET_PRIORITY_BATCH, 50, 0}};
     duet_router_config c = duet__router_config_default();
@@ -690,6 +743,7 @@ static Suite *suite(void) {
     tcase_add_test(tc, test_tiers_and_spill_over);
     tcase_add_test(tc, test_round_robin_and_power_of_two);
     tcase_add_test(tc, test_failure_retries_once);
+    tcase_add_test(tc, test_pinned_requests);
     tcase_add_test(tc, test_table_and_refusals);
     suite_add_tcase(s, tc);
     TCase *fl = tcase_create("fleet");

@@ -49,11 +49,14 @@ static void usage(FILE *f) {
         "      --kv-block-size N       tokens per KV block (default 16)\n"
         "      --no-prefix-cache       do not reuse the cached KV blocks of earlier prompts' shared starts\n"
         "  speculative decoding:\n"
-        "      --spec MODE             off (default) or ngram: drafts copied from earlier text in the prompt\n"
-        "                              and output, verified in the step (lossless; helps editing, summaries,\n"
+        "      --spec MODE             off (default) or ngram: drafts copied from earlier text in the "
+        "prompt\n"
+        "                              and output, verified in the step (lossless; helps editing, "
+        "summaries,\n"
         "                              code)\n"
         "      --spec-k K              most draft tokens per step and sequence, 1..16 (default 8, adaptive)\n"
-        "      --spec-max-batch N      speculate only in steps with at most N decodes (default 4; -1 = always)\n"
+        "      --spec-max-batch N      speculate only in steps with at most N decodes (default 4; -1 = "
+        "always)\n"
         "  adaptive controller (on when a target is set; retunes batch timeout, batch size, step budget):\n"
         "      --slo-ttft-ms T         p99 time-to-first-token target: MS (interactive requests) or\n"
         "                              interactive=MS,batch=MS\n"
@@ -63,11 +66,13 @@ static void usage(FILE *f) {
         "      --step-cost FILE        the step-cost model `duet profile` wrote: seeds the model the engine\n"
         "                              fits online (default: learnt from the warm-up and the steps)\n"
         "  instances (repeat --instance for several engines behind one router):\n"
-        "      --instance SPEC         one engine: KEY=VALUE,... with keys backend, device, tier\n"
-        "                              (interactive|batch), threads, ctx, max-batch-seqs,\n"
+        "      --instance SPEC         one engine: KEY=VALUE,... with keys name (default: its index),\n"
+        "                              backend, device, tier (interactive|batch), threads, ctx, "
+        "max-batch-seqs,\n"
         "                              max-batch-tokens, batch-timeout-ms, prefill-chunk, max-waiting,\n"
-        "                              kv-blocks; keys left out take the options above. Instances on\n"
-        "                              one backend and device share the weights. Example:\n"
+        "                              kv-blocks; keys left out take the options above. Instances on one\n"
+        "                              backend and device share the weights. X-Duet-Instance: NAME pins a\n"
+        "                              request (GET /v1/models lists them). Example:\n"
         "                              --instance backend=vulkan,device=0,tier=interactive,max-batch-seqs=4\n"
         "                              --instance backend=opencl,tier=batch,max-batch-seqs=32\n"
         "      --spill-over WHICH      when every instance of a tier holds 2 x its max-batch-seqs\n"
@@ -392,9 +397,11 @@ typedef struct instance_spec {
     duet_engine_params ep;
     duet_priority tier;
     char backend[32];
+    char name[64]; /* "" = its index */
 } instance_spec;
 
 static bool parse_instance(const char *spec, const duet_engine_params *base, instance_spec *out) {
+    memset(out, 0, sizeof *out);
     out->ep = *base;
     out->tier = DUET_PRIORITY_INTERACTIVE;
     snprintf(out->backend, sizeof out->backend, "%s", base->open.backend ? base->open.backend : "auto");
@@ -424,6 +431,16 @@ static bool parse_instance(const char *spec, const duet_engine_params *base, ins
             else
                 return fprintf(stderr, "duet: --instance '%s': tier must be interactive or batch\n", spec),
                        false;
+        } else if (!strcmp(kv, "name")) {
+            size_t n = strlen(v);
+            if (n >= sizeof out->name ||
+                strspn(v, "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._-") != n)
+                return fprintf(
+                           stderr,
+                           "duet: --instance '%s': name must be 1 to %zu letters, digits, '.', '_' or '-'\n",
+                           spec, sizeof out->name - 1),
+                       false;
+            snprintf(out->name, sizeof out->name, "%s", v);
         } else if (!strcmp(kv, "device"))
             ok = cli_int("device", v, 0, 1024, &ep->open.device);
         else if (!strcmp(kv, "threads"))
@@ -569,6 +586,17 @@ int cmd_serve(int argc, char **argv) {
             rc = 2;
             goto out;
         }
+    for (int i = 0; i < o.n_instances; i++)
+        for (int k = 0; k < i; k++) {
+            char a[16], b[16]; /* an unnamed instance is named by its index */
+            snprintf(a, sizeof a, "%d", i), snprintf(b, sizeof b, "%d", k);
+            if (!strcmp(spec[i].name[0] ? spec[i].name : a, spec[k].name[0] ? spec[k].name : b)) {
+                fprintf(stderr, "duet: --instance %d and %d have the same name '%s'\n", k, i,
+                        spec[i].name[0] ? spec[i].name : a);
+                rc = 2;
+                goto out;
+            }
+        }
     const double t_start = mono_seconds();
     fprintf(stderr, "duet: loading %s\n", o.model);
     fflush(stderr);
@@ -582,9 +610,10 @@ int cmd_serve(int argc, char **argv) {
     } else if (!start_instances(&o, spec, n_inst, engines)) {
         goto out;
     }
-    char names[MAX_INSTANCES][16];
+    char names[MAX_INSTANCES][64];
     for (int i = 0; i < n_inst; i++) {
-        snprintf(names[i], sizeof names[i], "%d", i);
+        snprintf(names[i], sizeof names[i], "%s", spec[i].name);
+        if (!names[i][0]) snprintf(names[i], sizeof names[i], "%d", i);
         int seqs = spec[i].ep.max_batch_seqs ? spec[i].ep.max_batch_seqs : 16;
         fi[i] = (duet_fleet_instance){.engine = engines[i],
                                       .tier = spec[i].tier,
@@ -610,8 +639,8 @@ int cmd_serve(int argc, char **argv) {
         duet_model_desc d;
         duet_model_describe(duet_engine_model(engines[i]), &d);
         if (n_inst > 1)
-            fprintf(stderr, "duet: instance %d: %s on %s, tier %s, context %d\n", i, d.backend, d.device,
-                    spec[i].tier == DUET_PRIORITY_BATCH ? "batch" : "interactive",
+            fprintf(stderr, "duet: instance %s: %s on %s, tier %s, context %d\n", names[i], d.backend,
+                    d.device, spec[i].tier == DUET_PRIORITY_BATCH ? "batch" : "interactive",
                     duet_engine_max_sequence_tokens(engines[i]));
         else
             fprintf(stderr, "duet: serving %s (%s, %s on %s, context %d, chat template %s) on http://%s:%d\n",

@@ -31,7 +31,9 @@
  * several (--instance) behind the router, which picks the instance of each
  * engine request and retries it elsewhere when its instance fails first.
  * Events carry the instance that served them; a non-streamed response
- * names them in its X-Duet-Instance header.
+ * names them in its X-Duet-Instance header. A request may name one itself
+ * in the same header (GET /v1/models lists the instances): it is pinned
+ * there (duet_fleet_submit_to), whatever the router would choose.
  */
 #include <arpa/inet.h>
 #include <cjson/cJSON.h>
@@ -177,6 +179,7 @@ struct job {
     int refs;
     srv *s;
     srv_request req;
+    int pin;                       /* the instance of its X-Duet-Instance header; -1: the router picks */
     duet_tool_syntax tools;        /* the syntax the replies' tool calls are parsed in; NONE: not parsed */
     char *stops[SRV_MAX_STOP + 4]; /* request's and the chat template's (not owned) */
     int n_stops;
@@ -211,7 +214,7 @@ typedef struct conn {
     bool received;   /* ... and it arrived whole */
     int outcome;     /* -1 until an error response decides it; else from the job */
     job *j;
-    char instances[96]; /* X-Duet-Instance of a non-streamed answer: its choices' instances */
+    char instances[256]; /* X-Duet-Instance of the answer: its choices' instances */
 } conn;
 
 static double mono_now(void) {
@@ -495,6 +498,20 @@ static enum MHD_Result get_models(srv *s, conn *cn, struct MHD_Connection *c) {
     cJSON_AddNumberToObject(m, "created", (double)s->started);
     cJSON_AddStringToObject(m, "owned_by", "duet");
     cJSON_AddNumberToObject(m, "max_model_len", s->n_ctx);
+    /* duet's own: the instances serving it (an X-Duet-Instance header pins a request to one). */
+    cJSON *insts = cJSON_AddArrayToObject(m, "instances");
+    for (int i = 0; i < duet_fleet_size(s->f); i++) {
+        duet_fleet_instance_desc d;
+        if (duet_fleet_describe(s->f, i, &d)) continue;
+        cJSON *it = cJSON_CreateObject();
+        cJSON_AddStringToObject(it, "name", d.name);
+        cJSON_AddStringToObject(it, "backend", d.backend);
+        cJSON_AddStringToObject(it, "device", d.device);
+        cJSON_AddStringToObject(it, "tier", d.tier == DUET_PRIORITY_BATCH ? "batch" : "interactive");
+        cJSON_AddNumberToObject(it, "max_batch_seqs", d.max_batch_seqs);
+        cJSON_AddBoolToObject(it, "healthy", d.healthy);
+        cJSON_AddItemToArray(insts, it);
+    }
     cJSON_AddItemToArray(cJSON_AddArrayToObject(o, "data"), m);
     char *t = cJSON_PrintUnformatted(o);
     char *body = t ? strdup(t) : NULL;
@@ -867,7 +884,7 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
         j->refs++;
         pthread_mutex_unlock(&j->mu);
         uint64_t id = 0;
-        duet_status st = duet_fleet_submit(s->f, &q, on_event, sl, &id);
+        duet_status st = duet_fleet_submit_to(s->f, j->pin, &q, on_event, sl, &id);
         if (st) {
             job_release(j); /* the reference the engine did not take */
             const char *msg = duet_last_error()[0] ? duet_last_error() : duet_status_str(st);
@@ -1193,11 +1210,23 @@ static enum MHD_Result finish_plain(srv *s, conn *cn, struct MHD_Connection *c, 
         }
         pthread_mutex_lock(&j->mu);
     }
-    size_t at = 0;
-    for (int i = 0; i < j->n_slots && at + 12 < sizeof cn->instances; i++)
-        at += (size_t)snprintf(cn->instances + at, sizeof cn->instances - at, "%s%d", i ? "," : "",
-                               j->slots[i].instance);
+    int served[SRV_MAX_N * SRV_MAX_PROMPTS];
+    int n_served = j->n_slots < (int)(sizeof served / sizeof *served) ? j->n_slots
+                                                                      : (int)(sizeof served / sizeof *served);
+    for (int i = 0; i < n_served; i++)
+        served[i] = j->slots[i].instance;
     pthread_mutex_unlock(&j->mu);
+    size_t at = 0;
+    for (int i = 0; i < n_served; i++) {
+        duet_fleet_instance_desc d;
+        if (duet_fleet_describe(s->f, served[i], &d)) continue;
+        int w = snprintf(cn->instances + at, sizeof cn->instances - at, "%s%s", i ? "," : "", d.name);
+        if (w < 0 || (size_t)w >= sizeof cn->instances - at) {
+            cn->instances[at] = 0; /* whole names only */
+            break;
+        }
+        at += (size_t)w;
+    }
     int code;
     char *body = plain_answer(s, j, &code);
     if (j->timed_out && cn->generation) cn->outcome = OUT_CANCELLED;
@@ -1214,8 +1243,25 @@ static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
         err = server_error(413, "invalid_request_error", "request_too_large", "the request body is too large");
         return send_error(s, cn, c, &err);
     }
+    /* X-Duet-Instance: NAME pins the request to that instance. */
+    const char *pin_name = MHD_lookup_connection_value(c, MHD_HEADER_KIND, "X-Duet-Instance");
+    int pin = pin_name ? duet_fleet_find(s->f, pin_name) : -1;
+    if (pin_name && pin < 0) {
+        srv_bad(&err, NULL, "invalid_value",
+                "X-Duet-Instance: no instance is named '%.64s'; this server has ", pin_name);
+        size_t at = strlen(err.message);
+        for (int i = 0; i < duet_fleet_size(s->f) && at < sizeof err.message; i++) {
+            duet_fleet_instance_desc d;
+            if (duet_fleet_describe(s->f, i, &d)) continue;
+            at +=
+                (size_t)snprintf(err.message + at, sizeof err.message - at, "%s%s (%s, %s)", i ? ", " : "",
+                                 d.name, d.backend, d.tier == DUET_PRIORITY_BATCH ? "batch" : "interactive");
+        }
+        return send_error(s, cn, c, &err);
+    }
     job *j = calloc(1, sizeof *j);
     if (!j) return MHD_NO;
+    j->pin = pin;
     srv_kind kind = cn->route == R_CHAT ? SRV_CHAT : SRV_COMPLETION;
     if (!srv_request_parse(kind, cn->body.p ? cn->body.p : "", cn->body.len, &s->lim, &j->req, &err)) {
         free(j);
@@ -1261,6 +1307,7 @@ static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
     MHD_add_response_header(r, MHD_HTTP_HEADER_CONTENT_TYPE, "text/event-stream");
     MHD_add_response_header(r, MHD_HTTP_HEADER_CACHE_CONTROL, "no-cache");
     MHD_add_response_header(r, "X-Accel-Buffering", "no"); /* proxies must not buffer the stream */
+    if (pin_name) MHD_add_response_header(r, "X-Duet-Instance", pin_name); /* known before it starts */
     enum MHD_Result ret = MHD_queue_response(c, MHD_HTTP_OK, r);
     MHD_destroy_response(r);
     count_response(s, cn, 200);
@@ -1369,7 +1416,8 @@ static enum MHD_Result send_preflight(srv *s, conn *cn, struct MHD_Connection *c
     if (!r) return MHD_NO;
     add_cors(s, c, r);
     MHD_add_response_header(r, "Access-Control-Allow-Methods", "GET, POST, OPTIONS");
-    MHD_add_response_header(r, "Access-Control-Allow-Headers", "Authorization, Content-Type");
+    MHD_add_response_header(r, "Access-Control-Allow-Headers",
+                            "Authorization, Content-Type, X-Duet-Instance");
     MHD_add_response_header(r, "Access-Control-Max-Age", "600");
     enum MHD_Result ret = MHD_queue_response(c, 204, r);
     MHD_destroy_response(r);
