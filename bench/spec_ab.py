@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """spec_ab.py — speculative decoding on vs off at batch 1, interleaved.
 
-Runs `duet run --json` on one prompt with and without `--spec ngram`,
+Runs `duet run --json` on one prompt with and without `--spec ngram`
+(or `--draft DRAFT` with --draft),
 alternating (off, on, off, on, ...) so that both see the same machine
 load, and reports each round's decode tokens/s, the per-round on/off
 ratio and its median, the acceptance rate, and whether the greedy tokens
@@ -9,7 +10,7 @@ were identical. The machine may be shared and noisy: the median of
 interleaved ratios is the figure to quote, not either rate alone.
 
 usage: spec_ab.py DUET MODEL [--rounds N] [--n-predict N] [--threads N]
-                  [--spec-k K] [--prompt-file FILE] [--json OUT]
+                  [--spec-k K] [--draft DRAFT] [--prompt-file FILE] [--json OUT]
 """
 import argparse
 import json
@@ -35,11 +36,11 @@ DEFAULT_PROMPT = (
 )
 
 
-def run(duet, model, prompt, n_predict, threads, spec, spec_k):
+def run(duet, model, prompt, n_predict, threads, spec, spec_k, draft=None):
     cmd = [duet, "run", "-m", model, "-p", prompt, "-n", str(n_predict), "--temp", "0", "--seed", "1",
            "-t", str(threads), "--json"]
     if spec:
-        cmd += ["--spec", "ngram"]
+        cmd += ["--draft", draft] if draft else ["--spec", "ngram"]
         if spec_k:
             cmd += ["--spec-k", str(spec_k)]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
@@ -54,6 +55,7 @@ def main():
     ap.add_argument("--n-predict", type=int, default=160)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--spec-k", type=int, default=0)
+    ap.add_argument("--draft", help="a draft model instead of n-gram drafting")
     ap.add_argument("--prompt-file")
     ap.add_argument("--json", help="write the rounds and the summary here")
     a = ap.parse_args()
@@ -62,7 +64,7 @@ def main():
     rounds = []
     for i in range(a.rounds):
         off = run(a.duet, a.model, prompt, a.n_predict, a.threads, False, a.spec_k)
-        on = run(a.duet, a.model, prompt, a.n_predict, a.threads, True, a.spec_k)
+        on = run(a.duet, a.model, prompt, a.n_predict, a.threads, True, a.spec_k, a.draft)
         sp = on.get("speculative", {})
         n = len(on["tokens"]) - 1  # decode_tokens_per_s's count: tokens after the first
         r = {
@@ -97,7 +99,7 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rounds": rounds, "summary": summary, "prompt": prompt, "n_predict": a.n_predict,
-                       "threads": a.threads, "spec_k": a.spec_k}, f, indent=1)
+                       "threads": a.threads, "spec_k": a.spec_k, "draft": a.draft}, f, indent=1)
     return 0 if summary["all_identical"] else 1
 
 

@@ -51,20 +51,27 @@ static size_t detok_size(const duet_tokenizer *t) {
     return 3 * ((size_t)longest + 4) + 1;
 }
 
-/* Opens p->draft for target m: its vocabulary first (cheap), which must be
- * the target's token for token, then the model on the same backend and
- * device with the target's context. */
-static duet_status open_draft(duet_model *m, const duet_open_params *p) {
+static duet_status model_open(const char *path, const duet_open_params *params, int max_step_tokens,
+                              int max_out, int kv_block_size, int kv_blocks, duet_model *host,
+                              duet_model **out);
+
+/* The lock of m's backend: its own, or its host's when it shares the host's. */
+static pthread_mutex_t *device_mu(duet_model *m) {
+    return m->host ? &m->host->device_mu : &m->device_mu;
+}
+
+duet_status duet__draft_open(duet_model *m, const char *path, const duet_open_params *p, duet_model **out) {
+    *out = NULL;
     duet_open_params dp = *p;
     dp.draft = NULL;
     dp.spec = NULL;
     dp.vocab_only = true;
     duet_model *v;
     char why[512];
-    duet_status st = duet__model_open(p->draft, &dp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, &v);
+    duet_status st = duet__model_open(path, &dp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, &v);
     if (st) {
         snprintf(why, sizeof why, "%s", duet_last_error());
-        return duet__error(st, "draft model %s: %s", p->draft, why);
+        return duet__error(st, "draft model %s: %s", path, why);
     }
     int nt = duet_tokenizer_n_vocab(m->tok), nd = duet_tokenizer_n_vocab(v->tok), nv = v->hp.n_vocab;
     if (nt != nd || m->hp.n_vocab != nv) {
@@ -73,7 +80,7 @@ static duet_status open_draft(duet_model *m, const duet_open_params *p) {
             DUET_BAD_MODEL,
             "draft model %s has %d tokens (%d logits), the target %d (%d): speculative decoding needs "
             "the same vocabulary",
-            p->draft, nd, nv, nt, m->hp.n_vocab);
+            path, nd, nv, nt, m->hp.n_vocab);
     }
     for (int id = 0; id < nt; id++) {
         char a[256], b[256];
@@ -85,17 +92,17 @@ static duet_status open_draft(duet_model *m, const duet_open_params *p) {
                 DUET_BAD_MODEL,
                 "draft model %s: token %d differs from the target's: speculative decoding needs the "
                 "same vocabulary",
-                p->draft, id);
+                path, id);
         }
     }
     duet_model_close(v);
     dp.vocab_only = false;
     dp.n_ctx = m->n_ctx;
     dp.n_seqs = 1;
-    st = duet__model_open(p->draft, &dp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, &m->draft);
+    st = model_open(path, &dp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, m, out);
     if (st) {
         snprintf(why, sizeof why, "%s", duet_last_error());
-        return duet__error(st, "draft model %s: %s", p->draft, why);
+        return duet__error(st, "draft model %s: %s", path, why);
     }
     return DUET_OK;
 }
@@ -149,9 +156,9 @@ duet_status duet__run_new(duet_model *m, int n_ctx, int n_seqs, const char *kv_t
                             .kv_type = kv,
                             .block_size = kv_block_size,
                             .n_blocks = kv_blocks};
-    pthread_mutex_lock(&m->device_mu);
+    pthread_mutex_lock(device_mu(m));
     st = duet__state_new(m->be, &m->hp, &m->w, &sp, &out->state);
-    pthread_mutex_unlock(&m->device_mu);
+    pthread_mutex_unlock(device_mu(m));
     if (!st && !(out->logits = malloc((size_t)max_out * m->hp.n_vocab * sizeof(float))))
         st = duet__error(DUET_OUT_OF_MEMORY, "out of memory for logits");
     if (st) duet__run_free(m, out);
@@ -160,18 +167,18 @@ duet_status duet__run_new(duet_model *m, int n_ctx, int n_seqs, const char *kv_t
 
 void duet__run_free(duet_model *m, duet_run *run) {
     if (run->state) {
-        pthread_mutex_lock(&m->device_mu);
+        pthread_mutex_lock(device_mu(m));
         duet__state_free(run->state);
-        pthread_mutex_unlock(&m->device_mu);
+        pthread_mutex_unlock(device_mu(m));
     }
     free(run->logits);
     memset(run, 0, sizeof *run);
 }
 
 duet_status duet__run_forward(duet_model *m, duet_run *run, const duet_batch *b, float *logits) {
-    pthread_mutex_lock(&m->device_mu);
+    pthread_mutex_lock(device_mu(m));
     duet_status st = duet__forward(run->state, &m->hp, &m->w, b, logits);
-    pthread_mutex_unlock(&m->device_mu);
+    pthread_mutex_unlock(device_mu(m));
     return st;
 }
 
@@ -182,6 +189,14 @@ duet_status duet__model_own_run(duet_model *m) {
 
 duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
                              int kv_block_size, int kv_blocks, duet_model **out) {
+    return model_open(path, params, max_step_tokens, max_out, kv_block_size, kv_blocks, NULL, out);
+}
+
+/* duet__model_open; with a host, the weights go to the host's backend
+ * (shared, not reopened: the draft model of a target). */
+static duet_status model_open(const char *path, const duet_open_params *params, int max_step_tokens,
+                              int max_out, int kv_block_size, int kv_blocks, duet_model *host,
+                              duet_model **out) {
     if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: out is NULL");
     *out = NULL;
     if (!path) return duet__error(DUET_INVALID_ARGUMENT, "duet_model_open: path is NULL");
@@ -235,7 +250,11 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
         goto fail;
     }
     duet_backend_params bp = {.n_threads = p.n_threads};
-    if ((st = duet_backend_open(p.backend, p.device, &bp, &m->be))) goto fail;
+    m->host = host;
+    if (host)
+        m->be = host->be;
+    else if ((st = duet_backend_open(p.backend, p.device, &bp, &m->be)))
+        goto fail;
     if ((st = duet__weights_load(m->gguf, &m->hp, m->be, &m->w))) goto fail;
 
     m->n_ctx = p.n_ctx ? p.n_ctx : (m->hp.n_ctx_train < 4096 ? m->hp.n_ctx_train : 4096);
@@ -244,7 +263,7 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
     if (!p.weights_only && (st = duet__run_new(m, m->n_ctx, p.n_seqs, NULL, max_step_tokens, max_out,
                                                kv_block_size, kv_blocks, &m->run)))
         goto fail;
-    if (m->spec_mode == DUET_SPEC_DRAFT && (st = open_draft(m, &p))) goto fail;
+    if (m->spec_mode == DUET_SPEC_DRAFT && (st = duet__draft_open(m, p.draft, &p, &m->draft))) goto fail;
     *out = m;
     return DUET_OK;
 fail:;
@@ -259,7 +278,7 @@ void duet_model_close(duet_model *m) {
     duet_model_close(m->draft);
     duet__run_free(m, &m->run);
     if (m->be) duet__weights_free(m->be, &m->w);
-    duet_backend_close(m->be);
+    if (!m->host) duet_backend_close(m->be);
     duet_tokenizer_free(m->tok);
     duet_gguf_close(m->gguf);
     pthread_mutex_destroy(&m->device_mu);
@@ -348,16 +367,7 @@ static duet_status draft_propose(duet_model *dm, duet_sampler *dsmp, const int32
     if (st) return st;
     *dpos = len;
     for (int j = 0; j < k; j++) {
-        int32_t *ids = q_ids + j * V;
-        float *probs = q_probs + j * V;
-        int n = q_n[j] = duet_sampler_dist(dsmp, dm->run.logits, ids, probs);
-        double u = duet_sampler_uniform(dsmp), cum = 0;
-        out[j] = ids[n - 1];
-        for (int i = 0; i < n; i++)
-            if ((cum += probs[i]) > u) {
-                out[j] = ids[i];
-                break;
-            }
+        out[j] = duet__spec_draw(dsmp, dm->run.logits, (int)V, q_ids + j * V, q_probs + j * V, &q_n[j]);
         if (j + 1 < k && (st = eval_seq0(dm, &out[j], 1, len + j))) return st;
     }
     return DUET_OK;
@@ -444,10 +454,7 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
     }
     if (draft && !st) st = duet__model_own_run(m->draft);
     if (draft && !st) {
-        duet_sampling ds = sampling ? *sampling : defaults;
-        ds.repetition_penalty = 1.0f;
-        ds.presence_penalty = ds.frequency_penalty = 0.0f;
-        ds.seed ^= 0xD4AF7ull;
+        duet_sampling ds = duet__spec_draft_sampling(sampling ? sampling : &defaults);
         q_ids = malloc((size_t)m->spec_k * V * sizeof *q_ids);
         q_probs = malloc((size_t)m->spec_k * V * sizeof *q_probs);
         st = q_ids && q_probs

@@ -114,11 +114,11 @@ typedef struct duet_open_params {
      * summarising, code); costs a little where it does not. */
     const char *spec;
     int spec_k; /* most draft tokens per step and sequence, 1..16; 0 = 8 (adapted per sequence) */
-    /* A draft model (GGUF path) for speculative decoding in duet_generate:
-     * opened on the same backend and device, with its own KV cache; its
-     * vocabulary must be the target's (checked at open: DUET_BAD_MODEL
-     * otherwise). Implies spec "draft"; NULL = none. The serving engine
-     * refuses it (DUET_UNSUPPORTED) for now. */
+    /* A draft model (GGUF path) for speculative decoding (duet_generate and
+     * the engine): its weights on the target's backend and device, with its
+     * own KV cache (in the engine, per sequence slot, following the
+     * target's blocks); its vocabulary must be the target's (checked at
+     * open: DUET_BAD_MODEL otherwise). Implies spec "draft"; NULL = none. */
     const char *draft;
 } duet_open_params;
 

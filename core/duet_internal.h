@@ -58,6 +58,9 @@ struct duet_model {
     int spec_mode;             /* duet_spec_mode: how duet_generate speculates */
     int spec_k;                /* with at most this many draft tokens per step */
     duet_model *draft;         /* the draft model (spec_mode DUET_SPEC_DRAFT; owned), or NULL */
+    /* A draft model's target, whose backend (device and device_mu) it
+     * shares: borrowed, it outlives the draft. NULL for a model of its own. */
+    duet_model *host;
 };
 
 /* duet_model_open with the step sizes the caller needs (the engine batches
@@ -67,6 +70,13 @@ struct duet_model {
  * handle's own run state. */
 duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
                              int kv_block_size, int kv_blocks, duet_model **out);
+
+/* Opens `path` as a draft model for target m (p: the target's open
+ * params, of which n_threads, kv_type and weights_only apply): its
+ * vocabulary is checked against m's token for token first (DUET_BAD_MODEL
+ * naming both otherwise), then its weights load on m's backend, which it
+ * shares (m->device_mu serialises both). The draft must be closed before m. */
+duet_status duet__draft_open(duet_model *m, const char *path, const duet_open_params *p, duet_model **out);
 
 /* Another reference to m (for an engine that serves it); duet_model_close
  * drops one, and the last frees the model. */

@@ -82,6 +82,18 @@ typedef struct engine_req {
     int spec_kept;
     duet_spec_adapt adapt;
     int spec_drafted, spec_accepted;
+    /* With a draft model: the stream tokens its KV holds (after an
+     * admission, those of the shared cached blocks it holds too; it catches
+     * up when the request next drafts, so steps without drafts cost it
+     * nothing), the full blocks of them marked in e->dkey and the chain
+     * hash of the last, its sampler (NULL: greedy, drafts are the argmax),
+     * and in a step, the request's slot in the engine's q rows (-1: none,
+     * q one-hot) and each row's size. */
+    int dlen, dblocks;
+    uint64_t dhash;
+    duet_sampler *dsmp;
+    int qslot;
+    int q_n[DUET_SPEC_MAX_K];
 } engine_req;
 
 struct duet_engine {
@@ -129,11 +141,28 @@ struct duet_engine {
     /* Set once, under the lock, when the device is lost: "device lost: <message>". */
     bool lost;
     char lost_why[ENGINE_ERR_SIZE];
-    /* Speculative decoding (open.spec): n-gram drafts of up to spec_k
-     * tokens; the verifier's scratch belongs to the engine thread. */
+    /* Speculative decoding (open.spec or open.draft): drafts of up to
+     * spec_k tokens; the verifier's scratch belongs to the engine thread. */
     bool spec;
     int spec_k;
     duet_spec_verifier *verifier;
+    /* A draft model (open.draft; one reference held) on the model's device,
+     * with a run state of the same KV geometry: a sequence's block table
+     * addresses its blocks in both pools, so the scheduler's allocation
+     * (growth, rollback, freeing at finish, cancel and preemption) serves
+     * both. Its step scratch: tokens, positions, slots, wanted rows and the
+     * plan entry of each row; q rows [q_slots][spec_k][n_vocab] for the
+     * sampled requests of a step (greedy ones need none). */
+    duet_model *draft;
+    duet_run drun;
+    int32_t *dtok, *dpos, *dseq, *dout, *drow;
+    int32_t *q_ids;
+    float *q_probs;
+    int q_slots;
+    /* Per KV block, the chain hash (kv_blocks.h) of the stream whose draft
+     * KV it holds in full (0: none): a request that shares cached blocks of
+     * the target's pool shares the draft's too where these match. */
+    uint64_t *dkey;
     /* The step-cost model fitted online from the steps run (under mu), and
      * the last step's time (written by run_step). */
     duet_step_cost_online cost;
@@ -176,7 +205,8 @@ static engine_req *find_req(duet_engine *e, uint64_t id) {
 
 static void release_req(engine_req *r) {
     duet_sampler_free(r->smp);
-    r->smp = NULL;
+    duet_sampler_free(r->dsmp);
+    r->smp = r->dsmp = NULL;
     free(r->stops);
     free(r->pend);
     r->stops = NULL, r->pend = NULL;
@@ -446,6 +476,14 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     r->spec = e->spec && !q->grammar;
     duet__spec_adapt_init(&r->adapt, e->spec_k);
     r->spec_drafted = r->spec_accepted = 0;
+    r->dlen = r->dblocks = 0;
+    r->qslot = -1;
+    r->dsmp = NULL;
+    if (r->spec && e->draft && q->sampling.temperature > 0) {
+        /* Without memory for it the drafts are the argmax: still lossless. */
+        duet_sampling ds = duet__spec_draft_sampling(&q->sampling);
+        if (duet_sampler_new(&ds, m->hp.n_vocab, &r->dsmp)) r->dsmp = NULL;
+    }
     if (id) *id = rid;
     pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
@@ -601,6 +639,14 @@ static void sample_row(duet_engine *e, engine_req *r, int i, float *logits) {
     take_token(e, r, i, id);
 }
 
+/* Request r's q row for draft j this step (NULLs without a slot). */
+static void q_row(duet_engine *e, const engine_req *r, int j, int32_t **ids, float **probs) {
+    *ids = NULL, *probs = NULL;
+    if (r->qslot < 0) return;
+    size_t at = ((size_t)r->qslot * (size_t)e->spec_k + (size_t)j) * (size_t)e->model->hp.n_vocab;
+    *ids = e->q_ids + at, *probs = e->q_probs + at;
+}
+
 /* Row j (0..n_draft) of a speculative entry i: rows before n_draft verify
  * draft j (speculative.h); row n_draft, reached only when every draft was
  * kept, samples the bonus token. Rows after a rejection or the request's
@@ -614,7 +660,11 @@ static void spec_row(duet_engine *e, engine_req *r, int i, int j, float *logits)
     }
     keep_raw(e, r, logits);
     bool kept;
-    int32_t id = duet__spec_verify(e->verifier, r->smp, logits, r->draft[j], NULL, NULL, 0, &kept);
+    int32_t *q_ids;
+    float *q_probs;
+    q_row(e, r, j, &q_ids, &q_probs);
+    int32_t id = duet__spec_verify(e->verifier, r->smp, logits, r->draft[j], q_ids, q_probs,
+                                   q_ids ? r->q_n[j] : 0, &kept);
     set_logprob(e, r, id);
     r->spec_kept += kept;
     take_token(e, r, i, id);
@@ -622,16 +672,121 @@ static void spec_row(duet_engine *e, engine_req *r, int i, int j, float *logits)
 }
 
 /* Before a plan (locked): each speculated request that is decoding offers
- * the scheduler an n-gram draft of up to its adaptive k tokens. */
+ * the scheduler a draft of up to its adaptive k tokens: an n-gram draft, or
+ * with a draft model, k tokens it will draft in the step if granted. */
 static void offer_drafts(duet_engine *e) {
     if (!e->spec) return;
     for (int i = 0; i < e->cap; i++) {
         engine_req *r = &e->reqs[i];
         if (!r->id || !r->spec || r->cancelled || r->finish != DUET_FINISH_NONE || r->n_gen == 0) continue;
-        int n = duet__spec_ngram(r->stream, r->n_prompt + r->n_gen, DUET_SPEC_NGRAM_MIN, DUET_SPEC_NGRAM_MAX,
-                                 r->adapt.k, r->draft);
+        int n = e->draft ? r->adapt.k
+                         : duet__spec_ngram(r->stream, r->n_prompt + r->n_gen, DUET_SPEC_NGRAM_MIN,
+                                            DUET_SPEC_NGRAM_MAX, r->adapt.k, r->draft);
         if (n > 0) duet__sched_set_draft(e->sched, r->id, n);
     }
+}
+
+/* After r's draft KV came to hold its stream's first r->dlen tokens: marks
+ * the blocks of its table that are now full with their chain hash. */
+static void draft_mark(duet_engine *e, engine_req *r, const int32_t *table) {
+    const int bs = e->run.state->p.block_size;
+    for (; (r->dblocks + 1) * bs <= r->dlen; r->dblocks++) {
+        r->dhash = duet__kv_hash_block(r->dblocks ? r->dhash : DUET_KV_HASH_SEED,
+                                       r->stream + (size_t)r->dblocks * bs, bs);
+        e->dkey[table[r->dblocks]] = r->dhash;
+    }
+}
+
+/* At the first entry of an admission (s->pos: the tokens of the shared
+ * cached blocks the target starts from): the draft starts from the longest
+ * run of those blocks whose marks match the stream's chain (a block is
+ * re-marked only once its new contents are whole, and the target's cache
+ * forgets a block before reusing it). */
+static void draft_admit(duet_engine *e, engine_req *r, const duet_sched_seq *s, const int32_t *table) {
+    const int bs = e->run.state->p.block_size;
+    uint64_t h = DUET_KV_HASH_SEED;
+    r->dlen = r->dblocks = 0;
+    for (int b = 0; (b + 1) * bs <= s->pos; b++) {
+        h = duet__kv_hash_block(h, r->stream + (size_t)b * bs, bs);
+        if (e->dkey[table[b]] != h) break;
+        r->dblocks = b + 1, r->dhash = h, r->dlen = (b + 1) * bs;
+    }
+}
+
+/* One forward of the draft model over dtok[0..n); row k (of n_out) gives
+ * draft token j of plan entry drow[k]. */
+static duet_status draft_forward(duet_engine *e, int n, int n_out, int j) {
+    const int V = e->draft->hp.n_vocab;
+    duet_batch b = {.n_tokens = n,
+                    .tokens = e->dtok,
+                    .pos = e->dpos,
+                    .seq = e->dseq,
+                    .n_out = n_out,
+                    .out = e->dout,
+                    .block_tables = e->tables};
+    duet_status st = duet__run_forward(e->draft, &e->drun, &b, e->drun.logits);
+    for (int k = 0; !st && k < n_out; k++) {
+        engine_req *r = find_req(e, e->plan_seqs[e->drow[k]].id);
+        int32_t *q_ids;
+        float *q_probs;
+        q_row(e, r, j, &q_ids, &q_probs);
+        r->draft[j] = duet__spec_draw(r->dsmp, e->drun.logits + (size_t)k * V, V, q_ids, q_probs, &r->q_n[j]);
+    }
+    return st;
+}
+
+/* Before the target's forward (unlocked, in run_step): the draft model
+ * drafts each speculating decode's n_draft tokens. Its KV first catches up
+ * with the stream, from r->dlen to the newest token (the whole stream after
+ * an admission, one or two tokens after a speculative step, more after
+ * steps without drafts), in passes of at most its step size; the newest
+ * token's row gives draft 0. Then one pass per further position, batched
+ * over the sequences still drafting, feeds draft j - 1 back to get draft j
+ * (the last draft is never fed: the target's step computes its KV). */
+static duet_status draft_run(duet_engine *e, int n_seqs) {
+    const int cap = e->drun.max_step_tokens;
+    int n = 0, n_out = 0, max_draft = 0, n_q = 0;
+    duet_status st = DUET_OK;
+    for (int i = 0; i < n_seqs && !st; i++) {
+        const duet_sched_seq *s = &e->plan_seqs[i];
+        if (s->n_draft == 0) continue;
+        engine_req *r = find_req(e, s->id);
+        r->qslot = r->dsmp && n_q < e->q_slots ? n_q++ : -1;
+        if (s->n_draft > max_draft) max_draft = s->n_draft;
+        if (r->dlen > s->pos) r->dlen = s->pos; /* a failed step left it ahead of the stream */
+        for (int p = r->dlen; p <= s->pos && !st; p++) {
+            if (n == cap) {
+                st = draft_forward(e, n, n_out, 0);
+                n = n_out = 0;
+            }
+            e->dtok[n] = r->stream[p];
+            e->dpos[n] = p;
+            e->dseq[n] = s->slot;
+            if (p == s->pos) e->dout[n_out] = n, e->drow[n_out++] = i;
+            n++;
+        }
+        r->dlen = s->pos + 1; /* once the pass has run */
+    }
+    if (!st && n > 0) st = draft_forward(e, n, n_out, 0);
+    for (int i = 0; i < n_seqs && !st; i++) {
+        const duet_sched_seq *s = &e->plan_seqs[i];
+        if (s->n_draft) draft_mark(e, find_req(e, s->id), e->tables + (size_t)s->slot * e->max_blocks);
+    }
+    for (int j = 1; j < max_draft && !st; j++) {
+        n = 0;
+        for (int i = 0; i < n_seqs; i++) {
+            const duet_sched_seq *s = &e->plan_seqs[i];
+            if (s->n_draft <= j) continue;
+            const engine_req *r = find_req(e, s->id);
+            e->dtok[n] = r->draft[j - 1];
+            e->dpos[n] = s->pos + j;
+            e->dseq[n] = s->slot;
+            e->dout[n] = n, e->drow[n] = i;
+            n++;
+        }
+        st = draft_forward(e, n, n, j);
+    }
+    return st;
 }
 
 /* Runs one planned step (unlocked). Fills e->results and e->step_finish;
@@ -641,6 +796,14 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
     duet_model *m = e->model;
     const int V = m->hp.n_vocab;
     int n = 0;
+    int64_t t0 = now_ns();
+    if (e->draft) {
+        duet_status st = draft_run(e, n_seqs);
+        if (st) {
+            duet__metrics_step(e->metrics, n_seqs, 0, secs(now_ns() - t0));
+            return st;
+        }
+    }
     for (int i = 0; i < n_seqs; i++) {
         const duet_sched_seq *s = &e->plan_seqs[i];
         engine_req *r = find_req(e, s->id);
@@ -666,7 +829,6 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
     /* One forward pass, or several when more rows want logits than the
      * logits buffer holds (prompt logprobs): each piece takes the tokens in
      * order, so every sequence's earlier tokens are in the KV cache first. */
-    int64_t t0 = now_ns();
     for (int start = 0; start < n;) {
         int n_out = 0, end = start;
         while (end < n && (n_out < e->run.max_out || !e->want[end])) {
@@ -720,6 +882,12 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
         engine_req *r = find_req(e, s->id);
         r->spec_drafted += s->n_draft;
         r->spec_accepted += r->spec_kept;
+        /* The draft's KV holds the newest token and its drafts 0..n_draft-2:
+         * valid as far as they were kept. */
+        if (e->draft) {
+            r->dlen = s->pos + 1 + (r->spec_kept < s->n_draft - 1 ? r->spec_kept : s->n_draft - 1);
+            draft_mark(e, r, e->tables + (size_t)s->slot * e->max_blocks);
+        }
         duet__spec_adapt_update(&r->adapt, s->n_draft, r->spec_kept, e->spec_k);
         duet__metrics_spec(e->metrics, s->n_draft, r->spec_kept);
     }
@@ -807,10 +975,13 @@ static void *engine_main(void *arg) {
             memcpy(row, s->blocks, (size_t)s->n_blocks * sizeof *row);
             for (int j = s->n_blocks; j < e->max_blocks; j++)
                 row[j] = -1;
+            engine_req *r = find_req(e, s->id);
+            if (e->draft && r && r->spec && (s->first_schedule || s->resumed)) draft_admit(e, r, s, row);
         }
         for (int i = 0; i < plan.n_preempted; i++) {
             engine_req *r = find_req(e, plan.preempted[i]);
             if (r) duet__metrics_preempted(e->metrics, r->prio);
+            if (r) r->dlen = r->dblocks = 0; /* its blocks are gone: the draft starts over */
         }
         for (int i = 0; i < n_seqs; i++) {
             engine_req *r = find_req(e, e->plan_seqs[i].id);
@@ -881,6 +1052,7 @@ static void engine_free(duet_engine *e) {
     if (!e) return;
     for (int i = 0; e->reqs && i < e->cap; i++) {
         duet_sampler_free(e->reqs[i].smp);
+        duet_sampler_free(e->reqs[i].dsmp);
         free(e->reqs[i].stream);
     }
     free(e->reqs);
@@ -896,6 +1068,11 @@ static void engine_free(duet_engine *e) {
     free(e->err);
     duet__sched_free(e->sched);
     duet__metrics_free(e->metrics);
+    /* The draft shares the model's backend: it goes first. */
+    if (e->draft) duet__run_free(e->draft, &e->drun);
+    duet_model_close(e->draft);
+    free(e->dtok), free(e->dpos), free(e->dseq), free(e->dout), free(e->drow);
+    free(e->q_ids), free(e->q_probs), free(e->dkey);
     if (e->model) duet__run_free(e->model, &e->run);
     duet_model_close(e->model);
     pthread_mutex_destroy(&e->mu);
@@ -942,10 +1119,6 @@ static duet_status engine_params(const duet_engine_params *params, duet_engine_p
     int spec_k;
     duet_status st = duet__spec_params(&p.open, &spec_mode, &spec_k);
     if (st) return st;
-    if (spec_mode == DUET_SPEC_DRAFT)
-        return duet__error(
-            DUET_UNSUPPORTED,
-            "the serving engine does not run a draft model yet (duet run does); use spec ngram");
     if (p.spec_max_batch < -1)
         return duet__error(DUET_INVALID_ARGUMENT, "spec_max_batch %d must be >= -1", p.spec_max_batch);
     for (int c = 0; c < 2; c++)
@@ -959,6 +1132,43 @@ static duet_status engine_params(const duet_engine_params *params, duet_engine_p
                            p.controller_window_ms);
     if (p.step_cost && (st = check_step_cost(p.step_cost))) return st;
     *out = p;
+    return DUET_OK;
+}
+
+/* Sampled requests whose q rows one step keeps at most (more draft argmax). */
+#define ENGINE_Q_SLOTS 8
+
+/* The draft model of an engine started with open.draft: the model's own
+ * (opened with it), or opened here on the model's backend for a model that
+ * came without one; then its run state, with the target's KV geometry, and
+ * the draft's step scratch. */
+static duet_status draft_start(duet_engine *e, const duet_engine_params *p, int kv_blocks,
+                               int spec_max_batch) {
+    duet_model *m = e->model;
+    duet_status st;
+    if (m->draft) {
+        e->draft = duet__model_ref(m->draft);
+    } else {
+        duet_open_params op = p->open;
+        op.weights_only = true;
+        if ((st = duet__draft_open(m, p->open.draft, &op, &e->draft))) return st;
+    }
+    st = duet__run_new(e->draft, e->run.n_ctx, p->max_batch_seqs, p->open.kv_type, p->max_batch_tokens,
+                       p->max_batch_seqs, p->kv_block_size, kv_blocks, &e->drun);
+    if (st) return st;
+    size_t cap = (size_t)e->drun.max_step_tokens;
+    e->dtok = malloc(cap * sizeof(int32_t));
+    e->dpos = malloc(cap * sizeof(int32_t));
+    e->dseq = malloc(cap * sizeof(int32_t));
+    e->dout = malloc(cap * sizeof(int32_t));
+    e->drow = malloc(cap * sizeof(int32_t));
+    e->q_slots = spec_max_batch < ENGINE_Q_SLOTS ? spec_max_batch : ENGINE_Q_SLOTS;
+    size_t q = (size_t)e->q_slots * (size_t)e->spec_k * (size_t)m->hp.n_vocab;
+    e->q_ids = malloc((q ? q : 1) * sizeof *e->q_ids);
+    e->q_probs = malloc((q ? q : 1) * sizeof *e->q_probs);
+    e->dkey = calloc((size_t)kv_blocks, sizeof *e->dkey);
+    if (!e->dtok || !e->dpos || !e->dseq || !e->dout || !e->drow || !e->q_ids || !e->q_probs || !e->dkey)
+        return duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory for the draft model's scratch");
     return DUET_OK;
 }
 
@@ -985,7 +1195,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     duet_spec_mode spec_mode;
     int spec_k;
     duet__spec_params(&p.open, &spec_mode, &spec_k);
-    bool spec = spec_mode == DUET_SPEC_NGRAM;
+    bool spec = spec_mode != DUET_SPEC_OFF;
     int spec_max_batch = !spec                   ? 0
                          : p.spec_max_batch == 0 ? 4
                          : p.spec_max_batch < 0  ? p.max_batch_seqs
@@ -1076,6 +1286,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     e->spec = spec;
     e->spec_k = spec_k;
     if (spec && (st = duet__spec_verifier_new(m->hp.n_vocab, &e->verifier))) goto fail;
+    if (spec_mode == DUET_SPEC_DRAFT && (st = draft_start(e, &p, kv_blocks, spec_max_batch))) goto fail;
     if (!e->metrics || !e->reqs || !e->cancel_list || !e->plan_seqs || !e->results || !e->tok || !e->pos ||
         !e->seq || !e->out || !e->tables || !e->row_of || !e->want || !e->raw || !e->step_finish ||
         !e->text || !e->err) {
@@ -1169,6 +1380,18 @@ static duet_status warm_pass(duet_engine *e, int k, int pos0, double *seconds) {
     return st;
 }
 
+/* The draft model's warm-up: the batch warm_pass just ran (k tokens). */
+static duet_status draft_warm_pass(duet_engine *e, int k) {
+    duet_batch b = {.n_tokens = k,
+                    .tokens = e->tok,
+                    .pos = e->pos,
+                    .seq = e->seq,
+                    .n_out = 1,
+                    .out = e->out,
+                    .block_tables = e->tables};
+    return duet__run_forward(e->draft, &e->drun, &b, e->drun.logits);
+}
+
 duet_status duet_engine_warmup(duet_engine *e) {
     if (!e) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_warmup: e is NULL");
     pthread_mutex_lock(&e->mu);
@@ -1193,16 +1416,21 @@ duet_status duet_engine_warmup(duet_engine *e) {
     if (big > e->max_tokens) big = e->max_tokens;
     if (big > e->run.n_ctx - 1) big = e->run.n_ctx - 1;
     if (big > blocks * bs - 1) big = blocks * bs - 1;
-    /* Block 0 may hold a cached prefix: the cache forgets it. */
+    /* Block 0 may hold a cached prefix: the cache forgets it (and the
+     * draft's marks of the blocks written here). */
     duet__sched_prefix_clear(e->sched);
-    for (int j = 0; j < e->max_blocks; j++)
+    for (int j = 0; j < e->max_blocks; j++) {
         e->tables[j] = j * bs <= big ? j : -1;
+        if (e->dkey && j * bs <= big) e->dkey[j] = 0;
+    }
     duet_status st = DUET_OK;
     double t;
     /* A prompt chunk of n tokens, then one decode token: each path's first
      * run (pipeline and kernel builds, first touches) happens here, untimed. */
     if (n >= 1) st = warm_pass(e, n, 0, &t);
+    if (!st && n >= 1 && e->draft) st = draft_warm_pass(e, n);
     if (!st && n >= 1) st = warm_pass(e, 1, n, &t);
+    if (!st && n >= 1 && e->draft) st = draft_warm_pass(e, 1);
     /* Then timed: a chunk of `big` and of n tokens, decodes after them. */
     const int shapes[4][2] = {{big, 0}, {1, big}, {n, 0}, {1, n}};
     for (int i = 0; i < 4 && !st && n >= 1 && big > n; i++) {

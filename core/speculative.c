@@ -35,6 +35,27 @@ duet_status duet__spec_params(const duet_open_params *p, duet_spec_mode *mode, i
     return DUET_OK;
 }
 
+/* ---- draft models ------------------------------------------------------------- */
+
+duet_sampling duet__spec_draft_sampling(const duet_sampling *request) {
+    duet_sampling d = *request;
+    d.repetition_penalty = 1.0f;
+    d.presence_penalty = d.frequency_penalty = 0.0f;
+    d.seed ^= 0xD4AF7ull;
+    return d;
+}
+
+int32_t duet__spec_draw(duet_sampler *dsmp, float *logits, int n_vocab, int32_t *ids, float *probs,
+                        int *n_q) {
+    *n_q = 0;
+    if (!dsmp || !ids || !probs) return duet_argmax(logits, n_vocab);
+    int n = *n_q = duet_sampler_dist(dsmp, logits, ids, probs);
+    double u = duet_sampler_uniform(dsmp), cum = 0;
+    for (int i = 0; i < n; i++)
+        if ((cum += probs[i]) > u) return ids[i];
+    return ids[n - 1];
+}
+
 /* ---- n-gram drafter --------------------------------------------------------- */
 
 int duet__spec_ngram(const int32_t *tokens, int n, int n_min, int n_max, int k, int32_t *draft) {

@@ -70,6 +70,19 @@ duet_status duet__spec_params(const duet_open_params *p, duet_spec_mode *mode, i
  * suffix of length >= n_min occurs earlier (or k <= 0, n < 2). O(n * n_max). */
 int duet__spec_ngram(const int32_t *tokens, int n, int n_min, int n_max, int k, int32_t *draft);
 
+/* Draft models. The draft samples with the request's settings without its
+ * penalties (q need not match p for the output to be the target's; a
+ * closer q is kept more often), from a seed of its own. */
+duet_sampling duet__spec_draft_sampling(const duet_sampling *request);
+
+/* Draws a draft token from a draft model's logits row (modified in place).
+ * With `dsmp` and room for q (ids, probs: n_vocab each), the token is drawn
+ * from q = duet_sampler_dist(dsmp), which lands in ids/probs with *n_q its
+ * size, as duet__spec_verify takes it. Otherwise (greedy requests, or no
+ * room) it is the argmax and *n_q = 0: a deterministic drafter, whose q is
+ * one-hot, verified exactly as such. */
+int32_t duet__spec_draw(duet_sampler *dsmp, float *logits, int n_vocab, int32_t *ids, float *probs, int *n_q);
+
 /* Scratch for verification, sized for one vocabulary (allocated once;
  * nothing is allocated per token). One thread at a time. */
 typedef struct duet_spec_verifier duet_spec_verifier;

@@ -308,9 +308,13 @@ static const char *spec_prompts[4] = {
     "The cat sat on the mat. The dog sat on the mat. The cat sat on the",
     "Tom and Sue went to the park. They played with a ball. Tom and Sue", "Lily wanted"};
 
-static duet_engine *start_spec(int max_seqs, int kv_blocks, int spec_k) {
+/* An engine on `backend` speculating with draft model `draft` (NULL:
+ * n-gram drafts; spec_k 0: no speculation), backing off above
+ * spec_max_batch decodes. */
+static duet_engine *start_spec_on(const char *backend, int max_seqs, int kv_blocks, int spec_k,
+                                  const char *draft, int spec_max_batch) {
     duet_engine_params p = duet_engine_params_default();
-    p.open.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    p.open.backend = backend;
     p.open.n_ctx = 256;
     p.max_batch_seqs = max_seqs;
     p.max_batch_tokens = 64;
@@ -318,14 +322,34 @@ static duet_engine *start_spec(int max_seqs, int kv_blocks, int spec_k) {
     p.kv_blocks = kv_blocks;
     p.max_waiting = 64;
     if (spec_k) {
-        p.open.spec = "ngram";
+        p.open.spec = draft ? NULL : "ngram";
+        p.open.draft = draft;
         p.open.spec_k = spec_k;
-        p.spec_max_batch = -1; /* never back off: every decode may speculate */
+        p.spec_max_batch = spec_max_batch;
     }
     duet_engine *e;
     ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
-                  "start: %s", duet_last_error());
+                  "start on %s: %s", backend, duet_last_error());
     return e;
+}
+
+static duet_engine *start_spec(int max_seqs, int kv_blocks, int spec_k) {
+    const char *backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    return start_spec_on(backend, max_seqs, kv_blocks, spec_k, NULL, -1); /* never back off */
+}
+
+/* stories260K requantized to q4_0 (made when missing; the test that makes
+ * it removes it): a draft model whose greedy choices mostly, not always,
+ * match the f32 target's, so drafts are both kept and rolled back. */
+static const char *draft_copy(void) {
+    static char path[512];
+    snprintf(path, sizeof path, "%s/test_engine_draft_%d.gguf", DUET_BINARY_DIR, (int)getpid());
+    if (access(path, F_OK) != 0) {
+        ck_assert_msg(duet_quantize_file(test_shared_path("models/stories260K.gguf"), path, "q4_0", NULL) ==
+                          DUET_OK,
+                      "quantize the draft: %s", duet_last_error());
+    }
+    return path;
 }
 
 /* n_req requests over the speculative prompts (greedy, or seeded sampling
@@ -479,13 +503,14 @@ START_TEST(speculative_greedy_is_identical) {
     ck_assert_int_eq(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m), DUET_BAD_MODEL);
     ck_assert_msg(strstr(duet_last_error(), "vocabulary") && strstr(duet_last_error(), "smollm2"),
                   "message: %s", duet_last_error());
-    /* The engine does not run draft models (yet) and says so. */
+    /* So does the engine. */
     duet_engine_params ep = duet_engine_params_default();
     ep.open = op;
-    ep.open.draft = test_shared_path("models/stories260K.gguf");
     duet_engine *bad = NULL;
     ck_assert_int_eq(duet_engine_start(test_shared_path("models/stories260K.gguf"), &ep, &bad),
-                     DUET_UNSUPPORTED);
+                     DUET_BAD_MODEL);
+    ck_assert_msg(strstr(duet_last_error(), "vocabulary") && strstr(duet_last_error(), "smollm2"),
+                  "message: %s", duet_last_error());
     ck_assert_ptr_null(bad);
     op.draft = NULL;
     /* Bad options are refused by name. */
@@ -501,11 +526,103 @@ START_TEST(speculative_greedy_is_identical) {
 }
 END_TEST
 
-/* Sampling with speculation: seeded runs repeat exactly; a cancel from the
- * token callback, in the middle of a speculative step, ends the request
- * cleanly and leaks no KV block. */
+/* A draft model inside the engine (a q4_0 copy of the target drafting for
+ * it): greedy tokens equal the target alone's with 16 concurrent mixed
+ * requests (interactive and batch, several lengths), with speculation
+ * backing off above 2 decodes, and under KV pressure that preempts
+ * sequences in speculative steps; drafts were both kept and rolled back;
+ * every KV block comes back. The engine may also be started on a model
+ * opened without the draft (duet_engine_start_model opens it on that
+ * model's device). */
+START_TEST(speculative_draft_model_in_the_engine) {
+    enum { N = 16 };
+    const char *backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    duet_engine *ref = start_spec(1, 0, 0);
+    collected *want = run_spec(ref, true, N, false);
+    duet_engine_stop(ref, true);
+
+    struct {
+        int max_seqs, kv_blocks, spec_max_batch;
+        const char *what;
+    } runs[] = {{8, 0, -1, "draft model, 16 concurrent"},
+                {8, 0, 2, "draft model, backing off above 2 decodes"},
+                {8, 12, -1, "draft model under KV pressure"}};
+    for (size_t k = 0; k < sizeof runs / sizeof *runs; k++) {
+        duet_engine *e = start_spec_on(backend, runs[k].max_seqs, runs[k].kv_blocks, 6, draft_copy(),
+                                       runs[k].spec_max_batch);
+        collected *got = run_spec(e, false, N, false);
+        same_tokens(want, got, N, runs[k].what);
+        int drafted = 0, accepted = 0;
+        for (int i = 0; i < N; i++)
+            drafted += got->drafted[i], accepted += got->accepted[i];
+        fprintf(stderr, "%s: %d of %d draft tokens kept\n", runs[k].what, accepted, drafted);
+        ck_assert_msg(
+            drafted > (runs[k].spec_max_batch > 0 ? 10 : 50) && accepted > drafted / 4 && accepted < drafted,
+            "%s: drafts %d kept %d: want many drafted, some rejected", runs[k].what, drafted, accepted);
+        ck_assert_double_eq(engine_metric(e, "vllm:spec_decode_num_draft_tokens_total"), drafted);
+        ck_assert_double_eq(engine_metric(e, "vllm:spec_decode_num_accepted_tokens_total"), accepted);
+        if (runs[k].spec_max_batch > 0)
+            ck_assert_msg(engine_metric(e, "duet_spec_decode_throttled_tokens_total") > 0,
+                          "16 requests on 8 slots must back off");
+        if (runs[k].kv_blocks)
+            ck_assert_msg(engine_metric(e, "vllm:num_preemptions_total") > 0, "the tight pool must preempt");
+        ck_assert_double_eq(engine_metric(e, "duet_kv_cache_usage_ratio"), 0);
+        free(got);
+        duet_engine_stop(e, true);
+    }
+
+    /* The target drafting for itself keeps every greedy draft only if the
+     * draft's KV is exact: caught up after admission, after steps without
+     * drafts (backing off above 4 decodes), after rollbacks and
+     * preemptions, and shared with the prefix cache's blocks (the prompts
+     * repeat). */
+    for (int tight = 0; tight < 2; tight++) {
+        duet_engine *e =
+            start_spec_on(backend, 8, tight ? 12 : 0, 6, test_shared_path("models/stories260K.gguf"), 4);
+        collected *got = run_spec(e, false, N, false);
+        same_tokens(want, got, N, "self-draft");
+        ck_assert_double_gt(engine_metric(e, "duet_prefix_cache_hits_total"), 0);
+        double drafted = engine_metric(e, "vllm:spec_decode_num_draft_tokens_total");
+        ck_assert_msg(drafted > 20, "self-draft: %g draft tokens", drafted);
+        ck_assert_double_eq(engine_metric(e, "vllm:spec_decode_num_accepted_tokens_total"), drafted);
+        ck_assert_double_eq(engine_metric(e, "duet_kv_cache_usage_ratio"), 0);
+        free(got);
+        duet_engine_stop(e, true);
+    }
+
+    /* A model opened without a draft: the engine opens it on that model's
+     * backend; greedy output is the target's. */
+    duet_open_params op = duet_open_params_default();
+    op.backend = backend;
+    op.n_ctx = 256;
+    op.weights_only = true;
+    duet_model *m;
+    ck_assert_int_eq(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m), DUET_OK);
+    duet_engine_params ep = duet_engine_params_default();
+    ep.open = op;
+    ep.open.draft = draft_copy();
+    ep.open.spec_k = 4;
+    ep.spec_max_batch = -1;
+    ep.max_batch_tokens = 64;
+    ep.prefill_chunk = 8;
+    duet_engine *e;
+    ck_assert_msg(duet_engine_start_model(m, &ep, &e) == DUET_OK, "start_model: %s", duet_last_error());
+    duet_model_close(m);
+    collected *got = run_spec(e, false, N, false);
+    same_tokens(want, got, N, "draft opened by duet_engine_start_model");
+    free(got);
+    duet_engine_stop(e, true);
+    unlink(draft_copy());
+    free(want);
+}
+END_TEST
+
+/* Sampling with speculation (n-gram drafts, then a draft model): seeded
+ * runs repeat exactly; a cancel from the token callback, in the middle of a
+ * speculative step, ends the request cleanly and leaks no KV block. */
 START_TEST(speculative_sampled_and_cancelled) {
-    duet_engine *e = start_spec(4, 0, 8);
+    const char *backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
+    duet_engine *e = _i == 0 ? start_spec(4, 0, 8) : start_spec_on(backend, 4, 0, 8, draft_copy(), -1);
     collected *a = run_spec(e, true, 8, true);
     collected *b = run_spec(e, true, 8, true);
     same_tokens(a, b, 8, "seeded sampling with speculation, twice");
@@ -538,6 +655,7 @@ START_TEST(speculative_sampled_and_cancelled) {
     ck_assert_double_eq(engine_metric(e, "duet_kv_cache_usage_ratio"), 0);
     free(a), free(b), free(after);
     duet_engine_stop(e, true);
+    if (_i == 1) unlink(draft_copy());
 }
 END_TEST
 
@@ -1427,7 +1545,8 @@ int main(void) {
     TCase *spec = tcase_create("speculative");
     tcase_set_timeout(spec, 300);
     tcase_add_test(spec, speculative_greedy_is_identical);
-    tcase_add_test(spec, speculative_sampled_and_cancelled);
+    tcase_add_test(spec, speculative_draft_model_in_the_engine);
+    tcase_add_loop_test(spec, speculative_sampled_and_cancelled, 0, 2);
     suite_add_tcase(s, spec);
     TCase *fleet = tcase_create("fleet");
     tcase_set_timeout(fleet, 300);

@@ -1117,6 +1117,44 @@ START_TEST(metrics_are_prometheus_text) {
 }
 END_TEST
 
+static int run_serve(const char *const *args, char *out, size_t size);
+
+/* --draft: the server speculates with a draft model (stories260K drafting
+ * for itself, so every greedy draft is kept) and says so in the vLLM
+ * metrics; the completion equals the one without speculation. A draft
+ * with another vocabulary stops the server at start-up, by name. */
+START_TEST(draft_model_speculates) {
+    const char *body =
+        "{\"prompt\":\"Once upon a time\",\"max_tokens\":24,\"temperature\":0,\"ignore_eos\":true}";
+    server s;
+    server_start(&s, "nodraft", NULL);
+    xfer plain;
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", body, &plain), 200);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+    const char *args[] = {"--draft", test_shared_path("models/stories260K.gguf"), "--spec-max-batch", "-1",
+                          NULL};
+    server_start(&s, "draft", args);
+    xfer x;
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", body, &x), 200);
+    const char *a = strstr(plain.buf, "\"text\""), *b = strstr(x.buf, "\"text\"");
+    ck_assert_msg(a && b && !strncmp(a, b, strcspn(a, "}")), "with a draft: %s\nwithout: %s", x.buf,
+                  plain.buf);
+    double drafted = scrape(s.port, "vllm:spec_decode_num_draft_tokens_total", "");
+    ck_assert_msg(drafted > 0, "no draft tokens counted");
+    ck_assert_double_eq(scrape(s.port, "vllm:spec_decode_num_accepted_tokens_total", ""), drafted);
+    ck_assert_msg(scrape(s.port, "vllm:spec_decode_num_drafts_total", "") > 0, "no drafts counted");
+    xfer_free(&x), xfer_free(&plain);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
+    char out[4096];
+    const char *bad[] = {"-m",      test_shared_path("models/stories260K.gguf"),
+                         "--draft", test_shared_path("models/smollm2-135m-instruct-q4_k_m.gguf"),
+                         "--port",  "0",
+                         NULL};
+    ck_assert_msg(run_serve(bad, out, sizeof out) != 0 && strstr(out, "vocabulary"),
+                  "a draft with another vocabulary must stop the server: %s", out);
+}
+END_TEST
+
 /* Runs `duet serve ARGS...` to completion (for option errors); returns
  * the exit code and leaves its stderr in out. */
 static int run_serve(const char *const *args, char *out, size_t size) {
@@ -1145,7 +1183,7 @@ static int run_serve(const char *const *args, char *out, size_t size) {
 }
 
 START_TEST(config_file_and_command_line_knobs) {
-    char cfg[512], out[4096];
+    char cfg[512], out[16384]; /* --help is longer than 4 KiB */
     snprintf(cfg, sizeof cfg, "%s/test_server_config_%d.json", DUET_BINARY_DIR, (int)getpid());
     FILE *f = fopen(cfg, "w");
     fprintf(f, "{\"max_batch_seqs\": 2, \"prefill-chunk\": 64, \"batch_timeout_ms\": 5, \"max_waiting\": 7,"
@@ -1996,6 +2034,7 @@ int main(void) {
     tcase_add_test(live, disconnects_free_their_blocks);
     tcase_add_test(live, overload_gets_429);
     tcase_add_test(live, metrics_are_prometheus_text);
+    tcase_add_test(live, draft_model_speculates);
     tcase_add_test(live, config_file_and_command_line_knobs);
     tcase_add_test(live, sigterm_drains_then_exits_0);
     tcase_add_test(live, drain_timeout_ends_every_stream);

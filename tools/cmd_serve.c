@@ -54,6 +54,8 @@ static void usage(FILE *f) {
         "                              and output, verified in the step (lossless; helps editing, "
         "summaries,\n"
         "                              code)\n"
+        "      --draft FILE            a draft model (same vocabulary) drafting on the same device, with\n"
+        "                              its own KV cache; verified in the step like ngram's drafts\n"
         "      --spec-k K              most draft tokens per step and sequence, 1..16 (default 8, adaptive)\n"
         "      --spec-max-batch N      speculate only in steps with at most N decodes (default 4; -1 = "
         "always)\n"
@@ -129,6 +131,7 @@ enum {
     O_SPEC,
     O_SPEC_K,
     O_SPEC_MAX_BATCH,
+    O_DRAFT,
     O_SLO_TTFT,
     O_SLO_ITL,
     O_INSTANCE,
@@ -159,6 +162,7 @@ static const struct option opts[] = {
     {"spec", required_argument, 0, O_SPEC},
     {"spec-k", required_argument, 0, O_SPEC_K},
     {"spec-max-batch", required_argument, 0, O_SPEC_MAX_BATCH},
+    {"draft", required_argument, 0, O_DRAFT},
     {"slo-ttft-ms", required_argument, 0, O_SLO_TTFT},
     {"slo-itl-ms", required_argument, 0, O_SLO_ITL},
     {"step-cost", required_argument, 0, O_STEP_COST},
@@ -257,6 +261,7 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
     case O_SPEC: ep->open.spec = v; return true;
     case O_SPEC_K: return cli_int("--spec-k", v, 1, 16, &ep->open.spec_k);
     case O_SPEC_MAX_BATCH: return cli_int("--spec-max-batch", v, -1, 4096, &ep->spec_max_batch);
+    case O_DRAFT: ep->open.draft = v; return true;
     case O_SLO_TTFT:
         return parse_slo("--slo-ttft-ms", v, ep->slo_ttft_ms);
     case O_SLO_ITL:
