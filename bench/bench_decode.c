@@ -6,11 +6,13 @@
  *
  * usage: bench_decode [--backend cpu|vulkan|opencl] [--device N] [--threads N] [--tokens N]
  *                     [--ctx 128,1024,4096] [--kv f16|q8_0|f32] [--json]
- *                     [--shared DIR] [--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16]
+ *                     [--shared DIR] [--models stories260K,125m-q8_0,125m-f16,1b-q8_0,1b-f16,LABEL=FILE]
  *                     [--repeat N] [--verbose] [--strict]
  * Models: stories260K (from ../shared), and synthetic ones made once by
  * duet_mkmodel_cached (~/.cache/duet/models). At context C the cache first holds C prompt
  * tokens (a real prefill), then --tokens tokens are decoded one per step.
+ * LABEL=FILE benches a GGUF file under that label (e.g. a file made by
+ * `duet quantize`: 1b-q4_0=/tmp/1b-q4_0.gguf names it for the floors).
  * --repeat N runs every model N rounds, one after another, and reports
  * medians: of each figure, and of the per-round ratios (against the first
  * context, and against the first model at the same context). On a shared
@@ -20,6 +22,8 @@
  * Floors, printed when the run has their figures (medians of per-round
  * values; --strict: exit 1 when one is missed):
  *   - 1b q8_0 decode >= 1.4x 1b f16 decode (--models 1b-q8_0,1b-f16; issue 6)
+ *   - 1b q4_0 decode >= 1.5x 1b q8_0 decode (--models 1b-q4_0=FILE,1b-q8_0=FILE,
+ *     files where every matrix is that type; issue 16)
  *   - 125m q8_0 decode at the longest context >= 60% of at 128
  *     (--models 125m-q8_0 --ctx 128,4096, with --kv f16 and --kv q8_0; issue 5)
  *   - 125m q8_0 decode at the first context: >= 40 tokens/s on OpenCL
@@ -30,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #include "bench_util.h"
 #include "duet.h"
@@ -45,6 +50,9 @@ typedef struct result {
     int n_ctx;
     int ctx[MAX_CTXS];
     double decode_tps[MAX_CTXS], frac_bw[MAX_CTXS];
+    /* CPU time (all threads) per decoded token: on a shared machine, where
+     * wall time swings with the load, a steadier view of the work done */
+    double cpu_ms[MAX_CTXS];
     /* medians of per-round ratios: against this model's first context, and
      * against the first model at the same context */
     double vs_first_ctx[MAX_CTXS], vs_first_model[MAX_CTXS];
@@ -57,6 +65,14 @@ typedef struct opts {
     int ctx[MAX_CTXS];
     double triad;
 } opts;
+
+/* User and system CPU seconds of the process so far (every thread). */
+static double bench_cpu_seconds(void) {
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+           (ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) * 1e-6;
+}
 
 static double kv_bytes_per_token(const duet_model_desc *d, const char *kv) {
     double es = !kv || !strcmp(kv, "f16") ? 2 : !strcmp(kv, "q8_0") ? 34.0 / 32 : 4;
@@ -107,7 +123,7 @@ static int bench_model(const char *name, const char *path, const opts *o, result
             fprintf(stderr, "bench_decode: %s: prefill of %d: %s\n", name, C, duet_last_error());
             break;
         }
-        double best = 1e30;
+        double best = 1e30, cpu0 = bench_cpu_seconds();
         for (int rep = 0; rep < 2 && st == DUET_OK; rep++) {
             double t0 = bench_now();
             for (int i = 0; i < o->n_tokens && st == DUET_OK; i++)
@@ -115,6 +131,7 @@ static int bench_model(const char *name, const char *path, const opts *o, result
             double dt = bench_now() - t0;
             if (dt < best) best = dt;
         }
+        r->cpu_ms[r->n_ctx] = (bench_cpu_seconds() - cpu0) * 1e3 / (2.0 * o->n_tokens);
         if (st != DUET_OK) {
             fprintf(stderr, "bench_decode: %s: decode at %d: %s\n", name, C, duet_last_error());
             break;
@@ -158,6 +175,9 @@ static void combine(result rounds[][MAX_MODELS], int n_rounds, int n_models, res
                 v[r] = rounds[r][i].frac_bw[c];
             m->frac_bw[c] = bench_median(v, n_rounds);
             for (int r = 0; r < n_rounds; r++)
+                v[r] = rounds[r][i].cpu_ms[c];
+            m->cpu_ms[c] = bench_median(v, n_rounds);
+            for (int r = 0; r < n_rounds; r++)
                 v[r] = rounds[r][i].decode_tps[c] / rounds[r][i].decode_tps[0];
             m->vs_first_ctx[c] = bench_median(v, n_rounds);
             bool same = c < rounds[0][0].n_ctx;
@@ -195,6 +215,20 @@ static bool floor_row(cJSON *out, bool json, const char *name, double value, dou
     return ok;
 }
 
+/* Decode of model `a` over model `b` at the first context, median of the
+ * per-round ratios, against `min` (no row when the run lacks either). */
+static bool ratio_floor(result rounds[][MAX_MODELS], int n_rounds, char names[][64], int n, const opts *o,
+                        const char *a, const char *b, const char *what, double min, bool json, cJSON *out) {
+    const int i = model_index(names, n, a), j = model_index(names, n, b);
+    if (i < 0 || j < 0 || rounds[0][i].n_ctx == 0 || rounds[0][j].n_ctx == 0) return true;
+    double v[MAX_ROUNDS];
+    for (int r = 0; r < n_rounds; r++)
+        v[r] = rounds[r][i].decode_tps[0] / rounds[r][j].decode_tps[0];
+    char name[160];
+    snprintf(name, sizeof name, "%s %s at context %d", o->backend, what, rounds[0][i].ctx[0]);
+    return floor_row(out, json, name, bench_median(v, n_rounds), min, "x");
+}
+
 /* The floors this run has figures for, from per-round values (medians);
  * false when one is missed. */
 static bool floors(result rounds[][MAX_MODELS], int n_rounds, char names[][64], int n, const opts *o,
@@ -202,15 +236,13 @@ static bool floors(result rounds[][MAX_MODELS], int n_rounds, char names[][64], 
     bool ok = true;
     double v[MAX_ROUNDS];
     char name[160];
-    /* 1b q8_0 against 1b f16, at the first context, round by round. */
-    const int q = model_index(names, n, "1b-q8_0"), f = model_index(names, n, "1b-f16");
-    if (q >= 0 && f >= 0 && rounds[0][q].n_ctx > 0 && rounds[0][f].n_ctx > 0) {
-        for (int r = 0; r < n_rounds; r++)
-            v[r] = rounds[r][q].decode_tps[0] / rounds[r][f].decode_tps[0];
-        snprintf(name, sizeof name, "%s 1b q8_0 decode / 1b f16 decode at context %d", o->backend,
-                 rounds[0][q].ctx[0]);
-        ok = floor_row(out, json, name, bench_median(v, n_rounds), 1.4, "x") && ok;
-    }
+    /* Weight types against each other, at the first context, round by round. */
+    ok = ratio_floor(rounds, n_rounds, names, n, o, "1b-q8_0", "1b-f16", "1b q8_0 decode / 1b f16 decode",
+                     1.4, json, out) &&
+         ok;
+    ok = ratio_floor(rounds, n_rounds, names, n, o, "1b-q4_0", "1b-q8_0", "1b q4_0 decode / 1b q8_0 decode",
+                     1.5, json, out) &&
+         ok;
     const int m = model_index(names, n, "125m-q8_0");
     if (m >= 0 && rounds[0][m].n_ctx > 0) {
         const result *r0 = &rounds[0][m];
@@ -294,11 +326,15 @@ int main(int argc, char **argv) {
     /* The models' names and files, made once. */
     char names[MAX_MODELS][64], paths[MAX_MODELS][4096];
     int n = 0;
-    char list[256];
+    char list[4096];
     snprintf(list, sizeof list, "%s", models);
     char *save = NULL;
     for (char *tok = strtok_r(list, ",", &save); tok && n < MAX_MODELS; tok = strtok_r(NULL, ",", &save)) {
-        if (!strcmp(tok, "stories260K")) {
+        char *eq = strchr(tok, '=');
+        if (eq) { /* LABEL=FILE */
+            *eq = '\0';
+            snprintf(paths[n], sizeof paths[n], "%s", eq + 1);
+        } else if (!strcmp(tok, "stories260K")) {
             snprintf(paths[n], sizeof paths[n], "%s/models/stories260K.gguf", shared);
         } else {
             char shape[16], type[16];
@@ -342,6 +378,7 @@ int main(int argc, char **argv) {
                 cJSON_AddNumberToObject(x, "context", res[i].ctx[c]);
                 cJSON_AddNumberToObject(x, "tokens_per_s", res[i].decode_tps[c]);
                 cJSON_AddNumberToObject(x, "fraction_of_triad", res[i].frac_bw[c]);
+                cJSON_AddNumberToObject(x, "cpu_ms_per_token", res[i].cpu_ms[c]);
                 cJSON_AddNumberToObject(x, "relative_to_first_context", res[i].vs_first_ctx[c]);
                 if (i > 0 && res[i].vs_first_model[c] > 0)
                     cJSON_AddNumberToObject(x, "relative_to_first_model", res[i].vs_first_model[c]);

@@ -129,6 +129,11 @@ static const bo_case bo_cases[] = {
     BO_BLOCK_ROWS(DUET_DTYPE_Q2_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_Q3_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_Q4_K, 256),
     BO_BLOCK_ROWS(DUET_DTYPE_Q5_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_Q6_K, 256), BO_BLOCK_ROWS(DUET_DTYPE_IQ4_XS, 256),
 #undef BO_BLOCK_ROWS
+    /* Q4_0 as the cpu backend repacks it (16-row groups from the first matmul
+     * on, plain tail rows: 53 = 3 x 16 + 5): decode, and 19 tokens (passes
+     * of 8, 2 and 1) with bias and accumulate */
+    {"repack",  DUET_OP_MATMUL, DUET_DTYPE_Q4_0,  1, 192,  53, 0, 0, 0, 0, 0, false, false, false, false, T},
+    {"repack",  DUET_OP_MATMUL, DUET_DTYPE_Q4_0, 19, 192,  53, 0, 0, 0, 0, 0, true,  true,  false, false, T},
 
     /* rope + KV store: adjacent and NeoX pairs, partial rotation, GQA, several sequences */
     {"decode",      DUET_OP_ROPE_KV,     F32,   1, 64,     300,  4, 4, 1, 250, 64, false, false, false, false, T|S},

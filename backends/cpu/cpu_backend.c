@@ -190,6 +190,8 @@ static duet_status cpu_open(int index, const duet_backend_params *params, duet_b
     cpu_fill_info(&be->base.info, be->isa, n);
     const char *prof = getenv("DUET_PROFILE");
     be->profile = prof && *prof && strcmp(prof, "0") != 0;
+    const char *rp = getenv("DUET_CPU_REPACK");
+    be->repack = be->isa >= CPU_ISA_AVX2 && !(rp && strcmp(rp, "0") == 0);
     duet_status st = duet__cpu_pool_init(&be->pool, n);
     if (st != DUET_OK) {
         free(be);
@@ -220,31 +222,36 @@ static duet_status cpu_buffer_alloc(duet_backend *be, size_t size, duet_buffer *
     if (align == CPU_HUGE_ALIGN) madvise(b->data, padded, MADV_HUGEPAGE); /* a hint; failure is fine */
 #endif
     b->head = (duet_buffer_head){.size = size, .kind = DUET_BUFFER_HOST};
+    b->rp_rows = b->rp_cols = 0;
+    b->rp_off = 0;
     *out = b;
     return DUET_OK;
 }
 
 static void cpu_buffer_free(duet_backend *be, duet_buffer *buf) {
     if (!buf) return;
+    if (buf->rp_rows) ((cpu_backend *)be)->n_repacked--;
     free(buf->data);
     free(buf);
 }
 
 static duet_status cpu_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
                               size_t size) {
-    (void)be; /* the registry checked the range */
-    if (size) memcpy((char *)buf->data + offset, src, size);
-    return DUET_OK;
+    /* The registry checked the range. Bytes go in as the caller's layout. */
+    duet_status st = duet__cpu_rp_restore((cpu_backend *)be, buf);
+    if (st == DUET_OK && size) memcpy((char *)buf->data + offset, src, size);
+    return st;
 }
 
 static duet_status cpu_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst, size_t size) {
-    (void)be; /* the registry checked the range */
-    if (size) memcpy(dst, (const char *)buf->data + offset, size);
-    return DUET_OK;
+    duet_status st = duet__cpu_rp_restore((cpu_backend *)be, buf); /* the registry checked the range */
+    if (st == DUET_OK && size) memcpy(dst, (const char *)buf->data + offset, size);
+    return st;
 }
 
+/* The plain layout until the next matmul that repacks the buffer. */
 static void *cpu_buffer_host_ptr(duet_backend *be, duet_buffer *buf) {
-    return buf ? buf->data : NULL;
+    return buf && duet__cpu_rp_restore((cpu_backend *)be, buf) == DUET_OK ? buf->data : NULL;
 }
 
 /* ---- steps ------------------------------------------------------------------- */
@@ -314,6 +321,7 @@ static duet_status check_pages(const char *op, const duet_kv_pages *kv, const in
 }
 
 static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
+    CHECK(duet__cpu_rp_prepare(be, op)); /* the weights' layout for this op */
     switch (op->kind) {
     case DUET_OP_EMBED: {
         const uint64_t n_rows =
@@ -323,7 +331,8 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
             REQUIRE(tok[t] >= 0 && (uint64_t)tok[t] < n_rows,
                     "embed: token %d is %d, outside the %llu-row table", t, tok[t],
                     (unsigned long long)n_rows);
-        return duet__cpu_embed(be, op, at(op->embed.tokens), at(op->embed.table), at(op->embed.out));
+        return duet__cpu_embed(be, op, at(op->embed.tokens), at(op->embed.table), op->embed.table.buf,
+                               at(op->embed.out));
     }
     case DUET_OP_RMSNORM:
         return duet__cpu_rmsnorm(be, op, at(op->rmsnorm.x), at(op->rmsnorm.w), at(op->rmsnorm.out),
@@ -331,6 +340,10 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
     case DUET_OP_MATMUL: {
         /* Pre-quantised activations (x_q8) replace x when given. */
         const bool xq = op->matmul.x_q8.buf != NULL;
+        if (op->matmul.w.buf->rp_rows)
+            return duet__cpu_matmul_rp(be, op, at(op->matmul.w), op->matmul.w.buf->rp_rows,
+                                       xq ? NULL : at(op->matmul.x), at(op->matmul.x_q8), at(op->matmul.bias),
+                                       at(op->matmul.out));
         return duet__cpu_matmul(be, op, at(op->matmul.w), xq ? NULL : at(op->matmul.x), at(op->matmul.x_q8),
                                 at(op->matmul.bias), at(op->matmul.out));
     }

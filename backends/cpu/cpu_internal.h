@@ -3,7 +3,8 @@
  * cpu_backend.c   the interface, device info, buffers, op validation
  * cpu_threadpool.c the persistent worker pool (the caller is worker 0)
  * cpu_matmul.c    MATMUL for f32/f16/bf16/q8_0 weights
- * cpu_matmul_blocks.c MATMUL for the other block-quantised weight types
+ * cpu_matmul_blocks.c MATMUL for the other block-quantised weight types, and
+ *                 Q4_0's repacked layout (repacking, kernels, embedding rows)
  * cpu_ops.c       the other ops and the small vector kernels they use
  *
  * Kernels come in three paths chosen at run time from the CPU's features
@@ -90,6 +91,11 @@ static inline void cpu_split(int64_t n, int ith, int nth, int64_t align, int64_t
 struct duet_buffer {
     duet_buffer_head head; /* first: the registry reads it */
     void *data;            /* 64-byte aligned */
+    /* A Q4_0 matrix of rp_cols columns at byte rp_off whose first rp_rows
+     * rows (a multiple of CPU_RP_ROWS) the backend re-laid out for its
+     * kernels (cpu_matmul_blocks.c); rp_rows 0: the bytes are as uploaded. */
+    int64_t rp_rows, rp_cols;
+    size_t rp_off;
 };
 
 typedef struct cpu_scratch {
@@ -107,6 +113,10 @@ typedef struct cpu_backend {
     cpu_scratch act;   /* matmul: quantized activations */
     cpu_scratch work;  /* per-thread rows: attention tiles, rope tables, q8 rows */
     cpu_scratch attn;  /* attention: query tiles and split partials (linear in tokens) */
+    /* Q4_0 weights are repacked at their first matmul ($DUET_CPU_REPACK=0:
+     * never, for A/B runs); n_repacked buffers hold the layout now. */
+    bool repack;
+    int n_repacked;
     /* $DUET_PROFILE: wall time of each op (ops run when recorded). */
     bool profile;
     int prof_steps;
@@ -126,12 +136,44 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
  * cpu_matmul_blocks.c); x or xq as above. */
 duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const void *w, const float *x,
                                     const duet_block_q8_0 *xq, const float *bias, float *out);
+/* The same for a matrix whose first rp_rows rows are repacked. */
+duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *w, int64_t rp_rows,
+                                const float *x, const duet_block_q8_0 *xq, const float *bias, float *out);
+/* ---- repacked weights (cpu_matmul_blocks.c) ----------------------------------------
+ *
+ * Decode reads every weight once per token, so the GEMV's cost per weight
+ * byte decides its speed. A Q4_0 matrix (avx2 and avx512 paths) is stored
+ * CPU_RP_ROWS rows at a time with one 32-block of all 16 rows together:
+ * their 16 fp16 scales (32 bytes), then 4 x 64 bytes where bytes
+ * 64c + 4l .. 64c + 4l + 3 are row l's qs[4c .. 4c + 3]. A vector lane is
+ * then a row: the 8 dwords of unpacked nibbles come from 4 loads, the
+ * activation dwords are broadcast, 16 rows' integer dots accumulate in one
+ * vector with no horizontal sums, and the scales convert in one op. The
+ * group takes the bytes its 16 plain rows took (288 per 32 columns); rows
+ * past the last whole group stay plain. The float work per row and token
+ * is the tiles' and the panel's op for op, so results are the same bits.
+ *
+ * The backend cannot see a tensor's type at upload, so the first matmul
+ * that reads a buffer as a Q4_0 matrix repacks it in place; any other use
+ * of those bytes (a download, an upload, a host pointer, another op or
+ * shape) first restores the plain layout. Embedding lookups read it. */
+#define CPU_RP_ROWS 16
+/* Repacks buf's matrix when the op is a matmul the layout serves; restores
+ * the plain layout of every other buffer the op touches. */
+duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op);
+/* Restores buf's plain layout (no-op when it has none); fails only out of
+ * memory (16 rows of staging), leaving the layout as it was. */
+duet_status duet__cpu_rp_restore(cpu_backend *be, duet_buffer *buf);
+/* Row `row` of a repacked Q4_0 table as n floats. */
+void duet__cpu_rp_dequant_row(const duet_buffer *buf, int64_t row, float *out);
+
 /* Quantises n floats (n % 32 == 0) to q8_0 blocks with the fastest path of
  * be's ISA: the fused outputs of rmsnorm/swiglu/attention and matmul's own
  * quantisation of f32 activations share it (cpu_matmul.c). */
 void duet__cpu_quantize_q8_0(const cpu_backend *be, const float *x, duet_block_q8_0 *y, int64_t n);
+/* table_buf: the table's buffer when its rows are repacked, else NULL. */
 duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *tokens, const void *table,
-                            float *out);
+                            const duet_buffer *table_buf, float *out);
 /* out_q8 (NULL when absent) gets the q8_0 blocks of each f32 out row; out
  * may then be NULL too (rows go through per-thread scratch). */
 duet_status duet__cpu_rmsnorm(cpu_backend *be, const duet_op *op, const float *x, const float *w, float *out,

@@ -17,6 +17,10 @@
  * dequantised in memory. The scalar path (no x86 SIMD) dequantises one
  * block at a time on the stack.
  *
+ * Q4_0 matrices the backend repacked (16 rows per 32-block side by side,
+ * cpu_internal.h) run their own kernels, a row per vector lane, with the
+ * same float work per row and token as the tiles and the panel.
+ *
  * As in cpu_matmul.c, a token's result does not depend on the batch around
  * it: each token's sums run in the same order for any tile shape. */
 #include <stdlib.h>
@@ -739,6 +743,153 @@ static const blk_panel_fn *blk_panels(duet_dtype t) {
     if (t == DUET_DTYPE_Q2_K || t == DUET_DTYPE_Q3_K || t == DUET_DTYPE_Q6_K) return two;
     return one;
 }
+
+/* ---- repacked Q4_0 (the layout: cpu_internal.h) ------------------------------------------------- */
+
+#define RP_BLOCK (CPU_RP_ROWS * sizeof(duet_block_q4_0)) /* one 32-block of a group: 288 bytes */
+#define RP_TOKENS 8                                      /* tokens per pass over a group, at most */
+
+/* NT tokens against one group of 16 rows. */
+typedef struct rp_job {
+    const uint8_t *g; /* the group */
+    int64_t nb;       /* 32-blocks per row */
+    const blk_act *x;
+    int64_t tok;       /* first token */
+    const float *bias; /* at the group's first row, or NULL */
+    bool accumulate;
+    float *out; /* token tok, the group's first row */
+    int64_t os;
+} rp_job;
+
+static inline int32_t rd32(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* avx512: a lane per row. Per block and token the float work is the
+ * panel's (acc += dot * (s dx) - 8 s xh), so the bits are the same. */
+CPU_AVX512 CPU_INLINE void rp512_body(const int NT, const rp_job *jb) {
+    const blk_act *x = jb->x;
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    __m512 acc[RP_TOKENS];
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; j++)
+        acc[j] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < jb->nb; b++) {
+        const uint8_t *p = jb->g + (size_t)b * RP_BLOCK;
+        __m512i r[RP_TOKENS];
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++)
+            r[j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512(p + 32 + 64 * c);
+            const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+            for (int j = 0; j < NT; j++) {
+                const int8_t *q = x->q + (jb->tok + j) * x->qs + b * 32;
+                r[j] = _mm512_dpbusd_epi32(r[j], lo, _mm512_set1_epi32(rd32(q + 4 * c)));
+                r[j] = _mm512_dpbusd_epi32(r[j], hi, _mm512_set1_epi32(rd32(q + 16 + 4 * c)));
+            }
+        }
+        const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        const __m512 m = _mm512_mul_ps(s, _mm512_set1_ps(8.0f));
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) {
+            const int64_t t = jb->tok + j;
+            const __m512 dx = _mm512_set1_ps(x->d[t * x->ds + b]);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(r[j]), _mm512_mul_ps(s, dx), acc[j]);
+            acc[j] = _mm512_fnmadd_ps(m, _mm512_set1_ps(x->xh[t * 3 * x->ds + 3 * b + 2]), acc[j]);
+        }
+    }
+    const __m512 bias = jb->bias ? _mm512_loadu_ps(jb->bias) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; j++) {
+        float *o = jb->out + j * jb->os;
+        __m512 v = _mm512_add_ps(acc[j], bias);
+        if (jb->accumulate) v = _mm512_add_ps(_mm512_loadu_ps(o), v);
+        _mm512_storeu_ps(o, v);
+    }
+}
+
+/* avx2: the group as two halves of 8 rows. maddubs' pair sums (at most
+ * 2 * 15 * 128) of a block's 8 dwords add up in 16 bits without overflow
+ * (8 * 3840 < 2^15); the tiles' avx2 float work follows. */
+CPU_AVX2 CPU_INLINE void rp256_body(const int NT, const rp_job *jb) {
+    const blk_act *x = jb->x;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    __m256 acc[2][RP_TOKENS];
+#pragma GCC unroll 8
+    for (int j = 0; j < NT; j++)
+        acc[0][j] = acc[1][j] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < jb->nb; b++) {
+        const uint8_t *p = jb->g + (size_t)b * RP_BLOCK;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            __m256i r[RP_TOKENS];
+#pragma GCC unroll 8
+            for (int j = 0; j < NT; j++)
+                r[j] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 + 64 * c + 32 * h));
+                const __m256i lo = _mm256_and_si256(v, m4),
+                              hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#pragma GCC unroll 8
+                for (int j = 0; j < NT; j++) {
+                    const int8_t *q = x->q + (jb->tok + j) * x->qs + b * 32;
+                    r[j] =
+                        _mm256_add_epi16(r[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(rd32(q + 4 * c))));
+                    r[j] = _mm256_add_epi16(
+                        r[j], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(rd32(q + 16 + 4 * c))));
+                }
+            }
+            const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
+            const __m256 m = _mm256_mul_ps(s, _mm256_set1_ps(8.0f));
+#pragma GCC unroll 8
+            for (int j = 0; j < NT; j++) {
+                const int64_t t = jb->tok + j;
+                const __m256 dx = _mm256_broadcast_ss(x->d + t * x->ds + b);
+                const __m256i d32 = _mm256_madd_epi16(r[j], _mm256_set1_epi16(1));
+                acc[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_mul_ps(s, dx), acc[h][j]);
+                acc[h][j] =
+                    _mm256_fnmadd_ps(m, _mm256_broadcast_ss(x->xh + t * 3 * x->ds + 3 * b + 2), acc[h][j]);
+            }
+        }
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m256 bias = jb->bias ? _mm256_loadu_ps(jb->bias + 8 * h) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+        for (int j = 0; j < NT; j++) {
+            float *o = jb->out + j * jb->os + 8 * h;
+            __m256 v = _mm256_add_ps(acc[h][j], bias);
+            if (jb->accumulate) v = _mm256_add_ps(_mm256_loadu_ps(o), v);
+            _mm256_storeu_ps(o, v);
+        }
+    }
+}
+
+typedef void (*rp_fn)(const rp_job *jb);
+#define RP512(NT)                                                                                            \
+    CPU_AVX512 static void rp512_##NT(const rp_job *jb) {                                                    \
+        rp512_body(NT, jb);                                                                                  \
+    }
+RP512(8)
+RP512(4)
+RP512(2)
+RP512(1)
+#undef RP512
+CPU_AVX2 static void rp256_2(const rp_job *jb) {
+    rp256_body(2, jb);
+}
+CPU_AVX2 static void rp256_1(const rp_job *jb) {
+    rp256_body(1, jb);
+}
+/* 8, 4, 2 and 1 tokens per pass (avx2: at most 2, for its 16 registers). */
+static const rp_fn rp512_fns[4] = {rp512_8, rp512_4, rp512_2, rp512_1};
+static const rp_fn rp256_fns[4] = {NULL, NULL, rp256_2, rp256_1};
 #endif /* CPU_X86 */
 
 /* ---- driver ------------------------------------------------------------------------------------------ */
@@ -766,6 +917,8 @@ typedef struct blk_task {
     const blk_panel_fn *panels; /* 16, 8, 4, 2, 1 tokens */
     __m512i *packs;             /* per worker: pack_vecs vectors */
     size_t pack_vecs;
+    int64_t rp_rows;     /* rows [0, rp_rows) are repacked groups */
+    const rp_fn *rp_fns; /* 8, 4, 2, 1 tokens (NULL: not on this path) */
 #endif
 } blk_task;
 
@@ -782,11 +935,8 @@ static void blk_prepare_task(void *p, int chunk, int n_chunks, int worker) {
     }
 }
 
-static void blk_rows_task(void *p, int chunk, int n_chunks, int worker) {
-    (void)worker;
-    blk_task *t = p;
-    int64_t lo, hi;
-    cpu_split(t->n_out, chunk, n_chunks, BLK_MR, &lo, &hi);
+/* Rows [lo, hi) by the tiles. */
+static void blk_rows_range(const blk_task *t, int64_t lo, int64_t hi) {
     blk_res res;
     for (int64_t t0 = 0; t0 < t->n_tokens; t0 += t->token_chunk) {
         const int64_t t1 = t0 + t->token_chunk < t->n_tokens ? t0 + t->token_chunk : t->n_tokens;
@@ -806,6 +956,44 @@ static void blk_rows_task(void *p, int chunk, int n_chunks, int worker) {
         }
     }
 }
+
+static void blk_rows_task(void *p, int chunk, int n_chunks, int worker) {
+    (void)worker;
+    const blk_task *t = p;
+    int64_t lo, hi;
+    cpu_split(t->n_out, chunk, n_chunks, BLK_MR, &lo, &hi);
+    blk_rows_range(t, lo, hi);
+}
+
+#if CPU_X86
+/* Repacked groups of 16 rows, per token chunk in passes of 8, 4, 2 and 1
+ * tokens; the plain rows after the last group by the tiles. */
+static void blk_rp_task(void *p, int chunk, int n_chunks, int worker) {
+    (void)worker;
+    const blk_task *t = p;
+    int64_t lo, hi;
+    cpu_split(t->n_out, chunk, n_chunks, CPU_RP_ROWS, &lo, &hi);
+    const int64_t split = hi < t->rp_rows ? hi : t->rp_rows;
+    rp_job jb = {.nb = t->nb, .x = &t->act, .accumulate = t->accumulate, .os = t->n_out};
+    for (int64_t t0 = 0; t0 < t->n_tokens; t0 += t->token_chunk) {
+        const int64_t t1 = t0 + t->token_chunk < t->n_tokens ? t0 + t->token_chunk : t->n_tokens;
+        for (int64_t r = lo; r < split; r += CPU_RP_ROWS) {
+            jb.g = t->w + (size_t)r * t->ws;
+            jb.bias = t->bias ? t->bias + r : NULL;
+            for (int64_t tok = t0; tok < t1;) {
+                int g = 0; /* the largest pass that fits: 8, 4, 2, 1 */
+                while (!t->rp_fns[g] || (RP_TOKENS >> g) > t1 - tok)
+                    g++;
+                jb.tok = tok;
+                jb.out = t->out + tok * t->n_out + r;
+                t->rp_fns[g](&jb);
+                tok += RP_TOKENS >> g;
+            }
+        }
+    }
+    if (split < hi) blk_rows_range(t, split > lo ? split : lo, hi);
+}
+#endif
 
 #if CPU_X86
 /* Panels of 16 rows; per token chunk each panel meets the chunk's tokens in
@@ -851,8 +1039,11 @@ static size_t align64(size_t n) {
     return (n + 63) & ~(size_t)63;
 }
 
-duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const void *w, const float *x,
-                                    const duet_block_q8_0 *xq, const float *bias, float *out) {
+/* The task and its activations' layout (x quantised unless x_q8 came);
+ * `panel`: the avx512 panel may run (not for repacked rows). */
+static duet_status blk_setup(cpu_backend *be, const duet_op *op, const void *w, const float *x,
+                             const duet_block_q8_0 *xq, const float *bias, float *out, bool panel,
+                             blk_task *task) {
     const duet_dtype dt = op->matmul.dtype;
     blk_task t = {
         .tile = scalar_tile,
@@ -889,7 +1080,8 @@ duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const vo
     /* The panel for batches (it and the tiles agree bit for bit, so the
      * choice may depend on n_tokens): decode's tile reads each row once
      * and transposes nothing. */
-    t.panel = be->isa == CPU_ISA_AVX512 && t.n_out >= BLK_PANEL_ROWS && t.n_tokens >= BLK_PANEL_MIN_TOKENS &&
+    t.panel = panel && be->isa == CPU_ISA_AVX512 && t.n_out >= BLK_PANEL_ROWS &&
+              t.n_tokens >= BLK_PANEL_MIN_TOKENS &&
               t.ws * (BLK_PANEL_ROWS - 1) <= (size_t)INT32_MAX; /* the scale gathers' offsets */
     if (t.panel) {
         t.pack_fn = blk_packer(dt);
@@ -916,24 +1108,186 @@ duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const vo
 #endif
     duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1, blk_prepare_task,
                        &t);
+    (void)panel;
+    *task = t;
+    return DUET_OK;
+}
+
+/* Runs fn over units of `unit` rows, a few per thread, in token chunks of
+ * ~256 KiB of activations (a multiple of `pass` tokens) that stay in L2
+ * while a thread's rows cycle; matmuls far smaller than a dispatch inline. */
+static void blk_run(cpu_backend *be, blk_task *t, int unit, int pass, cpu_task_fn fn) {
+    int64_t chunk = (256 * 1024) / (t->act.qs > 0 ? t->act.qs : 1);
+    chunk = chunk / pass * pass;
+    t->token_chunk = chunk < pass ? pass : chunk;
+    const int64_t work = t->n_tokens * t->n_in * t->n_out;
+    const int64_t units = (t->n_out + unit - 1) / unit;
+    duet__cpu_pool_run(&be->pool, work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1, fn, t);
+}
+
+duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const void *w, const float *x,
+                                    const duet_block_q8_0 *xq, const float *bias, float *out) {
+    blk_task t;
+    duet_status st = blk_setup(be, op, w, x, xq, bias, out, true, &t);
+    if (st != DUET_OK) return st;
 #if CPU_X86
     if (t.panel) {
-        int64_t chunk = (256 * 1024) / (t.act.qs > 0 ? t.act.qs : 1);
-        chunk = chunk / BLK_PANEL_TOKENS * BLK_PANEL_TOKENS;
-        t.token_chunk = chunk < BLK_PANEL_TOKENS ? BLK_PANEL_TOKENS : chunk;
-        const int64_t work = t.n_tokens * t.n_in * t.n_out;
-        const int64_t units = (t.n_out + BLK_PANEL_ROWS - 1) / BLK_PANEL_ROWS;
-        duet__cpu_pool_run(&be->pool, work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1, blk_panel_task,
-                           &t);
+        blk_run(be, &t, BLK_PANEL_ROWS, BLK_PANEL_TOKENS, blk_panel_task);
         return DUET_OK;
     }
 #endif
-    /* Keep ~256 KiB of activations in L2 while a thread's W rows cycle. */
-    int64_t chunk = (256 * 1024) / (t.act.qs > 0 ? t.act.qs : 1);
-    chunk = chunk / BLK_MT * BLK_MT;
-    t.token_chunk = chunk < BLK_MT ? BLK_MT : chunk;
-    const int64_t work = t.n_tokens * t.n_in * t.n_out;
-    const int64_t units = (t.n_out + BLK_MR - 1) / BLK_MR;
-    duet__cpu_pool_run(&be->pool, work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1, blk_rows_task, &t);
+    blk_run(be, &t, BLK_MR, BLK_MT, blk_rows_task);
+    return DUET_OK;
+}
+
+duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *w, int64_t rp_rows,
+                                const float *x, const duet_block_q8_0 *xq, const float *bias, float *out) {
+#if CPU_X86
+    blk_task t;
+    duet_status st = blk_setup(be, op, w, x, xq, bias, out, false, &t);
+    if (st != DUET_OK) return st;
+    t.rp_rows = rp_rows;
+    t.rp_fns = be->isa == CPU_ISA_AVX512 ? rp512_fns : rp256_fns;
+    blk_run(be, &t, CPU_RP_ROWS, RP_TOKENS, blk_rp_task);
+    return DUET_OK;
+#else
+    (void)be, (void)op, (void)w, (void)rp_rows, (void)x, (void)xq, (void)bias, (void)out;
+    return duet__error(DUET_INVALID_ARGUMENT,
+                       "matmul: repacked weights on a cpu without the layout's kernels");
+#endif
+}
+
+/* ---- repacking ------------------------------------------------------------------------------------ */
+
+/* 16 plain Q4_0 rows (ws bytes apart) -> one group at g, and back. */
+static void rp_pack_group(const uint8_t *rows, size_t ws, int64_t nb, uint8_t *g) {
+    for (int64_t b = 0; b < nb; b++, g += CPU_RP_ROWS * sizeof(duet_block_q4_0))
+        for (int l = 0; l < CPU_RP_ROWS; l++) {
+            const duet_block_q4_0 *blk = (const duet_block_q4_0 *)(rows + (size_t)l * ws) + b;
+            memcpy(g + 2 * l, &blk->d, 2);
+            for (int c = 0; c < 4; c++)
+                memcpy(g + 32 + 64 * c + 4 * l, blk->qs + 4 * c, 4);
+        }
+}
+
+/* Block b of row l of the group at g. */
+static void rp_block(const uint8_t *g, int64_t b, int l, duet_block_q4_0 *out) {
+    const uint8_t *p = g + (size_t)b * CPU_RP_ROWS * sizeof(duet_block_q4_0);
+    memcpy(&out->d, p + 2 * l, 2);
+    for (int c = 0; c < 4; c++)
+        memcpy(out->qs + 4 * c, p + 32 + 64 * c + 4 * l, 4);
+}
+
+static void rp_unpack_group(const uint8_t *g, size_t ws, int64_t nb, uint8_t *rows) {
+    for (int l = 0; l < CPU_RP_ROWS; l++)
+        for (int64_t b = 0; b < nb; b++)
+            rp_block(g, b, l, (duet_block_q4_0 *)(rows + (size_t)l * ws) + b);
+}
+
+typedef struct rp_pack_ctx {
+    uint8_t *base; /* the matrix */
+    size_t ws;
+    int64_t nb, groups;
+    uint8_t *tmp; /* per worker: one group's bytes */
+    bool pack;    /* false: back to plain */
+} rp_pack_ctx;
+
+static void rp_pack_task(void *p, int chunk, int n_chunks, int worker) {
+    const rp_pack_ctx *c = p;
+    const size_t gb = CPU_RP_ROWS * c->ws;
+    uint8_t *tmp = c->tmp + (size_t)worker * gb;
+    int64_t lo, hi;
+    cpu_split(c->groups, chunk, n_chunks, 1, &lo, &hi);
+    for (int64_t g = lo; g < hi; g++) {
+        uint8_t *at = c->base + (size_t)g * gb;
+        memcpy(tmp, at, gb);
+        if (c->pack)
+            rp_pack_group(tmp, c->ws, c->nb, at);
+        else
+            rp_unpack_group(tmp, c->ws, c->nb, at);
+    }
+}
+
+/* Repacks (pack) or restores buf's matrix; false when out of memory (the
+ * bytes are then untouched). */
+static bool rp_convert(cpu_backend *be, duet_buffer *buf, size_t off, int64_t rows, int64_t cols, bool pack) {
+    rp_pack_ctx c = {.base = (uint8_t *)buf->data + off,
+                     .ws = duet_dtype_row_bytes(DUET_DTYPE_Q4_0, cols),
+                     .nb = cols / 32,
+                     .groups = rows / CPU_RP_ROWS,
+                     .pack = pack};
+    /* Restoring runs on the caller alone (uploads and downloads are not
+     * the hot path, and may come while the pool is idle or not). */
+    const int workers = pack ? be->pool.n_threads : 1;
+    c.tmp = malloc(CPU_RP_ROWS * c.ws * (size_t)workers);
+    if (!c.tmp) return false;
+    if (pack)
+        duet__cpu_pool_run(&be->pool, cpu_chunks(&be->pool, c.groups), rp_pack_task, &c);
+    else
+        rp_pack_task(&c, 0, 1, 0);
+    free(c.tmp);
+    return true;
+}
+
+duet_status duet__cpu_rp_restore(cpu_backend *be, duet_buffer *buf) {
+    if (!buf->rp_rows) return DUET_OK;
+    if (!rp_convert(be, buf, buf->rp_off, buf->rp_rows, buf->rp_cols, false))
+        return duet__error(DUET_OUT_OF_MEMORY, "cpu: out of memory restoring a repacked weight's layout");
+    buf->rp_rows = 0;
+    be->n_repacked--;
+    return DUET_OK;
+}
+
+void duet__cpu_rp_dequant_row(const duet_buffer *buf, int64_t row, float *out) {
+    const size_t ws = duet_dtype_row_bytes(DUET_DTYPE_Q4_0, buf->rp_cols);
+    const uint8_t *g =
+        (const uint8_t *)buf->data + buf->rp_off + (size_t)(row / CPU_RP_ROWS) * CPU_RP_ROWS * ws;
+    for (int64_t b = 0; b < buf->rp_cols / 32; b++) {
+        duet_block_q4_0 blk;
+        rp_block(g, b, (int)(row % CPU_RP_ROWS), &blk);
+        duet_dequantize_row(DUET_DTYPE_Q4_0, &blk, out + 32 * b, 32);
+    }
+}
+
+/* Whether op reads operand o (a view of the repacked buffer b) in b's
+ * layout: as the same matrix's weights, or as an embedding table of its
+ * rows (rows past the groups are plain either way). */
+static bool rp_reads_layout(const duet_op *op, const duet_operand *o, const duet_buffer *b) {
+    if (o->view.offset != b->rp_off) return false;
+    if (op->kind == DUET_OP_MATMUL && strcmp(o->name, "w") == 0)
+        return op->matmul.dtype == DUET_DTYPE_Q4_0 && op->matmul.n_in == b->rp_cols &&
+               op->matmul.n_out / CPU_RP_ROWS * CPU_RP_ROWS == b->rp_rows;
+    if (op->kind == DUET_OP_EMBED && strcmp(o->name, "table") == 0)
+        return op->embed.dtype == DUET_DTYPE_Q4_0 && op->embed.dim == b->rp_cols;
+    return false;
+}
+
+duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op) {
+    const bool mm = op->kind == DUET_OP_MATMUL;
+    if (!be->n_repacked && !(mm && be->repack && op->matmul.dtype == DUET_DTYPE_Q4_0)) return DUET_OK;
+    duet_operand ops[DUET_MAX_OPERANDS];
+    const int n = duet_op_operands(op, ops);
+    duet_buffer *w = mm ? op->matmul.w.buf : NULL;
+    bool w_alone = true; /* no other operand of the op is in the weights' buffer */
+    for (int i = 0; i < n; i++) {
+        duet_buffer *b = ops[i].view.buf;
+        if (!b) continue;
+        if (b == w && !(mm && strcmp(ops[i].name, "w") == 0)) w_alone = false;
+        if (b->rp_rows && !rp_reads_layout(op, &ops[i], b)) {
+            duet_status st = duet__cpu_rp_restore(be, b);
+            if (st != DUET_OK) return st;
+        }
+    }
+    /* A Q4_0 matrix of at least one group, on a path with the kernels. */
+    if (!w || !w_alone || w->rp_rows || op->matmul.dtype != DUET_DTYPE_Q4_0 ||
+        op->matmul.n_out < CPU_RP_ROWS || !be->repack)
+        return DUET_OK;
+    const int64_t rows = op->matmul.n_out / CPU_RP_ROWS * CPU_RP_ROWS;
+    /* Out of memory for the one-group staging: the plain layout serves. */
+    if (!rp_convert(be, w, op->matmul.w.offset, rows, op->matmul.n_in, true)) return DUET_OK;
+    w->rp_rows = rows;
+    w->rp_cols = op->matmul.n_in;
+    w->rp_off = op->matmul.w.offset;
+    be->n_repacked++;
     return DUET_OK;
 }

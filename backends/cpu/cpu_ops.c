@@ -875,6 +875,7 @@ static duet_status work_reserve(cpu_backend *be, size_t per_thread, size_t *stri
 typedef struct embed_ctx {
     const int32_t *tokens;
     const uint8_t *table;
+    const duet_buffer *rp; /* the table's buffer when its rows are repacked */
     size_t row_bytes;
     duet_dtype dtype;
     int dim;
@@ -883,14 +884,22 @@ typedef struct embed_ctx {
 
 static void embed_row(const void *p, int64_t t, int worker) {
     const embed_ctx *c = p;
-    duet_dequantize_row(c->dtype, c->table + (size_t)c->tokens[t] * c->row_bytes, c->out + t * c->dim,
-                        c->dim);
+    if (c->rp && c->tokens[t] < c->rp->rp_rows)
+        duet__cpu_rp_dequant_row(c->rp, c->tokens[t], c->out + t * c->dim);
+    else
+        duet_dequantize_row(c->dtype, c->table + (size_t)c->tokens[t] * c->row_bytes, c->out + t * c->dim,
+                            c->dim);
 }
 
 duet_status duet__cpu_embed(cpu_backend *be, const duet_op *op, const int32_t *tokens, const void *table,
-                            float *out) {
-    embed_ctx c = {tokens,          table,         duet_dtype_row_bytes(op->embed.dtype, op->embed.dim),
-                   op->embed.dtype, op->embed.dim, out};
+                            const duet_buffer *table_buf, float *out) {
+    embed_ctx c = {tokens,
+                   table,
+                   table_buf && table_buf->rp_rows ? table_buf : NULL,
+                   duet_dtype_row_bytes(op->embed.dtype, op->embed.dim),
+                   op->embed.dtype,
+                   op->embed.dim,
+                   out};
     run_rows(be, op->n_tokens, (int64_t)op->n_tokens * op->embed.dim, 4, embed_row, &c);
     return DUET_OK;
 }
