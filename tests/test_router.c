@@ -3,7 +3,8 @@
  * step costing what a simple per-instance step-cost model says. Policies:
  * least outstanding work beats round-robin on p99 latency over instances of
  * different speeds; a failing instance loses no request; tier routing keeps
- * interactive TTFT low under a flood of batch work. */
+ * interactive TTFT low under a flood of batch work, with the step costs
+ * `duet profile` measured on this machine's cpu, lavapipe and PoCL. */
 #include <check.h>
 #include <math.h>
 #include <stdio.h>
@@ -342,6 +343,7 @@ static const step_cost COST_POCL = {4.8, 2.0, 0.45};
 typedef struct sim_inst {
     duet_sched *s;
     step_cost cost;
+    const duet_step_cost *measured; /* when set, steps cost what this profile predicts instead */
     double slow; /* cost multiplier */
     bool busy, failed;
     int64_t busy_until, wake_at; /* wake_at < 0: none */
@@ -545,15 +547,18 @@ static void fleet_run(fleet *f, const workload *w) {
                 in->wake_at = act == DUET_SCHED_WAIT ? p.wake_at : -1;
                 if (act == DUET_SCHED_STEP) {
                     int dec = 0;
+                    duet_step_shape shape = {0};
                     in->n = p.n_seqs;
                     for (int j = 0; j < p.n_seqs; j++) {
                         in->ids[j] = p.seqs[j].id;
                         in->logits[j] = p.seqs[j].logits;
                         dec += p.seqs[j].decode;
+                        duet_step_shape_add(&shape, p.seqs[j].pos, p.seqs[j].n_tokens, p.seqs[j].decode);
                     }
                     in->step_tokens = p.n_tokens;
-                    double ms = in->cost.base_ms + in->cost.decode_ms * dec +
-                                in->cost.prefill_ms * (p.n_tokens - dec);
+                    double ms = in->measured ? duet_step_cost_predict(in->measured, &shape) * 1e3
+                                             : in->cost.base_ms + in->cost.decode_ms * dec +
+                                                   in->cost.prefill_ms * (p.n_tokens - dec);
                     in->step_ns = (int64_t)(ms * in->slow * 1e6);
                     in->busy = true;
                     in->busy_until = f->now + in->step_ns;
@@ -692,17 +697,49 @@ START_TEST(test_fleet_failing_instance_loses_nothing) {
 }
 END_TEST
 
+/* The step-cost models `duet profile` measured for SmolLM2 on this
+ * machine's three backends (bench/results/instances-step-costs-smollm2-xeon-2c/). */
+static const char *const PROFILE_DIR = DUET_SOURCE_DIR "/bench/results/instances-step-costs-smollm2-xeon-2c";
+static const char *const PROFILE_NAMES[3] = {"cpu", "vulkan", "opencl"};
+
+/* Predicted ms of a decode step of `batch` sequences at context ctx. */
+static double decode_ms(const duet_step_cost *m, int batch, int ctx) {
+    duet_step_shape sh = {0};
+    for (int i = 0; i < batch; i++)
+        duet_step_shape_add(&sh, ctx, 1, true);
+    return duet_step_cost_predict(m, &sh) * 1e3;
+}
+
 START_TEST(test_fleet_tiers_protect_interactive_ttft) {
     /* One small-batch interactive instance (cpu, 4 sequences) and two
-     * large-batch ones (lavapipe and PoCL, 32 sequences). A flood of batch
-     * work: 32 closed-loop clients with long outputs; interactive requests
-     * arrive at 2/s. Same instances, same load; only the routing differs. */
-    const step_cost costs[3] = {COST_CPU, COST_LAVAPIPE, COST_POCL};
+     * large-batch ones (lavapipe and PoCL, 32 sequences), each step costing
+     * what `duet profile` measured for SmolLM2 on that backend here. A flood
+     * of batch work: 32 closed-loop clients with long outputs; interactive
+     * requests arrive at a rate that keeps the interactive instance half
+     * busy. Same instances, same load; only the routing differs. */
+    duet_step_cost prof[3];
+    for (int i = 0; i < 3; i++) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s.json", PROFILE_DIR, PROFILE_NAMES[i]);
+        ck_assert_msg(duet_step_cost_load(path, &prof[i]) == DUET_OK, "%s", duet_last_error());
+    }
+    for (int i = 0; i < 3; i++)
+        printf("router: measured step costs, %s (%s): decode step %.1f ms at 1 sequence, %.1f ms at 32 "
+               "(context 128); %.2fx and %.2fx the cpu's\n",
+               PROFILE_NAMES[i], prof[i].device, decode_ms(&prof[i], 1, 128), decode_ms(&prof[i], 32, 128),
+               decode_ms(&prof[i], 1, 128) / decode_ms(&prof[0], 1, 128),
+               decode_ms(&prof[i], 32, 128) / decode_ms(&prof[0], 32, 128));
+    /* An interactive request alone on the cpu instance: a 40-token prompt,
+     * then 24 decode steps; requests arrive so that two are in flight. */
+    duet_step_shape pre = {0};
+    duet_step_shape_add(&pre, 0, 40, false);
+    double t_req = duet_step_cost_predict(&prof[0], &pre) + 24 * decode_ms(&prof[0], 2, 64) * 1e-3;
+    const step_cost unused[3] = {COST_CPU, COST_CPU, COST_CPU};
     const int seqs[3] = {4, 32, 32};
     const duet_router_instance_config ric[3] = {
         {DUET_PRIORITY_INTERACTIVE, 300, 8}, {DUET_PRIORITY_BATCH, 300, 64}, {DUET_PRIORITY_BATCH, 300, 64}};
     workload w = {.n_open = 60,
-                  .open_rate = 2,
+                  .open_rate = 2 / t_req,
                   .open_prio = DUET_PRIORITY_INTERACTIVE,
                   .open_prompt_min = 16,
                   .open_prompt_max = 64,
@@ -712,24 +749,30 @@ START_TEST(test_fleet_tiers_protect_interactive_ttft) {
                   .closed_prio = DUET_PRIORITY_BATCH,
                   .closed_prompt = 64,
                   .closed_new = 256,
-                  .closed_until = 30 * DUET_SCHED_NS_PER_S,
                   .fail_inst = -1};
+    /* The flood lasts as long as the interactive arrivals and more. */
+    w.closed_until = (int64_t)((w.n_open / w.open_rate + 10 * t_req) * 1e9);
     double ttft[2], batch_tput[2];
     for (int blind = 0; blind < 2; blind++) {
         duet_router_config rc = duet__router_config_default();
         rc.tier_blind = blind;
         fleet f;
-        fleet_init(&f, 3, costs, NULL, seqs, ric, rc, 99);
+        fleet_init(&f, 3, unused, NULL, seqs, ric, rc, 99);
+        for (int i = 0; i < 3; i++)
+            f.inst[i].measured = &prof[i];
         fleet_run(&f, &w);
         ttft[blind] = p99_ms(&f, DUET_PRIORITY_INTERACTIVE, true);
         int64_t gen = 0;
         for (int k = 0; k < f.n_req; k++)
             if (f.req[k].prio == DUET_PRIORITY_BATCH) gen += f.req[k].gen;
         batch_tput[blind] = (double)gen / ((double)f.now * 1e-9);
-        printf("router: %s: interactive p99 TTFT %.1f ms, batch %.0f tok/s over %.1f s\n",
-               blind ? "tier-blind" : "tier routing", ttft[blind], batch_tput[blind], (double)f.now * 1e-9);
+        printf("router: %s: interactive p99 TTFT %.1f ms (arrivals %.2f/s), batch %.0f tok/s over %.1f s\n",
+               blind ? "tier-blind" : "tier routing", ttft[blind], w.open_rate, batch_tput[blind],
+               (double)f.now * 1e-9);
         fleet_free(&f);
     }
+    printf("router: tier routing's interactive p99 TTFT is %.1fx lower than tier-blind's\n",
+           ttft[1] / ttft[0]);
     ck_assert_msg(ttft[0] * 3 <= ttft[1],
                   "tier routing's interactive p99 TTFT (%.1f ms) is >= 3x lower than tier-blind (%.1f ms)",
                   ttft[0], ttft[1]);
