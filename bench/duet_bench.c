@@ -300,6 +300,10 @@ static int run_compare(db_config *c, const db_target *tg, int n_t, const char *c
                 snprintf(m->device, sizeof m->device, "%s", tg[t].inst.device);
                 snprintf(m->instance, sizeof m->instance, "%s", tg[t].inst.name);
                 snprintf(m->tier, sizeof m->tier, "%s", tg[t].inst.tier);
+                /* The server's knob gauges sum its instances: this one's own. */
+                for (int p = 0; p < one.n_points && tg[t].inst.max_batch_seqs > 0; p++)
+                    one.points[p].knobs.max_batch_seqs = one.points[p].server.max_batch_seqs =
+                        tg[t].inst.max_batch_seqs;
             }
             if (!ok) {
                 fprintf(stderr, "duet-bench: %s: %s\n", label, one.why);

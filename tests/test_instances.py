@@ -236,6 +236,7 @@ class Instances(unittest.TestCase):
         self.assertEqual(len(comp), 2 * len(backends))
         for r in comp:
             self.assertEqual(r["backend"], backends[int(r["instance"])])
+            self.assertEqual(r["max_batch_seqs"], "4" if r["instance"] == "0" else "8", "the instance's own knob")
             self.assertEqual(int(r["completed"]), 4)
             self.assertGreater(float(r["output_throughput"]), 0)
         # Every request duet-bench sent was pinned: per instance, at each of
