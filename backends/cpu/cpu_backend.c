@@ -224,6 +224,7 @@ static duet_status cpu_buffer_alloc(duet_backend *be, size_t size, duet_buffer *
     b->head = (duet_buffer_head){.size = size, .kind = DUET_BUFFER_HOST};
     b->rp_rows = b->rp_cols = 0;
     b->rp_off = 0;
+    b->rp_never = false;
     *out = b;
     return DUET_OK;
 }

@@ -96,6 +96,10 @@ struct duet_buffer {
      * kernels (cpu_matmul_blocks.c); rp_rows 0: the bytes are as uploaded. */
     int64_t rp_rows, rp_cols;
     size_t rp_off;
+    /* An op read these bytes otherwise (another shape or offset: a buffer
+     * of several matrices): never repacked again, so uses that take turns
+     * do not convert the bytes back and forth. */
+    bool rp_never;
 };
 
 typedef struct cpu_scratch {
@@ -156,7 +160,8 @@ duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *
  * The backend cannot see a tensor's type at upload, so the first matmul
  * that reads a buffer as a Q4_0 matrix repacks it in place; any other use
  * of those bytes (a download, an upload, a host pointer, another op or
- * shape) first restores the plain layout. Embedding lookups read it. */
+ * shape) first restores the plain layout, and after another op or shape
+ * the buffer stays plain. Embedding lookups read the layout. */
 #define CPU_RP_ROWS 16
 /* Repacks buf's matrix when the op is a matmul the layout serves; restores
  * the plain layout of every other buffer the op touches. */

@@ -1276,10 +1276,11 @@ duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op) {
         if (b->rp_rows && !rp_reads_layout(op, &ops[i], b)) {
             duet_status st = duet__cpu_rp_restore(be, b);
             if (st != DUET_OK) return st;
+            b->rp_never = true;
         }
     }
     /* A Q4_0 matrix of at least one group, on a path with the kernels. */
-    if (!w || !w_alone || w->rp_rows || op->matmul.dtype != DUET_DTYPE_Q4_0 ||
+    if (!w || !w_alone || w->rp_rows || w->rp_never || op->matmul.dtype != DUET_DTYPE_Q4_0 ||
         op->matmul.n_out < CPU_RP_ROWS || !be->repack)
         return DUET_OK;
     const int64_t rows = op->matmul.n_out / CPU_RP_ROWS * CPU_RP_ROWS;
