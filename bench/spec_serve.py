@@ -9,7 +9,8 @@ speculating (--spec ngram, or --draft DRAFT), then runs one of:
                       off, on, ...: N concurrent greedy completions of the
                       prompt file (max_tokens M, ignore_eos). A round's rate
                       is all generated tokens over the wall time from the
-                      first request to the last answer; the figure to quote
+                      first request to the last answer (which server goes
+                      first alternates by round); the figure to quote
                       is the median of the per-round on/off ratios (the
                       machine may be shared). Acceptance and the draft
                       tokens the throttle refused come from /metrics deltas.
@@ -20,7 +21,7 @@ speculating (--spec ngram, or --draft DRAFT), then runs one of:
                       each divergence, reports the plain run's top-2
                       logprob gap there (a near-tie when < 1e-3).
 
-usage: spec_serve.py DUET MODEL (--draft DRAFT | --ngram) [--spec-max-batch N]
+usage: spec_serve.py DUET MODEL (--draft DRAFT | --ngram | --control) [--spec-max-batch N]
                      [--threads T] [--ctx N] [--max-batch-seqs N] [--json OUT]
                      streams N [N ...] [--rounds R] [--max-tokens M] [--prompt-file F]
        spec_serve.py ... identity --prompts REF.json [--concurrent C] [--max-tokens M]
@@ -95,7 +96,8 @@ def streams(a, off, on):
         rounds = []
         for i in range(a.rounds):
             r = {"streams": n, "load": os.getloadavg()[0]}
-            for name, srv in (("off", off), ("on", on)):
+            order = (("off", off), ("on", on)) if i % 2 == 0 else (("on", on), ("off", off))
+            for name, srv in order:  # ABBA: neither side always runs first
                 before = [on.metric(m) for m in SPEC_METRICS]
                 t0 = time.monotonic()
                 res = concurrent_posts(srv, [body] * n)
@@ -177,6 +179,7 @@ def main():
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--draft")
     g.add_argument("--ngram", action="store_true")
+    g.add_argument("--control", action="store_true", help="both servers plain: the A/A noise floor")
     ap.add_argument("--spec-k", type=int, default=0)
     ap.add_argument("--spec-max-batch", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
@@ -197,10 +200,10 @@ def main():
 
     base = [a.duet, "serve", "-m", a.model, "--backend", "cpu", "--port", "0", "-c", str(a.ctx), "-t", str(a.threads),
             "--max-batch-seqs", str(a.max_batch_seqs)]
-    spec = ["--draft", a.draft] if a.draft else ["--spec", "ngram"]
-    if a.spec_k:
+    spec = ["--draft", a.draft] if a.draft else [] if a.control else ["--spec", "ngram"]
+    if a.spec_k and not a.control:
         spec += ["--spec-k", str(a.spec_k)]
-    if a.spec_max_batch:
+    if a.spec_max_batch and not a.control:
         spec += ["--spec-max-batch", str(a.spec_max_batch)]
     off = Server(base)
     on = Server(base + spec)
