@@ -1358,6 +1358,17 @@ void duet_engine_stop(duet_engine *e, bool drain) {
     engine_free(e);
 }
 
+/* The warm-up batch: the k tokens in e->tok/pos/seq, the last one's logits. */
+static duet_batch warm_batch(duet_engine *e, int k) {
+    return (duet_batch){.n_tokens = k,
+                        .tokens = e->tok,
+                        .pos = e->pos,
+                        .seq = e->seq,
+                        .n_out = 1,
+                        .out = e->out,
+                        .block_tables = e->tables};
+}
+
 /* One warm-up forward pass (under mu): k tokens at positions pos0.. of
  * slot 0, the last one's logits; *seconds its time. */
 static duet_status warm_pass(duet_engine *e, int k, int pos0, double *seconds) {
@@ -1367,13 +1378,7 @@ static duet_status warm_pass(duet_engine *e, int k, int pos0, double *seconds) {
         e->seq[i] = 0;
     }
     e->out[0] = k - 1;
-    duet_batch b = {.n_tokens = k,
-                    .tokens = e->tok,
-                    .pos = e->pos,
-                    .seq = e->seq,
-                    .n_out = 1,
-                    .out = e->out,
-                    .block_tables = e->tables};
+    duet_batch b = warm_batch(e, k);
     int64_t t0 = now_ns();
     duet_status st = duet__run_forward(e->model, &e->run, &b, e->run.logits);
     *seconds = secs(now_ns() - t0);
@@ -1382,13 +1387,7 @@ static duet_status warm_pass(duet_engine *e, int k, int pos0, double *seconds) {
 
 /* The draft model's warm-up: the batch warm_pass just ran (k tokens). */
 static duet_status draft_warm_pass(duet_engine *e, int k) {
-    duet_batch b = {.n_tokens = k,
-                    .tokens = e->tok,
-                    .pos = e->pos,
-                    .seq = e->seq,
-                    .n_out = 1,
-                    .out = e->out,
-                    .block_tables = e->tables};
+    duet_batch b = warm_batch(e, k);
     return duet__run_forward(e->draft, &e->drun, &b, e->drun.logits);
 }
 
