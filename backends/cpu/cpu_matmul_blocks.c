@@ -759,7 +759,17 @@ typedef struct rp_job {
     bool accumulate;
     float *out; /* token tok, the group's first row */
     int64_t os;
+    size_t pf; /* bytes of a group: the block prefetched is the next group's */
 } rp_job;
+
+/* The next group's block b (a thread's groups are contiguous): decode reads
+ * each weight once, and one stream with the hardware prefetcher alone
+ * keeps too few lines in flight (as the q8_0 panel, cpu_matmul.c). */
+#define RP_PREFETCH(p, jb)                                                                                   \
+    do {                                                                                                     \
+        for (size_t off_ = 0; off_ < RP_BLOCK; off_ += 64)                                                   \
+            _mm_prefetch((const char *)(p) + (jb)->pf + off_, _MM_HINT_T0);                                  \
+    } while (0)
 
 static inline int32_t rd32(const int8_t *p) {
     int32_t v;
@@ -778,6 +788,7 @@ CPU_AVX512 CPU_INLINE void rp512_body(const int NT, const rp_job *jb) {
         acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < jb->nb; b++) {
         const uint8_t *p = jb->g + (size_t)b * RP_BLOCK;
+        RP_PREFETCH(p, jb);
         __m512i r[RP_TOKENS];
 #pragma GCC unroll 8
         for (int j = 0; j < NT; j++)
@@ -825,6 +836,7 @@ CPU_AVX2 CPU_INLINE void rp256_body(const int NT, const rp_job *jb) {
         acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < jb->nb; b++) {
         const uint8_t *p = jb->g + (size_t)b * RP_BLOCK;
+        RP_PREFETCH(p, jb);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
             __m256i r[RP_TOKENS];
@@ -974,7 +986,8 @@ static void blk_rp_task(void *p, int chunk, int n_chunks, int worker) {
     int64_t lo, hi;
     cpu_split(t->n_out, chunk, n_chunks, CPU_RP_ROWS, &lo, &hi);
     const int64_t split = hi < t->rp_rows ? hi : t->rp_rows;
-    rp_job jb = {.nb = t->nb, .x = &t->act, .accumulate = t->accumulate, .os = t->n_out};
+    rp_job jb = {
+        .nb = t->nb, .x = &t->act, .accumulate = t->accumulate, .os = t->n_out, .pf = CPU_RP_ROWS * t->ws};
     for (int64_t t0 = 0; t0 < t->n_tokens; t0 += t->token_chunk) {
         const int64_t t1 = t0 + t->token_chunk < t->n_tokens ? t0 + t->token_chunk : t->n_tokens;
         for (int64_t r = lo; r < split; r += CPU_RP_ROWS) {
