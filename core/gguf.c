@@ -1080,8 +1080,8 @@ static void b_scalars(bytes *b, duet_gguf_type t, const void *data, uint64_t n) 
             memcpy(&v, s, 8);
             break;
         }
-        uint8_t le[8];
-        to_le(le, v, sz);
+        uint8_t le[8]; /* all eight bytes, then the low sz of them */
+        to_le(le, v, sizeof le);
         b_put(b, le, sz);
     }
 }
