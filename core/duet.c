@@ -187,8 +187,8 @@ duet_status duet__model_own_run(duet_model *m) {
     return duet__run_new(m, m->n_ctx, m->open.n_seqs, NULL, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, &m->run);
 }
 
-duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
-                             int kv_block_size, int kv_blocks, duet_model **out) {
+duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens,
+                             int max_out, int kv_block_size, int kv_blocks, duet_model **out) {
     return model_open(path, params, max_step_tokens, max_out, kv_block_size, kv_blocks, NULL, out);
 }
 
@@ -307,8 +307,9 @@ void duet_model_describe(const duet_model *m, duet_model_desc *d) {
 int duet_model_meta(const duet_model *m, const char *key, char *buf, size_t size) {
     const duet_gguf_kv *kv = duet_gguf_find(m->gguf, key);
     if (!kv || kv->value.type != DUET_GGUF_STRING) return -1;
-    if (size) snprintf(buf, size, "%.*s", (int)(kv->value.str.len < size ? kv->value.str.len : size - 1),
-                       kv->value.str.ptr);
+    if (size)
+        snprintf(buf, size, "%.*s", (int)(kv->value.str.len < size ? kv->value.str.len : size - 1),
+                 kv->value.str.ptr);
     return (int)kv->value.str.len;
 }
 
@@ -330,11 +331,16 @@ static duet_status eval_seq0(duet_model *m, const int32_t *tokens, int n, int po
     memset(seq, 0, sizeof seq);
     for (int done = 0; done < n;) {
         int c = n - done < DUET_PREFILL_CHUNK ? n - done : DUET_PREFILL_CHUNK;
-        for (int i = 0; i < c; i++) pos[i] = pos0 + done + i;
+        for (int i = 0; i < c; i++)
+            pos[i] = pos0 + done + i;
         bool last = done + c == n;
         int32_t out_row = c - 1;
-        duet_batch b = {.n_tokens = c, .tokens = tokens + done, .pos = pos, .seq = seq,
-                        .n_out = last ? 1 : 0, .out = last ? &out_row : &zero};
+        duet_batch b = {.n_tokens = c,
+                        .tokens = tokens + done,
+                        .pos = pos,
+                        .seq = seq,
+                        .n_out = last ? 1 : 0,
+                        .out = last ? &out_row : &zero};
         duet_status st = duet__run_forward(m, &m->run, &b, m->run.logits);
         if (st) return st;
         done += c;
@@ -378,8 +384,8 @@ duet_status duet_eval(duet_model *m, const int32_t *tokens, int n, int pos0, flo
     if (m->vocab_only) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: model was opened vocab-only");
     /* n > n_ctx - pos0, not pos0 + n > n_ctx: the sum may overflow. */
     if (pos0 < 0 || pos0 > m->n_ctx || n > m->n_ctx - pos0)
-        return duet__error(DUET_CONTEXT_FULL, "duet_eval: %d tokens at position %d exceed the context of %d", n,
-                           pos0, m->n_ctx);
+        return duet__error(DUET_CONTEXT_FULL, "duet_eval: %d tokens at position %d exceed the context of %d",
+                           n, pos0, m->n_ctx);
     duet_status st = duet__model_own_run(m);
     if (!st) st = eval_seq0(m, tokens, n, pos0);
     if (!st && logits) memcpy(logits, m->run.logits, (size_t)m->hp.n_vocab * sizeof(float));
@@ -401,8 +407,8 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
                            n_prompt, m->n_ctx);
     for (int i = 0; i < n_prompt; i++)
         if (prompt[i] < 0 || prompt[i] >= m->hp.n_vocab)
-            return duet__error(DUET_INVALID_ARGUMENT, "generate: prompt token %d = %d out of range [0, %d)", i,
-                               prompt[i], m->hp.n_vocab);
+            return duet__error(DUET_INVALID_ARGUMENT, "generate: prompt token %d = %d out of range [0, %d)",
+                               i, prompt[i], m->hp.n_vocab);
     duet_status st = duet__model_own_run(m);
     if (st) return st;
     duet_sampling defaults = duet_sampling_default();
@@ -412,9 +418,11 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
     char *text = malloc(m->detok_size);
     if (!text) {
         duet_sampler_free(smp);
-        return duet__error(DUET_OUT_OF_MEMORY, "generate: out of memory for %zu bytes of text", m->detok_size);
+        return duet__error(DUET_OUT_OF_MEMORY, "generate: out of memory for %zu bytes of text",
+                           m->detok_size);
     }
-    for (int i = 0; i < n_prompt; i++) duet_sampler_accept(smp, prompt[i]);
+    for (int i = 0; i < n_prompt; i++)
+        duet_sampler_accept(smp, prompt[i]);
 
     /* The context bounds generation: the last position is n_ctx - 1. */
     if (max_tokens > m->n_ctx - n_prompt) max_tokens = m->n_ctx - n_prompt;

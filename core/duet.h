@@ -46,20 +46,20 @@ extern "C" {
 #endif
 
 /* One table of status codes: name, value, description. */
-#define DUET_STATUS_MAP(X)                                                    \
-    X(OK, 0, "ok")                                                            \
-    X(INVALID_ARGUMENT, -1, "invalid argument")                               \
-    X(OUT_OF_MEMORY, -2, "out of memory")                                     \
-    X(IO, -3, "i/o error")                                                    \
-    X(BAD_MODEL, -4, "malformed or unsupported model file")                   \
-    X(UNSUPPORTED, -5, "unsupported")                                         \
-    X(NO_DEVICE, -6, "no such backend or device")                             \
-    X(DEVICE, -7, "device or driver error")                                   \
-    X(COMPILE, -8, "kernel compilation failed")                               \
-    X(CONTEXT_FULL, -9, "context length exceeded")                            \
-    X(CANCELLED, -10, "cancelled")                                            \
-    X(BAD_REQUEST, -11, "bad request")                                        \
-    X(QUEUE_FULL, -12, "queue full")                                          \
+#define DUET_STATUS_MAP(X)                                                                                   \
+    X(OK, 0, "ok")                                                                                           \
+    X(INVALID_ARGUMENT, -1, "invalid argument")                                                              \
+    X(OUT_OF_MEMORY, -2, "out of memory")                                                                    \
+    X(IO, -3, "i/o error")                                                                                   \
+    X(BAD_MODEL, -4, "malformed or unsupported model file")                                                  \
+    X(UNSUPPORTED, -5, "unsupported")                                                                        \
+    X(NO_DEVICE, -6, "no such backend or device")                                                            \
+    X(DEVICE, -7, "device or driver error")                                                                  \
+    X(COMPILE, -8, "kernel compilation failed")                                                              \
+    X(CONTEXT_FULL, -9, "context length exceeded")                                                           \
+    X(CANCELLED, -10, "cancelled")                                                                           \
+    X(BAD_REQUEST, -11, "bad request")                                                                       \
+    X(QUEUE_FULL, -12, "queue full")                                                                         \
     X(DEVICE_LOST, -13, "device lost")
 
 typedef enum duet_status {
@@ -133,13 +133,13 @@ duet_status duet_model_open(const char *path, const duet_open_params *params, du
 void duet_model_close(duet_model *model);
 
 typedef struct duet_model_desc {
-    const char *arch;          /* "llama", "qwen2", "mistral" */
-    const char *backend;       /* backend that runs it */
-    const char *device;        /* device name */
+    const char *arch;    /* "llama", "qwen2", "mistral" */
+    const char *backend; /* backend that runs it */
+    const char *device;  /* device name */
     int n_vocab, n_embd, n_layer, n_head, n_head_kv, n_ff, n_ctx_train, n_ctx;
-    int bos, eos;              /* -1 when the model has none */
+    int bos, eos; /* -1 when the model has none */
     bool add_bos;
-    uint64_t weight_bytes;     /* bytes of weights read per token */
+    uint64_t weight_bytes; /* bytes of weights read per token */
 } duet_model_desc;
 
 void duet_model_describe(const duet_model *model, duet_model_desc *out);
@@ -184,7 +184,7 @@ typedef struct duet_mkmodel_params {
     const char *shape; /* "tiny", "small", "125m", "1b" (TinyLlama-1.1B), "7b" (Llama-2-7B) */
     const char *type;  /* "f32", "f16", "q8_0" */
     uint64_t seed;
-    int n_ctx;         /* 0 = the shape's default */
+    int n_ctx; /* 0 = the shape's default */
 } duet_mkmodel_params;
 
 /* Writes a Llama-shaped GGUF with deterministic random weights and a
@@ -207,8 +207,8 @@ duet_status duet_mkmodel_cached(const duet_mkmodel_params *params, char *path, s
  * tokens. Writes at most `max` ids and returns the number of ids the text
  * needs (may exceed max: call again with a larger array), or a negative
  * duet_status on failure. */
-int duet_tokenize(const duet_model *model, const char *text, size_t len, bool add_special,
-                  bool parse_special, int32_t *ids, int max);
+int duet_tokenize(const duet_model *model, const char *text, size_t len, bool add_special, bool parse_special,
+                  int32_t *ids, int max);
 
 /* The bytes of one token as the detokenizer prints it (byte tokens become
  * their byte, "▁" a space). Returns the byte count, or negative on a bad id. */
@@ -344,8 +344,8 @@ typedef struct duet_generate_stats {
  * tokens, calling `fn` after each; stops at EOS (unless ignore_eos) or when
  * fn returns false. */
 duet_status duet_generate(duet_model *model, const int32_t *prompt, int n_prompt, int max_tokens,
-                          const duet_sampling *sampling, bool ignore_eos, duet_token_fn fn,
-                          void *user, duet_generate_stats *stats);
+                          const duet_sampling *sampling, bool ignore_eos, duet_token_fn fn, void *user,
+                          duet_generate_stats *stats);
 
 /* Low-level: evaluates `n` tokens at positions pos0.. of sequence 0 and
  * copies the logits of the last one into `logits` (n_vocab floats) when not
@@ -484,11 +484,11 @@ typedef struct duet_event {
     float logprob;                 /* log p(token) */
     int n_top;                     /* entries in top (the request's top_logprobs) */
     const duet_token_logprob *top; /* the most likely tokens, best first */
-    const char *text;        /* TOKEN: UTF-8 text it completes (may be empty) */
+    const char *text;              /* TOKEN: UTF-8 text it completes (may be empty) */
     size_t text_len;
-    duet_finish finish;      /* DONE */
-    const char *message;     /* DONE with ERROR */
-    int instance;            /* from a fleet: the instance that served it (its index); 0 from an engine */
+    duet_finish finish;  /* DONE */
+    const char *message; /* DONE with ERROR */
+    int instance;        /* from a fleet: the instance that served it (its index); 0 from an engine */
     int prompt_tokens, generated_tokens;
     double queue_seconds, ttft_seconds, total_seconds; /* DONE: timings */
     int spec_draft_tokens, spec_accepted_tokens;       /* DONE: speculative drafts proposed and kept */
@@ -747,13 +747,13 @@ int duet_fleet_max_sequence_tokens(const duet_fleet *f);
  * forcing: both read the same tokens and predict each next one). Used to
  * check a quantised model or a backend against an f32 original on the CPU. */
 typedef struct duet_quality {
-    int positions;          /* next-token predictions scored */
-    int windows;            /* passes from position 0 over the split text */
-    double kl_mean;         /* mean KL(ref || model) of the next-token distributions, nats */
-    double kl_p99, kl_max;  /* 99th percentile (nearest rank) and largest per-position KL */
-    double top1_agreement;  /* fraction of positions where both argmaxes are the same id */
-    double ppl, ppl_ref;    /* exp(mean -log p(actual next token)) under model and ref */
-    double seconds;         /* wall time of the two forward passes and the scoring */
+    int positions;         /* next-token predictions scored */
+    int windows;           /* passes from position 0 over the split text */
+    double kl_mean;        /* mean KL(ref || model) of the next-token distributions, nats */
+    double kl_p99, kl_max; /* 99th percentile (nearest rank) and largest per-position KL */
+    double top1_agreement; /* fraction of positions where both argmaxes are the same id */
+    double ppl, ppl_ref;   /* exp(mean -log p(actual next token)) under model and ref */
+    double seconds;        /* wall time of the two forward passes and the scoring */
 } duet_quality;
 
 /* Scores `model` against `ref` over tokens[0..n_tokens). Both handles come

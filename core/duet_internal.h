@@ -68,8 +68,8 @@ struct duet_model {
  * paged KV cache's geometry (kv_block_size 0 = 16; kv_blocks 0 = enough
  * for every slot at full context, with identity block tables), for the
  * handle's own run state. */
-duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens, int max_out,
-                             int kv_block_size, int kv_blocks, duet_model **out);
+duet_status duet__model_open(const char *path, const duet_open_params *params, int max_step_tokens,
+                             int max_out, int kv_block_size, int kv_blocks, duet_model **out);
 
 /* Opens `path` as a draft model for target m (p: the target's open
  * params, of which n_threads, kv_type and weights_only apply): its

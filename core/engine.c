@@ -97,7 +97,7 @@ typedef struct engine_req {
 } engine_req;
 
 struct duet_engine {
-    int seq_capacity; /* tokens (prompt + generated) one request can ever hold */
+    int seq_capacity;  /* tokens (prompt + generated) one request can ever hold */
     duet_model *model; /* shared, one reference held */
     duet_run run;      /* this instance's activations and KV pool on the model's device */
     duet_sched *sched;
@@ -131,7 +131,7 @@ struct duet_engine {
     bool *want;        /* [max_tokens] the token's logits are wanted */
     float *raw;        /* [n_vocab] a row's logits before sampling changes them (logprobs) */
     duet_vocab *vocab; /* token bytes for grammars, built at the first one (under mu) */
-    int32_t *tables; /* [max_seqs][max_blocks] this step's KV block tables */
+    int32_t *tables;   /* [max_seqs][max_blocks] this step's KV block tables */
     int max_blocks;
     duet_sched_result *results;
     duet_finish *step_finish; /* [max_seqs] what the step decided; published under the lock */

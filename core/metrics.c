@@ -46,13 +46,13 @@ static const double ttft_bounds[] = {0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.0
 static const double itl_bounds[] = {0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03,
                                     0.04,  0.05,   0.075, 0.1,    0.15, 0.2,   0.3,  0.4,   0.5,
                                     0.75,  1,      2.5,   5,      7.5,  10,    20,   40,    80};
-static const double e2e_bounds[] = {0.005, 0.01, 0.025, 0.05, 0.1,  0.25, 0.3,  0.5,  0.8,  1,
-                                    1.5,   2,    2.5,   5,    10,   15,   20,   30,   40,   50,
-                                    60,    120,  240,   480,  960,  1920, 7680};
+static const double e2e_bounds[] = {0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.3, 0.5,  0.8,
+                                    1,     1.5,  2,     2.5,  5,   10,   15,  20,   30,
+                                    40,    50,   60,    120,  240, 480,  960, 1920, 7680};
 static const double seqs_bounds[] = {1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512};
 static const double tokens_bounds[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384};
-static const double len_bounds[] = {1,    2,    5,    10,    20,    50,    100,   200,
-                                    500,  1000, 2000, 5000,  10000, 20000, 50000, 100000};
+static const double len_bounds[] = {1,   2,    5,    10,   20,    50,    100,   200,
+                                    500, 1000, 2000, 5000, 10000, 20000, 50000, 100000};
 
 _Static_assert(DUET_CTL_N_ACTIONS == 4, "duet_metrics_gauges.ctl_decisions has a slot per action");
 
@@ -123,13 +123,17 @@ static double now_s(void) {
 /* Label values escape backslash, double quote and newline. */
 static char *escape_label(const char *s) {
     size_t n = 0;
-    for (const char *p = s; *p; p++) n += (*p == '\\' || *p == '"' || *p == '\n') ? 2 : 1;
+    for (const char *p = s; *p; p++)
+        n += (*p == '\\' || *p == '"' || *p == '\n') ? 2 : 1;
     char *out = malloc(n + 1), *o = out;
     if (!out) return NULL;
     for (const char *p = s; *p; p++) {
-        if (*p == '\\' || *p == '"') *o++ = '\\', *o++ = *p;
-        else if (*p == '\n') *o++ = '\\', *o++ = 'n';
-        else *o++ = *p;
+        if (*p == '\\' || *p == '"')
+            *o++ = '\\', *o++ = *p;
+        else if (*p == '\n')
+            *o++ = '\\', *o++ = 'n';
+        else
+            *o++ = *p;
     }
     *o = 0;
     return out;
@@ -161,7 +165,8 @@ duet_metrics *duet__metrics_new(const char *model_name) {
 
 void duet__metrics_free(duet_metrics *m) {
     if (!m) return;
-    for (int i = 0; i < N_RINGS; i++) free(m->rings[i].t), free(m->rings[i].v);
+    for (int i = 0; i < N_RINGS; i++)
+        free(m->rings[i].t), free(m->rings[i].v);
     free(m->scratch);
     free(m->model_name);
     pthread_mutex_destroy(&m->mu);
@@ -173,7 +178,8 @@ void duet__metrics_free(duet_metrics *m) {
 static void hist_add(hist *h, const double *bounds, int nb, double v) {
     if (!isfinite(v)) return; /* a NaN would poison _sum forever */
     int i = 0;
-    while (i < nb && v > bounds[i]) i++;
+    while (i < nb && v > bounds[i])
+        i++;
     h->bucket[i]++;
     h->count++;
     h->sum += v;
@@ -186,14 +192,20 @@ static void ring_push(ring *r, double t, double v) {
     if (r->n < r->cap) r->n++;
 }
 
-static int prio_index(duet_priority p) { return p == DUET_PRIORITY_BATCH ? 1 : 0; }
+static int prio_index(duet_priority p) {
+    return p == DUET_PRIORITY_BATCH ? 1 : 0;
+}
 
 static int finish_outcome(duet_finish f) {
     switch (f) {
-    case DUET_FINISH_STOP: return OUT_STOP;
-    case DUET_FINISH_LENGTH: return OUT_LENGTH;
-    case DUET_FINISH_CANCELLED: return OUT_CANCELLED;
-    default: return OUT_ERROR; /* ERROR, or NONE which a finished request should never have */
+    case DUET_FINISH_STOP:
+        return OUT_STOP;
+    case DUET_FINISH_LENGTH:
+        return OUT_LENGTH;
+    case DUET_FINISH_CANCELLED:
+        return OUT_CANCELLED;
+    default:
+        return OUT_ERROR; /* ERROR, or NONE which a finished request should never have */
     }
 }
 
@@ -326,7 +338,8 @@ static double busy_ratio_locked(duet_metrics *m, double now, double window_s) {
     if (span <= 0) return 0;
     int n = ring_collect(&m->rings[RING_BUSY], now - window_s, now, m->scratch);
     double busy = 0;
-    for (int i = 0; i < n; i++) busy += m->scratch[i];
+    for (int i = 0; i < n; i++)
+        busy += m->scratch[i];
     double r = busy / span;
     return r > 1 ? 1 : r;
 }
@@ -422,15 +435,17 @@ static void sample_u64(wbuf *w, const duet_metrics *m, const char *name, const c
 }
 
 /* The _bucket/_sum/_count series of one histogram (one label set). */
-static void hist_series(wbuf *w, const duet_metrics *m, const char *name, const char *extra, const double *bounds,
-                        int nb, const hist *h) {
+static void hist_series(wbuf *w, const duet_metrics *m, const char *name, const char *extra,
+                        const double *bounds, int nb, const hist *h) {
     char sname[160], lab[256], num[40];
     snprintf(sname, sizeof sname, "%s_bucket", name);
     uint64_t cum = 0;
     for (int i = 0; i <= nb; i++) {
         cum += h->bucket[i];
-        if (i < nb) fmt_double(num, sizeof num, bounds[i]);
-        else snprintf(num, sizeof num, "+Inf");
+        if (i < nb)
+            fmt_double(num, sizeof num, bounds[i]);
+        else
+            snprintf(num, sizeof num, "+Inf");
         snprintf(lab, sizeof lab, "%s%sle=\"%s\"", extra, extra[0] ? "," : "", num);
         sample_u64(w, m, sname, lab, cum);
     }
@@ -441,14 +456,15 @@ static void hist_series(wbuf *w, const duet_metrics *m, const char *name, const 
 }
 
 static void hist_merge(hist *dst, const hist *src, int nb) {
-    for (int i = 0; i <= nb; i++) dst->bucket[i] += src->bucket[i];
+    for (int i = 0; i <= nb; i++)
+        dst->bucket[i] += src->bucket[i];
     dst->count += src->count;
     dst->sum += src->sum;
 }
 
 /* A histogram family split by priority (duet_*), or summed over it (vllm:*). */
-static void hist_by_prio(wbuf *w, const duet_metrics *m, const char *name, const char *help, const double *bounds,
-                         int nb, const hist h[N_PRIO], bool split) {
+static void hist_by_prio(wbuf *w, const duet_metrics *m, const char *name, const char *help,
+                         const double *bounds, int nb, const hist h[N_PRIO], bool split) {
     family(w, name, "histogram", help);
     if (split) {
         for (int p = 0; p < N_PRIO; p++) {
@@ -458,7 +474,8 @@ static void hist_by_prio(wbuf *w, const duet_metrics *m, const char *name, const
         }
     } else {
         hist all = {0};
-        for (int p = 0; p < N_PRIO; p++) hist_merge(&all, &h[p], nb);
+        for (int p = 0; p < N_PRIO; p++)
+            hist_merge(&all, &h[p], nb);
         hist_series(w, m, name, "", bounds, nb, &all);
     }
 }
@@ -469,7 +486,8 @@ static void hist_one(wbuf *w, const duet_metrics *m, const char *name, const cha
     hist_series(w, m, name, "", bounds, nb, h);
 }
 
-static void gauge_by_prio(wbuf *w, const duet_metrics *m, const char *name, const char *help, const int v[N_PRIO]) {
+static void gauge_by_prio(wbuf *w, const duet_metrics *m, const char *name, const char *help,
+                          const int v[N_PRIO]) {
     family(w, name, "gauge", help);
     for (int p = 0; p < N_PRIO; p++) {
         char extra[64];
@@ -495,14 +513,16 @@ static char *render(const duet_metrics *m, counters *c, double now, double busy_
     char extra[128];
 
     /* ---- duet's own names ---- */
-    family(&w, "duet_requests_total", "counter",
-           "Requests by priority and outcome (stop, length, cancelled, error; rejected and invalid at submit).");
+    family(
+        &w, "duet_requests_total", "counter",
+        "Requests by priority and outcome (stop, length, cancelled, error; rejected and invalid at submit).");
     for (int p = 0; p < N_PRIO; p++)
         for (int o = 0; o < N_OUT; o++) {
             snprintf(extra, sizeof extra, "priority=\"%s\",status=\"%s\"", prio_names[p], out_names[o]);
             sample_u64(&w, m, "duet_requests_total", extra, c->requests[p][o]);
         }
-    family(&w, "duet_preemptions_total", "counter", "Sequences preempted under KV cache pressure, by priority.");
+    family(&w, "duet_preemptions_total", "counter",
+           "Sequences preempted under KV cache pressure, by priority.");
     for (int p = 0; p < N_PRIO; p++) {
         snprintf(extra, sizeof extra, "priority=\"%s\"", prio_names[p]);
         sample_u64(&w, m, "duet_preemptions_total", extra, c->preemptions[p]);
@@ -517,13 +537,15 @@ static char *render(const duet_metrics *m, counters *c, double now, double busy_
              itl_bounds, N_BOUNDS(itl_bounds), &c->itl);
     hist_one(&w, m, "duet_batch_size", "Sequences in one engine step.", seqs_bounds, N_BOUNDS(seqs_bounds),
              &c->batch_seqs);
-    hist_one(&w, m, "duet_batch_tokens", "Tokens (decodes and prefill chunks) in one engine step.", tokens_bounds,
-             N_BOUNDS(tokens_bounds), &c->batch_tokens);
-    gauge_by_prio(&w, m, "duet_requests_waiting", "Requests queued and not yet running, by priority.", g->waiting);
+    hist_one(&w, m, "duet_batch_tokens", "Tokens (decodes and prefill chunks) in one engine step.",
+             tokens_bounds, N_BOUNDS(tokens_bounds), &c->batch_tokens);
+    gauge_by_prio(&w, m, "duet_requests_waiting", "Requests queued and not yet running, by priority.",
+                  g->waiting);
     gauge_by_prio(&w, m, "duet_requests_running", "Requests holding a batch slot, by priority.", g->running);
     gauge_one(&w, m, "duet_kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", g->kv_usage);
     gauge_one(&w, m, "duet_max_batch_seqs", "Scheduler knob: sequences decoded together.", g->max_batch_seqs);
-    gauge_one(&w, m, "duet_max_batch_tokens", "Scheduler knob: token budget of one step.", g->max_batch_tokens);
+    gauge_one(&w, m, "duet_max_batch_tokens", "Scheduler knob: token budget of one step.",
+              g->max_batch_tokens);
     gauge_one(&w, m, "duet_prefill_chunk", "Scheduler knob: prompt tokens per sequence per step.",
               g->prefill_chunk);
     gauge_one(&w, m, "duet_batch_timeout_seconds",
@@ -578,12 +600,13 @@ static char *render(const duet_metrics *m, counters *c, double now, double busy_
                 (double)g->budget_over_steps);
     gauge_one(&w, m, "duet_prefix_cache_blocks", "KV blocks with a prefix cache entry (in use or evictable).",
               g->kv_blocks_cached);
-    counter_one(&w, m, "duet_prompt_tokens_total", "Prompt tokens of finished requests.", (double)c->prompt_tokens);
+    counter_one(&w, m, "duet_prompt_tokens_total", "Prompt tokens of finished requests.",
+                (double)c->prompt_tokens);
     counter_one(&w, m, "duet_generation_tokens_total", "Tokens generated by finished requests.",
                 (double)c->generated_tokens);
     counter_one(&w, m, "duet_device_busy_seconds_total", "Device time spent on engine steps.", c->busy_s);
-    gauge_one(&w, m, "duet_device_busy_ratio", "Device busy time over wall time in the last 10 seconds (0..1).",
-              busy_ratio);
+    gauge_one(&w, m, "duet_device_busy_ratio",
+              "Device busy time over wall time in the last 10 seconds (0..1).", busy_ratio);
     gauge_one(&w, m, "duet_uptime_seconds", "Seconds since the metrics were created.", now - m->t_start);
     gauge_one(
         &w, m, "duet_engine_healthy",
@@ -610,7 +633,8 @@ static char *render(const duet_metrics *m, counters *c, double now, double busy_
                 "Prefix cache hits, in terms of number of cached tokens.", (double)g->prefix_cache_hits);
     counter_one(&w, m, "vllm:num_preemptions_total", "Cumulative number of preemptions.",
                 (double)(c->preemptions[0] + c->preemptions[1]));
-    counter_one(&w, m, "vllm:prompt_tokens_total", "Number of prefill tokens processed.", (double)c->prompt_tokens);
+    counter_one(&w, m, "vllm:prompt_tokens_total", "Number of prefill tokens processed.",
+                (double)c->prompt_tokens);
     counter_one(&w, m, "vllm:generation_tokens_total", "Number of generation tokens processed.",
                 (double)c->generated_tokens);
     family(&w, "vllm:request_success_total", "counter", "Count of finished requests by finished reason.");
@@ -620,20 +644,21 @@ static char *render(const duet_metrics *m, counters *c, double now, double busy_
     }
     hist_by_prio(&w, m, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                  ttft_bounds, N_BOUNDS(ttft_bounds), c->ttft, false);
-    hist_one(&w, m, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", itl_bounds,
-             N_BOUNDS(itl_bounds), &c->itl);
+    hist_one(&w, m, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+             itl_bounds, N_BOUNDS(itl_bounds), &c->itl);
     hist_one(&w, m, "vllm:time_per_output_token_seconds",
              "Histogram of time per output token in seconds (older name of inter-token latency).", itl_bounds,
              N_BOUNDS(itl_bounds), &c->itl);
     hist_one(&w, m, "vllm:request_time_per_output_token_seconds",
              "Histogram of each request's mean time per output token after the first.", itl_bounds,
              N_BOUNDS(itl_bounds), &c->tpot_req);
-    hist_by_prio(&w, m, "vllm:e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-                 e2e_bounds, N_BOUNDS(e2e_bounds), c->e2e, false);
+    hist_by_prio(&w, m, "vllm:e2e_request_latency_seconds",
+                 "Histogram of end to end request latency in seconds.", e2e_bounds, N_BOUNDS(e2e_bounds),
+                 c->e2e, false);
     hist_by_prio(&w, m, "vllm:request_queue_time_seconds", "Histogram of time spent in the waiting queue.",
                  e2e_bounds, N_BOUNDS(e2e_bounds), c->queue, false);
-    hist_one(&w, m, "vllm:request_prompt_tokens", "Number of prefill tokens processed per request.", len_bounds,
-             N_BOUNDS(len_bounds), &c->prompt_len);
+    hist_one(&w, m, "vllm:request_prompt_tokens", "Number of prefill tokens processed per request.",
+             len_bounds, N_BOUNDS(len_bounds), &c->prompt_len);
     hist_one(&w, m, "vllm:request_generation_tokens", "Number of generation tokens processed per request.",
              len_bounds, N_BOUNDS(len_bounds), &c->gen_len);
     hist_one(&w, m, "vllm:iteration_tokens_total", "Histogram of the number of tokens per engine step.",

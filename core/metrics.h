@@ -43,8 +43,8 @@ typedef struct duet_metrics_gauges {
     double kv_usage;            /* 0..1 */
     int max_batch_seqs, max_batch_tokens, prefill_chunk;
     double batch_timeout_s;
-    int kv_block_size, kv_blocks; /* the KV pool's geometry (vllm:cache_config_info); 0: not known */
-    bool prefix_cache;            /* automatic prefix caching is on */
+    int kv_block_size, kv_blocks;  /* the KV pool's geometry (vllm:cache_config_info); 0: not known */
+    bool prefix_cache;             /* automatic prefix caching is on */
     uint64_t prefix_cache_queries; /* prompt tokens looked up in the prefix cache (cumulative) */
     uint64_t prefix_cache_hits;    /* of those, found cached (cumulative) */
     int kv_blocks_cached;          /* blocks with a prefix cache entry now */
@@ -72,11 +72,11 @@ void duet__metrics_set_healthy(duet_metrics *m, bool healthy);
 
 /* Recent-window view for the adaptive controller and benchmarks. */
 typedef struct duet_metrics_window {
-    double ttft_p99_s, itl_p99_s, e2e_p99_s; /* over the last window_s seconds */
+    double ttft_p99_s, itl_p99_s, e2e_p99_s;      /* over the last window_s seconds */
     double ttft_p99_prio_s[2], itl_p99_prio_s[2]; /* the same by duet_priority (0 without samples) */
     int ttft_n[2], itl_n[2];                      /* samples behind them */
-    double arrival_rate;                     /* requests per second */
-    double busy_ratio;                       /* device busy time / wall time */
+    double arrival_rate;                          /* requests per second */
+    double busy_ratio;                            /* device busy time / wall time */
     int n_requests;
 } duet_metrics_window;
 void duet__metrics_window(duet_metrics *m, double now_s, double window_s, duet_metrics_window *out);

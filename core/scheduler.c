@@ -16,21 +16,21 @@ enum { ST_FREE = 0, ST_WAITING, ST_RUNNING };
 
 typedef struct req {
     uint64_t id;
-    uint64_t order;    /* arrival sequence number: age within a class */
-    int64_t arrival;   /* time of arrival */
+    uint64_t order;  /* arrival sequence number: age within a class */
+    int64_t arrival; /* time of arrival */
     int n_prompt, max_new;
-    int n_generated;   /* tokens sampled so far (survive preemption) */
-    int n_computed;    /* stream tokens whose KV is in the cache */
-    int prio;          /* duet_priority */
+    int n_generated; /* tokens sampled so far (survive preemption) */
+    int n_computed;  /* stream tokens whose KV is in the cache */
+    int prio;        /* duet_priority */
     int state;
-    int slot;          /* -1 unless running */
-    int prev, next;    /* queue links while waiting; next = free-list link while free */
-    int plan_index;    /* entry in the plan being built / outstanding, or -1 */
-    int n_preempted;   /* times preempted */
-    int draft_offer;   /* draft tokens the engine offers for the next plan */
+    int slot;               /* -1 unless running */
+    int prev, next;         /* queue links while waiting; next = free-list link while free */
+    int plan_index;         /* entry in the plan being built / outstanding, or -1 */
+    int n_preempted;        /* times preempted */
+    int draft_offer;        /* draft tokens the engine offers for the next plan */
     uint64_t preempt_epoch; /* plan epoch of its last preemption */
-    bool started;      /* scheduled at least once */
-    bool cancelled;    /* cancelled while in the outstanding step */
+    bool started;           /* scheduled at least once */
+    bool cancelled;         /* cancelled while in the outstanding step */
     /* Prefix caching (duet__sched_set_stream): the stream's tokens (owned
      * by the engine), whether admission looks them up, the stream tokens
      * the cache supplied at the last admission, and the table entries
@@ -47,19 +47,19 @@ struct duet_sched {
     duet_sched_knobs knobs;
     duet_kv_blocks *kv;
 
-    req *reqs;        /* [n_reqs] */
+    req *reqs; /* [n_reqs] */
     int n_reqs, free_head;
     int qhead[2], qtail[2], qcount[2];
-    int *slot_req;    /* [max_seqs] record holding the slot, or -1 */
-    int n_running;    /* slots held (including cancelled in-flight ones) */
+    int *slot_req; /* [max_seqs] record holding the slot, or -1 */
+    int n_running; /* slots held (including cancelled in-flight ones) */
 
-    int *order;       /* [max_seqs] running records sorted by rank (scratch) */
+    int *order;           /* [max_seqs] running records sorted by rank (scratch) */
     duet_sched_seq *seqs; /* [max_seqs] plan entries */
-    int *seq_req;     /* [max_seqs] record of each entry */
-    uint64_t *preempted; /* [max_seqs] */
-    int32_t *hits;       /* [blocks per sequence] cached blocks found for an admission */
+    int *seq_req;         /* [max_seqs] record of each entry */
+    uint64_t *preempted;  /* [max_seqs] */
+    int32_t *hits;        /* [blocks per sequence] cached blocks found for an admission */
     int n_seqs, n_preempted, budget;
-    uint64_t epoch;   /* bumped per plan, to recognise this plan's preemptions */
+    uint64_t epoch; /* bumped per plan, to recognise this plan's preemptions */
     uint64_t next_order;
     bool outstanding;
     /* The time budget (duet__sched_set_cost): the model, and while a plan
@@ -84,10 +84,14 @@ static bool ranks_before(const req *a, const req *b) {
 static void queue_unlink(duet_sched *s, int i) {
     req *r = &s->reqs[i];
     int p = r->prio;
-    if (r->prev >= 0) s->reqs[r->prev].next = r->next;
-    else s->qhead[p] = r->next;
-    if (r->next >= 0) s->reqs[r->next].prev = r->prev;
-    else s->qtail[p] = r->prev;
+    if (r->prev >= 0)
+        s->reqs[r->prev].next = r->next;
+    else
+        s->qhead[p] = r->next;
+    if (r->next >= 0)
+        s->reqs[r->next].prev = r->prev;
+    else
+        s->qtail[p] = r->prev;
     r->prev = r->next = -1;
     s->qcount[p]--;
 }
@@ -102,18 +106,25 @@ static void queue_insert(duet_sched *s, int i) {
     if (s->qtail[p] >= 0 && s->reqs[s->qtail[p]].order < r->order) {
         after = s->qtail[p];
     } else {
-        for (int j = s->qhead[p]; j >= 0 && s->reqs[j].order < r->order; j = s->reqs[j].next) after = j;
+        for (int j = s->qhead[p]; j >= 0 && s->reqs[j].order < r->order; j = s->reqs[j].next)
+            after = j;
     }
     r->prev = after;
     r->next = after >= 0 ? s->reqs[after].next : s->qhead[p];
-    if (r->prev >= 0) s->reqs[r->prev].next = i;
-    else s->qhead[p] = i;
-    if (r->next >= 0) s->reqs[r->next].prev = i;
-    else s->qtail[p] = i;
+    if (r->prev >= 0)
+        s->reqs[r->prev].next = i;
+    else
+        s->qhead[p] = i;
+    if (r->next >= 0)
+        s->reqs[r->next].prev = i;
+    else
+        s->qtail[p] = i;
     s->qcount[p]++;
 }
 
-static int stream_len(const req *r) { return r->n_prompt + r->n_generated; }
+static int stream_len(const req *r) {
+    return r->n_prompt + r->n_generated;
+}
 
 static void record_free(duet_sched *s, int i) {
     req *r = &s->reqs[i];
@@ -145,13 +156,14 @@ static void drop_slot(duet_sched *s, int i) {
 
 static duet_status check_knobs(const duet_sched_config *c, const duet_sched_knobs *k) {
     if (k->max_batch_seqs < 1 || k->max_batch_seqs > c->max_seqs)
-        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: max_batch_seqs %d not in [1, %d]", k->max_batch_seqs,
-                           c->max_seqs);
+        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: max_batch_seqs %d not in [1, %d]",
+                           k->max_batch_seqs, c->max_seqs);
     if (k->max_batch_tokens < 1 || k->max_batch_tokens > c->max_tokens)
-        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: max_batch_tokens %d not in [1, %d]", k->max_batch_tokens,
-                           c->max_tokens);
+        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: max_batch_tokens %d not in [1, %d]",
+                           k->max_batch_tokens, c->max_tokens);
     if (k->prefill_chunk < 1)
-        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: prefill_chunk %d must be >= 1", k->prefill_chunk);
+        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: prefill_chunk %d must be >= 1",
+                           k->prefill_chunk);
     if (k->max_waiting < 0 || k->max_waiting > c->max_waiting)
         return duet__error(DUET_INVALID_ARGUMENT, "scheduler: max_waiting %d not in [0, %d]", k->max_waiting,
                            c->max_waiting);
@@ -173,7 +185,8 @@ duet_status duet__sched_new(const duet_sched_config *config, duet_sched **out) {
         return duet__error(DUET_INVALID_ARGUMENT,
                            "scheduler: bad capacities (max_seqs %d, max_tokens %d, max_waiting %d, n_ctx %d, "
                            "kv_block_size %d, kv_blocks %d)",
-                           c->max_seqs, c->max_tokens, c->max_waiting, c->n_ctx, c->kv_block_size, c->kv_blocks);
+                           c->max_seqs, c->max_tokens, c->max_waiting, c->n_ctx, c->kv_block_size,
+                           c->kv_blocks);
     if ((int64_t)c->max_waiting + c->max_seqs > INT32_MAX / 2)
         return duet__error(DUET_INVALID_ARGUMENT, "scheduler: max_waiting %d too large", c->max_waiting);
     duet_status st = check_knobs(c, &c->knobs);
@@ -202,9 +215,12 @@ duet_status duet__sched_new(const duet_sched_config *config, duet_sched **out) {
         return duet__error(DUET_OUT_OF_MEMORY, "scheduler: out of memory for %d requests", c->max_waiting);
     }
     s->free_head = -1;
-    for (int i = s->n_reqs - 1; i >= 0; i--) record_free(s, i);
-    for (int i = 0; i < c->max_seqs; i++) s->slot_req[i] = -1;
-    for (int p = 0; p < 2; p++) s->qhead[p] = s->qtail[p] = -1;
+    for (int i = s->n_reqs - 1; i >= 0; i--)
+        record_free(s, i);
+    for (int i = 0; i < c->max_seqs; i++)
+        s->slot_req[i] = -1;
+    for (int p = 0; p < 2; p++)
+        s->qhead[p] = s->qtail[p] = -1;
     *out = s;
     return DUET_OK;
 }
@@ -228,21 +244,27 @@ duet_status duet__sched_set_knobs(duet_sched *s, const duet_sched_knobs *knobs) 
     return st;
 }
 
-duet_sched_knobs duet__sched_knobs(const duet_sched *s) { return s->knobs; }
+duet_sched_knobs duet__sched_knobs(const duet_sched *s) {
+    return s->knobs;
+}
 duet_sched_config duet__sched_config(const duet_sched *s) {
     duet_sched_config c = s->cfg;
     c.knobs = s->knobs;
     return c;
 }
-const duet_kv_blocks *duet__sched_kv(const duet_sched *s) { return s->kv; }
-bool duet__sched_busy(const duet_sched *s) { return s->n_running > 0 || s->qcount[0] + s->qcount[1] > 0; }
+const duet_kv_blocks *duet__sched_kv(const duet_sched *s) {
+    return s->kv;
+}
+bool duet__sched_busy(const duet_sched *s) {
+    return s->n_running > 0 || s->qcount[0] + s->qcount[1] > 0;
+}
 
 /* ---- events -------------------------------------------------------------- */
 
 duet_sched_admit duet__sched_arrival(duet_sched *s, int64_t now, uint64_t id, int n_prompt, int max_new,
                                      duet_priority priority) {
-    if (n_prompt < 1 || max_new < 1 || (priority != DUET_PRIORITY_INTERACTIVE && priority != DUET_PRIORITY_BATCH) ||
-        find(s, id) >= 0) {
+    if (n_prompt < 1 || max_new < 1 ||
+        (priority != DUET_PRIORITY_INTERACTIVE && priority != DUET_PRIORITY_BATCH) || find(s, id) >= 0) {
         s->st.rejected++;
         return DUET_SCHED_INVALID;
     }
@@ -294,7 +316,8 @@ void duet__sched_prefix_clear(duet_sched *s) {
 
 duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id) {
     int i = find(s, id);
-    if (i < 0) return duet__error(DUET_INVALID_ARGUMENT, "scheduler: no request %llu", (unsigned long long)id);
+    if (i < 0)
+        return duet__error(DUET_INVALID_ARGUMENT, "scheduler: no request %llu", (unsigned long long)id);
     req *r = &s->reqs[i];
     s->st.cancelled++;
     if (r->state == ST_WAITING) {
@@ -393,8 +416,9 @@ static void plan_add(duet_sched *s, int i, int n_tokens) {
 /* Tokens of `want` that fit in seq's blocks plus the free list. */
 static int fits(const duet_sched *s, const req *r, int want) {
     int bs = duet__kv_blocks_block_size(s->kv);
-    int64_t room = (int64_t)(duet__kv_blocks_seq_blocks(s->kv, r->slot) + duet__kv_blocks_n_free(s->kv)) * bs -
-                   r->n_computed;
+    int64_t room =
+        (int64_t)(duet__kv_blocks_seq_blocks(s->kv, r->slot) + duet__kv_blocks_n_free(s->kv)) * bs -
+        r->n_computed;
     return room < want ? (room > 0 ? (int)room : 0) : want;
 }
 
@@ -436,7 +460,9 @@ static int grow_chunk(duet_sched *s, int i, int n_order, int want) {
     return fit;
 }
 
-static int min_int(int a, int b) { return a < b ? a : b; }
+static int min_int(int a, int b) {
+    return a < b ? a : b;
+}
 
 /* ---- the time budget ------------------------------------------------------ */
 
@@ -531,8 +557,10 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
          * arrival (queues are sorted, so the heads are the oldest). */
         int64_t oldest = INT64_MAX;
         for (int p = 0; p < 2; p++)
-            if (s->qhead[p] >= 0 && s->reqs[s->qhead[p]].arrival < oldest) oldest = s->reqs[s->qhead[p]].arrival;
-        int64_t start = oldest > INT64_MAX - s->knobs.batch_timeout_ns ? INT64_MAX : oldest + s->knobs.batch_timeout_ns;
+            if (s->qhead[p] >= 0 && s->reqs[s->qhead[p]].arrival < oldest)
+                oldest = s->reqs[s->qhead[p]].arrival;
+        int64_t start =
+            oldest > INT64_MAX - s->knobs.batch_timeout_ns ? INT64_MAX : oldest + s->knobs.batch_timeout_ns;
         if (now < start) {
             plan->wake_at = start;
             return DUET_SCHED_WAIT;
@@ -630,7 +658,8 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
                 preempt(s, v);
             }
             int slot = 0;
-            while (s->slot_req[slot] >= 0) slot++;
+            while (s->slot_req[slot] >= 0)
+                slot++;
             assert(slot < s->knobs.max_batch_seqs);
             queue_unlink(s, i);
             r->state = ST_RUNNING;
@@ -736,10 +765,12 @@ duet_status duet__sched_step_done(duet_sched *s, int64_t now, const duet_sched_r
                                "scheduler: request %llu generated %d tokens in a step with %d draft tokens",
                                (unsigned long long)e->id, res->n_generated, e->n_draft);
         if (e->n_draft == 0 && res->n_generated != (e->logits ? 1 : 0))
-            return duet__error(DUET_INVALID_ARGUMENT, "scheduler: request %llu generated %d tokens in a step %s logits",
+            return duet__error(DUET_INVALID_ARGUMENT,
+                               "scheduler: request %llu generated %d tokens in a step %s logits",
                                (unsigned long long)e->id, res->n_generated, e->logits ? "with" : "without");
         if (r->n_generated + res->n_generated >= r->max_new && !res->finished)
-            return duet__error(DUET_INVALID_ARGUMENT, "scheduler: request %llu reached max_new %d but did not finish",
+            return duet__error(DUET_INVALID_ARGUMENT,
+                               "scheduler: request %llu reached max_new %d but did not finish",
                                (unsigned long long)e->id, r->max_new);
     }
     for (int k = 0; k < n; k++) {
@@ -797,9 +828,9 @@ void duet__sched_stats(const duet_sched *s, duet_sched_stats *out) {
     out->prefix_evictions = duet__kv_blocks_evictions(s->kv);
 }
 
-#define CHECK(cond, ...) \
-    do {                                                             \
-        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__); \
+#define CHECK(cond, ...)                                                                                     \
+    do {                                                                                                     \
+        if (!(cond)) return duet__error(DUET_INVALID_ARGUMENT, __VA_ARGS__);                                 \
     } while (0)
 
 duet_status duet__sched_check(const duet_sched *s) {
@@ -813,10 +844,12 @@ duet_status duet__sched_check(const duet_sched *s) {
     for (int i = 0; i < s->n_reqs; i++) {
         const req *r = &s->reqs[i];
         if (r->state == ST_FREE) continue;
-        CHECK(r->n_generated >= 0 && r->n_generated <= r->max_new, "sched check: request %llu generated %d of %d",
-              (unsigned long long)r->id, r->n_generated, r->max_new);
-        CHECK(r->n_computed >= 0 && r->n_computed <= stream_len(r), "sched check: request %llu computed %d of %d",
-              (unsigned long long)r->id, r->n_computed, stream_len(r));
+        CHECK(r->n_generated >= 0 && r->n_generated <= r->max_new,
+              "sched check: request %llu generated %d of %d", (unsigned long long)r->id, r->n_generated,
+              r->max_new);
+        CHECK(r->n_computed >= 0 && r->n_computed <= stream_len(r),
+              "sched check: request %llu computed %d of %d", (unsigned long long)r->id, r->n_computed,
+              stream_len(r));
         if (r->state == ST_WAITING) {
             n_wait++;
             CHECK(r->slot == -1 && r->n_computed == 0 && r->n_hit == 0 && r->n_reg == 0 &&
@@ -825,7 +858,8 @@ duet_status duet__sched_check(const duet_sched *s) {
         } else {
             n_run++;
             CHECK(r->slot >= 0 && r->slot < s->cfg.max_seqs && s->slot_req[r->slot] == i,
-                  "sched check: running request %llu has slot %d not mapped back", (unsigned long long)r->id, r->slot);
+                  "sched check: running request %llu has slot %d not mapped back", (unsigned long long)r->id,
+                  r->slot);
             int blocks = duet__kv_blocks_seq_blocks(s->kv, r->slot);
             /* A step in flight also holds its draft tokens' blocks. */
             int drafts = s->outstanding && r->plan_index >= 0 ? s->seqs[r->plan_index].n_draft : 0;
@@ -847,8 +881,8 @@ duet_status duet__sched_check(const duet_sched *s) {
                   "sched check: request %llu plan index broken", (unsigned long long)r->id);
         }
     }
-    CHECK(n_free + n_wait + n_run == s->n_reqs, "sched check: %d free + %d waiting + %d running != %d", n_free, n_wait,
-          n_run, s->n_reqs);
+    CHECK(n_free + n_wait + n_run == s->n_reqs, "sched check: %d free + %d waiting + %d running != %d",
+          n_free, n_wait, n_run, s->n_reqs);
     CHECK(n_run == s->n_running, "sched check: %d running records but n_running %d", n_run, s->n_running);
     int in_queues = 0;
     for (int p = 0; p < 2; p++) {
@@ -857,13 +891,13 @@ duet_status duet__sched_check(const duet_sched *s) {
             const req *r = &s->reqs[j];
             CHECK(r->state == ST_WAITING && r->prio == p && r->prev == prev,
                   "sched check: queue %d broken at request %llu", p, (unsigned long long)r->id);
-            CHECK(prev < 0 || s->reqs[prev].order < r->order, "sched check: queue %d out of arrival order at %llu", p,
-                  (unsigned long long)r->id);
+            CHECK(prev < 0 || s->reqs[prev].order < r->order,
+                  "sched check: queue %d out of arrival order at %llu", p, (unsigned long long)r->id);
             CHECK(++count <= s->n_reqs, "sched check: queue %d loops", p);
             prev = j;
         }
-        CHECK(prev == s->qtail[p] && count == s->qcount[p], "sched check: queue %d count %d, tail mismatch", p,
-              s->qcount[p]);
+        CHECK(prev == s->qtail[p] && count == s->qcount[p], "sched check: queue %d count %d, tail mismatch",
+              p, s->qcount[p]);
         in_queues += count;
     }
     CHECK(in_queues == n_wait, "sched check: %d waiting records but %d queued", n_wait, in_queues);

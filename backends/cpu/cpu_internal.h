@@ -114,9 +114,9 @@ typedef struct cpu_backend {
     bool in_step;
     /* Scratch grown on demand and kept: the token loop never allocates in
      * steady state. */
-    cpu_scratch act;   /* matmul: quantized activations */
-    cpu_scratch work;  /* per-thread rows: attention tiles, rope tables, q8 rows */
-    cpu_scratch attn;  /* attention: query tiles and split partials (linear in tokens) */
+    cpu_scratch act;  /* matmul: quantized activations */
+    cpu_scratch work; /* per-thread rows: attention tiles, rope tables, q8 rows */
+    cpu_scratch attn; /* attention: query tiles and split partials (linear in tokens) */
     /* Q4_0 weights are repacked at their first matmul ($DUET_CPU_REPACK=0:
      * never, for A/B runs); n_repacked buffers hold the layout now. */
     bool repack;
