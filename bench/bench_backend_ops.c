@@ -26,9 +26,11 @@
  *   On OpenCL, with both clblast_min variants run, the sweep of F32/F16
  *   batches (768->2048, 4..128 tokens) says where CLBlast starts to win (the
  *   tuning table's clblast_min). Floors are printed at the end (--strict:
- *   exit 1 when one is missed): Q8_0 matrix-vector (1b up projection, x_q8)
- *   >= 25% of the triad on OpenCL CPU devices; on Vulkan >= 10% of the
- *   triad on CPU devices, 80% of the device's bandwidth on GPUs.
+ *   exit 1 when one is missed), per weight type: Q8_0 matrix-vector (1b up
+ *   projection, x_q8) >= 25% of the triad on OpenCL CPU devices; on Vulkan
+ *   >= 10% of the triad on CPU devices, 80% of the device's bandwidth on
+ *   GPUs; the other block types >= 20% (OpenCL) and >= 10% (Vulkan) of the
+ *   triad on CPU devices (floor_min).
  *
  * End-to-end prefill and decode tokens/s (and their floors) are
  * bench_decode's.
@@ -96,41 +98,42 @@ static const bo_answer *answer(int ci) {
 
 /* ---- weight pools: distinct copies of a GEMV's matrix, larger than the cache ----------------- */
 
-#define POOL_CHUNK ((size_t)64 << 20) /* bytes of one pool buffer (under any device's allocation limit) */
-#define POOL_MAX_BUFS 32
+/* One buffer per copy, as the model loader gives every weight tensor its
+ * own (core/model.c): a backend that keeps per-buffer state for a matrix
+ * (the cpu backend's repacked Q4_0 layout, made at a buffer's first matmul)
+ * then runs the path a forward pass runs. Several copies to one buffer
+ * timed the cpu's plain Q4_0 kernel: a buffer holds one repacked matrix. */
+#define POOL_MAX_COPIES 1024
 
 typedef struct wpool {
-    duet_buffer *buf[POOL_MAX_BUFS];
-    int n_bufs, per_buf, n; /* n copies in all, per_buf to a buffer; n == 0: no pool */
-    size_t stride;
+    duet_buffer **buf; /* n copies of the weights, one to a buffer; n == 0: no pool */
+    int n;
+    size_t bytes; /* of one copy */
 } wpool;
 
 static void pool_free(duet_backend *be, wpool *p) {
-    for (int i = 0; i < p->n_bufs; i++)
+    for (int i = 0; i < p->n; i++)
         duet_buffer_free(be, p->buf[i]);
+    free(p->buf);
     memset(p, 0, sizeof *p);
 }
 
-/* Copies of h's weights, each at a 4 KiB-aligned offset, filling `bytes`. */
+/* Copies of h's weights filling `bytes`. */
 static duet_status pool_make(duet_backend *be, const bo_host *h, size_t bytes, wpool *p) {
     memset(p, 0, sizeof *p);
     const bo_operand *w = &h->ops[bo_find(h, "w")];
-    p->stride = (w->bytes + 4095) & ~(size_t)4095;
-    const size_t n = bytes / p->stride;
+    size_t n = bytes / w->bytes;
     if (n < 2) return DUET_OK; /* one matrix as large as the pool is cold by itself */
-    p->per_buf = POOL_CHUNK / p->stride > 0 ? (int)(POOL_CHUNK / p->stride) : 1;
-    p->n = (int)n;
-    if (p->n > POOL_MAX_BUFS * p->per_buf) p->n = POOL_MAX_BUFS * p->per_buf;
+    if (n > POOL_MAX_COPIES) n = POOL_MAX_COPIES;
+    p->bytes = w->bytes;
+    p->buf = calloc(n, sizeof *p->buf);
+    if (!p->buf) return duet__error(DUET_OUT_OF_MEMORY, "weight pool: out of memory");
     duet_status st = DUET_OK;
-    for (int i = 0; i < p->n && st == DUET_OK; i++) {
-        const int b = i / p->per_buf, k = i % p->per_buf;
-        if (k == 0) {
-            const int copies = p->n - i < p->per_buf ? p->n - i : p->per_buf;
-            st = duet_buffer_alloc(be, (size_t)copies * p->stride, &p->buf[b]);
-            if (st != DUET_OK) break;
-            p->n_bufs++;
-        }
-        st = duet_buffer_upload(be, p->buf[b], (size_t)k * p->stride, w->host, w->bytes);
+    for (size_t i = 0; i < n && st == DUET_OK; i++) {
+        st = duet_buffer_alloc(be, w->bytes, &p->buf[i]);
+        if (st != DUET_OK) break;
+        p->n++;
+        st = duet_buffer_upload(be, p->buf[i], 0, w->host, w->bytes);
     }
     if (st != DUET_OK) pool_free(be, p);
     return st;
@@ -138,15 +141,12 @@ static duet_status pool_make(duet_backend *be, const bo_host *h, size_t bytes, w
 
 /* ---- timing ------------------------------------------------------------------------------- */
 
-/* One step of `reps` ops; a pooled matmul takes copy i % n at op i. */
+/* One step of `reps` ops; a pooled matmul takes copy r % n at op r. */
 static duet_status run_step(bo_dev *d, const wpool *p, int reps) {
     duet_op op = d->op;
     duet_status st = duet_step_begin(d->be);
     for (int r = 0; r < reps && st == DUET_OK; r++) {
-        if (p && p->n) {
-            const int i = r % p->n;
-            op.matmul.w = (duet_view){p->buf[i / p->per_buf], (size_t)(i % p->per_buf) * p->stride};
-        }
+        if (p && p->n) op.matmul.w = (duet_view){p->buf[r % p->n], 0};
         st = duet_step_op(d->be, &op);
     }
     duet_status st2 = duet_step_submit(d->be);
@@ -292,7 +292,7 @@ static void run_case(const device_ctx *dc, duet_backend *be, const char *vl, int
                 pool.n || (gemv && 2 * h.ops[bo_find(&h, "w")].bytes >= o->pool_bytes && o->pool_bytes);
             if (c->kind == DUET_OP_MATMUL)
                 cJSON_AddStringToObject(r, "weights", pool.n ? "pool" : cold ? "cold" : "hot");
-            if (pool.n) cJSON_AddNumberToObject(r, "pool_mib", (double)pool.n * pool.stride / (1 << 20));
+            if (pool.n) cJSON_AddNumberToObject(r, "pool_mib", (double)pool.n * pool.bytes / (1 << 20));
             printf("    %-64s %10.2f us %8.2f GB/s %8.2f GFLOP/s %6.1f%%%s%s%s\n", label, s * 1e6, gbs,
                    flops / s / 1e9, dc->peak > 0 ? 100 * gbs / dc->peak : 0.0, cold ? " cold" : "",
                    !strcmp(status, "fail") ? "  CHECK FAILED: " : "", !strcmp(status, "fail") ? msg : "");
@@ -541,29 +541,36 @@ static void run_device(const duet_backend_iface *iface, int dev, const opts *o, 
 
 /* ---- floors ---------------------------------------------------------------------------------- */
 
-/* The Q8_0 matrix-vector floors, per device: 1b up projection from x_q8
- * under the default variant, against the device's peak. */
+/* The matrix-vector floors, per device and weight type: 1b up projection
+ * from x_q8 under the default variant, against the device's peak. Q8_0:
+ * >= 25% on OpenCL CPU devices, on Vulkan >= 10% on CPU devices and 80% on
+ * GPUs; the other block types (issue 16): >= 20% on OpenCL CPU devices,
+ * >= 10% on Vulkan CPU devices. */
+static double floor_min(const char *be, bool cpu_type, const char *dtype) {
+    const bool q8 = !strcmp(dtype, "q8_0");
+    if (!strcmp(be, "opencl") && cpu_type) return q8 ? 0.25 : 0.20;
+    if (!strcmp(be, "vulkan")) return cpu_type ? 0.10 : q8 ? 0.80 : -1;
+    return -1;
+}
+
 static bool floors(cJSON *devices, cJSON *out) {
     bool ok = true;
     const cJSON *dj;
     cJSON_ArrayForEach(dj, devices) {
         const char *be = json_str(dj, "backend");
         const bool cpu_type = cJSON_IsTrue(cJSON_GetObjectItem(dj, "cpu_type"));
-        double min = !strcmp(be, "opencl") && cpu_type ? 0.25
-                     : !strcmp(be, "vulkan")           ? (cpu_type ? 0.10 : 0.80)
-                                                       : -1;
-        if (min < 0) continue;
         const cJSON *r;
         cJSON_ArrayForEach(r, cJSON_GetObjectItem(dj, "ops")) {
-            if (strcmp(json_str(r, "shape"), "1b-up-q8") || strncmp(json_str(r, "variant"), "default", 7) ||
-                json_num(r, "frac_peak_bw") < 0)
+            const double min = floor_min(be, cpu_type, json_str(r, "dtype"));
+            if (min < 0 || strcmp(json_str(r, "shape"), "1b-up-q8") ||
+                strncmp(json_str(r, "variant"), "default", 7) || json_num(r, "frac_peak_bw") < 0)
                 continue;
             const double f = json_num(r, "frac_peak_bw");
             const bool pass = f >= min && strcmp(json_str(r, "status"), "fail") != 0;
             cJSON *e = cJSON_CreateObject();
             char name[160];
-            snprintf(name, sizeof name, "%s/%d q8_0 matrix-vector (1b-up, x_q8) fraction of peak", be,
-                     (int)json_num(dj, "device_index"));
+            snprintf(name, sizeof name, "%s/%d %s matrix-vector (1b-up, x_q8) fraction of peak", be,
+                     (int)json_num(dj, "device_index"), json_str(r, "dtype"));
             cJSON_AddStringToObject(e, "name", name);
             cJSON_AddNumberToObject(e, "value", f);
             cJSON_AddNumberToObject(e, "min", min);
