@@ -97,5 +97,8 @@ duet_status duet__model_own_run(duet_model *m);
 /* The engine's metrics, its gauges refreshed (for a fleet's export and
  * its router's speed estimates). Takes the engine's lock briefly. */
 duet_metrics *duet__engine_metrics(duet_engine *e);
+/* The engine's current step-cost model (as duet_engine_step_cost) and the
+ * steps it learnt from (for a fleet's export). */
+uint64_t duet__engine_step_cost(duet_engine *e, duet_step_cost *out);
 
 #endif

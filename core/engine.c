@@ -1469,6 +1469,14 @@ char *duet_engine_metrics(duet_engine *e) {
     return all;
 }
 
+uint64_t duet__engine_step_cost(duet_engine *e, duet_step_cost *out) {
+    pthread_mutex_lock(&e->mu);
+    *out = *duet__step_cost_online_get(&e->cost);
+    uint64_t n = e->cost.n_steps;
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
 duet_status duet_engine_step_cost(duet_engine *e, duet_step_cost *out) {
     if (!e || !out) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_step_cost: NULL argument");
     pthread_mutex_lock(&e->mu);

@@ -393,11 +393,33 @@ duet_status duet_step_cost_load(const char *path, duet_step_cost *out) {
 
 /* ---- metrics ----------------------------------------------------------------- */
 
+void duet__step_cost_prom_families(duet_text *t, const duet_step_cost *m, const uint64_t *n_steps,
+                                   const char *const *labels, int n) {
+    duet__text_printf(
+        t, "# HELP duet_step_cost_seconds The step-cost model the engine fits online from its steps "
+           "(seconds per unit of each term).\n"
+           "# TYPE duet_step_cost_seconds gauge\n");
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < N; j++)
+            duet__text_printf(t, "duet_step_cost_seconds{%s,term=\"%s\"} %.9g\n", labels[i], term_names[j],
+                              m[i].coef[j]);
+    duet__text_printf(t, "# HELP duet_step_cost_steps_total Steps the step-cost model has learnt from.\n"
+                         "# TYPE duet_step_cost_steps_total counter\n");
+    for (int i = 0; i < n; i++)
+        duet__text_printf(t, "duet_step_cost_steps_total{%s} %llu\n", labels[i],
+                          (unsigned long long)n_steps[i]);
+    duet__text_printf(
+        t, "# HELP duet_step_cost_relative_error Recent mean |predicted - measured| / measured step "
+           "time.\n# TYPE duet_step_cost_relative_error gauge\n");
+    for (int i = 0; i < n; i++)
+        duet__text_printf(t, "duet_step_cost_relative_error{%s} %.6g\n", labels[i], m[i].mean_rel_err);
+}
+
 int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err,
                                 const char *model_name, char *buf, size_t size) {
-    char label[512];
-    size_t k = 0;
-    for (const char *p = model_name ? model_name : ""; *p && k + 3 < sizeof label; p++) {
+    char label[512 + 16];
+    size_t k = snprintf(label, sizeof label, "model_name=\"");
+    for (const char *p = model_name ? model_name : ""; *p && k + 4 < sizeof label; p++) {
         if (*p == '\\' || *p == '"')
             label[k++] = '\\', label[k++] = *p;
         else if (*p == '\n')
@@ -405,26 +427,15 @@ int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, doubl
         else
             label[k++] = *p;
     }
+    label[k++] = '"';
     label[k] = 0;
-    int n =
-        snprintf(buf, size,
-                 "# HELP duet_step_cost_seconds The step-cost model the engine fits online from its steps "
-                 "(seconds per unit of each term).\n"
-                 "# TYPE duet_step_cost_seconds gauge\n");
-    for (int j = 0; j < N; j++) {
-        size_t at = (size_t)n < size ? (size_t)n : size;
-        n += snprintf(buf + at, size - at, "duet_step_cost_seconds{model_name=\"%s\",term=\"%s\"} %.9g\n",
-                      label, term_names[j], m->coef[j]);
-    }
-    size_t at = (size_t)n < size ? (size_t)n : size;
-    n += snprintf(
-        buf + at, size - at,
-        "# HELP duet_step_cost_steps_total Steps the step-cost model has learnt from.\n"
-        "# TYPE duet_step_cost_steps_total counter\n"
-        "duet_step_cost_steps_total{model_name=\"%s\"} %llu\n"
-        "# HELP duet_step_cost_relative_error Recent mean |predicted - measured| / measured step time.\n"
-        "# TYPE duet_step_cost_relative_error gauge\n"
-        "duet_step_cost_relative_error{model_name=\"%s\"} %.6g\n",
-        label, (unsigned long long)n_steps, label, rel_err);
+    duet_step_cost one = *m;
+    one.mean_rel_err = rel_err;
+    const char *labels[1] = {label};
+    duet_text t = {0};
+    duet__step_cost_prom_families(&t, &one, &n_steps, labels, 1);
+    int n = t.oom || !t.p ? 0 : (int)t.len;
+    if (size) snprintf(buf, size, "%s", n ? t.p : "");
+    free(t.p);
     return n;
 }

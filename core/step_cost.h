@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "duet.h"
+#include "metrics.h"
 
 #define DUET__SC_N DUET_STEP_COST_TERMS
 
@@ -45,6 +46,12 @@ const duet_step_cost *duet__step_cost_online_get(duet_step_cost_online *o);
 /* Prometheus text of a model (duet_step_cost_seconds{term=...} gauges and
  * the fit quality) appended to buf; returns the length written (like
  * snprintf, clipped to size). */
+/* The same families for n models (an instance each), appended to t: one
+ * sample per model and term, each with its label set labels[i] (label
+ * pairs, already escaped: `model_name="m",instance="0"`); n_steps[i] the
+ * steps model i learnt from, its relative error m[i].mean_rel_err. */
+void duet__step_cost_prom_families(duet_text *t, const duet_step_cost *m, const uint64_t *n_steps,
+                                   const char *const *labels, int n);
 int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err,
                                 const char *model_name, char *buf, size_t size);
 

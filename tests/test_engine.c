@@ -1501,6 +1501,14 @@ START_TEST(fleet_retries_what_a_lost_instance_had_not_streamed) {
     ck_assert_int_eq((int)failed, errors);
     ck_assert_int_eq((int)live, 1);
     ck_assert_double_eq(metric_value(text, "duet_instance_healthy", "instance=\"lost\""), 0);
+    /* Each instance's step-cost model, one sample per term and instance;
+     * the instance that kept serving learnt from its steps. */
+    int n_cost = 0;
+    for (const char *at = text; (at = strstr(at, "\nduet_step_cost_seconds{")); at++)
+        n_cost++;
+    ck_assert_int_eq(n_cost, 2 * DUET_STEP_COST_TERMS);
+    ck_assert_double_gt(metric_value(text, "duet_step_cost_steps_total", "instance=\"ok\""), 0);
+    ck_assert(metric_value(text, "duet_step_cost_seconds", "instance=\"lost\",backend=\"cpu\"") >= 0);
     free(text);
     char why[256];
     ck_assert(duet_fleet_healthy(fl, why, sizeof why));

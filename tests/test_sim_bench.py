@@ -249,6 +249,14 @@ class ServeStepCost(unittest.TestCase):
                         if x.startswith("duet_step_budget_seconds{") and 'priority="interactive"' in x]
                 self.assertEqual(len(line), 1, metrics[:2000])
                 self.assertAlmostEqual(float(line[0].split()[-1]), 0.02, places=9)
+                # The fleet path's /metrics carries each instance's step-cost
+                # model: one sample per term, labelled with the instance.
+                cost = [x for x in metrics.splitlines() if x.startswith("duet_step_cost_seconds{")]
+                self.assertEqual(len(cost), 5, metrics[-3000:])
+                self.assertTrue(all('instance="0"' in x and 'backend="cpu"' in x for x in cost), cost)
+                steps = [x for x in metrics.splitlines() if x.startswith("duet_step_cost_steps_total{")]
+                self.assertEqual(len(steps), 1, metrics[-3000:])
+                self.assertGreater(float(steps[0].split()[-1]), 0)
             finally:
                 rc, log = srv.stop()
             self.assertEqual(rc, 0, log)
