@@ -803,9 +803,15 @@ bool db_report_compare(const db_config *cfg, const db_sweep *sw, int n, const ch
     FILE *f = open_in(dir, "comparison.md", path, sizeof path);
     if (!f) return false;
     fprintf(f, "# duet-bench: the same load on every target\n\n");
-    fprintf(f, "- model: %s\n- commit: %s\n- started: %s on %s\n- command: `%s`\n",
-            cfg->model_path ? cfg->model_path : "", n ? sw[0].meta.commit : "", n ? sw[0].meta.started : "",
-            n ? sw[0].meta.host : "", n ? sw[0].meta.command : "");
+    /* Over HTTP each target names its own model (GET /v1/models). */
+    fprintf(f, "- model:");
+    if (cfg->model_path)
+        fprintf(f, " %s", cfg->model_path);
+    else
+        for (int i = 0; i < n; i++)
+            fprintf(f, "%s %s: %s", i ? ";" : "", sw[i].meta.device, sw[i].meta.model[0] ? sw[i].meta.model : "?");
+    fprintf(f, "\n- commit: %s\n- started: %s on %s\n- command: `%s`\n", n ? sw[0].meta.commit : "",
+            n ? sw[0].meta.started : "", n ? sw[0].meta.host : "", n ? sw[0].meta.command : "");
     fprintf(f, "- targets: p99 TTFT <= %g ms, p99 ITL <= %g ms\n\n", cfg->slo_ttft_ms, cfg->slo_itl_ms);
     /* --per-instance: the instances of one server, named as it names them. */
     bool inst = n > 0 && sw[0].meta.instance[0];

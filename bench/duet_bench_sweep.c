@@ -468,6 +468,8 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
             }
             if (!cfg->in_process && !cfg->simulate && !http.model_name[0])
                 db_http_model_id(http.base_url, http.model_name, sizeof http.model_name);
+            /* A remote target's model is the id it serves. */
+            if (!m->model[0] && http.model_name[0]) snprintf(m->model, sizeof m->model, "%s", http.model_name);
 
             /* Warm-up: not measured; it also proves the target works. */
             if (warm) {

@@ -300,6 +300,9 @@ class Http(Sweep):
         self.assertEqual(len(reqs), 8)
         self.assertTrue(all(r["ok"] == "1" and int(r["output_tokens"]) == 3 for r in reqs))
         self.assertTrue(all(int(r["prompt_tokens"]) > 0 for r in reqs), "the server counted the text prompts")
+        with open(os.path.join(out, "results.json")) as fh:
+            served = json.load(fh)["meta"]["model"]
+        self.assertTrue(served, "without -m the report names the model the server serves")
 
     def test_serve_cmd_knob_sweep(self):
         out = os.path.join(self.tmp.name, "served")
