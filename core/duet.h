@@ -387,9 +387,17 @@ typedef struct duet_engine_params {
     const char *served_name; /* the metrics' model_name label; NULL = the model's general.name (copied) */
     bool no_prefix_cache;    /* turns automatic prefix caching off (it is on by default: full KV blocks of
                                 prompts are kept and reused by later requests that start the same way) */
-    /* Speculation (open.spec) backs off as the batch fills: a step with more
-     * decodes than this verifies no drafts. 0 = 4; -1 = never back off. */
+    /* Speculation (open.spec, open.draft) is decided per step and per
+     * sequence: drafts are verified only where the step-cost models (the
+     * target's and the draft model's, fitted online from the steps run) and
+     * each sequence's measured acceptance predict more tokens per second
+     * for the whole step, so it backs off as a compute-bound batch fills.
+     * This is a hard cap on top: a step with more decodes than this verifies
+     * no drafts. 0 = no cap; -1 = no cap and no decision (as spec_always). */
     int spec_max_batch;
+    /* Verify every draft offered (up to spec_max_batch's cap): no measured
+     * decision. For tests and A/B measurements. */
+    bool spec_always;
     /* Latency targets per duet_priority, in ms (0 = none): p99 time to first
      * token and p99 inter-token latency. With any target set, the adaptive
      * controller (core/controller.h) retunes batch_timeout, max_batch_seqs

@@ -41,6 +41,7 @@
 #define ID_INDEX_BITS 20
 #define ID_INDEX(id) ((int)((id) & ((1u << ID_INDEX_BITS) - 1)))
 #define ENGINE_ERR_SIZE 1024
+#define ENGINE_DRAFT_PASSES (2 * DUET_SPEC_MAX_K)
 
 typedef struct engine_req {
     uint64_t id;     /* 0 when the entry is free */
@@ -167,6 +168,16 @@ struct duet_engine {
      * the last step's time (written by run_step). */
     duet_step_cost_online cost;
     double step_s;
+    /* With a draft model: its own step-cost model, fitted from each of its
+     * forward passes (the speculation decision weighs them), and the
+     * seconds the last step spent in them (not part of the target's fit). */
+    duet_step_cost_online dcost;
+    double draft_s;
+    /* The last step's draft passes (their shapes and seconds, the first
+     * ENGINE_DRAFT_PASSES of them), for the draft's fit under the lock. */
+    duet_step_shape dpass[ENGINE_DRAFT_PASSES];
+    double dpass_s[ENGINE_DRAFT_PASSES];
+    int n_dpass;
     char name[256]; /* the metrics' model_name */
 };
 
@@ -572,7 +583,11 @@ static void update_gauges(duet_engine *e) {
                              .kv_blocks_cached = st.kv_blocks_cached,
                              .spec_k = e->spec ? e->spec_k : 0,
                              .spec_max_batch = k.spec_max_batch,
+                             .spec_measured = k.spec_measured,
+                             .spec_draft_model = e->draft != NULL,
+                             .spec_offered_tokens = st.spec_offered,
                              .spec_throttled_tokens = st.spec_throttled,
+                             .spec_capped_tokens = st.spec_capped,
                              .controller = e->ctl_on,
                              .ctl_itl_ratio = e->ctl.itl_ratio,
                              .ctl_ttft_ratio = e->ctl.ttft_ratio,
@@ -586,6 +601,13 @@ static void update_gauges(duet_engine *e) {
     }
     for (int a = 0; a < DUET_CTL_N_ACTIONS; a++)
         g.ctl_decisions[a] = e->ctl.actions[a];
+    _Static_assert(DUET_SPEC_STEP_KINDS == sizeof g.spec_steps / sizeof *g.spec_steps, "spec step kinds");
+    memcpy(g.spec_steps, st.spec_steps, sizeof g.spec_steps);
+    duet_spec_decision d;
+    if (duet__sched_spec_decision(e->sched, &d))
+        g.spec_speedup = d.speedup, g.spec_alpha = d.alpha_mean, g.spec_draft_predicted_s = d.draft_seconds;
+    if (e->draft)
+        memcpy(g.spec_draft_coef, duet__step_cost_online_get(&e->dcost)->coef, sizeof g.spec_draft_coef);
     memcpy(g.waiting, st.waiting, sizeof g.waiting);
     memcpy(g.running, st.running, sizeof g.running);
     duet__metrics_set_gauges(e->metrics, &g);
@@ -679,10 +701,16 @@ static void offer_drafts(duet_engine *e) {
     for (int i = 0; i < e->cap; i++) {
         engine_req *r = &e->reqs[i];
         if (!r->id || !r->spec || r->cancelled || r->finish != DUET_FINISH_NONE || r->n_gen == 0) continue;
+        int len = r->n_prompt + r->n_gen;
         int n = e->draft ? r->adapt.k
-                         : duet__spec_ngram(r->stream, r->n_prompt + r->n_gen, DUET_SPEC_NGRAM_MIN,
-                                            DUET_SPEC_NGRAM_MAX, r->adapt.k, r->draft);
-        if (n > 0) duet__sched_set_draft(e->sched, r->id, n);
+                         : duet__spec_ngram(r->stream, len, DUET_SPEC_NGRAM_MIN, DUET_SPEC_NGRAM_MAX,
+                                            r->adapt.k, r->draft);
+        /* The decision weighs the steady state: the newest token, and one
+         * more after a step that kept every draft. A longer catch-up
+         * (after steps without drafts) is paid once, not charged to the
+         * step that would start speculating again. */
+        int catchup = len - r->dlen < 1 ? 1 : len - r->dlen > 2 ? 2 : len - r->dlen;
+        if (n > 0) duet__sched_set_draft(e->sched, r->id, n, r->adapt.alpha, catchup);
     }
 }
 
@@ -724,7 +752,16 @@ static duet_status draft_forward(duet_engine *e, int n, int n_out, int j) {
                     .n_out = n_out,
                     .out = e->dout,
                     .block_tables = e->tables};
+    int64_t t0 = now_ns();
     duet_status st = duet__run_forward(e->draft, &e->drun, &b, e->drun.logits);
+    if (!st) {
+        duet_step_shape sh = {0};
+        for (int t = 0; t < n; t++)
+            duet_step_shape_add(&sh, e->dpos[t], 1, true);
+        double s = secs(now_ns() - t0);
+        e->draft_s += s;
+        if (e->n_dpass < ENGINE_DRAFT_PASSES) e->dpass[e->n_dpass] = sh, e->dpass_s[e->n_dpass++] = s;
+    }
     for (int k = 0; !st && k < n_out; k++) {
         engine_req *r = find_req(e, e->plan_seqs[e->drow[k]].id);
         int32_t *q_ids;
@@ -797,6 +834,8 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
     const int V = m->hp.n_vocab;
     int n = 0;
     int64_t t0 = now_ns();
+    e->draft_s = 0;
+    e->n_dpass = 0;
     if (e->draft) {
         duet_status st = draft_run(e, n_seqs);
         if (st) {
@@ -876,6 +915,7 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
     }
     e->step_s = secs(now_ns() - t0);
     duet__metrics_step(e->metrics, n_seqs, n, e->step_s);
+    duet__metrics_spec_draft_time(e->metrics, e->draft_s);
     for (int i = 0; i < n_seqs; i++) {
         const duet_sched_seq *s = &e->plan_seqs[i];
         if (s->n_draft == 0) continue;
@@ -925,8 +965,12 @@ static void observe_step(duet_engine *e, int n_seqs) {
     duet_step_shape sh = {0};
     for (int i = 0; i < n_seqs; i++)
         duet_step_shape_add(&sh, e->plan_seqs[i].pos, e->plan_seqs[i].n_tokens, e->plan_seqs[i].decode);
-    duet__step_cost_online_observe(&e->cost, &sh, e->step_s);
+    /* The target's own time: the draft's passes have their own model. */
+    duet__step_cost_online_observe(&e->cost, &sh, e->step_s - e->draft_s);
     duet__sched_set_cost(e->sched, &e->cost.current);
+    for (int i = 0; i < e->n_dpass; i++)
+        duet__step_cost_online_observe(&e->dcost, &e->dpass[i], e->dpass_s[i]);
+    if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
 }
 
 static void *engine_main(void *arg) {
@@ -1196,10 +1240,10 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     int spec_k;
     duet__spec_params(&p.open, &spec_mode, &spec_k);
     bool spec = spec_mode != DUET_SPEC_OFF;
-    int spec_max_batch = !spec                   ? 0
-                         : p.spec_max_batch == 0 ? 4
-                         : p.spec_max_batch < 0  ? p.max_batch_seqs
-                                                 : p.spec_max_batch;
+    /* spec_max_batch: > 0 a hard cap; 0 no cap; -1 no cap and no decision
+     * (every offer verified, as spec_always). */
+    int spec_max_batch = !spec || p.spec_max_batch <= 0 ? p.max_batch_seqs : p.spec_max_batch;
+    if (!spec) spec_max_batch = 0;
     if (spec_max_batch > p.max_batch_seqs) spec_max_batch = p.max_batch_seqs;
     int64_t max_out = p.max_batch_seqs + (int64_t)spec_max_batch * spec_k;
     if (max_out > p.max_batch_tokens) max_out = p.max_batch_tokens;
@@ -1226,7 +1270,8 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
                                       .prefill_chunk = p.prefill_chunk,
                                       .max_waiting = p.max_waiting,
                                       .batch_timeout_ns = (int64_t)(p.batch_timeout_ms * 1e6),
-                                      .spec_max_batch = spec_max_batch}};
+                                      .spec_max_batch = spec_max_batch,
+                                      .spec_measured = p.spec_max_batch >= 0 && !p.spec_always}};
     /* Stall-free steps under ITL targets: the budget starts at this share
      * of each class's target (headroom for a p99 over predicted means). */
     e->budget_share = 0.8;
@@ -1287,6 +1332,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     e->spec_k = spec_k;
     if (spec && (st = duet__spec_verifier_new(m->hp.n_vocab, &e->verifier))) goto fail;
     if (spec_mode == DUET_SPEC_DRAFT && (st = draft_start(e, &p, kv_blocks, spec_max_batch))) goto fail;
+    duet__step_cost_online_init(&e->dcost, NULL, 0, 0);
     if (!e->metrics || !e->reqs || !e->cancel_list || !e->plan_seqs || !e->results || !e->tok || !e->pos ||
         !e->seq || !e->out || !e->tables || !e->row_of || !e->want || !e->raw || !e->step_finish ||
         !e->text || !e->err) {
@@ -1358,37 +1404,47 @@ void duet_engine_stop(duet_engine *e, bool drain) {
     engine_free(e);
 }
 
-/* The warm-up batch: the k tokens in e->tok/pos/seq, the last one's logits. */
-static duet_batch warm_batch(duet_engine *e, int k) {
+/* The warm-up batch: the k tokens in e->tok/pos/seq, the last n_out
+ * ones' logits. */
+static duet_batch warm_batch(duet_engine *e, int k, int n_out) {
+    for (int i = 0; i < n_out; i++)
+        e->out[i] = k - n_out + i;
     return (duet_batch){.n_tokens = k,
                         .tokens = e->tok,
                         .pos = e->pos,
                         .seq = e->seq,
-                        .n_out = 1,
+                        .n_out = n_out,
                         .out = e->out,
                         .block_tables = e->tables};
 }
 
 /* One warm-up forward pass (under mu): k tokens at positions pos0.. of
- * slot 0, the last one's logits; *seconds its time. */
-static duet_status warm_pass(duet_engine *e, int k, int pos0, double *seconds) {
+ * slot 0, the last n_out ones' logits; *seconds its time. */
+static duet_status warm_pass(duet_engine *e, int k, int pos0, int n_out, double *seconds) {
     for (int i = 0; i < k; i++) {
         e->tok[i] = 0;
         e->pos[i] = pos0 + i;
         e->seq[i] = 0;
     }
-    e->out[0] = k - 1;
-    duet_batch b = warm_batch(e, k);
+    duet_batch b = warm_batch(e, k, n_out);
     int64_t t0 = now_ns();
     duet_status st = duet__run_forward(e->model, &e->run, &b, e->run.logits);
     *seconds = secs(now_ns() - t0);
     return st;
 }
 
-/* The draft model's warm-up: the batch warm_pass just ran (k tokens). */
-static duet_status draft_warm_pass(duet_engine *e, int k) {
-    duet_batch b = warm_batch(e, k);
-    return duet__run_forward(e->draft, &e->drun, &b, e->drun.logits);
+/* The draft model's warm-up: the batch warm_pass just ran (k tokens);
+ * timed into the draft's step-cost model as a pass of k tokens. */
+static duet_status draft_warm_pass(duet_engine *e, int k, bool timed) {
+    duet_batch b = warm_batch(e, k, 1);
+    int64_t t0 = now_ns();
+    duet_status st = duet__run_forward(e->draft, &e->drun, &b, e->drun.logits);
+    if (!st && timed) {
+        duet_step_shape sh = {0};
+        duet_step_shape_add(&sh, e->pos[0], k, true);
+        duet__step_cost_online_observe(&e->dcost, &sh, secs(now_ns() - t0));
+    }
+    return st;
 }
 
 duet_status duet_engine_warmup(duet_engine *e) {
@@ -1426,19 +1482,32 @@ duet_status duet_engine_warmup(duet_engine *e) {
     double t;
     /* A prompt chunk of n tokens, then one decode token: each path's first
      * run (pipeline and kernel builds, first touches) happens here, untimed. */
-    if (n >= 1) st = warm_pass(e, n, 0, &t);
-    if (!st && n >= 1 && e->draft) st = draft_warm_pass(e, n);
-    if (!st && n >= 1) st = warm_pass(e, 1, n, &t);
-    if (!st && n >= 1 && e->draft) st = draft_warm_pass(e, 1);
-    /* Then timed: a chunk of `big` and of n tokens, decodes after them. */
-    const int shapes[4][2] = {{big, 0}, {1, big}, {n, 0}, {1, n}};
-    for (int i = 0; i < 4 && !st && n >= 1 && big > n; i++) {
-        st = warm_pass(e, shapes[i][0], shapes[i][1], &t);
+    if (n >= 1) st = warm_pass(e, n, 0, 1, &t);
+    if (!st && n >= 1 && e->draft) st = draft_warm_pass(e, n, false);
+    if (!st && n >= 1) st = warm_pass(e, 1, n, 1, &t);
+    if (!st && n >= 1 && e->draft) st = draft_warm_pass(e, 1, false);
+    /* Then timed: a chunk of `big` and of n tokens, decodes after them;
+     * with speculation, a verification (1 + spec_k decode tokens, each
+     * with logits, within the blocks written: a decode's per-token cost
+     * is then measured apart from the step's fixed cost) and the draft's
+     * passes of one token and of a chunk. */
+    int verify = e->spec ? 1 + e->spec_k : 0;
+    if (verify > e->run.max_out) verify = e->run.max_out;
+    if (verify > (big / bs + 1) * bs - big) verify = (big / bs + 1) * bs - big;
+    const struct {
+        int n, pos;
+        bool decode;
+    } shapes[5] = {{big, 0, false}, {1, big, true}, {n, 0, false}, {1, n, true}, {verify, big, true}};
+    for (int i = 0; i < 5 && !st && n >= 1 && big > n; i++) {
+        if (shapes[i].n < 2 && i == 4) break;
+        st = warm_pass(e, shapes[i].n, shapes[i].pos, shapes[i].decode ? shapes[i].n : 1, &t);
         duet_step_shape sh = {0};
-        duet_step_shape_add(&sh, shapes[i][1], shapes[i][0], i % 2 == 1);
+        duet_step_shape_add(&sh, shapes[i].pos, shapes[i].n, shapes[i].decode);
         if (!st) duet__step_cost_online_observe(&e->cost, &sh, t);
+        if (!st && e->draft && i >= 2) st = draft_warm_pass(e, i == 2 ? n : 1, true);
     }
     duet__sched_set_cost(e->sched, duet__step_cost_online_get(&e->cost));
+    if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
     for (int j = 0; j < e->max_blocks; j++)
         e->tables[j] = -1;
     pthread_mutex_unlock(&e->mu);

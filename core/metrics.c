@@ -76,6 +76,7 @@ typedef struct counters {
     uint64_t prompt_tokens, generated_tokens;
     double busy_s;
     uint64_t spec_drafts, spec_draft_tokens, spec_accepted, spec_accepted_pos[DUET_SPEC_MAX_K];
+    double spec_draft_s;
     hist e2e[N_PRIO], ttft[N_PRIO], queue[N_PRIO];
     hist itl, tpot_req, batch_seqs, batch_tokens, prompt_len, gen_len;
     duet_metrics_gauges gauges;
@@ -293,6 +294,13 @@ void duet__metrics_spec(duet_metrics *m, int n_draft, int n_accepted) {
     c->spec_accepted += (uint64_t)(n_accepted > 0 ? n_accepted : 0);
     for (int j = 0; j < n_accepted && j < DUET_SPEC_MAX_K; j++)
         c->spec_accepted_pos[j]++;
+    pthread_mutex_unlock(&m->mu);
+}
+
+void duet__metrics_spec_draft_time(duet_metrics *m, double seconds) {
+    if (!(seconds > 0)) return;
+    pthread_mutex_lock(&m->mu);
+    m->c.spec_draft_s += seconds;
     pthread_mutex_unlock(&m->mu);
 }
 
@@ -678,10 +686,45 @@ static char *render(const duet_metrics *m, counters *c, double now, double busy_
                        c->spec_accepted_pos[j]);
         }
         gauge_one(&w, m, "duet_spec_decode_max_batch",
-                  "Speculation backs off in steps with more decodes than this.", g->spec_max_batch);
+                  "Hard cap: steps with more decodes than this verify no drafts.", g->spec_max_batch);
+        gauge_one(&w, m, "duet_spec_decode_measured",
+                  "1 when drafts are granted by the measured decision (step-cost models and acceptance).",
+                  g->spec_measured);
+        counter_one(&w, m, "duet_spec_decode_offered_tokens_total", "Draft tokens offered to the scheduler.",
+                    (double)g->spec_offered_tokens);
         counter_one(&w, m, "duet_spec_decode_throttled_tokens_total",
-                    "Draft tokens not verified because the batch was fuller than duet_spec_decode_max_batch.",
+                    "Draft tokens offered but not verified: the decision predicted no gain, or the hard cap.",
                     (double)g->spec_throttled_tokens);
+        counter_one(&w, m, "duet_spec_decode_capped_tokens_total",
+                    "Draft tokens refused because the step had more decodes than duet_spec_decode_max_batch.",
+                    (double)g->spec_capped_tokens);
+        static const char *const kinds[5] = {"draft", "plain", "explore", "capped", "always"};
+        family(&w, "duet_spec_decode_steps_total", "counter",
+               "Steps with draft offers by decision: draft (predicted to pay), plain (predicted not to), "
+               "explore (refused, one granted to keep measuring), capped, always (no decision).");
+        for (int j = 0; j < 5; j++) {
+            snprintf(extra, sizeof extra, "decision=\"%s\"", kinds[j]);
+            sample_u64(&w, m, "duet_spec_decode_steps_total", extra, g->spec_steps[j]);
+        }
+        gauge_one(&w, m, "duet_spec_decode_predicted_speedup",
+                  "The last decision: predicted tokens per second of the best drafts found over none "
+                  "(drafts are granted above 1.02).",
+                  g->spec_speedup);
+        gauge_one(&w, m, "duet_spec_decode_acceptance_estimate",
+                  "The last decision: mean estimated per-token acceptance of the offers.", g->spec_alpha);
+        gauge_one(&w, m, "duet_spec_decode_predicted_draft_seconds",
+                  "The last decision: predicted seconds of the draft model's passes in the step.",
+                  g->spec_draft_predicted_s);
+        counter_one(&w, m, "duet_spec_decode_draft_seconds_total",
+                    "Seconds spent in the draft model's forward passes.", c->spec_draft_s);
+        if (g->spec_draft_model) {
+            family(&w, "duet_spec_draft_step_cost_seconds", "gauge",
+                   "The draft model's step-cost model, per forward pass, fitted online (seconds per unit).");
+            for (int j = 0; j < DUET_STEP_COST_TERMS; j++) {
+                snprintf(extra, sizeof extra, "term=\"%s\"", duet_step_cost_term(j));
+                sample(&w, m, "duet_spec_draft_step_cost_seconds", extra, g->spec_draft_coef[j]);
+            }
+        }
     }
     free(c);
     if (w.oom) {
@@ -727,6 +770,17 @@ static void counters_add(counters *dst, const counters *src) {
     g->max_batch_seqs += h->max_batch_seqs;
     g->budget_cut_steps += h->budget_cut_steps;
     g->budget_over_steps += h->budget_over_steps;
+    dst->spec_drafts += src->spec_drafts;
+    dst->spec_draft_tokens += src->spec_draft_tokens;
+    dst->spec_accepted += src->spec_accepted;
+    for (int j = 0; j < DUET_SPEC_MAX_K; j++)
+        dst->spec_accepted_pos[j] += src->spec_accepted_pos[j];
+    dst->spec_draft_s += src->spec_draft_s;
+    g->spec_offered_tokens += h->spec_offered_tokens;
+    g->spec_throttled_tokens += h->spec_throttled_tokens;
+    g->spec_capped_tokens += h->spec_capped_tokens;
+    for (int j = 0; j < 5; j++)
+        g->spec_steps[j] += h->spec_steps[j];
     g->max_batch_tokens += h->max_batch_tokens;
     g->kv_blocks += h->kv_blocks;
     g->kv_usage = g->kv_blocks ? used / g->kv_blocks : 0;

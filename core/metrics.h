@@ -36,6 +36,8 @@ void duet__metrics_preempted(duet_metrics *m, duet_priority prio);
 /* One speculative verification: n_draft draft tokens, of which the first
  * n_accepted were kept (vllm:spec_decode_*). */
 void duet__metrics_spec(duet_metrics *m, int n_draft, int n_accepted);
+/* Seconds one step spent in the draft model's forward passes. */
+void duet__metrics_spec_draft_time(duet_metrics *m, double seconds);
 
 /* Gauges, set by the engine after each step. */
 typedef struct duet_metrics_gauges {
@@ -49,10 +51,20 @@ typedef struct duet_metrics_gauges {
     uint64_t prefix_cache_hits;    /* of those, found cached (cumulative) */
     int kv_blocks_cached;          /* blocks with a prefix cache entry now */
     /* Speculative decoding: the most draft tokens per sequence (0: off, and
-     * no spec metric is exported), the batch above which it backs off, and
-     * the draft tokens it refused so far because the batch was full. */
+     * no spec metric is exported), the hard cap on a drafting step's
+     * decodes, whether the measured decision runs; draft tokens offered,
+     * refused (by the decision or the cap) and refused by the cap; steps
+     * with offers by the scheduler's DUET_SPEC_STEP_* kind (draft, plain,
+     * explore, capped, always); the last decision's predicted speed-up of
+     * its best grants, mean acceptance estimate and predicted draft
+     * seconds; the draft model's step-cost coefficients (draft_model:
+     * there is one). */
     int spec_k, spec_max_batch;
-    uint64_t spec_throttled_tokens;
+    bool spec_measured, spec_draft_model;
+    uint64_t spec_offered_tokens, spec_throttled_tokens, spec_capped_tokens;
+    uint64_t spec_steps[5];
+    double spec_speedup, spec_alpha, spec_draft_predicted_s;
+    double spec_draft_coef[DUET_STEP_COST_TERMS];
     /* The adaptive controller (core/controller.h): whether it runs, its
      * targets per class (seconds, 0 = none), its smoothed pressure ratios
      * (p99 / target, -1 = no samples yet) and its decisions by action. */

@@ -11,6 +11,7 @@
 #include <string.h>
 
 #include "../backends/backend.h"
+#include "speculative.h"
 
 enum { ST_FREE = 0, ST_WAITING, ST_RUNNING };
 
@@ -28,6 +29,8 @@ typedef struct req {
     int plan_index;         /* entry in the plan being built / outstanding, or -1 */
     int n_preempted;        /* times preempted */
     int draft_offer;        /* draft tokens the engine offers for the next plan */
+    float draft_alpha;      /* with it: the request's estimated acceptance */
+    int draft_catchup;      /* and the tokens the draft model's pass 0 takes for it */
     uint64_t preempt_epoch; /* plan epoch of its last preemption */
     bool started;           /* scheduled at least once */
     bool cancelled;         /* cancelled while in the outstanding step */
@@ -69,6 +72,20 @@ struct duet_sched {
     duet_step_cost cost;
     bool timed, chunked, cut;
     double time_left;
+    /* Speculation's decision (duet__spec_decide): the draft model's pass
+     * cost (have_draft_cost false: drafts are free, n-gram), the candidates'
+     * scratch [max_seqs], the draft seconds of the step being planned, the
+     * plans in a row whose offers the decision refused (exploration), and
+     * the last decision. */
+    bool have_draft_cost;
+    duet_step_cost draft_cost;
+    duet_spec_cand *cands;
+    int *cand_req; /* [max_seqs] the record of each candidate */
+    double draft_s;
+    int spec_refused_run;
+    uint64_t spec_explore;
+    bool spec_last_valid;
+    duet_spec_decision spec_last;
 
     duet_sched_stats st; /* counters only; gauges are computed on demand */
 };
@@ -210,7 +227,10 @@ duet_status duet__sched_new(const duet_sched_config *config, duet_sched **out) {
     s->seq_req = malloc((size_t)c->max_seqs * sizeof *s->seq_req);
     s->preempted = malloc((size_t)c->max_seqs * sizeof *s->preempted);
     s->hits = malloc((size_t)per_seq * sizeof *s->hits);
-    if (!s->reqs || !s->slot_req || !s->order || !s->seqs || !s->seq_req || !s->preempted || !s->hits) {
+    s->cands = malloc((size_t)c->max_seqs * sizeof *s->cands);
+    s->cand_req = malloc((size_t)c->max_seqs * sizeof *s->cand_req);
+    if (!s->reqs || !s->slot_req || !s->order || !s->seqs || !s->seq_req || !s->preempted || !s->hits ||
+        !s->cands || !s->cand_req) {
         duet__sched_free(s);
         return duet__error(DUET_OUT_OF_MEMORY, "scheduler: out of memory for %d requests", c->max_waiting);
     }
@@ -235,6 +255,8 @@ void duet__sched_free(duet_sched *s) {
     free(s->seq_req);
     free(s->preempted);
     free(s->hits);
+    free(s->cands);
+    free(s->cand_req);
     free(s);
 }
 
@@ -332,20 +354,37 @@ duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id) {
     return DUET_OK;
 }
 
-void duet__sched_set_cost(duet_sched *s, const duet_step_cost *m) {
-    memset(&s->cost, 0, sizeof s->cost);
-    s->have_cost = m != NULL;
+/* A model with every coefficient finite and >= 0 into *dst; false otherwise. */
+static bool copy_cost(duet_step_cost *dst, const duet_step_cost *m) {
+    memset(dst, 0, sizeof *dst);
+    bool ok = m != NULL;
     for (int j = 0; m && j < DUET_STEP_COST_TERMS; j++) {
-        if (!(isfinite(m->coef[j]) && m->coef[j] >= 0))
-            s->have_cost = false; /* no guesses from a broken fit */
-        s->cost.coef[j] = m->coef[j];
+        if (!(isfinite(m->coef[j]) && m->coef[j] >= 0)) ok = false; /* no guesses from a broken fit */
+        dst->coef[j] = m->coef[j];
     }
+    return ok;
 }
 
-void duet__sched_set_draft(duet_sched *s, uint64_t id, int n_draft) {
+bool duet__sched_spec_decision(const duet_sched *s, duet_spec_decision *out) {
+    if (s->spec_last_valid) *out = s->spec_last;
+    return s->spec_last_valid;
+}
+
+void duet__sched_set_cost(duet_sched *s, const duet_step_cost *m) {
+    s->have_cost = copy_cost(&s->cost, m);
+}
+
+void duet__sched_set_draft_cost(duet_sched *s, const duet_step_cost *m) {
+    s->have_draft_cost = copy_cost(&s->draft_cost, m);
+}
+
+void duet__sched_set_draft(duet_sched *s, uint64_t id, int n_draft, float alpha, int catchup) {
     int i = find(s, id);
     if (i < 0 || s->reqs[i].state != ST_RUNNING) return;
-    s->reqs[i].draft_offer = n_draft > 0 ? n_draft : 0;
+    req *r = &s->reqs[i];
+    r->draft_offer = n_draft > 0 ? n_draft : 0;
+    r->draft_alpha = alpha;
+    r->draft_catchup = catchup;
 }
 
 /* ---- planning ------------------------------------------------------------ */
@@ -488,7 +527,7 @@ static int64_t time_start(duet_sched *s) {
     for (int k = 0; k < s->n_seqs; k++)
         duet_step_shape_add(&sh, s->seqs[k].pos, s->seqs[k].n_tokens, true);
     s->timed = true;
-    s->time_left = (double)budget * 1e-9 - duet_step_cost_predict(&s->cost, &sh);
+    s->time_left = (double)budget * 1e-9 - duet_step_cost_predict(&s->cost, &sh) - s->draft_s;
     return budget;
 }
 
@@ -542,6 +581,74 @@ static void register_blocks(duet_sched *s, req *r) {
     }
 }
 
+/* Step 1b of a plan (the decodes are placed): the decodes with draft
+ * offers are the candidates. With the hard cap exceeded nothing is
+ * granted; with spec_measured and a step-cost model, duet__spec_decide
+ * grants what pays; otherwise every offer. After DUET_SCHED_SPEC_EXPLORE
+ * plans in a row whose offers the decision refused, one candidate (in turn)
+ * gets its offer anyway, so the models and its acceptance keep being
+ * measured at the shapes refused. */
+static void place_drafts(duet_sched *s, int n_order) {
+    const int n_decodes = s->n_seqs;
+    int n = 0, offered = 0;
+    duet_step_shape base = {0};
+    for (int k = 0; k < s->n_seqs; k++)
+        duet_step_shape_add(&base, s->seqs[k].pos, s->seqs[k].n_tokens, true);
+    for (int k = 0; k < n_order; k++) {
+        req *r = &s->reqs[s->order[k]];
+        if (r->state != ST_RUNNING || r->plan_index < 0 || r->draft_offer <= 0) continue;
+        duet_spec_cand *c = &s->cands[n];
+        *c = (duet_spec_cand){.pos = s->seqs[r->plan_index].pos,
+                              .offer = r->draft_offer,
+                              .alpha = r->draft_alpha,
+                              .catchup = r->draft_catchup,
+                              .k = r->draft_offer};
+        offered += r->draft_offer;
+        s->cand_req[n++] = s->order[k];
+        r->draft_offer = 0;
+    }
+    s->draft_s = 0;
+    if (n == 0) return;
+    s->st.spec_offered += (uint64_t)offered;
+    if (n_decodes > s->knobs.spec_max_batch) {
+        s->st.spec_throttled += (uint64_t)offered;
+        s->st.spec_capped += (uint64_t)offered;
+        s->st.spec_steps[DUET_SPEC_STEP_CAPPED]++;
+        return;
+    }
+    int kind = DUET_SPEC_STEP_ALWAYS;
+    if (s->knobs.spec_measured && s->have_cost) {
+        duet__spec_decide(&s->cost, s->have_draft_cost ? &s->draft_cost : NULL, &base, s->cands, n,
+                          &s->spec_last);
+        s->spec_last_valid = true;
+        kind = s->spec_last.n_granted > 0 ? DUET_SPEC_STEP_DRAFT : DUET_SPEC_STEP_PLAIN;
+        if (kind == DUET_SPEC_STEP_PLAIN && ++s->spec_refused_run >= DUET_SCHED_SPEC_EXPLORE) {
+            duet_spec_cand *c = &s->cands[s->spec_explore++ % n];
+            c->k = c->offer;
+            kind = DUET_SPEC_STEP_EXPLORE;
+        }
+        if (kind != DUET_SPEC_STEP_PLAIN) s->spec_refused_run = 0;
+        s->draft_s = s->spec_last.draft_seconds; /* 0 but for DRAFT: an exploration is not budgeted */
+    }
+    s->st.spec_steps[kind]++;
+    for (int j = 0; j < n; j++) {
+        req *r = &s->reqs[s->cand_req[j]];
+        int grant = s->cands[j].k;
+        s->st.spec_throttled += (uint64_t)(s->cands[j].offer - grant);
+        int want = min_int(min_int(grant, s->budget), r->max_new - r->n_generated - 1);
+        if (want > 0) want = fits(s, r, 1 + want) - 1;
+        if (want <= 0) continue;
+        bool ok = duet__kv_blocks_ensure(s->kv, r->slot, r->n_computed + 1 + want);
+        assert(ok);
+        (void)ok;
+        duet_sched_seq *e = &s->seqs[r->plan_index];
+        e->n_tokens += want;
+        e->n_draft = want;
+        s->budget -= want;
+        s->st.spec_granted += (uint64_t)want;
+    }
+}
+
 duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *plan) {
     assert(!s->outstanding && "plan called with a step outstanding");
     memset(plan, 0, sizeof *plan);
@@ -591,31 +698,10 @@ duet_sched_action duet__sched_plan(duet_sched *s, int64_t now, duet_sched_plan *
         if (!(r->n_generated > 0 && r->n_computed == stream_len(r) - 1)) continue;
         if (grow_decode(s, i, n_order)) plan_add(s, i, 1);
     }
-    /* 1b. Drafts: decodes with an offer grow by it, best rank first, in the
-     *     budget and the free blocks (no preemption for a guess); none when
-     *     the batch is fuller than spec_max_batch. */
-    int n_decodes = s->n_seqs;
-    for (int k = 0; k < n_order; k++) {
-        req *r = &s->reqs[s->order[k]];
-        if (r->state != ST_RUNNING || r->plan_index < 0 || r->draft_offer <= 0) continue;
-        int want = r->draft_offer;
-        r->draft_offer = 0;
-        if (n_decodes > s->knobs.spec_max_batch) {
-            s->st.spec_throttled += (uint64_t)want;
-            continue;
-        }
-        want = min_int(min_int(want, s->budget), r->max_new - r->n_generated - 1);
-        if (want > 0) want = fits(s, r, 1 + want) - 1;
-        if (want <= 0) continue;
-        bool ok = duet__kv_blocks_ensure(s->kv, r->slot, r->n_computed + 1 + want);
-        assert(ok);
-        (void)ok;
-        duet_sched_seq *e = &s->seqs[r->plan_index];
-        e->n_tokens += want;
-        e->n_draft = want;
-        s->budget -= want;
-        s->st.spec_granted += (uint64_t)want;
-    }
+    /* 1b. Drafts: decodes with an offer grow by what the decision grants,
+     *     best rank first, in the budget and the free blocks (no
+     *     preemption for a guess). */
+    place_drafts(s, n_order);
     /* The time budget of a step with decodes. */
     const int64_t step_budget = time_start(s);
     /* 2. Prompt chunks of running sequences still prefilling. */
@@ -719,7 +805,7 @@ admitted_all:
     }
     for (int k = 0; k < n_order; k++) /* offers last one plan */
         s->reqs[s->order[k]].draft_offer = 0;
-    if (s->have_cost) plan->predicted_s = duet_step_cost_predict(&s->cost, &shape);
+    if (s->have_cost) plan->predicted_s = duet_step_cost_predict(&s->cost, &shape) + s->draft_s;
     if (s->timed) {
         plan->budget_ns = step_budget;
         s->st.budget_cut += s->cut;

@@ -97,18 +97,29 @@
  *   place), and is not re-admitted in the same plan. The best-ranked
  *   running sequence always progresses, so nothing livelocks.
  * - Speculative decoding: before a plan the engine may offer draft tokens
- *   for a request (duet__sched_set_draft). After the decodes are placed,
- *   each decode with an offer, best rank first, grows by its draft tokens
+ *   for a request (duet__sched_set_draft, with the request's estimated
+ *   acceptance). After the decodes are placed, the decision grants each
+ *   decode with an offer some of its draft tokens: with knobs.spec_measured
+ *   and a step-cost model, duet__spec_decide (speculative.h) grants what
+ *   raises the step's predicted tokens per second, weighing the target's
+ *   model and the draft model's (duet__sched_set_draft_cost; none: drafts
+ *   are free, as n-gram's); after DUET_SCHED_SPEC_EXPLORE plans in a row
+ *   in which it granted nothing, one candidate in turn gets its offer (so
+ *   the models and its acceptance are measured where speculation is
+ *   refused); without spec_measured or a model every offer is granted.
+ *   A step with more than spec_max_batch decodes (a hard cap) grants
+ *   nothing. Each decode, best rank first, grows by its grant
  *   (n_draft), within the token budget, the KV blocks free now (nobody
  *   is preempted to make room for drafts; they come before prompt chunks,
  *   which get what is left) and max_new (a step never yields more than
  *   the request may still generate). Every one of the entry's 1 + n_draft
  *   rows yields logits; step_done reports how many tokens it kept
  *   (1..1 + n_draft) and the KV of the rejected positions rolls back (the
- *   sequence's blocks shrink to its computed tokens). Speculation backs off
- *   as the batch fills: a step with more than spec_max_batch decodes grants
- *   no drafts (duet_sched_stats.spec_throttled counts the offers refused).
- *   Offers last for one plan.
+ *   sequence's blocks shrink to its computed tokens). The stats count the
+ *   draft tokens offered, granted, refused (spec_throttled) and refused by
+ *   the cap, and the steps by decision. Offers last for one plan. With a
+ *   draft model's cost, the plan's predicted_s and the time budget include
+ *   the draft's passes the decision predicted.
  * - Refusal at arrival: DUET_SCHED_QUEUE_FULL when max_waiting requests
  *   are waiting (HTTP 429), DUET_SCHED_TOO_LONG when n_prompt + max_new
  *   exceeds n_ctx or the whole KV pool (HTTP 400), DUET_SCHED_INVALID for
@@ -122,6 +133,7 @@
 
 #include "duet.h"
 #include "kv_blocks.h"
+#include "speculative.h"
 
 typedef struct duet_sched duet_sched;
 
@@ -139,7 +151,9 @@ typedef struct duet_sched_knobs {
     int max_waiting;          /* waiting requests at most; 0..config.max_waiting */
     int64_t batch_timeout_ns; /* idle wait for more arrivals; >= 0 */
     int spec_max_batch;       /* drafts only in steps with at most this many
-                                 decodes (0: never); >= 0 */
+                                 decodes (a hard cap; 0: never); >= 0 */
+    bool spec_measured;       /* grant drafts by duet__spec_decide (needs a
+                                 step-cost model); false: every offer */
     int64_t step_budget_ns[2]; /* per duet_priority: the predicted time of a
                                   step in which a sequence of that class
                                   decodes, at most (prompt chunks shrink to
@@ -149,6 +163,20 @@ typedef struct duet_sched_knobs {
 /* The smallest prompt chunk the time budget cuts to (a chunk may still be
  * smaller when that is all the prompt has left). */
 #define DUET_SCHED_MIN_CHUNK 16
+
+/* Plans in a row whose draft offers the decision refused, after which one
+ * candidate's offer is granted anyway (exploration). */
+#define DUET_SCHED_SPEC_EXPLORE 64
+
+/* Steps with draft offers, by what became of them. */
+enum {
+    DUET_SPEC_STEP_DRAFT = 0, /* the decision granted drafts */
+    DUET_SPEC_STEP_PLAIN,     /* the decision refused them all */
+    DUET_SPEC_STEP_EXPLORE,   /* refused, but one was granted to measure */
+    DUET_SPEC_STEP_CAPPED,    /* more decodes than spec_max_batch */
+    DUET_SPEC_STEP_ALWAYS,    /* granted without a decision (spec_measured off, or no model) */
+    DUET_SPEC_STEP_KINDS
+};
 
 /* Capacities, fixed at creation (all memory is sized from them). */
 typedef struct duet_sched_config {
@@ -240,8 +268,11 @@ typedef struct duet_sched_stats {
     uint64_t prefix_queries, prefix_hits;
     int kv_blocks_cached;
     uint64_t prefix_evictions;
+    uint64_t spec_offered;   /* draft tokens offered */
     uint64_t spec_granted;   /* draft tokens placed into steps */
-    uint64_t spec_throttled; /* draft tokens offered but refused because the batch was full */
+    uint64_t spec_throttled; /* draft tokens offered but not granted (the decision or the cap) */
+    uint64_t spec_capped;    /* of those, refused by the cap (spec_max_batch) */
+    uint64_t spec_steps[DUET_SPEC_STEP_KINDS]; /* plans with offers, by DUET_SPEC_STEP_* */
     uint64_t budget_cut;     /* steps whose prompt chunks the time budget shortened */
     uint64_t budget_over;    /* steps predicted over their budget (decodes alone, or the minimum chunk) */
 } duet_sched_stats;
@@ -279,10 +310,18 @@ duet_status duet__sched_cancel(duet_sched *s, int64_t now, uint64_t id);
  * steps with; its coefficients are copied. NULL: none (token counts only). */
 void duet__sched_set_cost(duet_sched *s, const duet_step_cost *m);
 
-/* Offers n_draft (>= 0) draft tokens for request id's next decode; the
- * next plan grants all, some or none of them (see the policies above).
- * Ignored for an unknown id or a request that is not decoding. */
-void duet__sched_set_draft(duet_sched *s, uint64_t id, int n_draft);
+/* Offers n_draft (>= 0) draft tokens for request id's next decode, with
+ * the request's estimated per-token acceptance alpha and the tokens a
+ * draft model's first pass takes for it (catchup >= 1; ignored without a
+ * draft cost); the next plan grants all, some or none of them (see the
+ * policies above). Ignored for an unknown id or a request that is not
+ * decoding. */
+void duet__sched_set_draft(duet_sched *s, uint64_t id, int n_draft, float alpha, int catchup);
+/* The draft model's step-cost model, per forward pass (copied); NULL:
+ * drafts cost nothing (n-gram). */
+void duet__sched_set_draft_cost(duet_sched *s, const duet_step_cost *m);
+/* The last decision duet__spec_decide made (false: none yet). */
+bool duet__sched_spec_decision(const duet_sched *s, duet_spec_decision *out);
 
 /* Plans the next step. Must not be called while a step is outstanding
  * (between DUET_SCHED_STEP and step_done/step_failed). */

@@ -225,3 +225,119 @@ void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, in
         k = (int)floorf(logf(DUET_SPEC_ADAPT_MIN_GAIN) / logf(a->alpha));
     a->k = k < 1 ? 1 : k > k_max ? k_max : k;
 }
+
+/* ---- the speculation decision ------------------------------------------------------ */
+
+/* The linear step-cost model's seconds for a shape (0 for an empty pass). */
+static double pass_seconds(const duet_step_cost *m, const duet_step_shape *s) {
+    return s->n_decode + s->n_prefill > 0 ? duet_step_cost_predict(m, s) : 0;
+}
+
+/* alpha^(a+1) + ... + alpha^b: the tokens drafts a..b-1 add to a decode's expectation. */
+static double run_gain(float alpha, int a, int b) {
+    double g = 0, p = pow((double)alpha, a + 1);
+    for (int m = a + 1; m <= b; m++, p *= alpha)
+        g += p;
+    return g;
+}
+
+/* The draft's passes (pass j: the tokens it takes) with candidate c at k. */
+static void add_passes(duet_step_shape *pass, const duet_spec_cand *c, int a, int b) {
+    if (a == 0 && b > 0) duet_step_shape_add(&pass[0], c->pos - c->catchup + 1, c->catchup, true);
+    for (int j = a > 1 ? a : 1; j < b; j++)
+        duet_step_shape_add(&pass[j], c->pos + j, 1, true);
+}
+
+/* Seconds the target's step and the draft's passes gain when c goes from a to b drafts. */
+static double move_seconds(const duet_step_cost *target, const duet_step_cost *draft,
+                           const duet_step_shape *pass, const duet_spec_cand *c, int a, int b) {
+    duet_step_shape v = {0};
+    duet_step_shape_add(&v, c->pos + 1 + a, b - a, true);
+    double t = duet_step_cost_predict(target, &v) - target->coef[0];
+    if (!draft) return t;
+    duet_step_shape p[DUET_SPEC_MAX_K];
+    memcpy(p, pass, sizeof p);
+    add_passes(p, c, a, b);
+    for (int j = 0; j < b; j++)
+        t += pass_seconds(draft, &p[j]) - pass_seconds(draft, &pass[j]);
+    return t;
+}
+
+void duet__spec_decide(const duet_step_cost *target, const duet_step_cost *draft, const duet_step_shape *base,
+                       duet_spec_cand *cand, int n, duet_spec_decision *out) {
+    memset(out, 0, sizeof *out);
+    duet_step_shape pass[DUET_SPEC_MAX_K];
+    memset(pass, 0, sizeof pass);
+    double E = base->n_decode, T = duet_step_cost_predict(target, base), D = 0;
+    out->tokens_plain = E, out->seconds_plain = T;
+    for (int i = 0; i < n; i++) {
+        duet_spec_cand *c = &cand[i];
+        c->k = 0;
+        if (c->offer > DUET_SPEC_MAX_K) c->offer = DUET_SPEC_MAX_K;
+        if (c->offer < 0) c->offer = 0;
+        if (c->catchup < 1) c->catchup = 1;
+        c->alpha = c->alpha > 1 ? 1 : c->alpha > 0 ? c->alpha : 0;
+        out->tokens_offered += c->offer;
+        out->alpha_mean += c->alpha / n;
+    }
+    if (!(T > 0) || E < 1) return; /* no model: nothing to weigh */
+    for (;;) {
+        /* The best single move: one candidate from k to b (b - k drafts at once). */
+        double best = E / T, bE = 0, bT = 0;
+        int bi = -1, bb = 0;
+        for (int i = 0; i < n; i++) {
+            const duet_spec_cand *c = &cand[i];
+            for (int b = c->k + 1; b <= c->offer; b++) {
+                double dE = run_gain(c->alpha, c->k, b), dT = move_seconds(target, draft, pass, c, c->k, b);
+                if ((E + dE) / (T + dT) > best) best = (E + dE) / (T + dT), bE = dE, bT = dT, bi = i, bb = b;
+            }
+        }
+        /* Or every candidate below b up to b together (a pass's fixed cost
+         * may pay only when shared). */
+        int gb = 0;
+        for (int b = 1; draft && b <= DUET_SPEC_MAX_K; b++) {
+            double dE = 0, dT = 0;
+            duet_step_shape p[DUET_SPEC_MAX_K];
+            memcpy(p, pass, sizeof p);
+            int moved = 0;
+            for (int i = 0; i < n; i++) {
+                const duet_spec_cand *c = &cand[i];
+                int to = b < c->offer ? b : c->offer;
+                if (to <= c->k) continue;
+                duet_step_shape v = {0};
+                duet_step_shape_add(&v, c->pos + 1 + c->k, to - c->k, true);
+                dT += duet_step_cost_predict(target, &v) - target->coef[0];
+                dE += run_gain(c->alpha, c->k, to);
+                add_passes(p, c, c->k, to);
+                moved++;
+            }
+            if (moved < 2) continue;
+            for (int j = 0; j < DUET_SPEC_MAX_K; j++)
+                dT += pass_seconds(draft, &p[j]) - pass_seconds(draft, &pass[j]);
+            if ((E + dE) / (T + dT) > best) best = (E + dE) / (T + dT), bE = dE, bT = dT, gb = b, bi = -1;
+        }
+        if (bi < 0 && gb == 0) break;
+        for (int i = 0; i < n; i++) {
+            duet_spec_cand *c = &cand[i];
+            int to = gb ? (gb < c->offer ? gb : c->offer) : i == bi ? bb : c->k;
+            if (to <= c->k) continue;
+            if (draft) add_passes(pass, c, c->k, to);
+            c->k = to;
+        }
+        E += bE, T += bT;
+    }
+    for (int j = 0; draft && j < DUET_SPEC_MAX_K; j++)
+        D += pass_seconds(draft, &pass[j]);
+    out->speedup = E / T / (out->tokens_plain / out->seconds_plain);
+    /* Worth it only by a margin over the model's error. */
+    if (out->speedup <= 1 + DUET_SPEC_MIN_GAIN) {
+        for (int i = 0; i < n; i++)
+            cand[i].k = 0;
+        return;
+    }
+    out->tokens_spec = E, out->seconds_spec = T, out->draft_seconds = D;
+    for (int i = 0; i < n; i++) {
+        out->n_granted += cand[i].k > 0;
+        out->tokens_granted += cand[i].k;
+    }
+}

@@ -124,4 +124,58 @@ void duet__spec_adapt_init(duet_spec_adapt *a, int k_max);
  * them: updates alpha and picks the next k in [1, k_max]. */
 void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, int k_max);
 
+/* The speculation decision of one step (pure: no clock, no state). Each
+ * decoding sequence with drafts on offer is a candidate; the decision
+ * grants each some k in [0, offer] so that the step's predicted decode
+ * throughput (expected tokens over predicted seconds) is highest, and
+ * grants nothing where drafting does not pay.
+ *
+ * - Expected tokens: a decode yields 1; with k drafts each kept with
+ *   probability alpha (independently, a run ending at the first rejection)
+ *   it yields 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha).
+ * - Seconds: the target's step-cost model of the step's shape (its decodes,
+ *   each grown by its k verification tokens at the positions after it),
+ *   plus with a draft model its own passes, predicted by the draft's
+ *   step-cost model per pass: pass 0 takes each drafting sequence's
+ *   catch-up tokens (its newest token and any its KV missed) and gives
+ *   draft 0; pass j > 0 takes one token of each sequence with k > j. A pass
+ *   costs its intercept once, however many sequences share it. n-gram
+ *   drafts cost nothing (draft == NULL).
+ *
+ * On a memory-bound device a verification token costs a small fraction of
+ * a step, so speculation pays even at modest acceptance; on a
+ * compute-bound one (a large batch on a cpu) each token costs nearly its
+ * share, so it pays only at high acceptance and small batch, and turns off
+ * as the batch fills. The search grows k one candidate at a time, taking
+ * the move (a candidate and a new k for it, so fixed costs are paid by a
+ * run of drafts together) that gives the best throughput, while that
+ * improves on the current one by more than DUET_SPEC_MIN_GAIN. */
+#define DUET_SPEC_MIN_GAIN 0.02
+
+typedef struct duet_spec_cand {
+    int pos;     /* position of the sequence's newest token (its decode) */
+    int offer;   /* draft tokens on offer, 0..DUET_SPEC_MAX_K */
+    float alpha; /* estimated per-token acceptance, [0, 1] */
+    int catchup; /* draft model: tokens its pass 0 takes for this sequence (>= 1) */
+    int k;       /* out: draft tokens granted, 0..offer */
+} duet_spec_cand;
+
+typedef struct duet_spec_decision {
+    double tokens_plain, tokens_spec;   /* expected tokens of the step without / with the grants */
+    double seconds_plain, seconds_spec; /* predicted seconds: target (+ draft passes) */
+    double draft_seconds;               /* of seconds_spec, the draft's passes */
+    double alpha_mean;                  /* mean alpha of the candidates (0 without) */
+    double speedup;                     /* predicted tokens/s of the best grants found over plain's
+                                           (granted only when above 1 + DUET_SPEC_MIN_GAIN); 0: no model */
+    int n_granted;                      /* candidates granted k > 0 */
+    int tokens_offered, tokens_granted; /* draft tokens */
+} duet_spec_decision;
+
+/* Decides k for cand[0..n) in a step whose plain shape (decodes, one
+ * token each, and nothing else) is `base`. `target` predicts the target's
+ * step; `draft` one pass of the draft model (NULL: drafts are free). The
+ * candidates' positions must be among base's decodes. */
+void duet__spec_decide(const duet_step_cost *target, const duet_step_cost *draft, const duet_step_shape *base,
+                       duet_spec_cand *cand, int n, duet_spec_decision *out);
+
 #endif /* DUET_SPECULATIVE_H */

@@ -310,7 +310,7 @@ static const char *spec_prompts[4] = {
 
 /* An engine on `backend` speculating with draft model `draft` (NULL:
  * n-gram drafts; spec_k 0: no speculation), backing off above
- * spec_max_batch decodes. */
+ * spec_max_batch decodes (0: by the measured decision instead). */
 static duet_engine *start_spec_on(const char *backend, int max_seqs, int kv_blocks, int spec_k,
                                   const char *draft, int spec_max_batch) {
     duet_engine_params p = duet_engine_params_default();
@@ -326,6 +326,9 @@ static duet_engine *start_spec_on(const char *backend, int max_seqs, int kv_bloc
         p.open.draft = draft;
         p.open.spec_k = spec_k;
         p.spec_max_batch = spec_max_batch;
+        /* 0: the measured decision; otherwise every draft (up to the cap)
+         * is verified: those runs check tokens, not the decision's timing. */
+        p.spec_always = spec_max_batch != 0;
     }
     duet_engine *e;
     ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
@@ -585,6 +588,40 @@ START_TEST(speculative_draft_model_in_the_engine) {
         double drafted = engine_metric(e, "vllm:spec_decode_num_draft_tokens_total");
         ck_assert_msg(drafted > 20, "self-draft: %g draft tokens", drafted);
         ck_assert_double_eq(engine_metric(e, "vllm:spec_decode_num_accepted_tokens_total"), drafted);
+        ck_assert_double_eq(engine_metric(e, "duet_kv_cache_usage_ratio"), 0);
+        free(got);
+        duet_engine_stop(e, true);
+    }
+
+    /* The measured decision (no cap): whatever it grants, greedy output is
+     * the target's, and each step with offers is counted by its decision;
+     * its inputs are exported. */
+    {
+        duet_engine *e = start_spec_on(backend, 8, 0, 6, draft_copy(), 0);
+        collected *got = run_spec(e, false, N, false);
+        same_tokens(want, got, N, "draft model, measured decision");
+        double steps = 0;
+        const char *kinds[] = {"draft", "plain", "explore"};
+        char *metrics = duet_engine_metrics(e);
+        for (int j = 0; j < 3; j++) {
+            char filter[64];
+            snprintf(filter, sizeof filter, "decision=\"%s\"", kinds[j]);
+            steps += metric_value(metrics, "duet_spec_decode_steps_total", filter);
+        }
+        ck_assert_msg(steps > 0, "no step with offers was decided");
+        ck_assert_double_eq(metric_value(metrics, "duet_spec_decode_steps_total", "decision=\"always\""), 0);
+        ck_assert_double_eq(metric_value(metrics, "duet_spec_decode_measured", NULL), 1);
+        ck_assert_msg(metric_value(metrics, "duet_spec_decode_predicted_speedup", NULL) > 0,
+                      "the last decision's prediction is exported");
+        ck_assert_msg(
+            metric_value(metrics, "duet_spec_draft_step_cost_seconds", "term=\"intercept\"") +
+                    metric_value(metrics, "duet_spec_draft_step_cost_seconds", "term=\"per_decode_token\"") >
+                0,
+            "the draft's step cost is measured");
+        fprintf(stderr, "measured decision: %g steps decided, %g of %g offered draft tokens refused\n", steps,
+                metric_value(metrics, "duet_spec_decode_throttled_tokens_total", NULL),
+                metric_value(metrics, "duet_spec_decode_offered_tokens_total", NULL));
+        free(metrics);
         ck_assert_double_eq(engine_metric(e, "duet_kv_cache_usage_ratio"), 0);
         free(got);
         duet_engine_stop(e, true);

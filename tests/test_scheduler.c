@@ -1008,7 +1008,7 @@ END_TEST
 /* Plans one step with request id decoding after offering n drafts. */
 static const duet_sched_seq *plan_with_draft(duet_sched *s, int64_t now, uint64_t id, int n,
                                              duet_sched_plan *p) {
-    duet__sched_set_draft(s, id, n);
+    duet__sched_set_draft(s, id, n, 1.0f, 1);
     plan_step(s, now, p);
     int k = find_seq(p, id);
     ck_assert_msg(k >= 0, "request %llu not in the step", (unsigned long long)id);
@@ -1049,7 +1049,7 @@ START_TEST(test_spec_drafts_and_rollback) {
     duet_sched_plan p;
     arrive(s, 0, 1, 6, 20, DUET_PRIORITY_INTERACTIVE);
     /* An offer before the request decodes is ignored (waiting, then prefill). */
-    duet__sched_set_draft(s, 1, 3);
+    duet__sched_set_draft(s, 1, 3, 1.0f, 1);
     plan_step(s, 0, &p);
     ck_assert(p.seqs[0].n_tokens == 6 && p.seqs[0].n_draft == 0 && p.n_draft == 0);
     complete(s, 1, &p);
@@ -1114,7 +1114,7 @@ START_TEST(test_spec_throttle_budget_and_blocks) {
     arrive(s, 3, 2, 4, 20, DUET_PRIORITY_INTERACTIVE);
     plan_step(s, 3, &p);
     complete(s, 4, &p); /* 1 decodes, 2 prefills */
-    duet__sched_set_draft(s, 2, 3);
+    duet__sched_set_draft(s, 2, 3, 1.0f, 1);
     e = plan_with_draft(s, 4, 1, 3, &p);
     ck_assert_int_eq(p.n_seqs, 2);
     ck_assert_int_eq(p.n_draft, 0);
@@ -1128,7 +1128,7 @@ START_TEST(test_spec_throttle_budget_and_blocks) {
     k.spec_max_batch = 2;
     k.max_batch_tokens = 64;
     ck_assert(duet__sched_set_knobs(s, &k) == DUET_OK);
-    duet__sched_set_draft(s, 2, 16);
+    duet__sched_set_draft(s, 2, 16, 1.0f, 1);
     e = plan_with_draft(s, 5, 1, 16, &p);
     ck_assert_int_eq(p.n_preempted, 0);
     duet__sched_stats(s, &st);
@@ -1140,6 +1140,92 @@ START_TEST(test_spec_throttle_budget_and_blocks) {
                   st.kv_blocks_used);
     k.spec_max_batch = -1;
     ck_assert(duet__sched_set_knobs(s, &k) == DUET_INVALID_ARGUMENT);
+    duet__sched_free(s);
+}
+END_TEST
+
+/* The measured decision in the plan: on a compute-bound step-cost model 16
+ * decodes get no drafts (counted as refused, the steps as plain) but one
+ * candidate in turn gets its offer after DUET_SCHED_SPEC_EXPLORE refused
+ * plans; alone, a decode gets drafts; a draft model dearer than the target
+ * turns it off; without spec_measured every offer is granted. */
+START_TEST(test_spec_measured_decision) {
+    duet_sched_config c = base_config();
+    c.max_seqs = c.knobs.max_batch_seqs = 16;
+    c.max_tokens = c.knobs.max_batch_tokens = 256;
+    c.knobs.prefill_chunk = 64;
+    c.kv_blocks = 256;
+    c.knobs.spec_max_batch = 16;
+    c.knobs.spec_measured = true;
+    duet_sched *s = make(&c);
+    duet_step_cost m = {0};
+    m.coef[0] = 0.010, m.coef[1] = 0.005; /* compute-bound: a token costs half a step's fixed part */
+    duet__sched_set_cost(s, &m);
+    duet_sched_plan p;
+    for (uint64_t id = 1; id <= 16; id++)
+        arrive(s, 0, id, 4, 200, DUET_PRIORITY_INTERACTIVE);
+    plan_step(s, 0, &p); /* the 16 prompts */
+    complete(s, 1, &p);
+    int64_t t = 2;
+    for (int step = 1; step <= DUET_SCHED_SPEC_EXPLORE; step++, t++) {
+        for (uint64_t id = 1; id <= 16; id++)
+            duet__sched_set_draft(s, id, 8, 0.8f, 1);
+        plan_step(s, t, &p);
+        ck_assert_int_eq(p.n_seqs, 16);
+        if (step < DUET_SCHED_SPEC_EXPLORE) {
+            ck_assert_msg(p.n_draft == 0, "step %d: %d drafts at batch 16, compute-bound", step, p.n_draft);
+        } else {
+            int with = 0;
+            for (int k = 0; k < p.n_seqs; k++)
+                with += p.seqs[k].n_draft > 0;
+            ck_assert_msg(with == 1 && p.n_draft == 8, "exploration: %d sequences, %d drafts", with,
+                          p.n_draft);
+        }
+        complete(s, t, &p);
+    }
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    ck_assert_uint_eq(st.spec_steps[DUET_SPEC_STEP_PLAIN], DUET_SCHED_SPEC_EXPLORE - 1);
+    ck_assert_uint_eq(st.spec_steps[DUET_SPEC_STEP_EXPLORE], 1);
+    ck_assert_uint_eq(st.spec_offered, 16 * 8 * DUET_SCHED_SPEC_EXPLORE);
+    ck_assert_uint_eq(st.spec_throttled, st.spec_offered - 8);
+    duet_spec_decision d;
+    ck_assert(duet__sched_spec_decision(s, &d) && d.n_granted == 0 && d.speedup < 1 + DUET_SPEC_MIN_GAIN);
+    /* Alone, the same model pays for drafts. */
+    for (uint64_t id = 2; id <= 16; id++)
+        ck_assert(duet__sched_cancel(s, t, id) == DUET_OK);
+    const duet_sched_seq *e = plan_with_draft(s, t, 1, 8, &p);
+    ck_assert_msg(e->n_draft > 0 && p.predicted_s > 0.015, "alone: %d drafts, %.3f s", e->n_draft,
+                  p.predicted_s);
+    ck_assert(duet__sched_spec_decision(s, &d) && d.n_granted == 1 && d.speedup > 1.02);
+    done_one(s, t + 1, 1, 1, false);
+    t += 2;
+    /* A draft model whose every pass costs more than the target's step:
+     * nothing; its predicted time is part of a granted step's. */
+    duet_step_cost dear = {0};
+    dear.coef[0] = 0.020;
+    duet__sched_set_draft_cost(s, &dear);
+    e = plan_with_draft(s, t, 1, 8, &p);
+    ck_assert_int_eq(e->n_draft, 0);
+    complete(s, t++, &p);
+    duet_step_cost cheap = {0};
+    cheap.coef[0] = 0.001;
+    duet__sched_set_draft_cost(s, &cheap);
+    e = plan_with_draft(s, t, 1, 8, &p);
+    ck_assert_msg(e->n_draft > 0 &&
+                      fabs(p.predicted_s - (0.015 + 0.005 * e->n_draft + 0.001 * e->n_draft)) < 1e-3,
+                  "%d drafts, predicted %.4f s", e->n_draft, p.predicted_s);
+    done_one(s, t++, 1, 1, false);
+    /* Without the decision: the whole offer. */
+    duet_sched_knobs k = duet__sched_knobs(s);
+    k.spec_measured = false;
+    ck_assert(duet__sched_set_knobs(s, &k) == DUET_OK);
+    duet__sched_set_draft_cost(s, &dear);
+    e = plan_with_draft(s, t, 1, 8, &p);
+    ck_assert_int_eq(e->n_draft, 8);
+    duet__sched_stats(s, &st);
+    ck_assert_uint_eq(st.spec_steps[DUET_SPEC_STEP_ALWAYS], 1);
+    done_one(s, t + 1, 1, 1, false);
     duet__sched_free(s);
 }
 END_TEST
@@ -1166,7 +1252,7 @@ START_TEST(test_spec_cancel_and_preempt) {
     ck_assert_int_eq(p.n_draft, 12);
     complete(s, 5, &p); /* none kept */
     arrive(s, 5, 3, 20, 4, DUET_PRIORITY_INTERACTIVE);
-    duet__sched_set_draft(s, 2, 12);
+    duet__sched_set_draft(s, 2, 12, 1.0f, 1);
     plan_step(s, 5, &p);
     ck_assert(was_preempted(&p, 2) && find_seq(&p, 2) < 0 && find_seq(&p, 3) >= 0);
     complete(s, 6, &p);
@@ -1663,7 +1749,7 @@ static sim_out run_sim(const sim_cfg *cfg) {
                 const shadow *q = &sh[live[j]];
                 if (q->state == SH_RUNNING && q->gen > 0 && q->computed == q->n_prompt + q->gen - 1 &&
                     sim_unit() < cfg->spec_prob)
-                    duet__sched_set_draft(s, (uint64_t)live[j], sim_int(1, 6));
+                    duet__sched_set_draft(s, (uint64_t)live[j], sim_int(1, 6), 1.0f, 1);
             }
             act = duet__sched_plan(s, now, &p);
             if (act == DUET_SCHED_STEP) {
@@ -2010,6 +2096,7 @@ static Suite *suite(void) {
     tcase_add_test(tc, test_spec_drafts_and_rollback);
     tcase_add_test(tc, test_spec_throttle_budget_and_blocks);
     tcase_add_test(tc, test_spec_cancel_and_preempt);
+    tcase_add_test(tc, test_spec_measured_decision);
     suite_add_tcase(s, tc);
     TCase *sim = tcase_create("simulation");
     tcase_set_timeout(sim, 600);

@@ -441,6 +441,120 @@ START_TEST(test_verifier_args) {
 }
 END_TEST
 
+/* ---- the speculation decision ---------------------------------------------------- */
+
+/* A target step-cost model: fixed seconds per step and per decode token. */
+static duet_step_cost cost_model(double fixed, double per_token) {
+    duet_step_cost m = {0};
+    m.coef[0] = fixed;
+    m.coef[1] = per_token;
+    return m;
+}
+
+/* b decodes at position 100 + 10 i, each offering `offer` drafts at
+ * acceptance alpha (catch-up 1); returns the decision, grants in c. */
+static duet_spec_decision decide(const duet_step_cost *target, const duet_step_cost *draft, int b, int offer,
+                                 float alpha, duet_spec_cand *c) {
+    duet_step_shape base = {0};
+    for (int i = 0; i < b; i++) {
+        duet_step_shape_add(&base, 100 + 10 * i, 1, true);
+        c[i] = (duet_spec_cand){.pos = 100 + 10 * i, .offer = offer, .alpha = alpha, .catchup = 1};
+    }
+    duet_spec_decision d;
+    duet__spec_decide(target, draft, &base, c, b, &d);
+    int granted = 0;
+    for (int i = 0; i < b; i++) {
+        ck_assert(c[i].k >= 0 && c[i].k <= offer);
+        granted += c[i].k;
+    }
+    ck_assert_int_eq(granted, d.tokens_granted);
+    ck_assert_int_eq(d.tokens_offered, b * offer);
+    return d;
+}
+
+/* Expected tokens of k drafts at acceptance a (the bonus token included). */
+static double expected(double a, int k) {
+    return (1 - pow(a, k + 1)) / (1 - a);
+}
+
+/* A compute-bound step (each token costs half the fixed part): drafting
+ * pays alone and turns off as the batch fills; a memory-bound one (a token
+ * costs 1% of it) keeps it on; low acceptance turns it off; n-gram drafts
+ * at batch 1 get the k that maximises E(k) / T(k). */
+START_TEST(test_decide) {
+    duet_spec_cand c[32];
+    const duet_step_cost compute = cost_model(0.010, 0.005), memory = cost_model(0.050, 0.0005);
+    duet_spec_decision d = decide(&compute, NULL, 1, 8, 0.8f, c);
+    ck_assert_msg(c[0].k > 0 && d.speedup > 1.1, "compute-bound, batch 1: k %d speedup %.3f", c[0].k,
+                  d.speedup);
+    /* The best k by brute force: the search finds it. */
+    int best = 0;
+    for (int k = 1; k <= 8; k++)
+        if (expected(0.8, k) / (0.015 + 0.005 * k) > expected(0.8, best) / (0.015 + 0.005 * best)) best = k;
+    ck_assert_int_eq(c[0].k, best);
+    ck_assert_double_eq_tol(d.speedup, expected(0.8, best) / (0.015 + 0.005 * best) / (1 / 0.015), 1e-6);
+    for (int b = 1; b <= 32; b *= 2) {
+        d = decide(&compute, NULL, b, 8, 0.8f, c);
+        fprintf(stderr, "compute-bound, batch %2d: %d draft tokens granted, predicted %.3fx\n", b,
+                d.tokens_granted, d.speedup);
+        if (b >= 16)
+            ck_assert_msg(d.tokens_granted == 0 && d.n_granted == 0 && d.speedup < 1.02,
+                          "compute-bound at batch %d: %d granted", b, d.tokens_granted);
+    }
+    for (int b = 1; b <= 4; b++) {
+        d = decide(&memory, NULL, b, 8, 0.8f, c);
+        ck_assert_msg(d.n_granted == b && d.speedup > 1.5, "memory-bound, batch %d: %d granted, %.3fx", b,
+                      d.n_granted, d.speedup);
+    }
+    /* Low acceptance: off, even memory-bound. */
+    d = decide(&memory, NULL, 1, 8, 0.01f, c);
+    ck_assert_msg(d.tokens_granted == 0, "acceptance 0.01: %d granted", d.tokens_granted);
+    /* Half acceptance on the memory-bound device still pays. */
+    d = decide(&memory, NULL, 4, 8, 0.5f, c);
+    ck_assert(d.n_granted == 4);
+    /* No model: nothing to weigh, nothing granted. */
+    const duet_step_cost none = {0};
+    d = decide(&none, NULL, 2, 8, 0.9f, c);
+    ck_assert(d.tokens_granted == 0 && d.speedup == 0);
+}
+END_TEST
+
+/* A draft model's passes: each costs its fixed part once per pass, shared
+ * by the sequences drafting in it. At 98% acceptance a draft pass at 0.7 of
+ * the target's step still pays at batch 1 (about 1.2x at the best k);
+ * a dearer draft does not; a draft whose fixed cost pays only when shared
+ * is granted to the whole batch together, not to one sequence. */
+START_TEST(test_decide_draft_model) {
+    duet_spec_cand c[8];
+    const duet_step_cost target = cost_model(0.040, 0.002);
+    duet_step_cost draft = cost_model(0.028, 0.001);
+    duet_spec_decision d = decide(&target, &draft, 1, 8, 0.98f, c);
+    ck_assert_msg(c[0].k >= 4 && d.speedup > 1.15 && d.draft_seconds > 0.1, "k %d speedup %.3f draft %.3f s",
+                  c[0].k, d.speedup, d.draft_seconds);
+    /* Its draft seconds are k passes of one token (catch-up 1). */
+    ck_assert_double_eq_tol(d.draft_seconds, c[0].k * (0.028 + 0.001), 1e-12);
+    duet_step_cost dear = cost_model(0.045, 0.001);
+    d = decide(&target, &dear, 1, 8, 0.98f, c);
+    ck_assert_msg(d.tokens_granted == 0, "a draft dearer than the target: %d granted", d.tokens_granted);
+    /* Shared fixed cost: 4 decodes, alpha 0.9, offers of 4. Any one
+     * sequence drafting alone lowers the step's rate (a pass costs about
+     * as much as its share of the step), all four together raise it. */
+    const duet_step_cost t2 = cost_model(0.040, 0.001);
+    duet_step_cost d2 = cost_model(0.020, 0.0005);
+    duet_spec_cand one[4];
+    duet_step_shape base = {0};
+    for (int i = 0; i < 4; i++)
+        duet_step_shape_add(&base, 100 + 10 * i, 1, true);
+    one[0] = (duet_spec_cand){.pos = 100, .offer = 4, .alpha = 0.9f, .catchup = 1};
+    duet__spec_decide(&t2, &d2, &base, one, 1, &d);
+    ck_assert_msg(d.tokens_granted == 0, "one of four alone: %d granted (%.3fx)", d.tokens_granted,
+                  d.speedup);
+    d = decide(&t2, &d2, 4, 4, 0.9f, c);
+    ck_assert_msg(d.n_granted == 4 && d.speedup > 1.1, "shared passes: %d granted, %.3fx", d.n_granted,
+                  d.speedup);
+}
+END_TEST
+
 static Suite *spec_suite(void) {
     Suite *s = suite_create("speculative");
     TCase *tc = tcase_create("core");
@@ -451,6 +565,8 @@ static Suite *spec_suite(void) {
     tcase_add_test(tc, test_seeded);
     tcase_add_test(tc, test_adapt);
     tcase_add_test(tc, test_verifier_args);
+    tcase_add_test(tc, test_decide);
+    tcase_add_test(tc, test_decide_draft_model);
     suite_add_tcase(s, tc);
     TCase *dist = tcase_create("distribution");
     tcase_set_timeout(dist, 240);
