@@ -467,7 +467,7 @@ typedef struct duet_profile {
 } duet_profile;
 
 typedef struct duet_backend_params {
-    int n_threads; /* cpu: worker threads, 0 = all cores */
+    int n_threads; /* cpu: worker threads, 0 = all cores (a stream: 0 = the device's pool) */
 } duet_backend_params;
 
 typedef struct duet_backend_iface {
@@ -481,6 +481,10 @@ typedef struct duet_backend_iface {
 
     duet_status (*open)(int index, const duet_backend_params *params, duet_backend **out);
     void (*close)(duet_backend *be);
+
+    /* Optional: another stream of work on an open instance's device (see
+     * duet_backend_stream_open); closed with close. */
+    duet_status (*stream_open)(duet_backend *parent, const duet_backend_params *params, duet_backend **out);
 
     /* Whether device `index` runs this op (its kinds, dtypes and shapes;
      * views may be absent): asked without opening an instance, and by the
@@ -529,6 +533,33 @@ const duet_backend_iface *duet_backend_find(const char *name); /* NULL if not co
 duet_status duet_backend_open(const char *name, int device, const duet_backend_params *params,
                               duet_backend **out);
 void duet_backend_close(duet_backend *be);
+
+/* Streams: several instances on one device, each with its own queue.
+ *
+ * A stream is a backend instance opened on the device of an open one (the
+ * parent, itself a stream of it): it shares the device, its compiled
+ * kernels and every buffer, so weights uploaded through the parent are read
+ * by the stream's ops, and buffers allocated through either may be used,
+ * uploaded, downloaded and freed through either. What records and runs a
+ * step is its own: begin/op/submit/wait, upload and download on a stream
+ * never wait for another stream's step and touch none of its state, so
+ * streams (and the parent) may each be driven from their own thread at
+ * once; one stream is still used by one thread at a time.
+ *   vulkan: its own command pool and buffers, fence, descriptor sets and
+ *     scratch; a queue of its own where the compute family has more than
+ *     one, else the parent's, submissions to it serialised by a mutex.
+ *   opencl: its own in-order command queue and kernel objects on the
+ *     parent's context and programs.
+ *   cpu: its scratch and step; the ops run on the device's worker pool,
+ *     task by task with other streams (params->n_threads 0), or on a pool
+ *     of its own of n_threads workers.
+ * Streams are not ordered against each other: a buffer one stream writes
+ * may be read by another only after the writer's wait. Profiles and
+ * scratch_bytes are per stream. The parent and its streams close in any
+ * order; the device goes with the last. DUET_UNSUPPORTED when the backend
+ * has no streams (callers then take turns on the parent). */
+duet_status duet_backend_stream_open(duet_backend *parent, const duet_backend_params *params,
+                                     duet_backend **out);
 
 /* Checked wrappers: ops pass duet_op_check and the backend's supports_op
  * before the backend records them. */

@@ -138,6 +138,16 @@ duet_status duet_backend_open(const char *name, int device, const duet_backend_p
     return open_device(best, best_dev, params, out);
 }
 
+duet_status duet_backend_stream_open(duet_backend *parent, const duet_backend_params *params,
+                                     duet_backend **out) {
+    *out = NULL;
+    if (!parent->iface->stream_open)
+        return duet__error(DUET_UNSUPPORTED, "%s: no streams on %s", parent->iface->name, parent->info.name);
+    duet_backend_params defaults = {0};
+    /* A stream copies its parent's info, overrides (DUET_ACT_Q8) included. */
+    return parent->iface->stream_open(parent, params ? params : &defaults, out);
+}
+
 void duet_backend_profile(duet_backend *be, duet_profile *out) {
     memset(out, 0, sizeof *out);
     if (be && be->iface->profile) be->iface->profile(be, out);

@@ -31,6 +31,7 @@
  *                                        oclgrind)
  *   DUET_OPS_VERBOSE=1                   a line per case */
 #include <math.h>
+#include <pthread.h>
 
 #include "backend_ops_cases.h"
 #include "test_backends.h"
@@ -373,6 +374,160 @@ START_TEST(test_bounds_refused) {
 }
 END_TEST
 
+/* ---- streams: several queues on one device, weights shared ------------------ */
+
+#define ST_IN 512
+#define ST_OUT 256
+#define ST_STEPS 12
+#define ST_WORKERS 3 /* the parent and two streams, each on its own thread */
+
+/* What one thread records: rmsnorm then a Q4_0 matmul (the weights the
+ * parent uploaded; on cpu the first matmul repacks them in place, so the
+ * threads race to it), ST_STEPS times, each result checked. */
+typedef struct st_worker {
+    duet_backend *be;
+    duet_buffer *w, *g; /* shared weights */
+    int n_tokens;
+    float x[4 * ST_IN];
+    float want[4 * ST_OUT];   /* the oracle's */
+    float first[4 * ST_OUT];  /* this worker's first result: later steps must repeat it bit for bit */
+    pthread_barrier_t *start; /* the workers' first steps begin together */
+    char err[512];
+} st_worker;
+
+static bool st_step(st_worker *k, duet_buffer *x, duet_buffer *xn, duet_buffer *out, float *got) {
+    const int T = k->n_tokens;
+    duet_op norm = {.kind = DUET_OP_RMSNORM, .n_tokens = T};
+    norm.rmsnorm.x = (duet_view){x, 0};
+    norm.rmsnorm.w = (duet_view){k->g, 0};
+    norm.rmsnorm.out = (duet_view){xn, 0};
+    norm.rmsnorm.dim = ST_IN;
+    norm.rmsnorm.eps = 1e-5f;
+    duet_op mm = {.kind = DUET_OP_MATMUL, .n_tokens = T};
+    mm.matmul.w = (duet_view){k->w, 0};
+    mm.matmul.dtype = DUET_DTYPE_Q4_0;
+    mm.matmul.x = (duet_view){xn, 0};
+    mm.matmul.n_in = ST_IN;
+    mm.matmul.n_out = ST_OUT;
+    mm.matmul.out = (duet_view){out, 0};
+    duet_status st;
+    if ((st = duet_step_begin(k->be)) || (st = duet_step_op(k->be, &norm)) ||
+        (st = duet_step_op(k->be, &mm)) || (st = duet_step_submit(k->be)) || (st = duet_step_wait(k->be)) ||
+        (st = duet_buffer_download(k->be, out, 0, got, (size_t)T * ST_OUT * 4))) {
+        snprintf(k->err, sizeof k->err, "%s: %s", duet_status_name(st), duet_last_error());
+        return false;
+    }
+    return true;
+}
+
+static void *st_run(void *p) {
+    st_worker *k = p;
+    const int T = k->n_tokens;
+    duet_buffer *x = NULL, *xn = NULL, *out = NULL;
+    duet_status st;
+    if ((st = duet_buffer_alloc(k->be, (size_t)T * ST_IN * 4, &x)) ||
+        (st = duet_buffer_alloc(k->be, (size_t)T * ST_IN * 4, &xn)) ||
+        (st = duet_buffer_alloc(k->be, (size_t)T * ST_OUT * 4, &out)) ||
+        (st = duet_buffer_upload(k->be, x, 0, k->x, (size_t)T * ST_IN * 4))) {
+        snprintf(k->err, sizeof k->err, "setup: %s: %s", duet_status_name(st), duet_last_error());
+        if (k->start) pthread_barrier_wait(k->start); /* the others still start */
+    } else {
+        float got[4 * ST_OUT];
+        if (k->start) pthread_barrier_wait(k->start);
+        for (int s = 0; s < ST_STEPS && !k->err[0]; s++) {
+            if (!st_step(k, x, xn, out, s ? got : k->first)) break;
+            if (s && memcmp(got, k->first, (size_t)T * ST_OUT * 4) != 0)
+                snprintf(k->err, sizeof k->err, "step %d differs from the first", s);
+        }
+        double num = 0, den = 0;
+        for (int i = 0; i < T * ST_OUT && !k->err[0]; i++) {
+            double d = (double)k->first[i] - k->want[i];
+            num += d * d;
+            den += (double)k->want[i] * k->want[i];
+        }
+        if (!k->err[0] && !(num <= 1e-4 * den))
+            snprintf(k->err, sizeof k->err, "nmse %.3g against the oracle", num / den);
+    }
+    duet_buffer_free(k->be, x);
+    duet_buffer_free(k->be, xn);
+    duet_buffer_free(k->be, out);
+    return NULL;
+}
+
+/* Two streams of one device and the device's first instance record and
+ * run steps at once from three threads, reading weights uploaded through
+ * the instance; every result equals the oracle's and repeats bit for bit.
+ * Then the instance closes first and a stream still runs on its weights,
+ * frees them, and closes. On cpu one stream has a pool of its own. */
+START_TEST(test_streams) {
+    const duet_backend_iface *iface = duet_backend_get(_i);
+    if (excluded(iface) && strcmp(iface->name, "cpu") != 0) return;
+    if (!test_backend_usable(iface->name, "streams")) return;
+    duet_backend *parent;
+    ck_assert_msg(duet_backend_open(iface->name, 0, NULL, &parent) == DUET_OK, "%s: %s", iface->name,
+                  duet_last_error());
+    uint64_t seed = 7;
+    float *wf = malloc((size_t)ST_OUT * ST_IN * 4), g[ST_IN];
+    for (int i = 0; i < ST_OUT * ST_IN; i++)
+        wf[i] = bo_rand(&seed);
+    for (int i = 0; i < ST_IN; i++)
+        g[i] = 1.0f + 0.5f * bo_rand(&seed);
+    const size_t wbytes = duet_dtype_row_bytes(DUET_DTYPE_Q4_0, ST_IN) * ST_OUT;
+    uint8_t *wq = malloc(wbytes);
+    for (int r = 0; r < ST_OUT; r++)
+        duet_convert_row(DUET_DTYPE_Q4_0, wf + (size_t)r * ST_IN,
+                         wq + (size_t)r * duet_dtype_row_bytes(DUET_DTYPE_Q4_0, ST_IN), ST_IN);
+    duet_buffer *w, *gb;
+    ck_assert_int_eq(duet_buffer_alloc(parent, wbytes, &w), DUET_OK);
+    ck_assert_int_eq(duet_buffer_alloc(parent, sizeof g, &gb), DUET_OK);
+    ck_assert_int_eq(duet_buffer_upload(parent, w, 0, wq, wbytes), DUET_OK);
+    ck_assert_int_eq(duet_buffer_upload(parent, gb, 0, g, sizeof g), DUET_OK);
+
+    st_worker *k = calloc(ST_WORKERS, sizeof *k);
+    pthread_barrier_t start;
+    pthread_barrier_init(&start, NULL, ST_WORKERS);
+    for (int i = 0; i < ST_WORKERS; i++) {
+        k[i].start = &start;
+        /* cpu: stream 2 gets a pool of its own (one worker). */
+        duet_backend_params sp = {.n_threads = i == 2 && !strcmp(iface->name, "cpu") ? 1 : 0};
+        if (i == 0)
+            k[i].be = parent;
+        else
+            ck_assert_msg(duet_backend_stream_open(parent, &sp, &k[i].be) == DUET_OK, "%s: stream %d: %s",
+                          iface->name, i, duet_last_error());
+        k[i].w = w;
+        k[i].g = gb;
+        k[i].n_tokens = 1 + i; /* 1, 2, 3: a GEMV and small GEMMs */
+        for (int j = 0; j < k[i].n_tokens * ST_IN; j++)
+            k[i].x[j] = 4.0f * bo_rand(&seed);
+        float xn[4 * ST_IN];
+        oracle_rmsnorm(k[i].x, g, k[i].n_tokens, ST_IN, 1e-5f, xn, NULL);
+        oracle_matmul(wq, DUET_DTYPE_Q4_0, xn, NULL, NULL, false, k[i].n_tokens, ST_IN, ST_OUT, k[i].want);
+    }
+    pthread_t th[ST_WORKERS];
+    for (int i = 0; i < ST_WORKERS; i++)
+        ck_assert_int_eq(pthread_create(&th[i], NULL, st_run, &k[i]), 0);
+    for (int i = 0; i < ST_WORKERS; i++)
+        pthread_join(th[i], NULL);
+    for (int i = 0; i < ST_WORKERS; i++)
+        ck_assert_msg(!k[i].err[0], "%s: %s %d: %s", iface->name, i ? "stream" : "instance", i, k[i].err);
+    pthread_barrier_destroy(&start);
+    /* The parent goes first; stream 1 still runs on the weights, then frees them. */
+    duet_backend_close(parent);
+    k[1].err[0] = 0;
+    k[1].start = NULL;
+    st_run(&k[1]);
+    ck_assert_msg(!k[1].err[0], "%s: stream 1 after the instance closed: %s", iface->name, k[1].err);
+    duet_buffer_free(k[1].be, w);
+    duet_buffer_free(k[1].be, gb);
+    duet_backend_close(k[2].be);
+    duet_backend_close(k[1].be);
+    free(k);
+    free(wf);
+    free(wq);
+}
+END_TEST
+
 /* The variants of `backend` into two ctest cases: those forcing attention
  * kernels (the longest cold compiles) into `att`, the others into `rest`.
  * (tests/check_tests.cmake reads the cases' names from the tcase_create
@@ -401,5 +556,6 @@ int main(void) {
     tcase_add_loop_test(hal, test_bounds_refused, 0, duet_backend_count());
     tcase_add_loop_test(hal, test_attention_past_n_keys, 0, duet_backend_count());
     tcase_add_loop_test(hal, test_attention_memory_linear, 0, duet_backend_count());
+    tcase_add_loop_test(hal, test_streams, 0, duet_backend_count());
     return test_run_suite(s);
 }

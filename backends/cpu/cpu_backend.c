@@ -169,11 +169,48 @@ duet_status duet__cpu_scratch_reserve(cpu_scratch *s, size_t size) {
 static void cpu_close(duet_backend *base) {
     cpu_backend *be = (cpu_backend *)base;
     if (!be) return;
-    duet__cpu_pool_free(&be->pool);
+    if (be->pool == &be->own_pool) duet__cpu_pool_free(&be->own_pool);
+    if (be->dev && atomic_fetch_sub(&be->dev->refs, 1) == 1) {
+        duet__cpu_pool_free(&be->dev->pool);
+        pthread_rwlock_destroy(&be->dev->layout);
+        free(be->dev);
+    }
     free(be->act.p);
     free(be->work.p);
     free(be->attn.p);
     free(be);
+}
+
+/* A stream's own state on device dev (one reference taken): its scratch,
+ * its step and profile, and its worker pool: dev's, or its own of
+ * n_threads (> 0). */
+static duet_status cpu_stream_new(cpu_device *dev, const duet_device_info *info, int n_threads,
+                                  cpu_backend **out) {
+    *out = NULL;
+    cpu_backend *be = calloc(1, sizeof *be);
+    if (!be) return duet__error(DUET_OUT_OF_MEMORY, "cpu: backend");
+    be->base.iface = &duet_cpu_backend_iface;
+    be->base.device_index = 0;
+    be->base.info = *info;
+    be->isa = duet__cpu_isa_detect();
+    const char *prof = getenv("DUET_PROFILE");
+    be->profile = prof && *prof && strcmp(prof, "0") != 0;
+    const char *rp = getenv("DUET_CPU_REPACK");
+    be->repack = be->isa >= CPU_ISA_AVX2 && !(rp && strcmp(rp, "0") == 0);
+    atomic_fetch_add(&dev->refs, 1);
+    be->dev = dev;
+    be->pool = &dev->pool;
+    if (n_threads > 0) {
+        duet_status st = duet__cpu_pool_init(&be->own_pool, n_threads);
+        if (st != DUET_OK) {
+            cpu_close(&be->base);
+            return st;
+        }
+        be->pool = &be->own_pool;
+        be->base.info.compute_units = n_threads;
+    }
+    *out = be;
+    return DUET_OK;
 }
 
 static duet_status cpu_open(int index, const duet_backend_params *params, duet_backend **out) {
@@ -182,23 +219,44 @@ static duet_status cpu_open(int index, const duet_backend_params *params, duet_b
     int n = params ? params->n_threads : 0;
     if (n < 0 || n > 1024) return duet__error(DUET_INVALID_ARGUMENT, "cpu: n_threads %d (0 = all cores)", n);
     if (n == 0) n = cpu_online();
-    cpu_backend *be = calloc(1, sizeof *be);
-    if (!be) return duet__error(DUET_OUT_OF_MEMORY, "cpu: backend");
-    be->base.iface = &duet_cpu_backend_iface;
-    be->base.device_index = 0;
-    be->isa = duet__cpu_isa_detect();
-    cpu_fill_info(&be->base.info, be->isa, n);
-    const char *prof = getenv("DUET_PROFILE");
-    be->profile = prof && *prof && strcmp(prof, "0") != 0;
-    const char *rp = getenv("DUET_CPU_REPACK");
-    be->repack = be->isa >= CPU_ISA_AVX2 && !(rp && strcmp(rp, "0") == 0);
-    duet_status st = duet__cpu_pool_init(&be->pool, n);
+    cpu_device *dev = calloc(1, sizeof *dev);
+    if (!dev) return duet__error(DUET_OUT_OF_MEMORY, "cpu: device");
+    pthread_rwlock_init(&dev->layout, NULL);
+    duet_status st = duet__cpu_pool_init(&dev->pool, n);
     if (st != DUET_OK) {
-        free(be);
+        pthread_rwlock_destroy(&dev->layout);
+        free(dev);
+        return st;
+    }
+    duet_device_info info;
+    cpu_fill_info(&info, duet__cpu_isa_detect(), n);
+    cpu_backend *be;
+    st = cpu_stream_new(dev, &info, 0, &be);
+    if (st != DUET_OK) {
+        duet__cpu_pool_free(&dev->pool);
+        pthread_rwlock_destroy(&dev->layout);
+        free(dev);
         return st;
     }
     *out = &be->base;
     return DUET_OK;
+}
+
+/* Ops of streams take turns on the device's pool, task by task, unless the
+ * stream asks for a pool of its own: two pools on the same cores
+ * oversubscribe them, and the pool's join then waits for descheduled
+ * workers. */
+static duet_status cpu_stream_open(duet_backend *parent, const duet_backend_params *params,
+                                   duet_backend **out) {
+    *out = NULL;
+    cpu_backend *p = (cpu_backend *)parent;
+    int n = params ? params->n_threads : 0;
+    if (n < 0 || n > 1024)
+        return duet__error(DUET_INVALID_ARGUMENT, "cpu: n_threads %d (0 = the device's pool)", n);
+    cpu_backend *be;
+    duet_status st = cpu_stream_new(p->dev, &parent->info, n, &be);
+    if (st == DUET_OK) *out = &be->base;
+    return st;
 }
 
 /* ---- buffers ----------------------------------------------------------------- */
@@ -231,28 +289,50 @@ static duet_status cpu_buffer_alloc(duet_backend *be, size_t size, duet_buffer *
 
 static void cpu_buffer_free(duet_backend *be, duet_buffer *buf) {
     if (!buf) return;
-    if (buf->rp_rows) ((cpu_backend *)be)->n_repacked--;
+    if (buf->rp_rows) atomic_fetch_sub(&((cpu_backend *)be)->dev->n_repacked, 1);
     free(buf->data);
     free(buf);
+}
+
+/* Makes buf's bytes plain for a host access (a repacked layout restored
+ * first, under the layout lock for writing). Returns with dev->layout held
+ * for reading on success; the caller unlocks. */
+static duet_status cpu_host_access(cpu_backend *be, duet_buffer *buf) {
+    pthread_rwlock_rdlock(&be->dev->layout);
+    while (buf->rp_rows) {
+        pthread_rwlock_unlock(&be->dev->layout);
+        pthread_rwlock_wrlock(&be->dev->layout);
+        duet_status st = duet__cpu_rp_restore(be, buf);
+        pthread_rwlock_unlock(&be->dev->layout);
+        if (st != DUET_OK) return st;
+        pthread_rwlock_rdlock(&be->dev->layout);
+    }
+    return DUET_OK;
 }
 
 static duet_status cpu_upload(duet_backend *be, duet_buffer *buf, size_t offset, const void *src,
                               size_t size) {
     /* The registry checked the range. Bytes go in as the caller's layout. */
-    duet_status st = duet__cpu_rp_restore((cpu_backend *)be, buf);
-    if (st == DUET_OK && size) memcpy((char *)buf->data + offset, src, size);
-    return st;
+    duet_status st = cpu_host_access((cpu_backend *)be, buf);
+    if (st != DUET_OK) return st;
+    if (size) memcpy((char *)buf->data + offset, src, size);
+    pthread_rwlock_unlock(&((cpu_backend *)be)->dev->layout);
+    return DUET_OK;
 }
 
 static duet_status cpu_download(duet_backend *be, duet_buffer *buf, size_t offset, void *dst, size_t size) {
-    duet_status st = duet__cpu_rp_restore((cpu_backend *)be, buf); /* the registry checked the range */
-    if (st == DUET_OK && size) memcpy(dst, (const char *)buf->data + offset, size);
-    return st;
+    duet_status st = cpu_host_access((cpu_backend *)be, buf); /* the registry checked the range */
+    if (st != DUET_OK) return st;
+    if (size) memcpy(dst, (const char *)buf->data + offset, size);
+    pthread_rwlock_unlock(&((cpu_backend *)be)->dev->layout);
+    return DUET_OK;
 }
 
 /* The plain layout until the next matmul that repacks the buffer. */
 static void *cpu_buffer_host_ptr(duet_backend *be, duet_buffer *buf) {
-    return buf && duet__cpu_rp_restore((cpu_backend *)be, buf) == DUET_OK ? buf->data : NULL;
+    if (!buf || cpu_host_access((cpu_backend *)be, buf) != DUET_OK) return NULL;
+    pthread_rwlock_unlock(&((cpu_backend *)be)->dev->layout);
+    return buf->data;
 }
 
 /* ---- steps ------------------------------------------------------------------- */
@@ -322,7 +402,6 @@ static duet_status check_pages(const char *op, const duet_kv_pages *kv, const in
 }
 
 static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
-    CHECK(duet__cpu_rp_prepare(be, op)); /* the weights' layout for this op */
     switch (op->kind) {
     case DUET_OP_EMBED: {
         const uint64_t n_rows =
@@ -423,13 +502,29 @@ static bool cpu_supports_op(int index, const duet_op *op) {
     return false;
 }
 
+/* The op under the device's layout lock: for reading, or for writing when
+ * a weight's layout must change first (rare: a Q4_0 matrix's first matmul). */
+static duet_status cpu_run_op_locked(cpu_backend *be, const duet_op *op) {
+    bool stale;
+    pthread_rwlock_rdlock(&be->dev->layout);
+    duet_status st = duet__cpu_rp_prepare(be, op, false, &stale);
+    if (st == DUET_OK && stale) {
+        pthread_rwlock_unlock(&be->dev->layout);
+        pthread_rwlock_wrlock(&be->dev->layout);
+        st = duet__cpu_rp_prepare(be, op, true, &stale); /* the weights' layout for this op */
+    }
+    if (st == DUET_OK) st = cpu_run_op(be, op);
+    pthread_rwlock_unlock(&be->dev->layout);
+    return st;
+}
+
 static duet_status cpu_op(duet_backend *base, const duet_op *op) {
     cpu_backend *be = (cpu_backend *)base;
     if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "cpu: op outside a step (call begin first)");
-    if (!be->profile) return cpu_run_op(be, op);
+    if (!be->profile) return cpu_run_op_locked(be, op);
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    duet_status st = cpu_run_op(be, op);
+    duet_status st = cpu_run_op_locked(be, op);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     be->prof_n[op->kind]++;
     be->prof_ms[op->kind] += (double)(t1.tv_sec - t0.tv_sec) * 1e3 + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-6;
@@ -460,6 +555,7 @@ const duet_backend_iface duet_cpu_backend_iface = {
     .device_count = cpu_device_count,
     .device_info = cpu_device_info,
     .open = cpu_open,
+    .stream_open = cpu_stream_open,
     .close = cpu_close,
     .supports_op = cpu_supports_op,
     .profile = cpu_profile,

@@ -54,6 +54,7 @@ typedef struct cpu_pool {
     _Atomic int sleepers;       /* workers blocked in futex_wait on gen */
     _Atomic int caller_waiting; /* the caller is blocked on done */
     _Atomic int stop;
+    pthread_mutex_t run_mu; /* held by the caller of a task: streams sharing the pool take turns */
 } cpu_pool;
 
 duet_status duet__cpu_pool_init(cpu_pool *pool, int n_threads);
@@ -65,7 +66,9 @@ void duet__cpu_pool_free(cpu_pool *pool);
  * (0: between publishing a task's fields and its claim word; 1: between a
  * worker's read of the claim word and its CAS; 2: after a chunk runs). */
 extern void (*duet__cpu_pool_delay_hook)(int where);
-/* Runs fn on chunks 0..n_chunks-1 and returns when all are done. The caller
+/* Runs fn on chunks 0..n_chunks-1 and returns when all are done. Callers on
+ * several threads (streams sharing the pool) run their tasks one at a time
+ * (run_mu). The caller
  * claims chunks too, so work never waits for a worker that the OS has not
  * scheduled; only a chunk a worker already started is waited for.
  * n_chunks <= 1 or a one-thread pool runs inline, with no synchronisation. */
@@ -107,10 +110,25 @@ typedef struct cpu_scratch {
     size_t size;
 } cpu_scratch;
 
+/* What a device's instance and its streams share (cpu_backend.c): the
+ * worker pool (unless a stream has its own) and the weights' layouts. */
+typedef struct cpu_device {
+    atomic_int refs; /* the instance and each stream open on it */
+    cpu_pool pool;
+    /* Q4_0 weights are repacked in place at their first matmul (and
+     * restored for other uses): a layout change takes it for writing, an op
+     * and a host access of the bytes for reading, so no stream reads a
+     * buffer while another converts it. */
+    pthread_rwlock_t layout;
+    atomic_int n_repacked; /* buffers that hold the repacked layout now */
+} cpu_device;
+
 typedef struct cpu_backend {
     duet_backend base; /* must be first */
     cpu_isa isa;
-    cpu_pool pool;
+    cpu_device *dev; /* shared with the device's other streams */
+    cpu_pool *pool;  /* dev->pool, or own_pool (a stream opened with n_threads) */
+    cpu_pool own_pool;
     bool in_step;
     /* Scratch grown on demand and kept: the token loop never allocates in
      * steady state. */
@@ -118,9 +136,8 @@ typedef struct cpu_backend {
     cpu_scratch work; /* per-thread rows: attention tiles, rope tables, q8 rows */
     cpu_scratch attn; /* attention: query tiles and split partials (linear in tokens) */
     /* Q4_0 weights are repacked at their first matmul ($DUET_CPU_REPACK=0:
-     * never, for A/B runs); n_repacked buffers hold the layout now. */
+     * never, for A/B runs); dev->n_repacked buffers hold the layout now. */
     bool repack;
-    int n_repacked;
     /* $DUET_PROFILE: wall time of each op (ops run when recorded). */
     bool profile;
     int prof_steps;
@@ -164,8 +181,10 @@ duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *
  * the buffer stays plain. Embedding lookups read the layout. */
 #define CPU_RP_ROWS 16
 /* Repacks buf's matrix when the op is a matmul the layout serves; restores
- * the plain layout of every other buffer the op touches. */
-duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op);
+ * the plain layout of every other buffer the op touches. With apply false
+ * it changes nothing and sets *stale when it would change a layout. The
+ * caller holds dev->layout: for writing to apply, for reading to ask. */
+duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op, bool apply, bool *stale);
 /* Restores buf's plain layout (no-op when it has none); fails only out of
  * memory (16 rows of staging), leaving the layout as it was. */
 duet_status duet__cpu_rp_restore(cpu_backend *be, duet_buffer *buf);

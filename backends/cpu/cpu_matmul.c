@@ -935,7 +935,7 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
             if (t.token_chunk < CPU_PANEL_TOKENS) t.token_chunk = CPU_PANEL_TOKENS;
             bool packs = t.n_tokens > CPU_PANEL_TOKENS;
             t.pack_bytes = packs ? (size_t)t.nb * CPU_PANEL_PACK : 0;
-            rest = mm_align64(n_blk * sizeof(q8_aux)) + t.pack_bytes * (size_t)be->pool.n_threads;
+            rest = mm_align64(n_blk * sizeof(q8_aux)) + t.pack_bytes * (size_t)be->pool->n_threads;
         } else {
             /* Token rows padded to 64 bytes so a block-pair load never
              * leaves the row; scales per pair as the path wants them. */
@@ -959,17 +959,17 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
             t.xq = (int8_t *)(sp + (size_t)(t.n_tokens * t.xds) * sizeof(float));
         }
         /* A few tokens are prepared faster inline than a dispatch costs. */
-        duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1,
-                           mm_prepare_task, &t);
+        duet__cpu_pool_run(be->pool, t.n_tokens >= 8 ? cpu_chunks(be->pool, t.n_tokens) : 1, mm_prepare_task,
+                           &t);
     }
     /* Tiny matmuls (per-op work well under the cost of a dispatch) run
      * inline; others in contiguous row ranges, a few per thread. */
     int64_t work = (int64_t)t.n_tokens * t.n_in * t.n_out;
     int chunk_rows = panel ? CPU_PANEL_ROWS : k->mr;
     int64_t units = (t.n_out + chunk_rows - 1) / chunk_rows;
-    int n_chunks = work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1;
+    int n_chunks = work >= 32 * 1024 ? cpu_chunks(be->pool, units) : 1;
     if (panel) {
-        duet__cpu_pool_run(&be->pool, n_chunks, mm_panel_task, &t);
+        duet__cpu_pool_run(be->pool, n_chunks, mm_panel_task, &t);
         return DUET_OK;
     }
     /* Keep a chunk of activations (~256 KiB) in L2 while the W rows of a
@@ -977,6 +977,6 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
     int64_t chunk = (256 * 1024) / (x_row_bytes > 0 ? x_row_bytes : 1);
     chunk = chunk / k->mt * k->mt;
     t.token_chunk = chunk < k->mt ? k->mt : chunk;
-    duet__cpu_pool_run(&be->pool, n_chunks, mm_rows_task, &t);
+    duet__cpu_pool_run(be->pool, n_chunks, mm_rows_task, &t);
     return DUET_OK;
 }

@@ -1100,7 +1100,7 @@ static duet_status blk_setup(cpu_backend *be, const duet_op *op, const void *w, 
         t.pack_fn = blk_packer(dt);
         t.panels = blk_panels(dt);
         t.pack_vecs = (size_t)((t.nb + BLK_UNIT - 1) / BLK_UNIT * BLK_UNIT) * BLK_PACK_VECS;
-        pack_bytes = t.pack_vecs * sizeof(__m512i) * (size_t)be->pool.n_threads;
+        pack_bytes = t.pack_vecs * sizeof(__m512i) * (size_t)be->pool->n_threads;
     }
 #endif
     /* d, xl (8 per block), xh and nc (3 each per block), then the packs. */
@@ -1119,7 +1119,7 @@ static duet_status blk_setup(cpu_backend *be, const duet_op *op, const void *w, 
     if (t.panel)
         t.packs = (__m512i *)(((uintptr_t)(sp + xbuf_bytes + q_bytes + 15 * d_bytes) + 63) & ~(uintptr_t)63);
 #endif
-    duet__cpu_pool_run(&be->pool, t.n_tokens >= 8 ? cpu_chunks(&be->pool, t.n_tokens) : 1, blk_prepare_task,
+    duet__cpu_pool_run(be->pool, t.n_tokens >= 8 ? cpu_chunks(be->pool, t.n_tokens) : 1, blk_prepare_task,
                        &t);
     (void)panel;
     *task = t;
@@ -1135,7 +1135,7 @@ static void blk_run(cpu_backend *be, blk_task *t, int unit, int pass, cpu_task_f
     t->token_chunk = chunk < pass ? pass : chunk;
     const int64_t work = t->n_tokens * t->n_in * t->n_out;
     const int64_t units = (t->n_out + unit - 1) / unit;
-    duet__cpu_pool_run(&be->pool, work >= 32 * 1024 ? cpu_chunks(&be->pool, units) : 1, fn, t);
+    duet__cpu_pool_run(be->pool, work >= 32 * 1024 ? cpu_chunks(be->pool, units) : 1, fn, t);
 }
 
 duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const void *w, const float *x,
@@ -1231,11 +1231,11 @@ static bool rp_convert(cpu_backend *be, duet_buffer *buf, size_t off, int64_t ro
                      .pack = pack};
     /* Restoring runs on the caller alone (uploads and downloads are not
      * the hot path, and may come while the pool is idle or not). */
-    const int workers = pack ? be->pool.n_threads : 1;
+    const int workers = pack ? be->pool->n_threads : 1;
     c.tmp = malloc(CPU_RP_ROWS * c.ws * (size_t)workers);
     if (!c.tmp) return false;
     if (pack)
-        duet__cpu_pool_run(&be->pool, cpu_chunks(&be->pool, c.groups), rp_pack_task, &c);
+        duet__cpu_pool_run(be->pool, cpu_chunks(be->pool, c.groups), rp_pack_task, &c);
     else
         rp_pack_task(&c, 0, 1, 0);
     free(c.tmp);
@@ -1247,7 +1247,7 @@ duet_status duet__cpu_rp_restore(cpu_backend *be, duet_buffer *buf) {
     if (!rp_convert(be, buf, buf->rp_off, buf->rp_rows, buf->rp_cols, false))
         return duet__error(DUET_OUT_OF_MEMORY, "cpu: out of memory restoring a repacked weight's layout");
     buf->rp_rows = 0;
-    be->n_repacked--;
+    atomic_fetch_sub(&be->dev->n_repacked, 1);
     return DUET_OK;
 }
 
@@ -1275,9 +1275,11 @@ static bool rp_reads_layout(const duet_op *op, const duet_operand *o, const duet
     return false;
 }
 
-duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op) {
+duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op, bool apply, bool *stale) {
+    *stale = false;
     const bool mm = op->kind == DUET_OP_MATMUL;
-    if (!be->n_repacked && !(mm && be->repack && op->matmul.dtype == DUET_DTYPE_Q4_0)) return DUET_OK;
+    if (!atomic_load(&be->dev->n_repacked) && !(mm && be->repack && op->matmul.dtype == DUET_DTYPE_Q4_0))
+        return DUET_OK;
     duet_operand ops[DUET_MAX_OPERANDS];
     const int n = duet_op_operands(op, ops);
     duet_buffer *w = mm ? op->matmul.w.buf : NULL;
@@ -1287,6 +1289,8 @@ duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op) {
         if (!b) continue;
         if (b == w && !(mm && strcmp(ops[i].name, "w") == 0)) w_alone = false;
         if (b->rp_rows && !rp_reads_layout(op, &ops[i], b)) {
+            *stale = true;
+            if (!apply) return DUET_OK;
             duet_status st = duet__cpu_rp_restore(be, b);
             if (st != DUET_OK) return st;
             b->rp_never = true;
@@ -1296,12 +1300,14 @@ duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op) {
     if (!w || !w_alone || w->rp_rows || w->rp_never || op->matmul.dtype != DUET_DTYPE_Q4_0 ||
         op->matmul.n_out < CPU_RP_ROWS || !be->repack)
         return DUET_OK;
+    *stale = true;
+    if (!apply) return DUET_OK;
     const int64_t rows = op->matmul.n_out / CPU_RP_ROWS * CPU_RP_ROWS;
     /* Out of memory for the one-group staging: the plain layout serves. */
     if (!rp_convert(be, w, op->matmul.w.offset, rows, op->matmul.n_in, true)) return DUET_OK;
     w->rp_rows = rows;
     w->rp_cols = op->matmul.n_in;
     w->rp_off = op->matmul.w.offset;
-    be->n_repacked++;
+    atomic_fetch_add(&be->dev->n_repacked, 1);
     return DUET_OK;
 }

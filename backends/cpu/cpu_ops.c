@@ -857,15 +857,15 @@ static void rows_task(void *p, int chunk, int n_chunks, int worker) {
 static void run_rows(cpu_backend *be, int64_t n, int64_t work, int chunks_per_thread, row_fn fn,
                      const void *ctx) {
     rows_job j = {.fn = fn, .ctx = ctx, .n = n};
-    int64_t max_chunks = (int64_t)be->pool.n_threads * chunks_per_thread;
+    int64_t max_chunks = (int64_t)be->pool->n_threads * chunks_per_thread;
     int chunks = (int)(n < max_chunks ? n : max_chunks);
-    duet__cpu_pool_run(&be->pool, work >= CPU_PAR_MIN_WORK ? chunks : 1, rows_task, &j);
+    duet__cpu_pool_run(be->pool, work >= CPU_PAR_MIN_WORK ? chunks : 1, rows_task, &j);
 }
 
 /* Per-thread slices of the work scratch, 64-byte aligned. */
 static duet_status work_reserve(cpu_backend *be, size_t per_thread, size_t *stride) {
     *stride = (per_thread + 63) & ~(size_t)63;
-    return duet__cpu_scratch_reserve(&be->work, *stride * (size_t)be->pool.n_threads);
+    return duet__cpu_scratch_reserve(&be->work, *stride * (size_t)be->pool->n_threads);
 }
 
 /* ======================================================================== */
@@ -1363,7 +1363,7 @@ duet_status duet__cpu_attention(cpu_backend *be, const duet_op *op, const float 
     const int nt = op->n_tokens, nh = op->attention.n_head, nkv = op->attention.n_head_kv;
     const int hd = op->attention.head_dim, g = nh / nkv;
     const duet_kv_pages *kv = &op->attention.kv;
-    const int n_threads = be->pool.n_threads;
+    const int n_threads = be->pool->n_threads;
 
     /* Query tiles: runs of consecutive tokens of one sequence, cut so a tile
      * has about ATT_ROWS rows per kv head. A one-token tile is one unit of

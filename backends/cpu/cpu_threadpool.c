@@ -153,6 +153,7 @@ static void *worker_main(void *p) {
 
 duet_status duet__cpu_pool_init(cpu_pool *pool, int n_threads) {
     *pool = (cpu_pool){.n_threads = n_threads < 1 ? 1 : n_threads};
+    pthread_mutex_init(&pool->run_mu, NULL);
     if (pool->n_threads == 1) return DUET_OK;
     pool->threads = calloc((size_t)pool->n_threads, sizeof(pthread_t));
     if (!pool->threads) return duet__error(DUET_OUT_OF_MEMORY, "cpu: thread pool");
@@ -179,6 +180,7 @@ void duet__cpu_pool_free(cpu_pool *pool) {
             pthread_join(pool->threads[i], NULL);
         free(pool->threads);
     }
+    pthread_mutex_destroy(&pool->run_mu);
     *pool = (cpu_pool){0};
 }
 
@@ -189,6 +191,8 @@ void duet__cpu_pool_run(cpu_pool *pool, int n_chunks, cpu_task_fn fn, void *ctx)
         return;
     }
     if (n_chunks > CPU_POOL_MAX_CHUNKS) n_chunks = CPU_POOL_MAX_CHUNKS;
+    /* One task at a time: streams sharing the pool take turns, task by task. */
+    pthread_mutex_lock(&pool->run_mu);
     /* Publish the task: fields first, then the claim word (release), then
      * gen (seq_cst) for the workers that spin or sleep on it. */
     uint32_t seq = atomic_load_explicit(&pool->gen, memory_order_relaxed) + 1;
@@ -212,4 +216,5 @@ void duet__cpu_pool_run(cpu_pool *pool, int n_chunks, cpu_task_fn fn, void *ctx)
         if (atomic_load(&pool->done) == d) futex_wait(&pool->done, d);
         atomic_store(&pool->caller_waiting, 0);
     }
+    pthread_mutex_unlock(&pool->run_mu);
 }

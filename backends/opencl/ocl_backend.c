@@ -136,6 +136,12 @@ static void ocl_close(duet_backend *base) {
         collect_events(be);
     }
     duet__ocl_programs_free(be);
+    if (be->shared && atomic_fetch_sub(&be->shared->refs, 1) == 1) {
+        for (int i = 0; i < be->shared->n_programs; i++)
+            clReleaseProgram(be->shared->programs[i].prog);
+        pthread_mutex_destroy(&be->shared->mu);
+        free(be->shared);
+    }
     if (be->scratch) clReleaseMemObject(be->scratch);
     if (be->att_part) clReleaseMemObject(be->att_part);
     if (be->att_rows) clReleaseMemObject(be->att_rows);
@@ -189,6 +195,12 @@ static duet_status ocl_open(int index, const duet_backend_params *params, duet_b
     const char *prof = getenv("DUET_PROFILE");
     be->profile = prof && strcmp(prof, "0") != 0 && *prof;
 
+    if (!(be->shared = calloc(1, sizeof *be->shared))) {
+        st = duet__error(DUET_OUT_OF_MEMORY, "opencl: device");
+        goto fail;
+    }
+    atomic_init(&be->shared->refs, 1);
+    pthread_mutex_init(&be->shared->mu, NULL);
     cl_int err;
     cl_context_properties props[] = {CL_CONTEXT_PLATFORM, (cl_context_properties)dev->platform, 0};
     be->ctx = clCreateContext(props, 1, &dev->id, NULL, NULL, &err);
@@ -206,6 +218,40 @@ static duet_status ocl_open(int index, const duet_backend_params *params, duet_b
 fail:
     ocl_close(&be->base);
     return st;
+}
+
+/* A stream: the parent's context, programs, tuning and device options; a
+ * command queue and kernel objects of its own. */
+static duet_status ocl_stream_open(duet_backend *parent, const duet_backend_params *params,
+                                   duet_backend **out) {
+    (void)params;
+    *out = NULL;
+    ocl_backend *pb = (ocl_backend *)parent;
+    ocl_backend *be = calloc(1, sizeof *be);
+    if (!be) return duet__error(DUET_OUT_OF_MEMORY, "opencl: stream");
+    be->base = pb->base;
+    be->dev = pb->dev;
+    be->tune = pb->tune;
+    be->int_dot = pb->int_dot;
+    be->profile = pb->profile;
+    atomic_fetch_add(&live_instances, 1);
+    be->counted = true;
+    atomic_fetch_add(&pb->shared->refs, 1);
+    be->shared = pb->shared;
+    pthread_mutex_lock(&pb->shared->mu); /* a build's fallback may rewrite them */
+    memcpy(be->dev_options, pb->dev_options, sizeof be->dev_options);
+    pthread_mutex_unlock(&pb->shared->mu);
+    clRetainContext(pb->ctx);
+    be->ctx = pb->ctx;
+    cl_int err;
+    be->queue = clCreateCommandQueue(be->ctx, be->dev->id, be->profile ? CL_QUEUE_PROFILING_ENABLE : 0, &err);
+    if (!be->queue) {
+        duet_status st = duet__ocl_fail(err, "clCreateCommandQueue", __FILE__, __LINE__);
+        ocl_close(&be->base);
+        return st;
+    }
+    *out = &be->base;
+    return DUET_OK;
 }
 
 /* ---- internal buffers ------------------------------------------------------------------ */
@@ -430,6 +476,7 @@ const duet_backend_iface duet_opencl_backend_iface = {
     .device_count = ocl_device_count,
     .device_info = ocl_device_info,
     .open = ocl_open,
+    .stream_open = ocl_stream_open,
     .close = ocl_close,
     .supports_op = ocl_supports_op,
     .buffer_alloc = ocl_buffer_alloc,

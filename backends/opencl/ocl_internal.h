@@ -18,6 +18,8 @@
 #define CL_TARGET_OPENCL_VERSION 120
 #endif
 #include <CL/cl.h>
+#include <pthread.h>
+#include <stdatomic.h>
 
 #include "../backend.h"
 
@@ -121,6 +123,27 @@ typedef struct ocl_program {
     cl_kernel kernels[OCL_MAX_KERNELS];
 } ocl_program;
 
+/* A device's programs, shared by an instance and its streams (ocl_backend.c):
+ * each built once, keyed by family, options and the device options used. */
+typedef struct ocl_shared_program {
+    char family[32];
+    char options[512];
+    char dev_options[256];
+    cl_program prog;
+} ocl_shared_program;
+
+/* What an instance and its streams share: the context (each holds a
+ * reference of its own) and the programs. OpenCL calls are thread-safe but
+ * for clSetKernelArg on one kernel object (the spec's thread-safety
+ * appendix), so the streams' kernel objects are their own; `mu` guards the
+ * program table (lookup, build, insert). */
+typedef struct ocl_shared {
+    atomic_int refs;
+    pthread_mutex_t mu;
+    int n_programs;
+    ocl_shared_program programs[OCL_MAX_PROGRAMS];
+} ocl_shared;
+
 typedef struct ocl_stats {
     int programs_built;  /* compiled from source */
     int programs_cached; /* loaded from the on-disk cache */
@@ -161,14 +184,15 @@ struct duet_buffer {
 struct ocl_backend {
     duet_backend base; /* must be first */
     const ocl_device *dev;
-    cl_context ctx;
-    cl_command_queue queue; /* in order: ops run in recording order */
+    ocl_shared *shared;     /* the programs, shared with the device's other streams */
+    cl_context ctx;         /* shared too (a reference of this stream's own) */
+    cl_command_queue queue; /* this stream's, in order: ops run in recording order */
     ocl_tuning tune;
     char dev_options[256]; /* -D options from the device's features */
     bool in_step;
     bool counted; /* in live_instances (ocl_backend.c) */
 
-    ocl_program programs[OCL_MAX_PROGRAMS];
+    ocl_program programs[OCL_MAX_PROGRAMS]; /* a reference to each shared program, its own kernels */
     int n_programs;
     ocl_stats stats;
 

@@ -227,6 +227,48 @@ static duet_status build_program(ocl_backend *be, const char *family, const char
     return st;
 }
 
+/* The program of (family, options) for be's device options: built once per
+ * device and shared by its streams (a cl_program may be used from several
+ * threads; the kernel objects made from it may not, so each stream makes
+ * its own). Returns a reference of the caller's own. The caller holds
+ * be->shared->mu. */
+static duet_status shared_program(ocl_backend *be, const char *family, const char *options, cl_program *out) {
+    ocl_shared *sh = be->shared;
+    for (int i = 0; i < sh->n_programs; i++)
+        if (!strcmp(sh->programs[i].family, family) && !strcmp(sh->programs[i].options, options) &&
+            !strcmp(sh->programs[i].dev_options, be->dev_options)) {
+            clRetainProgram(sh->programs[i].prog);
+            *out = sh->programs[i].prog;
+            return DUET_OK;
+        }
+    if (sh->n_programs == OCL_MAX_PROGRAMS)
+        return duet__error(DUET_OUT_OF_MEMORY, "opencl: more than %d kernel variants", OCL_MAX_PROGRAMS);
+    cl_program prog;
+    duet_status st = build_program(be, family, options, &prog);
+    if (st == DUET_COMPILE &&
+        (strstr(be->dev_options, "HAVE_FP16") || strstr(be->dev_options, "HAVE_SUBGROUPS"))) {
+        /* A driver that advertises cl_khr_fp16 or cl_khr_subgroups but
+         * cannot compile their use under OpenCL C 1.2: fall back to the
+         * portable paths (vload_half, local-memory reductions) for this
+         * instance, keeping fp64 and SOFT_HALF. */
+        const bool fp64 = strstr(be->dev_options, "HAVE_FP64") != NULL;
+        const bool soft_half = strstr(be->dev_options, "SOFT_HALF") != NULL;
+        snprintf(be->dev_options, sizeof be->dev_options, "%s%s", fp64 ? "-DHAVE_FP64=1 " : "",
+                 soft_half ? "-DSOFT_HALF=1" : "");
+        be->stats.feature_fallbacks++;
+        st = build_program(be, family, options, &prog);
+    }
+    if (st != DUET_OK) return st;
+    ocl_shared_program *p = &sh->programs[sh->n_programs++];
+    snprintf(p->family, sizeof p->family, "%s", family);
+    snprintf(p->options, sizeof p->options, "%s", options);
+    snprintf(p->dev_options, sizeof p->dev_options, "%s", be->dev_options);
+    p->prog = prog;
+    clRetainProgram(prog);
+    *out = prog;
+    return DUET_OK;
+}
+
 duet_status duet__ocl_kernel(ocl_backend *be, const char *family, const char *options, const char *name,
                              cl_kernel *out) {
     *out = NULL;
@@ -239,21 +281,10 @@ duet_status duet__ocl_kernel(ocl_backend *be, const char *family, const char *op
             return duet__error(DUET_OUT_OF_MEMORY, "opencl: more than %d kernel variants", OCL_MAX_PROGRAMS);
         if (strlen(options) >= sizeof p->options || strlen(family) >= sizeof p->family)
             return duet__error(DUET_INVALID_ARGUMENT, "opencl: kernel options too long");
-        cl_program prog;
-        duet_status st = build_program(be, family, options, &prog);
-        if (st == DUET_COMPILE &&
-            (strstr(be->dev_options, "HAVE_FP16") || strstr(be->dev_options, "HAVE_SUBGROUPS"))) {
-            /* A driver that advertises cl_khr_fp16 or cl_khr_subgroups but
-             * cannot compile their use under OpenCL C 1.2: fall back to the
-             * portable paths (vload_half, local-memory reductions) for this
-             * instance, keeping fp64 and SOFT_HALF. */
-            const bool fp64 = strstr(be->dev_options, "HAVE_FP64") != NULL;
-            const bool soft_half = strstr(be->dev_options, "SOFT_HALF") != NULL;
-            snprintf(be->dev_options, sizeof be->dev_options, "%s%s", fp64 ? "-DHAVE_FP64=1 " : "",
-                     soft_half ? "-DSOFT_HALF=1" : "");
-            be->stats.feature_fallbacks++;
-            st = build_program(be, family, options, &prog);
-        }
+        cl_program prog = NULL;
+        pthread_mutex_lock(&be->shared->mu);
+        duet_status st = shared_program(be, family, options, &prog);
+        pthread_mutex_unlock(&be->shared->mu);
         if (st != DUET_OK) return st;
         p = &be->programs[be->n_programs++];
         memset(p, 0, sizeof *p);

@@ -99,7 +99,7 @@ duet_status duet__vk_buffer_create(vk_backend *be, size_t size, bool host_visibl
     duet_buffer *b = calloc(1, sizeof *b);
     if (!b) return duet__error(DUET_OUT_OF_MEMORY, "vulkan: buffer handle");
     b->head = (duet_buffer_head){.size = size, .kind = DUET_BUFFER_DEVICE};
-    b->id = ++be->next_buffer_id;
+    b->id = atomic_fetch_add(&be->shared->next_buffer_id, 1) + 1; /* unique on the device */
     VkBufferCreateInfo bi = {
         .sType = VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO,
         .size = padded,
@@ -221,12 +221,23 @@ void duet__vk_buffer_destroy(vk_backend *be, duet_buffer *b) {
     free(b);
 }
 
+static duet_status vk_wait(duet_backend *base);
+
 /* ---- submission helpers ---------------------------------------------------------------- */
 
 static duet_status fence_wait(vk_backend *be) {
     VK_TRY(vkWaitForFences(be->dev, 1, &be->fence, VK_TRUE, UINT64_MAX));
     VK_TRY(vkResetFences(be->dev, 1, &be->fence));
     return DUET_OK;
+}
+
+/* Submits to the stream's queue, which other streams may share: the host
+ * access to a VkQueue must be externally synchronised. */
+static VkResult queue_submit(vk_backend *be, const VkSubmitInfo *si) {
+    pthread_mutex_lock(be->queue_mu);
+    VkResult r = vkQueueSubmit(be->queue, 1, si, be->fence);
+    pthread_mutex_unlock(be->queue_mu);
+    return r;
 }
 
 /* Copies between a buffer and the staging buffer: one command buffer,
@@ -244,11 +255,9 @@ static duet_status staged_copy(vk_backend *be, duet_buffer *b, size_t off, size_
     VK_TRY(vkEndCommandBuffer(be->xfer));
     VkSubmitInfo si = {
         .sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1, .pCommandBuffers = &be->xfer};
-    VK_TRY(vkQueueSubmit(be->queue, 1, &si, be->fence));
+    VK_TRY(queue_submit(be, &si));
     return fence_wait(be);
 }
-
-static duet_status vk_wait(duet_backend *base);
 
 /* Data moves between steps: finish a submitted step first. */
 static duet_status settle(vk_backend *be, const char *what) {
@@ -373,12 +382,29 @@ static void vk_profile(duet_backend *base, duet_profile *out) {
     }
 }
 
+/* Drops one reference to the device; the last destroys it (every stream's
+ * objects are gone by then). */
+static void device_release(vk_device *d) {
+    if (!d || atomic_fetch_sub(&d->refs, 1) > 1) return;
+    if (d->dev) {
+        vkDeviceWaitIdle(d->dev); /* no stream is left to use a queue */
+        duet__vk_pipeline_cache_save(d);
+        duet__vk_pipelines_destroy(d);
+        if (d->pcache) vkDestroyPipelineCache(d->dev, d->pcache, NULL);
+        vkDestroyDevice(d->dev, NULL);
+    }
+    for (int i = 0; i < VK_MAX_QUEUES; i++)
+        pthread_mutex_destroy(&d->queue_mu[i]);
+    pthread_mutex_destroy(&d->mu);
+    free(d);
+}
+
 static void vk_close(duet_backend *base) {
     vk_backend *be = (vk_backend *)base;
     if (!be) return;
     if (be->dev) {
-        vkDeviceWaitIdle(be->dev);
-        duet__vk_pipeline_cache_save(be);
+        /* This stream's work only: other streams may still be running. */
+        if (be->submitted) vk_wait(base);
         duet__vk_buffer_destroy(be, be->xq);
         duet__vk_buffer_destroy(be, be->attn_part);
         duet__vk_buffer_destroy(be, be->status);
@@ -386,14 +412,116 @@ static void vk_close(duet_backend *base) {
         for (int i = 0; i < be->n_retired; i++)
             duet__vk_buffer_destroy(be, be->retired[i]);
         duet__vk_descriptors_destroy(be);
-        duet__vk_pipelines_destroy(be);
-        if (be->pcache) vkDestroyPipelineCache(be->dev, be->pcache, NULL);
         if (be->ts_pool) vkDestroyQueryPool(be->dev, be->ts_pool, NULL);
         if (be->fence) vkDestroyFence(be->dev, be->fence, NULL);
         if (be->cmd_pool) vkDestroyCommandPool(be->dev, be->cmd_pool, NULL);
-        vkDestroyDevice(be->dev, NULL);
     }
+    device_release(be->shared);
     free(be);
+}
+
+/* The VkDevice of physical device p for tuning tu: every queue of the
+ * compute family (up to VK_MAX_QUEUES), integer dot products if the tuning
+ * uses them, and the pipeline cache. */
+static duet_status device_create(const vk_physical *p, const vk_tuning *tu, vk_device **out) {
+    *out = NULL;
+    vk_device *d = calloc(1, sizeof *d);
+    if (!d) return duet__error(DUET_OUT_OF_MEMORY, "vulkan: device");
+    atomic_init(&d->refs, 1);
+    pthread_mutex_init(&d->mu, NULL);
+    for (int i = 0; i < VK_MAX_QUEUES; i++)
+        pthread_mutex_init(&d->queue_mu[i], NULL);
+    d->n_queues = p->queue_count < VK_MAX_QUEUES ? (int)p->queue_count : VK_MAX_QUEUES;
+    if (d->n_queues < 1) d->n_queues = 1;
+    float prio[VK_MAX_QUEUES] = {1.0f, 1.0f, 1.0f, 1.0f};
+    VkDeviceQueueCreateInfo qi = {
+        .sType = VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
+        .queueFamilyIndex = p->queue_family,
+        .queueCount = (uint32_t)d->n_queues,
+        .pQueuePriorities = prio,
+    };
+    VkPhysicalDeviceShaderIntegerDotProductFeatures dotf = {
+        .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES,
+        .shaderIntegerDotProduct = VK_TRUE,
+    };
+    const char *exts[1];
+    uint32_t n_exts = 0;
+    if (tu->int_dot && p->has_int_dot_ext) exts[n_exts++] = VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME;
+    VkDeviceCreateInfo dci = {
+        .sType = VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
+        .pNext = tu->int_dot ? &dotf : NULL,
+        .queueCreateInfoCount = 1,
+        .pQueueCreateInfos = &qi,
+        .enabledExtensionCount = n_exts,
+        .ppEnabledExtensionNames = exts,
+    };
+    VkResult r = vkCreateDevice(p->pd, &dci, NULL, &d->dev);
+    duet_status st = DUET_OK;
+    if (r != VK_SUCCESS) {
+        d->dev = VK_NULL_HANDLE;
+        st = duet__vk_fail(r, "vkCreateDevice", __FILE__, __LINE__);
+    } else {
+        for (int i = 0; i < d->n_queues; i++)
+            vkGetDeviceQueue(d->dev, p->queue_family, (uint32_t)i, &d->queues[i]);
+        st = duet__vk_pipeline_cache_open(d, p);
+    }
+    if (st != DUET_OK) {
+        device_release(d);
+        return st;
+    }
+    *out = d;
+    return DUET_OK;
+}
+
+/* What a stream records and submits with: its queue (the device's next
+ * one, in turn), command pool and buffers, fence, staging, status word and
+ * timestamps. The device-level fields (phys, tune, limits, memory types)
+ * are set. */
+static duet_status stream_init(vk_backend *be) {
+    const vk_physical *p = be->phys;
+    vk_device *d = be->shared;
+    int q = atomic_fetch_add(&d->next_queue, 1) % d->n_queues;
+    be->dev = d->dev;
+    be->queue = d->queues[q];
+    be->queue_mu = &d->queue_mu[q];
+    VkCommandPoolCreateInfo cpi = {
+        .sType = VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
+        .flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
+        .queueFamilyIndex = p->queue_family,
+    };
+    VK_TRY(vkCreateCommandPool(be->dev, &cpi, NULL, &be->cmd_pool));
+    VkCommandBuffer cbs[2];
+    VkCommandBufferAllocateInfo cai = {
+        .sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
+        .commandPool = be->cmd_pool,
+        .level = VK_COMMAND_BUFFER_LEVEL_PRIMARY,
+        .commandBufferCount = 2,
+    };
+    VK_TRY(vkAllocateCommandBuffers(be->dev, &cai, cbs));
+    be->cmd = cbs[0];
+    be->xfer = cbs[1];
+    VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
+    VK_TRY(vkCreateFence(be->dev, &fi, NULL, &be->fence));
+    duet_status st;
+    if (!be->mem_host_visible &&
+        (st = duet__vk_own_buffer_create(be, be->staging_bytes, true, &be->staging)) != DUET_OK)
+        return st;
+    if ((st = duet__vk_own_buffer_create(be, 16, true, &be->status)) != DUET_OK) return st;
+    if (!be->status->map)
+        return duet__error(DUET_UNSUPPORTED, "vulkan: %s has no host-visible memory", p->props.deviceName);
+    memset(be->status->map, 0, 16);
+    be->validation_seen = duet__vk_validation_errors();
+    const char *prof = getenv("DUET_PROFILE");
+    if (prof && strcmp(prof, "0") != 0 && p->timestamp_bits) {
+        VkQueryPoolCreateInfo qpi = {
+            .sType = VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
+            .queryType = VK_QUERY_TYPE_TIMESTAMP,
+            .queryCount = 2 * VK_PROFILE_MAX_OPS,
+        };
+        VK_TRY(vkCreateQueryPool(be->dev, &qpi, NULL, &be->ts_pool));
+        be->profile = true;
+    }
+    return DUET_OK;
 }
 
 static duet_status vk_open(int index, const duet_backend_params *params, duet_backend **out) {
@@ -428,38 +556,7 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
     if (st != DUET_OK) goto fail;
     /* The subgroup path reduces with subgroup arithmetic. */
     if (be->tune.matmul == VK_MATMUL_SUBGROUP && !p->subgroup_arith) be->tune.matmul = VK_MATMUL_TILE;
-
-    /* The device: one compute queue; integer dot products if we use them. */
-    float prio = 1.0f;
-    VkDeviceQueueCreateInfo qi = {
-        .sType = VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO,
-        .queueFamilyIndex = p->queue_family,
-        .queueCount = 1,
-        .pQueuePriorities = &prio,
-    };
-    VkPhysicalDeviceShaderIntegerDotProductFeatures dotf = {
-        .sType = VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SHADER_INTEGER_DOT_PRODUCT_FEATURES,
-        .shaderIntegerDotProduct = VK_TRUE,
-    };
-    const char *exts[1];
-    uint32_t n_exts = 0;
-    if (be->tune.int_dot && p->has_int_dot_ext)
-        exts[n_exts++] = VK_KHR_SHADER_INTEGER_DOT_PRODUCT_EXTENSION_NAME;
-    VkDeviceCreateInfo dci = {
-        .sType = VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO,
-        .pNext = be->tune.int_dot ? &dotf : NULL,
-        .queueCreateInfoCount = 1,
-        .pQueueCreateInfos = &qi,
-        .enabledExtensionCount = n_exts,
-        .ppEnabledExtensionNames = exts,
-    };
-    VkResult r = vkCreateDevice(p->pd, &dci, NULL, &be->dev);
-    if (r != VK_SUCCESS) {
-        be->dev = VK_NULL_HANDLE;
-        st = duet__vk_fail(r, "vkCreateDevice", __FILE__, __LINE__);
-        goto fail;
-    }
-    vkGetDeviceQueue(be->dev, p->queue_family, 0, &be->queue);
+    if ((st = device_create(p, &be->tune, &be->shared)) != DUET_OK) goto fail;
 
     /* Limits. maxMemoryAllocationSize is 1.1 core (maintenance3). */
     VkPhysicalDeviceMaintenance3Properties m3 = {
@@ -477,59 +574,7 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
     memcpy(be->max_groups, lim->maxComputeWorkGroupCount, sizeof be->max_groups);
     if ((st = apply_limits(be)) != DUET_OK) goto fail;
     choose_memory(be);
-
-    VkCommandPoolCreateInfo cpi = {
-        .sType = VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO,
-        .flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT,
-        .queueFamilyIndex = p->queue_family,
-    };
-    if ((r = vkCreateCommandPool(be->dev, &cpi, NULL, &be->cmd_pool)) != VK_SUCCESS) {
-        st = duet__vk_fail(r, "vkCreateCommandPool", __FILE__, __LINE__);
-        goto fail;
-    }
-    VkCommandBuffer cbs[2];
-    VkCommandBufferAllocateInfo cai = {
-        .sType = VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO,
-        .commandPool = be->cmd_pool,
-        .level = VK_COMMAND_BUFFER_LEVEL_PRIMARY,
-        .commandBufferCount = 2,
-    };
-    if ((r = vkAllocateCommandBuffers(be->dev, &cai, cbs)) != VK_SUCCESS) {
-        st = duet__vk_fail(r, "vkAllocateCommandBuffers", __FILE__, __LINE__);
-        goto fail;
-    }
-    be->cmd = cbs[0];
-    be->xfer = cbs[1];
-    VkFenceCreateInfo fi = {.sType = VK_STRUCTURE_TYPE_FENCE_CREATE_INFO};
-    if ((r = vkCreateFence(be->dev, &fi, NULL, &be->fence)) != VK_SUCCESS) {
-        st = duet__vk_fail(r, "vkCreateFence", __FILE__, __LINE__);
-        goto fail;
-    }
-    if (!be->mem_host_visible &&
-        (st = duet__vk_own_buffer_create(be, be->staging_bytes, true, &be->staging)) != DUET_OK)
-        goto fail;
-    if ((st = duet__vk_own_buffer_create(be, 16, true, &be->status)) != DUET_OK) goto fail;
-    if (!be->status->map) {
-        st = duet__error(DUET_UNSUPPORTED, "vulkan: %s has no host-visible memory", p->props.deviceName);
-        goto fail;
-    }
-    memset(be->status->map, 0, 16);
-    be->validation_seen = duet__vk_validation_errors();
-    if ((st = duet__vk_pipeline_cache_open(be)) != DUET_OK) goto fail;
-
-    const char *prof = getenv("DUET_PROFILE");
-    if (prof && strcmp(prof, "0") != 0 && p->timestamp_bits) {
-        VkQueryPoolCreateInfo qpi = {
-            .sType = VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO,
-            .queryType = VK_QUERY_TYPE_TIMESTAMP,
-            .queryCount = 2 * VK_PROFILE_MAX_OPS,
-        };
-        if ((r = vkCreateQueryPool(be->dev, &qpi, NULL, &be->ts_pool)) != VK_SUCCESS) {
-            st = duet__vk_fail(r, "vkCreateQueryPool", __FILE__, __LINE__);
-            goto fail;
-        }
-        be->profile = true;
-    }
+    if ((st = stream_init(be)) != DUET_OK) goto fail;
     snprintf(be->base.info.features + strlen(be->base.info.features),
              sizeof be->base.info.features - strlen(be->base.info.features), " tuning=%s matmul=%s%s",
              be->tune.source, be->tune.matmul == VK_MATMUL_TILE ? "tile" : "subgroup",
@@ -539,6 +584,39 @@ static duet_status vk_open(int index, const duet_backend_params *params, duet_ba
 fail:
     vk_close(&be->base);
     return st;
+}
+
+/* A stream: the parent's device, tuning, limits and memory choices; its
+ * own recording state (stream_init). */
+static duet_status vk_stream_open(duet_backend *parent, const duet_backend_params *params,
+                                  duet_backend **out) {
+    (void)params;
+    *out = NULL;
+    const vk_backend *pb = (const vk_backend *)parent;
+    vk_backend *be = calloc(1, sizeof *be);
+    if (!be) return duet__error(DUET_OUT_OF_MEMORY, "vulkan: stream");
+    be->base = pb->base;
+    be->phys = pb->phys;
+    be->tune = pb->tune;
+    atomic_fetch_add(&pb->shared->refs, 1);
+    be->shared = pb->shared;
+    be->mem_type = pb->mem_type;
+    be->mem_host_visible = pb->mem_host_visible;
+    be->staging_type = pb->staging_type;
+    be->staging_bytes = pb->staging_bytes;
+    be->max_ssbo_range = pb->max_ssbo_range;
+    be->ssbo_align = pb->ssbo_align;
+    be->texel_align = pb->texel_align;
+    be->max_alloc = pb->max_alloc;
+    be->max_texel_bytes = pb->max_texel_bytes;
+    memcpy(be->max_groups, pb->max_groups, sizeof be->max_groups);
+    duet_status st = stream_init(be);
+    if (st != DUET_OK) {
+        vk_close(&be->base);
+        return st;
+    }
+    *out = &be->base;
+    return DUET_OK;
 }
 
 /* ---- steps ----------------------------------------------------------------------------- */
@@ -576,7 +654,7 @@ static duet_status vk_submit(duet_backend *base) {
     VK_TRY(vkEndCommandBuffer(be->cmd));
     VkSubmitInfo si = {
         .sType = VK_STRUCTURE_TYPE_SUBMIT_INFO, .commandBufferCount = 1, .pCommandBuffers = &be->cmd};
-    VK_TRY(vkQueueSubmit(be->queue, 1, &si, be->fence));
+    VK_TRY(queue_submit(be, &si));
     be->submitted = true;
     return DUET_OK;
 }
@@ -712,9 +790,11 @@ void duet__vk_stats(duet_backend *base, long out[5]) {
     const vk_backend *be = (const vk_backend *)base;
     out[0] = be->n_dispatches;
     out[1] = be->n_barriers;
-    out[2] = be->n_pipes;
+    pthread_mutex_lock(&be->shared->mu);
+    out[2] = be->shared->n_pipes;
+    pthread_mutex_unlock(&be->shared->mu);
     out[3] = be->desc_count;
-    out[4] = (long)be->next_buffer_id;
+    out[4] = (long)atomic_load(&be->shared->next_buffer_id);
 }
 
 const duet_backend_iface duet_vulkan_backend_iface = {
@@ -723,6 +803,7 @@ const duet_backend_iface duet_vulkan_backend_iface = {
     .device_count = vk_device_count,
     .device_info = vk_device_info,
     .open = vk_open,
+    .stream_open = vk_stream_open,
     .close = vk_close,
     .supports_op = duet__vk_supports_op,
     .profile = vk_profile,

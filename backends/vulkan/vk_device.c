@@ -199,6 +199,7 @@ static bool probe_device(VkPhysicalDevice pd, vk_physical *p, char *why, size_t 
         return false;
     }
     p->queue_family = (uint32_t)best;
+    p->queue_count = qf[best].queueCount ? qf[best].queueCount : 1;
     p->timestamp_bits = p->props.limits.timestampComputeAndGraphics ? qf[best].timestampValidBits : 0;
     free(qf);
 

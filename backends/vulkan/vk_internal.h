@@ -46,6 +46,7 @@
 #define DUET_VK_INTERNAL_H
 
 #include <pthread.h>
+#include <stdatomic.h>
 #include <volk.h>
 
 #include "../backend.h"
@@ -74,6 +75,7 @@ typedef struct vk_physical {
     VkPhysicalDeviceMemoryProperties mem;
     VkDriverId driver_id;
     uint32_t queue_family;   /* a family with compute */
+    uint32_t queue_count;    /* queues that family offers */
     uint32_t timestamp_bits; /* of that family; 0 = no timestamps */
     /* What the device offers. The shaders need none of the 8/16-bit
      * features (they read 32-bit texels and unpack); integer dot products
@@ -193,7 +195,7 @@ typedef struct vk_pipeline {
     int n_spec;
     uint32_t spec[VK_MAX_SPEC];
     int n_tex, n_ssbo;                /* bindings: texel views first, then storage buffers */
-    VkDescriptorSetLayout set_layout; /* shared, owned by vk_backend.layouts */
+    VkDescriptorSetLayout set_layout; /* shared, owned by vk_device.layouts */
     VkPipelineLayout layout;          /* shared */
     VkPipeline pipe;
 } vk_pipeline;
@@ -220,7 +222,42 @@ typedef struct vk_desc_entry {
     VkDescriptorSet set;
 } vk_desc_entry;
 
-/* ---- the backend instance ------------------------------------------------------ */
+/* ---- the device, shared by an instance and its streams --------------------------- */
+
+#define VK_MAX_QUEUES 4
+#define VK_MAX_LAYOUTS 16
+
+/* Everything of a VkDevice that every stream on it uses: the device, its
+ * queues, the pipelines and their layouts, the pipeline cache, buffer ids.
+ * Freed with the last stream (the instance opened first counts as one).
+ *
+ * Vulkan leaves the host synchronisation of a VkQueue (vkQueueSubmit) and
+ * of command pools, descriptor pools and fences to the application; creating
+ * buffers, memory, views and pipelines on a VkDevice from several threads is
+ * allowed. So each stream owns its pools and fence, a queue used by several
+ * streams is submitted to under its mutex, and `mu` guards only the tables
+ * below (lookups and inserts). */
+typedef struct vk_device {
+    atomic_int refs;
+    VkDevice dev;
+    int n_queues;
+    VkQueue queues[VK_MAX_QUEUES];
+    pthread_mutex_t queue_mu[VK_MAX_QUEUES];
+    atomic_int next_queue; /* streams take the queues in turn */
+    _Atomic uint64_t next_buffer_id;
+
+    pthread_mutex_t mu;
+    /* Pipelines (created on first use, never moved: streams hold pointers)
+     * and their layouts. */
+    VkPipelineCache pcache;
+    char pcache_path[1024];
+    vk_pipeline **pipes;
+    int n_pipes, cap_pipes;
+    vk_layout layouts[VK_MAX_LAYOUTS];
+    int n_layouts;
+} vk_device;
+
+/* ---- the backend instance (a stream on a device) ---------------------------------- */
 
 /* A byte range of a buffer an op reads or writes, for barrier tracking. */
 typedef struct vk_range {
@@ -241,9 +278,10 @@ typedef struct vk_backend {
     duet_backend base; /* must be first */
     const vk_physical *phys;
     vk_tuning tune;
-    VkDevice dev;
-    VkQueue queue;
-    uint64_t next_buffer_id;
+    vk_device *shared; /* the device, its pipelines and queues */
+    VkDevice dev;      /* shared->dev */
+    VkQueue queue;     /* this stream's queue; submissions hold queue_mu */
+    pthread_mutex_t *queue_mu;
 
     /* Memory: the type for buffers (device-local, host-visible when the
      * device has such a type: then uploads and downloads are memcpy). */
@@ -257,14 +295,6 @@ typedef struct vk_backend {
     VkDeviceSize max_ssbo_range, ssbo_align, texel_align, max_alloc;
     VkDeviceSize max_texel_bytes; /* bytes one texel view may span */
     uint32_t max_groups[3];
-
-    /* Pipelines (created on first use) and their layouts. */
-    VkPipelineCache pcache;
-    char pcache_path[1024];
-    vk_pipeline *pipes;
-    int n_pipes, cap_pipes;
-    vk_layout layouts[16];
-    int n_layouts;
 
     /* Descriptor sets: cached by (layout, bindings); a step that repeats the
      * last one's ops allocates nothing. */
@@ -337,9 +367,9 @@ duet_status duet__vk_scratch_reserve(vk_backend *be, duet_buffer **b, size_t siz
 /* vk_pipelines.c */
 duet_status duet__vk_pipeline_get(vk_backend *be, vk_shader shader, int n_tex, int n_ssbo, int n_spec,
                                   const uint32_t *spec, const vk_pipeline **out);
-void duet__vk_pipelines_destroy(vk_backend *be);
-duet_status duet__vk_pipeline_cache_open(vk_backend *be);
-void duet__vk_pipeline_cache_save(vk_backend *be);
+void duet__vk_pipelines_destroy(vk_device *d);
+duet_status duet__vk_pipeline_cache_open(vk_device *d, const vk_physical *phys);
+void duet__vk_pipeline_cache_save(vk_device *d);
 duet_status duet__vk_descriptor_set(vk_backend *be, const vk_pipeline *p, const vk_binding *b,
                                     VkDescriptorSet *out);
 /* Called at begin(): drops the cached sets when the cache has grown large. */

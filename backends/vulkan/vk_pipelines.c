@@ -22,13 +22,14 @@
 
 /* ---- layouts ------------------------------------------------------------------- */
 
-static duet_status layout_get(vk_backend *be, int n_tex, int n_ssbo, const vk_layout **out) {
-    for (int i = 0; i < be->n_layouts; i++)
-        if (be->layouts[i].n_tex == n_tex && be->layouts[i].n_ssbo == n_ssbo) {
-            *out = &be->layouts[i];
+/* The caller holds d->mu. */
+static duet_status layout_get(vk_device *d, int n_tex, int n_ssbo, const vk_layout **out) {
+    for (int i = 0; i < d->n_layouts; i++)
+        if (d->layouts[i].n_tex == n_tex && d->layouts[i].n_ssbo == n_ssbo) {
+            *out = &d->layouts[i];
             return DUET_OK;
         }
-    if (be->n_layouts == (int)(sizeof be->layouts / sizeof be->layouts[0]))
+    if (d->n_layouts == VK_MAX_LAYOUTS)
         return duet__error(DUET_UNSUPPORTED, "vulkan: too many descriptor layouts");
     assert(n_tex + n_ssbo <= VK_MAX_BINDINGS);
     VkDescriptorSetLayoutBinding b[VK_MAX_BINDINGS];
@@ -39,14 +40,14 @@ static duet_status layout_get(vk_backend *be, int n_tex, int n_ssbo, const vk_la
             .descriptorCount = 1,
             .stageFlags = VK_SHADER_STAGE_COMPUTE_BIT,
         };
-    vk_layout *l = &be->layouts[be->n_layouts];
+    vk_layout *l = &d->layouts[d->n_layouts];
     *l = (vk_layout){.n_tex = n_tex, .n_ssbo = n_ssbo};
     VkDescriptorSetLayoutCreateInfo dci = {
         .sType = VK_STRUCTURE_TYPE_DESCRIPTOR_SET_LAYOUT_CREATE_INFO,
         .bindingCount = (uint32_t)(n_tex + n_ssbo),
         .pBindings = b,
     };
-    VK_TRY(vkCreateDescriptorSetLayout(be->dev, &dci, NULL, &l->set_layout));
+    VK_TRY(vkCreateDescriptorSetLayout(d->dev, &dci, NULL, &l->set_layout));
     VkPushConstantRange pcr = {VK_SHADER_STAGE_COMPUTE_BIT, 0, VK_PUSH_BYTES};
     VkPipelineLayoutCreateInfo pci = {
         .sType = VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO,
@@ -55,38 +56,38 @@ static duet_status layout_get(vk_backend *be, int n_tex, int n_ssbo, const vk_la
         .pushConstantRangeCount = 1,
         .pPushConstantRanges = &pcr,
     };
-    VkResult r = vkCreatePipelineLayout(be->dev, &pci, NULL, &l->layout);
+    VkResult r = vkCreatePipelineLayout(d->dev, &pci, NULL, &l->layout);
     if (r != VK_SUCCESS) {
-        vkDestroyDescriptorSetLayout(be->dev, l->set_layout, NULL);
+        vkDestroyDescriptorSetLayout(d->dev, l->set_layout, NULL);
         return duet__vk_fail(r, "vkCreatePipelineLayout", __FILE__, __LINE__);
     }
-    be->n_layouts++;
+    d->n_layouts++;
     *out = l;
     return DUET_OK;
 }
 
 /* ---- pipelines ------------------------------------------------------------------- */
 
-duet_status duet__vk_pipeline_get(vk_backend *be, vk_shader shader, int n_tex, int n_ssbo, int n_spec,
-                                  const uint32_t *spec, const vk_pipeline **out) {
-    assert(n_spec <= VK_MAX_SPEC && shader < VK_SHADER_COUNT);
-    for (int i = 0; i < be->n_pipes; i++) {
-        const vk_pipeline *p = &be->pipes[i];
+/* The caller holds d->mu. */
+static duet_status pipeline_get(vk_device *d, vk_shader shader, int n_tex, int n_ssbo, int n_spec,
+                                const uint32_t *spec, const vk_pipeline **out) {
+    for (int i = 0; i < d->n_pipes; i++) {
+        const vk_pipeline *p = d->pipes[i];
         if (p->shader == shader && p->n_spec == n_spec && p->n_tex == n_tex && p->n_ssbo == n_ssbo &&
             memcmp(p->spec, spec, (size_t)n_spec * sizeof *spec) == 0) {
             *out = p;
             return DUET_OK;
         }
     }
-    if (be->n_pipes == be->cap_pipes) {
-        int cap = be->cap_pipes ? be->cap_pipes * 2 : 32;
-        vk_pipeline *np = realloc(be->pipes, (size_t)cap * sizeof *np);
+    if (d->n_pipes == d->cap_pipes) {
+        int cap = d->cap_pipes ? d->cap_pipes * 2 : 32;
+        vk_pipeline **np = realloc(d->pipes, (size_t)cap * sizeof *np);
         if (!np) return duet__error(DUET_OUT_OF_MEMORY, "vulkan: pipeline table");
-        be->pipes = np;
-        be->cap_pipes = cap;
+        d->pipes = np;
+        d->cap_pipes = cap;
     }
     const vk_layout *lay = NULL;
-    duet_status st = layout_get(be, n_tex, n_ssbo, &lay);
+    duet_status st = layout_get(d, n_tex, n_ssbo, &lay);
     if (st != DUET_OK) return st;
 
     const vk_spirv *spv = &duet__vk_spirv[shader];
@@ -96,7 +97,7 @@ duet_status duet__vk_pipeline_get(vk_backend *be, vk_shader shader, int n_tex, i
         .pCode = spv->code,
     };
     VkShaderModule mod;
-    VK_TRY(vkCreateShaderModule(be->dev, &smi, NULL, &mod));
+    VK_TRY(vkCreateShaderModule(d->dev, &smi, NULL, &mod));
     VkSpecializationMapEntry map[VK_MAX_SPEC];
     for (int i = 0; i < n_spec; i++) map[i] = (VkSpecializationMapEntry){(uint32_t)i, (uint32_t)(i * 4), 4};
     VkSpecializationInfo si = {
@@ -117,31 +118,49 @@ duet_status duet__vk_pipeline_get(vk_backend *be, vk_shader shader, int n_tex, i
             },
         .layout = lay->layout,
     };
-    vk_pipeline *p = &be->pipes[be->n_pipes];
+    vk_pipeline *p = malloc(sizeof *p);
+    if (!p) {
+        vkDestroyShaderModule(d->dev, mod, NULL);
+        return duet__error(DUET_OUT_OF_MEMORY, "vulkan: pipeline");
+    }
     *p = (vk_pipeline){.shader = shader, .n_spec = n_spec, .n_tex = n_tex, .n_ssbo = n_ssbo,
                        .set_layout = lay->set_layout, .layout = lay->layout};
     memcpy(p->spec, spec, (size_t)n_spec * sizeof *spec);
-    VkResult r = vkCreateComputePipelines(be->dev, be->pcache, 1, &ci, NULL, &p->pipe);
-    vkDestroyShaderModule(be->dev, mod, NULL);
-    if (r != VK_SUCCESS)
+    VkResult r = vkCreateComputePipelines(d->dev, d->pcache, 1, &ci, NULL, &p->pipe);
+    vkDestroyShaderModule(d->dev, mod, NULL);
+    if (r != VK_SUCCESS) {
+        free(p);
         return duet__error(r == VK_ERROR_OUT_OF_HOST_MEMORY || r == VK_ERROR_OUT_OF_DEVICE_MEMORY ? DUET_OUT_OF_MEMORY
                                                                                                  : DUET_COMPILE,
                            "vulkan: creating the %s pipeline failed: %s", spv->name, duet__vk_result_str(r));
-    be->n_pipes++;
+    }
+    d->pipes[d->n_pipes++] = p;
     *out = p;
     return DUET_OK;
 }
 
-void duet__vk_pipelines_destroy(vk_backend *be) {
-    for (int i = 0; i < be->n_pipes; i++) vkDestroyPipeline(be->dev, be->pipes[i].pipe, NULL);
-    free(be->pipes);
-    be->pipes = NULL;
-    be->n_pipes = be->cap_pipes = 0;
-    for (int i = 0; i < be->n_layouts; i++) {
-        vkDestroyPipelineLayout(be->dev, be->layouts[i].layout, NULL);
-        vkDestroyDescriptorSetLayout(be->dev, be->layouts[i].set_layout, NULL);
+duet_status duet__vk_pipeline_get(vk_backend *be, vk_shader shader, int n_tex, int n_ssbo, int n_spec,
+                                  const uint32_t *spec, const vk_pipeline **out) {
+    assert(n_spec <= VK_MAX_SPEC && shader < VK_SHADER_COUNT);
+    pthread_mutex_lock(&be->shared->mu);
+    duet_status st = pipeline_get(be->shared, shader, n_tex, n_ssbo, n_spec, spec, out);
+    pthread_mutex_unlock(&be->shared->mu);
+    return st;
+}
+
+void duet__vk_pipelines_destroy(vk_device *d) {
+    for (int i = 0; i < d->n_pipes; i++) {
+        vkDestroyPipeline(d->dev, d->pipes[i]->pipe, NULL);
+        free(d->pipes[i]);
     }
-    be->n_layouts = 0;
+    free(d->pipes);
+    d->pipes = NULL;
+    d->n_pipes = d->cap_pipes = 0;
+    for (int i = 0; i < d->n_layouts; i++) {
+        vkDestroyPipelineLayout(d->dev, d->layouts[i].layout, NULL);
+        vkDestroyDescriptorSetLayout(d->dev, d->layouts[i].set_layout, NULL);
+    }
+    d->n_layouts = 0;
 }
 
 /* ---- the on-disk pipeline cache ----------------------------------------------------- */
@@ -160,16 +179,16 @@ static bool make_dirs(char *path) {
 
 /* A pipeline cache file starts with VkPipelineCacheHeaderVersionOne: data
  * from another device or driver is not handed to this one. */
-static bool cache_header_matches(const vk_backend *be, const uint8_t *d, size_t n) {
+static bool cache_header_matches(const vk_physical *phys, const uint8_t *d, size_t n) {
     if (n < 16 + VK_UUID_SIZE) return false;
     uint32_t h[4];
     memcpy(h, d, sizeof h);
-    const VkPhysicalDeviceProperties *pr = &be->phys->props;
+    const VkPhysicalDeviceProperties *pr = &phys->props;
     return h[0] >= 16 + VK_UUID_SIZE && h[1] == VK_PIPELINE_CACHE_HEADER_VERSION_ONE && h[2] == pr->vendorID &&
            h[3] == pr->deviceID && memcmp(d + 16, pr->pipelineCacheUUID, VK_UUID_SIZE) == 0;
 }
 
-duet_status duet__vk_pipeline_cache_open(vk_backend *be) {
+duet_status duet__vk_pipeline_cache_open(vk_device *be, const vk_physical *phys) {
     be->pcache_path[0] = 0;
     const char *off = getenv("DUET_VK_PIPELINE_CACHE");
     bool use_disk = !(off && strcmp(off, "0") == 0);
@@ -180,7 +199,7 @@ duet_status duet__vk_pipeline_cache_open(vk_backend *be) {
     void *data = NULL;
     size_t size = 0;
     if (dir[0]) {
-        const VkPhysicalDeviceProperties *pr = &be->phys->props;
+        const VkPhysicalDeviceProperties *pr = &phys->props;
         char uuid[2 * VK_UUID_SIZE + 1];
         for (int i = 0; i < (int)VK_UUID_SIZE; i++) snprintf(uuid + 2 * i, 3, "%02x", pr->pipelineCacheUUID[i]);
         snprintf(be->pcache_path, sizeof be->pcache_path, "%s/%04x-%04x-%08x-%s.bin", dir, pr->vendorID, pr->deviceID,
@@ -190,7 +209,7 @@ duet_status duet__vk_pipeline_cache_open(vk_backend *be) {
             if (fseek(f, 0, SEEK_END) == 0) {
                 long n = ftell(f);
                 if (n > 0 && n < (256l << 20) && fseek(f, 0, SEEK_SET) == 0 && (data = malloc((size_t)n)) &&
-                    fread(data, 1, (size_t)n, f) == (size_t)n && cache_header_matches(be, data, (size_t)n))
+                    fread(data, 1, (size_t)n, f) == (size_t)n && cache_header_matches(phys, data, (size_t)n))
                     size = (size_t)n;
             }
             fclose(f);
@@ -212,11 +231,13 @@ duet_status duet__vk_pipeline_cache_open(vk_backend *be) {
     return DUET_OK;
 }
 
-const char *duet__vk_pipeline_cache_path(duet_backend *be) { return ((vk_backend *)be)->pcache_path; }
+const char *duet__vk_pipeline_cache_path(duet_backend *be) {
+    return ((vk_backend *)be)->shared->pcache_path;
+}
 
 /* Writes the cache next to the old file and renames it over, so a crash or
  * a concurrent writer never leaves a torn file. Failure only costs speed. */
-void duet__vk_pipeline_cache_save(vk_backend *be) {
+void duet__vk_pipeline_cache_save(vk_device *be) {
     if (!be->pcache || !be->pcache_path[0] || be->n_pipes == 0) return;
     size_t size = 0;
     /* A driver with nothing to cache (lavapipe) returns only the header:
