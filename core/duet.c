@@ -133,6 +133,13 @@ static duet_status parse_kv_type(const char *name, const duet_weights *w, duet_d
 
 duet_status duet__run_new(duet_model *m, int n_ctx, int n_seqs, const char *kv_type, int max_step_tokens,
                           int max_out, int kv_block_size, int kv_blocks, duet_run *out) {
+    return duet__run_new_on(m, NULL, n_ctx, n_seqs, kv_type, max_step_tokens, max_out, kv_block_size,
+                            kv_blocks, out);
+}
+
+duet_status duet__run_new_on(duet_model *m, duet_backend *stream, int n_ctx, int n_seqs, const char *kv_type,
+                             int max_step_tokens, int max_out, int kv_block_size, int kv_blocks,
+                             duet_run *out) {
     memset(out, 0, sizeof *out);
     if (m->vocab_only) return duet__error(DUET_INVALID_ARGUMENT, "the model was opened vocab-only");
     if (n_ctx < 0 || n_ctx > (1 << 20))
@@ -156,9 +163,11 @@ duet_status duet__run_new(duet_model *m, int n_ctx, int n_seqs, const char *kv_t
                             .kv_type = kv,
                             .block_size = kv_block_size,
                             .n_blocks = kv_blocks};
-    pthread_mutex_lock(device_mu(m));
-    st = duet__state_new(m->be, &m->hp, &m->w, &sp, &out->state);
-    pthread_mutex_unlock(device_mu(m));
+    out->stream = stream;
+    /* A stream allocates and uploads on its own; m->be takes turns. */
+    if (!stream) pthread_mutex_lock(device_mu(m));
+    st = duet__state_new(stream ? stream : m->be, &m->hp, &m->w, &sp, &out->state);
+    if (!stream) pthread_mutex_unlock(device_mu(m));
     if (!st && !(out->logits = malloc((size_t)max_out * m->hp.n_vocab * sizeof(float))))
         st = duet__error(DUET_OUT_OF_MEMORY, "out of memory for logits");
     if (st) duet__run_free(m, out);
@@ -167,15 +176,16 @@ duet_status duet__run_new(duet_model *m, int n_ctx, int n_seqs, const char *kv_t
 
 void duet__run_free(duet_model *m, duet_run *run) {
     if (run->state) {
-        pthread_mutex_lock(device_mu(m));
+        if (!run->stream) pthread_mutex_lock(device_mu(m));
         duet__state_free(run->state);
-        pthread_mutex_unlock(device_mu(m));
+        if (!run->stream) pthread_mutex_unlock(device_mu(m));
     }
     free(run->logits);
     memset(run, 0, sizeof *run);
 }
 
 duet_status duet__run_forward(duet_model *m, duet_run *run, const duet_batch *b, float *logits) {
+    if (run->stream) return duet__forward(run->state, &m->hp, &m->w, b, logits); /* its own queue */
     pthread_mutex_lock(device_mu(m));
     duet_status st = duet__forward(run->state, &m->hp, &m->w, b, logits);
     pthread_mutex_unlock(device_mu(m));
@@ -255,7 +265,12 @@ static duet_status model_open(const char *path, const duet_open_params *params, 
         m->be = host->be;
     else if ((st = duet_backend_open(p.backend, p.device, &bp, &m->be)))
         goto fail;
-    if ((st = duet__weights_load(m->gguf, &m->hp, m->be, &m->w))) goto fail;
+    /* A draft's weights go up through its target's backend, which the
+     * synchronous API may be stepping on: take turns with it. */
+    if (host) pthread_mutex_lock(device_mu(host));
+    st = duet__weights_load(m->gguf, &m->hp, m->be, &m->w);
+    if (host) pthread_mutex_unlock(device_mu(host));
+    if (st) goto fail;
 
     m->n_ctx = p.n_ctx ? p.n_ctx : (m->hp.n_ctx_train < 4096 ? m->hp.n_ctx_train : 4096);
     duet_dtype kv;

@@ -7,19 +7,26 @@
  *   one device, loaded once and reference-counted; every engine that serves
  *   it holds a reference, so several instances share one copy of the
  *   weights;
- * - the instance (struct duet_engine, engine.c): its run state (duet_run:
- *   activations and the paged KV cache on the model's device), scheduler,
- *   engine thread and knobs;
+ * - the instance (struct duet_engine, engine.c): its own stream on the
+ *   model's device (duet_backend_stream_open: a queue, command recording
+ *   and scratch of its own, the weights shared), its run state (duet_run:
+ *   activations and the paged KV cache, recorded on that stream),
+ *   scheduler, engine thread and knobs;
  * - the sequence (engine.c's engine_req): sampler, detokenizer, stop
  *   matcher, finish rule.
  * The synchronous API (duet_eval, duet_generate, duet_quality_eval) runs on
  * the handle's own run state, model->run, made at open (or at first use for
  * a model opened weights_only).
  *
- * Locking: a model's weights are read-only once loaded. Its backend records
- * one step at a time, so every forward pass and every run-state
- * allocation on it goes through device_mu (duet__run_forward,
- * duet__run_new): instances that share a model take turns on its device.
+ * Locking: a model's weights are read-only once loaded. A run on its own
+ * stream (every engine's, when the backend has streams) records, allocates
+ * and uploads with no lock: instances that share a model run their steps
+ * at once, each on its own queue. The model's backend itself (m->be)
+ * records one step at a time, so what goes through it takes device_mu: the
+ * synchronous API's forward passes and run-state allocations (a run with
+ * no stream: duet__run_forward, duet__run_new), and weights a draft model
+ * loads onto its target's backend. An engine whose backend has no streams
+ * (DUET_UNSUPPORTED) runs on m->be under device_mu too, taking turns.
  */
 #ifndef DUET_INTERNAL_H
 #define DUET_INTERNAL_H
@@ -35,6 +42,9 @@
 /* A run state on a model's device: what one instance (or the handle's
  * synchronous API) computes with. */
 typedef struct duet_run {
+    /* The stream its steps record on (borrowed: the instance's), or NULL:
+     * the model's backend, under device_mu. */
+    duet_backend *stream;
     duet_state *state; /* activations for max_step_tokens, paged KV for n_seqs (NULL: none yet) */
     float *logits;     /* host [max_out][n_vocab] */
     int n_ctx, n_seqs;
@@ -49,7 +59,7 @@ struct duet_model {
     bool vocab_only;
     duet_backend *be;
     duet_weights w;
-    pthread_mutex_t device_mu; /* one forward (or run-state allocation) at a time on be */
+    pthread_mutex_t device_mu; /* one step (or allocation, or upload) at a time on be itself */
     duet_open_params open;     /* as opened (backend name not kept): n_ctx, n_seqs, kv_type for runs */
     char kv_type[8];           /* open.kv_type's text ("" = default) */
     int n_ctx;                 /* the context runs get unless they ask for another */
@@ -87,12 +97,22 @@ duet_model *duet__model_ref(duet_model *m);
  * tokens and max_out logit rows, KV geometry as duet__model_open. */
 duet_status duet__run_new(duet_model *m, int n_ctx, int n_seqs, const char *kv_type, int max_step_tokens,
                           int max_out, int kv_block_size, int kv_blocks, duet_run *out);
+/* The same on `stream`, a stream of m's backend (NULL: m's backend), which
+ * must outlive the run. */
+duet_status duet__run_new_on(duet_model *m, duet_backend *stream, int n_ctx, int n_seqs, const char *kv_type,
+                             int max_step_tokens, int max_out, int kv_block_size, int kv_blocks,
+                             duet_run *out);
 void duet__run_free(duet_model *m, duet_run *run);
-/* One forward step of `run` on m's device (holds device_mu); the logits
- * land in `logits` (b->n_out rows of n_vocab; run->logits fits max_out). */
+/* One forward step of `run` on m's device (on its stream, or holding
+ * device_mu); the logits land in `logits` (b->n_out rows of n_vocab;
+ * run->logits fits max_out). */
 duet_status duet__run_forward(duet_model *m, duet_run *run, const duet_batch *b, float *logits);
 /* Makes m->run at first use when the model was opened weights_only. */
 duet_status duet__model_own_run(duet_model *m);
+
+/* The backend an engine's steps record on: its stream, or the model's
+ * backend when that has no streams (tests inject faults there). */
+duet_backend *duet__engine_backend(duet_engine *e);
 
 /* The engine's metrics, its gauges refreshed (for a fleet's export and
  * its router's speed estimates). Takes the engine's lock briefly. */

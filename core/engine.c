@@ -11,8 +11,10 @@
  * Lifetimes: the engine holds a reference to its model (the file, the
  * tokenizer and the weights on the device), which other engines may share
  * (duet_engine_start_model); its run state (activations and KV pool), its
- * scheduler and its thread are its own. Engines sharing a model take turns
- * on its device: every forward pass goes through duet__run_forward.
+ * scheduler, its thread and its stream on the model's device (a queue of
+ * its own: duet_backend_stream_open) are its own, so engines sharing a
+ * model run their steps at once; on a backend without streams they take
+ * turns on the model's backend (duet__run_forward holds device_mu).
  *
  * Faults: a step that fails (an op, submit, wait or allocation error) fails
  * its own requests and the engine serves on. DUET_DEVICE_LOST is different:
@@ -100,7 +102,10 @@ typedef struct engine_req {
 struct duet_engine {
     int seq_capacity;  /* tokens (prompt + generated) one request can ever hold */
     duet_model *model; /* shared, one reference held */
-    duet_run run;      /* this instance's activations and KV pool on the model's device */
+    /* This instance's queue on the model's device (NULL: the backend has
+     * no streams; the runs then use the model's backend, under its lock). */
+    duet_backend *stream;
+    duet_run run; /* this instance's activations and KV pool, on its stream */
     duet_sched *sched;
     duet_metrics *metrics;
     pthread_t thread;
@@ -1118,6 +1123,7 @@ static void engine_free(duet_engine *e) {
     free(e->dtok), free(e->dpos), free(e->dseq), free(e->dout), free(e->drow);
     free(e->q_ids), free(e->q_probs), free(e->dkey);
     if (e->model) duet__run_free(e->model, &e->run);
+    duet_backend_close(e->stream); /* after the runs' buffers */
     duet_model_close(e->model);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
@@ -1197,8 +1203,10 @@ static duet_status draft_start(duet_engine *e, const duet_engine_params *p, int 
         op.weights_only = true;
         if ((st = duet__draft_open(m, p->open.draft, &op, &e->draft))) return st;
     }
-    st = duet__run_new(e->draft, e->run.n_ctx, p->max_batch_seqs, p->open.kv_type, p->max_batch_tokens,
-                       p->max_batch_seqs, p->kv_block_size, kv_blocks, &e->drun);
+    /* The draft's weights are on the target's backend: its steps share the
+     * engine's stream (the engine thread runs them in turn). */
+    st = duet__run_new_on(e->draft, e->stream, e->run.n_ctx, p->max_batch_seqs, p->open.kv_type,
+                          p->max_batch_tokens, p->max_batch_seqs, p->kv_block_size, kv_blocks, &e->drun);
     if (st) return st;
     size_t cap = (size_t)e->drun.max_step_tokens;
     e->dtok = malloc(cap * sizeof(int32_t));
@@ -1247,10 +1255,15 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     if (spec_max_batch > p.max_batch_seqs) spec_max_batch = p.max_batch_seqs;
     int64_t max_out = p.max_batch_seqs + (int64_t)spec_max_batch * spec_k;
     if (max_out > p.max_batch_tokens) max_out = p.max_batch_tokens;
+    /* Its own queue on the model's device (on the cpu backend: the device's
+     * worker pool, op by op with the other instances). */
+    duet_status st = duet_backend_stream_open(m->be, NULL, &e->stream);
+    if (st == DUET_UNSUPPORTED) e->stream = NULL, st = DUET_OK;
+    if (st) goto fail;
     /* The device pools hold exactly the blocks the scheduler hands out;
      * duet__run_new checks kv_blocks against the pools' geometry. */
-    duet_status st = duet__run_new(m, p.open.n_ctx, p.max_batch_seqs, p.open.kv_type, p.max_batch_tokens,
-                                   (int)max_out, p.kv_block_size, p.kv_blocks, &e->run);
+    st = duet__run_new_on(m, e->stream, p.open.n_ctx, p.max_batch_seqs, p.open.kv_type, p.max_batch_tokens,
+                          (int)max_out, p.kv_block_size, p.kv_blocks, &e->run);
     if (st) goto fail;
     const int n_ctx = e->run.n_ctx;
     const int blocks_per_seq = (n_ctx + p.kv_block_size - 1) / p.kv_block_size;
@@ -1354,6 +1367,10 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
 fail:
     engine_free(e);
     return st;
+}
+
+duet_backend *duet__engine_backend(duet_engine *e) {
+    return e->stream ? e->stream : e->model->be;
 }
 
 duet_status duet_engine_start_model(duet_model *model, const duet_engine_params *params, duet_engine **out) {

@@ -699,7 +699,7 @@ END_TEST
 START_TEST(device_error_fails_the_step_not_the_engine) {
     duet_engine *e = start(4, 0, 16);
     duet_model *m = (duet_model *)duet_engine_model(e);
-    fault_install(m->be);
+    fault_install(duet__engine_backend(e)); /* the engine's stream */
     atomic_store(&fault_ops_left, 0);
     collected *c = collected_new();
     c->engine = e;
@@ -959,7 +959,7 @@ START_TEST(fault_fails_in_flight_requests_cleanly) {
     snprintf(what, sizeof what, "%s fault on %s", fault_case_names[kind], backend);
     duet_engine *e = start_on(backend);
     duet_model *m = (duet_model *)duet_engine_model(e);
-    fault_install(m->be);
+    fault_install(duet__engine_backend(e)); /* the engine's stream */
 
     fault_run *f = calloc(1, sizeof *f);
     pthread_mutex_init(&f->mu, NULL);
@@ -1103,9 +1103,8 @@ START_TEST(profile_accounts_every_op_kind) {
     unsetenv("DUET_PROFILE");
     collected *c = run_requests(e, false, 2);
     free(c);
-    duet_model *m = (duet_model *)duet_engine_model(e);
     duet_profile p;
-    duet_backend_profile(m->be, &p);
+    duet_backend_profile(duet__engine_backend(e), &p); /* the engine's stream's */
     ck_assert_msg(p.enabled, "%s: no profile with DUET_PROFILE=1", backend);
     ck_assert_msg(p.steps > 0, "%s: %d steps profiled", backend, p.steps);
     /* The ops of a forward step (residual adds are fused into the matmuls). */
@@ -1118,8 +1117,7 @@ START_TEST(profile_accounts_every_op_kind) {
     duet_engine_stop(e, true);
     /* Without the variable, no profile is kept. */
     e = start_on(backend);
-    m = (duet_model *)duet_engine_model(e);
-    duet_backend_profile(m->be, &p);
+    duet_backend_profile(duet__engine_backend(e), &p);
     ck_assert_msg(!p.enabled, "%s: profiling without DUET_PROFILE", backend);
     duet_engine_stop(e, true);
 }
@@ -1483,8 +1481,7 @@ START_TEST(fleet_retries_what_a_lost_instance_had_not_streamed) {
     for (int k = 0; k < 2; k++)
         ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e[k]) == DUET_OK,
                       "start: %s", duet_last_error());
-    duet_model *m0 = (duet_model *)duet_engine_model(e[0]);
-    fault_install(m0->be);
+    fault_install(duet__engine_backend(e[0]));
     duet_fleet_instance fi[2] = {{.engine = e[0], .tier = DUET_PRIORITY_BATCH, .name = "lost"},
                                  {.engine = e[1], .tier = DUET_PRIORITY_BATCH, .name = "ok"}};
     duet_fleet_params fp = duet_fleet_params_default();
@@ -1559,7 +1556,8 @@ START_TEST(fleet_retries_what_a_lost_instance_had_not_streamed) {
     ck_assert_int_eq(duet_fleet_submit(fl, &q, on_event, &cx, NULL), DUET_OK);
     wait_all(c, 1);
     ck_assert_int_eq(c->finish[0], DUET_FINISH_LENGTH);
-    fault_remove(m0->be); /* before the stop frees the model (the engine holds the last reference) */
+    fault_remove(duet__engine_backend(
+        e[0])); /* before the stop frees the model (the engine holds the last reference) */
     for (int k = 0; k < 2; k++)
         duet_engine_stop(e[k], true);
     duet_fleet_free(fl);
