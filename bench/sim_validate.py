@@ -91,6 +91,8 @@ def main():
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--profile-args", default="--decode-batches 1,2,4,8,16 --chunks 16,32,64 --contexts 16,64,128",
                     help="grid flags for duet profile (cover the workload's batch sizes and contexts)")
+    ap.add_argument("--profile", default=None,
+                    help="a step-cost file duet profile already wrote for this backend (skips profiling)")
     ap.add_argument("--sim-latency-ms", type=float, default=0.0)
     ap.add_argument("--out", default=None, help="folder for the table, JSON and every run's report")
     a = ap.parse_args()
@@ -108,9 +110,17 @@ def main():
         cmds = []
         t0 = time.time()
         prof = os.path.join(out, f"profile-{backend}.json")
-        p = sh([duet, "profile", "-m", a.model, "--backend", backend, "--threads", str(a.threads), "--out", prof,
-                "--quiet", *a.profile_args.split()], cmds)
-        print(p.stdout)
+        if a.profile:
+            if os.path.abspath(a.profile) != os.path.abspath(prof):
+                with open(a.profile) as src, open(prof, "w") as dst:
+                    dst.write(src.read())
+            cmds.append(f"# step costs from {a.profile}")
+        else:
+            p = sh([duet, "profile", "-m", a.model, "--backend", backend, "--threads", str(a.threads), "--out",
+                    prof, "--quiet", *a.profile_args.split()], cmds)
+            print(p.stdout)
+            with open(os.path.join(out, f"profile-{backend}.txt"), "w") as fh:
+                fh.write(p.stdout)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         serve = [duet, "serve", "-m", a.model, "--backend", backend, "--threads", str(a.threads), "--port", str(port)]

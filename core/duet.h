@@ -561,8 +561,22 @@ typedef struct duet_step_sample {
     double seconds; /* measured */
 } duet_step_sample;
 
+#define DUET_STEP_COST_KNOTS 32
+
 typedef struct duet_step_cost {
     double coef[DUET_STEP_COST_TERMS]; /* seconds per unit of each term, >= 0 */
+    /* A correction by the step's token count (n_decode + n_prefill): the
+     * matrix multiplies' time is not linear in the batch (kernels change
+     * path with its size: on the cpu a 4-token step can cost what an
+     * 8-token one does). knot_s[k] seconds are added at knot_tokens[k]
+     * (ascending), interpolated linearly between knots and held past the
+     * ends; negative where the linear terms overshoot. n_knots 0: none.
+     * duet profile fits it from the medians of the linear fit's residuals
+     * at each token count of its grid; the scheduler's time budget uses
+     * the linear terms only. */
+    int n_knots;
+    int knot_tokens[DUET_STEP_COST_KNOTS];
+    double knot_s[DUET_STEP_COST_KNOTS];
     /* Fit quality over the samples it came from (0 when unknown). */
     int n_samples;
     double rmse_s;       /* root mean square error, seconds */
@@ -576,13 +590,15 @@ typedef struct duet_step_cost {
 /* Adds one step entry to a shape: n_tokens tokens at positions pos.., a
  * decode (one token) or a prompt chunk. */
 void duet_step_shape_add(duet_step_shape *s, int pos, int n_tokens, bool decode);
-/* Predicted seconds of a step. */
+/* Predicted seconds of a step (the linear terms plus the token-count
+ * correction; never negative). */
 double duet_step_cost_predict(const duet_step_cost *m, const duet_step_shape *s);
 /* The JSON name of term i ("intercept", "per_decode_token", ...); NULL past the last. */
 const char *duet_step_cost_term(int i);
 /* Least squares of the relative error over n samples, every coefficient
- * >= 0; fills coef and
- * the fit quality (the where-fields are cleared). DUET_INVALID_ARGUMENT when
+ * >= 0; fills coef, then the token-count correction (the median residual
+ * at each distinct token count, when there are at least two), and the fit
+ * quality of both (the where-fields are cleared). DUET_INVALID_ARGUMENT when
  * n < 1 or a sample is not finite or negative. Terms no sample exercises
  * get 0. */
 duet_status duet_step_cost_fit(const duet_step_sample *samples, int n, duet_step_cost *out);

@@ -52,12 +52,30 @@ void duet_step_shape_add(duet_step_shape *s, int pos, int n_tokens, bool decode)
     }
 }
 
-double duet_step_cost_predict(const duet_step_cost *m, const duet_step_shape *s) {
+/* The token-count correction at a step of `tokens` tokens. */
+static double curve(const duet_step_cost *m, double tokens) {
+    int n = m->n_knots < DUET_STEP_COST_KNOTS ? m->n_knots : DUET_STEP_COST_KNOTS;
+    if (n <= 0) return 0;
+    if (tokens <= m->knot_tokens[0]) return m->knot_s[0];
+    for (int k = 1; k < n; k++)
+        if (tokens <= m->knot_tokens[k]) {
+            double a = m->knot_tokens[k - 1], b = m->knot_tokens[k], f = (tokens - a) / (b - a);
+            return m->knot_s[k - 1] + f * (m->knot_s[k] - m->knot_s[k - 1]);
+        }
+    return m->knot_s[n - 1];
+}
+
+static double linear(const duet_step_cost *m, const duet_step_shape *s) {
     double x[N], t = 0;
     features(s, x);
     for (int j = 0; j < N; j++)
         t += m->coef[j] * x[j];
     return t;
+}
+
+double duet_step_cost_predict(const duet_step_cost *m, const duet_step_shape *s) {
+    double t = linear(m, s) + curve(m, (double)s->n_decode + s->n_prefill);
+    return t > 0 ? t : 0;
 }
 
 /* Solves (A + ridge toward prior) beta = b for the active columns, all
@@ -137,6 +155,11 @@ static void solve_nonneg(const double A[N][N], const double b[N], const double p
     }
 }
 
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
 static bool sample_ok(const duet_step_sample *s) {
     const duet_step_shape *h = &s->shape;
     return isfinite(s->seconds) && s->seconds >= 0 && h->n_decode >= 0 && h->n_prefill >= 0 &&
@@ -161,6 +184,46 @@ static void quality(duet_step_cost *m, const duet_step_sample *samples, int n) {
     m->r2 = ss_tot > 0 ? 1 - ss_res / ss_tot : 1;
 }
 
+/* The token-count correction of a linear fit: a knot at each distinct
+ * token count of the samples (at most DUET_STEP_COST_KNOTS, spread over
+ * the range; a sample goes to its nearest knot), valued at the median of
+ * its samples' residuals. None with fewer than two distinct counts. */
+static void fit_curve(duet_step_cost *m, const duet_step_sample *samples, int n) {
+    m->n_knots = 0;
+    int *tok = malloc((size_t)n * sizeof *tok), *counts = malloc((size_t)n * sizeof *counts);
+    double *res = malloc((size_t)n * sizeof *res);
+    int n_counts = 0;
+    for (int i = 0; tok && counts && res && i < n; i++)
+        tok[i] = samples[i].shape.n_decode + samples[i].shape.n_prefill;
+    /* The distinct counts, ascending (a selection sort over a small grid). */
+    for (int last = -1; tok && counts && res;) {
+        int next = -1;
+        for (int i = 0; i < n; i++)
+            if (tok[i] > last && (next < 0 || tok[i] < next)) next = tok[i];
+        if (next < 0) break;
+        counts[n_counts++] = last = next;
+    }
+    if (n_counts >= 2) {
+        int kn = n_counts < DUET_STEP_COST_KNOTS ? n_counts : DUET_STEP_COST_KNOTS;
+        for (int k = 0; k < kn; k++)
+            m->knot_tokens[k] =
+                counts[kn == n_counts ? k : (int)((double)k * (n_counts - 1) / (kn - 1) + 0.5)];
+        for (int k = 0; k < kn; k++) {
+            int r = 0;
+            for (int i = 0; i < n; i++) {
+                int best = 0; /* the sample's nearest knot */
+                for (int q = 1; q < kn; q++)
+                    if (abs(tok[i] - m->knot_tokens[q]) < abs(tok[i] - m->knot_tokens[best])) best = q;
+                if (best == k) res[r++] = samples[i].seconds - linear(m, &samples[i].shape);
+            }
+            qsort(res, (size_t)r, sizeof *res, cmp_double);
+            m->knot_s[k] = r == 0 ? 0 : r % 2 ? res[r / 2] : (res[r / 2 - 1] + res[r / 2]) / 2;
+        }
+        m->n_knots = kn;
+    }
+    free(tok), free(counts), free(res);
+}
+
 duet_status duet_step_cost_fit(const duet_step_sample *samples, int n, duet_step_cost *out) {
     if (!samples || n < 1 || !out) return duet__error(DUET_INVALID_ARGUMENT, "step-cost fit: no samples");
     double A[N][N] = {{0}}, b[N] = {0}, zero[N] = {0};
@@ -181,6 +244,7 @@ duet_status duet_step_cost_fit(const duet_step_sample *samples, int n, duet_step
     }
     memset(out, 0, sizeof *out);
     solve_nonneg((const double(*)[N])A, b, zero, 1e-10, out->coef);
+    fit_curve(out, samples, n);
     quality(out, samples, n);
     return DUET_OK;
 }
@@ -232,6 +296,9 @@ void duet__step_cost_online_observe(duet_step_cost_online *o, const duet_step_sh
     double pred = duet_step_cost_predict(&o->current, s);
     double rel = pred > 0 ? fabs(pred - seconds) / seconds : 1;
     o->rel_err_ewma = o->n_steps ? 0.98 * o->rel_err_ewma + 0.02 * rel : rel;
+    /* The linear terms learn what the prior's token-count correction
+     * leaves (the correction itself stays the prior's). */
+    seconds -= curve(&o->current, (double)s->n_decode + s->n_prefill);
     double x[N];
     features(s, x);
     for (int j = 0; j < N; j++) {
@@ -273,6 +340,16 @@ duet_status duet_step_cost_save(const duet_step_cost *m, const duet_step_sample 
     cJSON_AddNumberToObject(fit, "rmse_s", m->rmse_s);
     cJSON_AddNumberToObject(fit, "mean_rel_err", m->mean_rel_err);
     cJSON_AddNumberToObject(fit, "r2", m->r2);
+    if (m->n_knots > 0) {
+        /* [[tokens, seconds], ...]: the token-count correction. */
+        cJSON *kn = cJSON_AddArrayToObject(root, "token_curve");
+        for (int k = 0; k < m->n_knots && k < DUET_STEP_COST_KNOTS; k++) {
+            cJSON *pair = cJSON_CreateArray();
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(m->knot_tokens[k]));
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(m->knot_s[k]));
+            cJSON_AddItemToArray(kn, pair);
+        }
+    }
     if (samples && n_samples > 0) {
         cJSON *arr = cJSON_AddArrayToObject(root, "samples");
         for (int i = 0; i < n_samples; i++) {
@@ -304,6 +381,33 @@ duet_status duet_step_cost_save(const duet_step_cost *m, const duet_step_sample 
 static void copy_str(const cJSON *root, const char *key, char *dst, size_t size) {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(root, key);
     snprintf(dst, size, "%s", cJSON_IsString(v) ? v->valuestring : "");
+}
+
+/* The optional "token_curve": [[tokens, seconds], ...], tokens ascending
+ * and positive, seconds finite. */
+static duet_status load_curve(const cJSON *root, const char *path, duet_step_cost *out) {
+    const cJSON *kn = cJSON_GetObjectItemCaseSensitive(root, "token_curve");
+    if (!kn) return DUET_OK;
+    int n = cJSON_IsArray(kn) ? cJSON_GetArraySize(kn) : -1;
+    if (n < 0 || n > DUET_STEP_COST_KNOTS)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: \"token_curve\" must be an array of at most %d pairs",
+                           path, DUET_STEP_COST_KNOTS);
+    for (int k = 0; k < n; k++) {
+        const cJSON *pair = cJSON_GetArrayItem(kn, k);
+        const cJSON *t = cJSON_GetArrayItem(pair, 0), *v = cJSON_GetArrayItem(pair, 1);
+        if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 || !cJSON_IsNumber(t) ||
+            !cJSON_IsNumber(v) ||
+            !(t->valuedouble >= 1 && t->valuedouble <= 1e6 && t->valuedouble == (int)t->valuedouble) ||
+            (k && t->valuedouble <= out->knot_tokens[k - 1]) || !isfinite(v->valuedouble))
+            return duet__error(DUET_INVALID_ARGUMENT,
+                               "%s: \"token_curve\" entry %d must be [tokens, seconds]: whole tokens >= 1, "
+                               "ascending, and finite seconds",
+                               path, k);
+        out->knot_tokens[k] = (int)t->valuedouble;
+        out->knot_s[k] = v->valuedouble;
+    }
+    out->n_knots = n;
+    return DUET_OK;
 }
 
 duet_status duet_step_cost_load(const char *path, duet_step_cost *out) {
@@ -384,9 +488,9 @@ duet_status duet_step_cost_load(const char *path, duet_step_cost *out) {
         if ((v = cJSON_GetObjectItemCaseSensitive(fit, "mean_rel_err")) && cJSON_IsNumber(v))
             out->mean_rel_err = v->valuedouble;
         if ((v = cJSON_GetObjectItemCaseSensitive(fit, "r2")) && cJSON_IsNumber(v)) out->r2 = v->valuedouble;
-    } else {
-        memset(out, 0, sizeof *out);
+        st = load_curve(root, path, out);
     }
+    if (st) memset(out, 0, sizeof *out);
     cJSON_Delete(root);
     return st;
 }

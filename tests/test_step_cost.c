@@ -112,6 +112,58 @@ START_TEST(fit_is_non_negative_and_leaves_idle_terms_at_zero) {
 }
 END_TEST
 
+/* A device whose steps of 3 and 4 tokens cost what 8 do (a kernel path
+ * that does not batch small counts): the token-count correction makes the
+ * fit follow it where the linear terms alone are off by a third. */
+static double cliff(int tokens) {
+    return tokens == 3 ? 3e-3 : tokens == 4 ? 4e-3 : 0;
+}
+
+START_TEST(fit_follows_a_token_count_cliff) {
+    static const int batches[] = {1, 2, 3, 4, 6, 8, 12, 16}, contexts[] = {16, 128, 512};
+    enum { n = 24 };
+    duet_step_sample smp[n];
+    int k = 0;
+    for (int b = 0; b < 8; b++)
+        for (int c = 0; c < 3; c++, k++) {
+            smp[k].shape = (duet_step_shape){0};
+            for (int i = 0; i < batches[b]; i++)
+                duet_step_shape_add(&smp[k].shape, contexts[c], 1, true);
+            smp[k].seconds = true_time(&smp[k].shape) + cliff(batches[b]);
+        }
+    duet_step_cost m;
+    ck_assert_int_eq(duet_step_cost_fit(smp, n, &m), DUET_OK);
+    ck_assert_int_eq(m.n_knots, 8);
+    duet_step_cost lin = m;
+    lin.n_knots = 0;
+    double worst = 0, worst_lin = 0;
+    for (int i = 0; i < n; i++) {
+        double e = fabs(duet_step_cost_predict(&m, &smp[i].shape) - smp[i].seconds) / smp[i].seconds;
+        double el = fabs(duet_step_cost_predict(&lin, &smp[i].shape) - smp[i].seconds) / smp[i].seconds;
+        worst = e > worst ? e : worst;
+        worst_lin = el > worst_lin ? el : worst_lin;
+    }
+    ck_assert_msg(worst < 0.05 && worst_lin > 0.25, "worst relative error %g (linear alone %g)", worst,
+                  worst_lin);
+    ck_assert(m.mean_rel_err < 0.02);
+    /* Between knots it interpolates; past the last one it holds. */
+    duet_step_shape s5 = {0}, s4 = {0}, s6 = {0}, s99 = {0};
+    for (int i = 0; i < 5; i++)
+        duet_step_shape_add(&s5, 128, 1, true);
+    for (int i = 0; i < 4; i++)
+        duet_step_shape_add(&s4, 128, 1, true);
+    for (int i = 0; i < 6; i++)
+        duet_step_shape_add(&s6, 128, 1, true);
+    duet_step_shape_add(&s99, 0, 99, false);
+    double c4 = duet_step_cost_predict(&m, &s4) - duet_step_cost_predict(&lin, &s4);
+    double c5 = duet_step_cost_predict(&m, &s5) - duet_step_cost_predict(&lin, &s5);
+    double c6 = duet_step_cost_predict(&m, &s6) - duet_step_cost_predict(&lin, &s6);
+    ck_assert_msg(fabs(c5 - (c4 + c6) / 2) < 1e-9, "correction at 5: %g, at 4 and 6: %g %g", c5, c4, c6);
+    ck_assert(fabs(duet_step_cost_predict(&m, &s99) - duet_step_cost_predict(&lin, &s99) - m.knot_s[7]) <
+              1e-12);
+}
+END_TEST
+
 START_TEST(online_converges_keeps_prior_and_follows_change) {
     duet_step_cost_online o;
     duet__step_cost_online_init(&o, NULL, 0.995, 0);
@@ -212,6 +264,17 @@ START_TEST(file_round_trip_and_bad_files) {
     ck_assert_int_eq(r.n_ctx, 2048);
     ck_assert_int_eq(r.n_samples, 27);
     ck_assert(fabs(r.r2 - 0.997) < 1e-12 && fabs(r.mean_rel_err - 0.031) < 1e-12);
+    ck_assert_int_eq(r.n_knots, 0);
+    unlink(tmp_path);
+    /* The token-count correction round-trips too. */
+    m.n_knots = 3;
+    memcpy(m.knot_tokens, (int[]){1, 4, 16}, 3 * sizeof(int));
+    memcpy(m.knot_s, (double[]){-1.5e-3, 4.25e-3, 0}, 3 * sizeof(double));
+    ck_assert_int_eq(duet_step_cost_save(&m, NULL, 0, tmp_path), DUET_OK);
+    ck_assert_int_eq(duet_step_cost_load(tmp_path, &r), DUET_OK);
+    ck_assert_int_eq(r.n_knots, 3);
+    for (int k = 0; k < 3; k++)
+        ck_assert(r.knot_tokens[k] == m.knot_tokens[k] && r.knot_s[k] == m.knot_s[k]);
     unlink(tmp_path);
 
     /* Unwritable and unreadable paths. */
@@ -242,6 +305,13 @@ START_TEST(file_round_trip_and_bad_files) {
                "\"per_prefill_context\": 0}}",
                DUET_INVALID_ARGUMENT, "\"intercept\" is missing or not a number");
     expect_bad("[1, 2, 3]", DUET_INVALID_ARGUMENT, "not a step-cost file");
+    snprintf(buf, sizeof buf,
+             "{\"format\": \"duet-step-cost\", \"version\": 1, %s, \"token_curve\": [[4, 1e-3], [2, 0]]}",
+             ok_terms);
+    expect_bad(buf, DUET_INVALID_ARGUMENT, "\"token_curve\" entry 1");
+    snprintf(buf, sizeof buf, "{\"format\": \"duet-step-cost\", \"version\": 1, %s, \"token_curve\": {}}",
+             ok_terms);
+    expect_bad(buf, DUET_INVALID_ARGUMENT, "\"token_curve\" must be an array");
 }
 END_TEST
 
@@ -328,6 +398,7 @@ int main(void) {
     tcase_add_test(model, shape_arithmetic);
     tcase_add_test(model, fit_recovers_known_coefficients);
     tcase_add_test(model, fit_is_non_negative_and_leaves_idle_terms_at_zero);
+    tcase_add_test(model, fit_follows_a_token_count_cliff);
     tcase_add_test(model, online_converges_keeps_prior_and_follows_change);
     tcase_add_test(model, file_round_trip_and_bad_files);
     suite_add_tcase(s, model);

@@ -175,6 +175,10 @@ int cmd_profile(int argc, char **argv) {
     for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
         printf("%s%s %.4g %s", j ? ", " : "", duet_step_cost_term(j), fit.coef[j] * (j < 3 ? 1e3 : 1e6),
                j < 3 ? "ms" : "us");
+    for (int k = 0; k < fit.n_knots; k++)
+        printf("%s%d: %+.3g ms",
+               k ? ", " : "\ntoken-count correction (step tokens: ms): ", fit.knot_tokens[k],
+               fit.knot_s[k] * 1e3);
     printf("\nquality: R^2 %.4f, rmse %.3f ms, mean relative error %.1f%%\nwritten: %s\n", fit.r2,
            fit.rmse_s * 1e3, fit.mean_rel_err * 100, out);
     free(smp);
