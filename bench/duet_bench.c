@@ -49,6 +49,10 @@ static const char usage[] =
     "instances.png\n"
     "  --sim-ctx N                --simulate: context per sequence (default: the profile's)\n"
     "  --sim-latency-ms X         --simulate: added to every token's time (the client-server path)\n"
+    "  --sim-slo-ttft-ms T --sim-slo-itl-ms T   --simulate: the simulated servers' latency targets, as\n"
+    "                             duet serve --slo-ttft-ms/--slo-itl-ms take them (MS, or\n"
+    "                             interactive=MS,batch=MS): the adaptive controller and the stall-free step\n"
+    "                             budget then run as in such a server (default: none, as duet serve's)\n"
     "  --trace FILE               --simulate: arrivals and lengths from a file, one request a line:\n"
     "                             arrival_s,prompt_tokens,output_tokens[,interactive|batch] or JSONL with "
     "those\n"
@@ -95,6 +99,33 @@ static const char usage[] =
     "  --save-detailed            also write requests.csv (every request's timings)\n"
     "  --no-plots                 skip gnuplot\n"
     "  --disable-tqdm, --no-progress   no progress line\n";
+
+/* A latency target as duet serve takes it: MS (interactive requests) or
+ * interactive=MS,batch=MS (either part may be left out). */
+static bool parse_class_ms(const char *flag, const char *v, double out[2]) {
+    char buf[128];
+    snprintf(buf, sizeof buf, "%s", v);
+    bool ok = *v != 0;
+    for (char *save, *tok = strtok_r(buf, ",", &save); ok && tok; tok = strtok_r(NULL, ",", &save)) {
+        char *eq = strchr(tok, '=');
+        int c = 0;
+        if (eq) {
+            *eq = 0;
+            c = !strcmp(tok, "interactive") ? 0 : !strcmp(tok, "batch") ? 1 : -1;
+            tok = eq + 1;
+        } else if (tok != buf) {
+            c = -1; /* a bare number only alone */
+        }
+        char *end;
+        double x = c >= 0 ? strtod(tok, &end) : NAN;
+        ok = c >= 0 && *tok && !*end && x >= 0 && x <= 3.6e6;
+        if (ok) out[c] = x;
+    }
+    if (!ok)
+        fprintf(stderr, "duet-bench: %s wants MS or interactive=MS,batch=MS (0..3600000), got '%s'\n", flag,
+                v);
+    return ok;
+}
 
 static bool parse_int(const char *flag, const char *v, long lo, long hi, int *out) {
     char *end;
@@ -594,6 +625,9 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--sim-latency-ms")) {
             NEED_ARG();
             ok = parse_double(a, v, 0, 1e6, false, &c.sim_latency_ms);
+        } else if (!strcmp(a, "--sim-slo-ttft-ms") || !strcmp(a, "--sim-slo-itl-ms")) {
+            NEED_ARG();
+            ok = parse_class_ms(a, v, a[10] == 't' ? c.sim_slo_ttft_ms : c.sim_slo_itl_ms);
         } else if (!strcmp(a, "--trace")) {
             NEED_ARG();
             c.trace_path = v;
@@ -631,10 +665,13 @@ int main(int argc, char **argv) {
                 usage);
         return 2;
     }
+    bool sim_slo =
+        c.sim_slo_ttft_ms[0] + c.sim_slo_ttft_ms[1] + c.sim_slo_itl_ms[0] + c.sim_slo_itl_ms[1] > 0;
     if (!c.simulate &&
-        (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.trace_path)) {
-        fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms and --trace "
-                        "belong to --simulate\n");
+        (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.trace_path || sim_slo)) {
+        fprintf(stderr,
+                "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, --sim-slo-*-ms "
+                "and --trace belong to --simulate\n");
         return 2;
     }
     if (c.simulate) {

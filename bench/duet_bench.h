@@ -393,6 +393,11 @@ typedef struct db_config {
     int sim_instances;       /* instances behind the router (default 1) */
     int sim_n_ctx;           /* context per sequence; 0 = the profile's */
     double sim_latency_ms;   /* added to every token's time: the client-server path */
+    /* The simulated servers' latency targets per duet_priority (ms, 0 =
+     * none), as duet serve --slo-ttft-ms / --slo-itl-ms take them: with one
+     * set, the adaptive controller and the stall-free step budget run in
+     * the simulation as they would in those servers. */
+    double sim_slo_ttft_ms[2], sim_slo_itl_ms[2];
     const char *trace_path;  /* arrivals and lengths from a file */
     int find_instances;      /* > 0: search 1..find_instances for the fewest meeting the targets */
 } db_config;

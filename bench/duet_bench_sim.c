@@ -103,6 +103,8 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
                           .n_ctx = cfg->sim_n_ctx,
                           .cost = cfg->sim_cost,
                           .on_token = on_token};
+    memcpy(sp.engine.slo_ttft_ms, cfg->sim_slo_ttft_ms, sizeof sp.engine.slo_ttft_ms);
+    memcpy(sp.engine.slo_itl_ms, cfg->sim_slo_itl_ms, sizeof sp.engine.slo_itl_ms);
     if (kn->max_batch_seqs > 0) sp.engine.max_batch_seqs = kn->max_batch_seqs;
     if (kn->batch_timeout_ms >= 0) sp.engine.batch_timeout_ms = kn->batch_timeout_ms;
     if (kn->max_batch_tokens > 0) sp.engine.max_batch_tokens = kn->max_batch_tokens;

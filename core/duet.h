@@ -624,8 +624,10 @@ duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prio
  * timed, then fitted. Decode steps of every batch size at every context,
  * prompt chunks of every size starting at every context, and mixed steps
  * (the middle decode batch with every chunk). Each shape runs once untimed
- * (first-use costs) and then `repeats` times; the fit uses each shape's
- * median. Sizes are capped by the model's context. */
+ * (first-use costs), then the grid runs `repeats` times in rounds (so a
+ * slow moment of the machine touches one run of each shape, not every run
+ * of one); the fit uses each shape's median. Sizes are capped by the
+ * model's context. */
 typedef struct duet_profile_params {
     duet_open_params open;   /* backend, device, threads, n_ctx, kv_type */
     const int *decode_batch; /* decode batch sizes; NULL = 1, 2, 4, 8, 16 */
@@ -635,8 +637,8 @@ typedef struct duet_profile_params {
     const int *context; /* contexts (positions before the step); NULL = 16, 128, 512 */
     int n_context;
     int repeats;     /* timed runs per shape; 0 = 3 */
-    double budget_s; /* stop starting new shapes after this long; 0 = 45 */
-    /* Called after each shape (may be NULL): shapes done and in all. */
+    double budget_s; /* stop starting new shapes (untimed) and rounds after this long; 0 = 45 */
+    /* Called as the rounds progress (may be NULL): shapes done and in all. */
     void (*progress)(int done, int total, void *user);
     void *user;
 } duet_profile_params;
@@ -683,6 +685,7 @@ typedef struct duet_sim_stats {
     double end; /* the last step's end, seconds */
     uint64_t steps, preemptions;
     double busy_s; /* summed step time of every instance */
+    uint64_t controller_windows; /* adaptive controller windows run (with a latency target set) */
 } duet_sim_stats;
 
 /* Runs the requests to completion; out[i] for reqs[i]. DUET_INVALID_ARGUMENT

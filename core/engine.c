@@ -32,6 +32,7 @@
 
 #include "controller.h"
 #include "duet_internal.h"
+#include "engine_config.h"
 #include "metrics.h"
 #include "sampler.h"
 #include "scheduler.h"
@@ -564,13 +565,6 @@ static void fail_request(duet_engine *e, engine_req *r) {
     release_req(r);
 }
 
-/* The scheduler's step budgets from the share of each class's ITL target
- * (no target: no budget). */
-static void set_step_budgets(duet_engine *e, duet_sched_knobs *k) {
-    for (int c = 0; c < 2; c++)
-        k->step_budget_ns[c] = (int64_t)(e->budget_share * e->slo_itl_s[c] * 1e9);
-}
-
 static void update_gauges(duet_engine *e) {
     duet_sched_stats st;
     duet__sched_stats(e->sched, &st);
@@ -944,24 +938,12 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
 static void controller_tick(duet_engine *e, int64_t now) {
     duet_metrics_window w;
     duet__metrics_window(e->metrics, secs(now), secs(e->ctl_window_ns), &w);
-    duet_sched_stats st;
-    duet__sched_stats(e->sched, &st);
-    duet_ctl_window cw = {.arrival_rate = w.arrival_rate,
-                          .waiting = st.waiting[0] + st.waiting[1],
-                          .running = st.running[0] + st.running[1]};
+    duet_ctl_window cw = {.arrival_rate = w.arrival_rate};
     for (int c = 0; c < 2; c++) {
         cw.ttft_p99_s[c] = w.ttft_p99_prio_s[c], cw.ttft_n[c] = w.ttft_n[c];
         cw.itl_p99_s[c] = w.itl_p99_prio_s[c], cw.itl_n[c] = w.itl_n[c];
     }
-    duet_sched_knobs k = duet__sched_knobs(e->sched);
-    duet_ctl_knobs cur = {k.max_batch_seqs, k.max_batch_tokens, k.batch_timeout_ns, e->budget_share}, next;
-    duet__ctl_update(&e->ctl, &cw, &cur, &next);
-    k.max_batch_seqs = next.max_batch_seqs;
-    k.max_batch_tokens = next.max_batch_tokens;
-    k.batch_timeout_ns = next.batch_timeout_ns;
-    if (e->ctl.cfg.share_max > 0) e->budget_share = next.budget_share;
-    set_step_budgets(e, &k);
-    duet__sched_set_knobs(e->sched, &k); /* within the configured capacities by construction */
+    duet__engine_ctl_tick(&e->ctl, &cw, e->sched, &e->budget_share, e->slo_itl_s);
 }
 
 /* Feeds the step just run to the online step-cost fit, and the fit to the
@@ -1131,60 +1113,6 @@ static void engine_free(duet_engine *e) {
 }
 
 /* A step-cost model's coefficients: finite and >= 0. */
-static duet_status check_step_cost(const duet_step_cost *m) {
-    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
-        if (!(isfinite(m->coef[j]) && m->coef[j] >= 0))
-            return duet__error(DUET_INVALID_ARGUMENT, "step-cost term %s is %g; it must be finite and >= 0",
-                               duet_step_cost_term(j), m->coef[j]);
-    return DUET_OK;
-}
-
-/* The knobs with their defaults filled in, checked before anything loads. */
-static duet_status engine_params(const duet_engine_params *params, duet_engine_params *out) {
-    duet_engine_params p = params ? *params : duet_engine_params_default();
-    duet_engine_params d = duet_engine_params_default();
-    if (!p.max_batch_seqs) p.max_batch_seqs = d.max_batch_seqs;
-    if (!p.max_batch_tokens) p.max_batch_tokens = d.max_batch_tokens;
-    if (p.batch_timeout_ms < 0) p.batch_timeout_ms = d.batch_timeout_ms;
-    if (!p.prefill_chunk) p.prefill_chunk = d.prefill_chunk;
-    if (!p.max_waiting) p.max_waiting = d.max_waiting;
-    if (!p.kv_block_size) p.kv_block_size = d.kv_block_size;
-    if (p.max_batch_seqs < 1 || p.max_batch_seqs > 1024)
-        return duet__error(DUET_INVALID_ARGUMENT, "max_batch_seqs %d out of range [1, 1024]",
-                           p.max_batch_seqs);
-    if (p.max_batch_tokens < p.max_batch_seqs || p.max_batch_tokens > 65536)
-        return duet__error(DUET_INVALID_ARGUMENT, "max_batch_tokens %d out of range [max_batch_seqs, 65536]",
-                           p.max_batch_tokens);
-    if (p.prefill_chunk < 1 || p.prefill_chunk > p.max_batch_tokens)
-        return duet__error(DUET_INVALID_ARGUMENT, "prefill_chunk %d out of range [1, max_batch_tokens]",
-                           p.prefill_chunk);
-    if (p.max_waiting < 1 || p.max_waiting > 100000)
-        return duet__error(DUET_INVALID_ARGUMENT, "max_waiting %d out of range [1, 100000]", p.max_waiting);
-    if (!(p.batch_timeout_ms <= 60000))
-        return duet__error(DUET_INVALID_ARGUMENT, "batch_timeout_ms %g out of range [0, 60000]",
-                           p.batch_timeout_ms);
-    if (p.kv_block_size != 16 && p.kv_block_size != 32)
-        return duet__error(DUET_INVALID_ARGUMENT, "kv_block_size %d must be 16 or 32", p.kv_block_size);
-    duet_spec_mode spec_mode;
-    int spec_k;
-    duet_status st = duet__spec_params(&p.open, &spec_mode, &spec_k);
-    if (st) return st;
-    if (p.spec_max_batch < -1)
-        return duet__error(DUET_INVALID_ARGUMENT, "spec_max_batch %d must be >= -1", p.spec_max_batch);
-    for (int c = 0; c < 2; c++)
-        if (!(p.slo_ttft_ms[c] >= 0 && p.slo_ttft_ms[c] <= 3.6e6) ||
-            !(p.slo_itl_ms[c] >= 0 && p.slo_itl_ms[c] <= 3.6e6))
-            return duet__error(DUET_INVALID_ARGUMENT,
-                               "latency targets must be in [0, 3600000] ms (0 = none)");
-    if (!p.controller_window_ms) p.controller_window_ms = 2000;
-    if (!(p.controller_window_ms >= 10 && p.controller_window_ms <= 3.6e6))
-        return duet__error(DUET_INVALID_ARGUMENT, "controller_window_ms %g out of range [10, 3600000]",
-                           p.controller_window_ms);
-    if (p.step_cost && (st = check_step_cost(p.step_cost))) return st;
-    *out = p;
-    return DUET_OK;
-}
-
 /* Sampled requests whose q rows one step keeps at most (more draft argmax). */
 #define ENGINE_Q_SLOTS 8
 
@@ -1272,26 +1200,11 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     /* The scheduler refuses a request whose prompt + max_tokens exceeds the
      * context or the whole pool: the smaller of the two is what fits. */
     e->seq_capacity = kv_blocks * p.kv_block_size < n_ctx ? kv_blocks * p.kv_block_size : n_ctx;
-    duet_sched_config sc = {.max_seqs = p.max_batch_seqs,
-                            .max_tokens = p.max_batch_tokens,
-                            .max_waiting = p.max_waiting,
-                            .n_ctx = n_ctx,
-                            .kv_block_size = p.kv_block_size,
-                            .kv_blocks = kv_blocks,
-                            .knobs = {.max_batch_seqs = p.max_batch_seqs,
-                                      .max_batch_tokens = p.max_batch_tokens,
-                                      .prefill_chunk = p.prefill_chunk,
-                                      .max_waiting = p.max_waiting,
-                                      .batch_timeout_ns = (int64_t)(p.batch_timeout_ms * 1e6),
-                                      .spec_max_batch = spec_max_batch,
-                                      .spec_measured = p.spec_max_batch >= 0 && !p.spec_always}};
-    /* Stall-free steps under ITL targets: the budget starts at this share
-     * of each class's target (headroom for a p99 over predicted means). */
-    e->budget_share = 0.8;
-    for (int c = 0; c < 2; c++)
-        e->slo_itl_s[c] = p.slo_itl_ms[c] * 1e-3;
-    set_step_budgets(e, &sc.knobs);
-    if ((st = duet__sched_new(&sc, &e->sched))) goto fail;
+    duet_engine_setup su;
+    duet__engine_setup(&p, n_ctx, kv_blocks, spec_max_batch, &su);
+    e->budget_share = su.budget_share;
+    memcpy(e->slo_itl_s, su.slo_itl_s, sizeof e->slo_itl_s);
+    if ((st = duet__sched_new(&su.sched, &e->sched))) goto fail;
     /* One step-cost model: seeded by a profile (duet profile), else by the
      * warm-up's steps, then fitted online from every step. */
     duet__step_cost_online_init(&e->cost, p.step_cost, 0, 0);
@@ -1304,21 +1217,9 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     snprintf(e->name, sizeof e->name, "%s", name);
     e->metrics = duet__metrics_new(name);
     e->prefix_cache = !p.no_prefix_cache;
-    duet_ctl_config cc = {.seqs_min = 1,
-                          .seqs_max = p.max_batch_seqs,
-                          .tokens_min = p.max_batch_tokens < 16 ? p.max_batch_tokens : 16,
-                          .tokens_max = p.max_batch_tokens,
-                          .timeout_min_ns = 0,
-                          .timeout_max_ns =
-                              (int64_t)((p.batch_timeout_ms > 100 ? p.batch_timeout_ms : 100) * 1e6)};
-    for (int c = 0; c < 2; c++) {
-        cc.ttft_target_s[c] = p.slo_ttft_ms[c] * 1e-3;
-        cc.itl_target_s[c] = p.slo_itl_ms[c] * 1e-3;
-        if (cc.itl_target_s[c] > 0) cc.share_min = 0.25, cc.share_max = 1; /* time budgets */
-    }
-    if ((st = duet__ctl_init(&e->ctl, &cc))) goto fail;
+    if ((st = duet__ctl_init(&e->ctl, &su.ctl))) goto fail;
     e->ctl_on = duet__ctl_active(&e->ctl);
-    e->ctl_window_ns = (int64_t)(p.controller_window_ms * 1e6);
+    e->ctl_window_ns = su.ctl_window_ns;
     e->ctl_next = now_ns() + e->ctl_window_ns;
     /* Requests in flight at most: every waiting one plus every running one. */
     e->cap = p.max_waiting + p.max_batch_seqs + 1;
@@ -1380,7 +1281,7 @@ duet_status duet_engine_start_model(duet_model *model, const duet_engine_params 
     if (model->vocab_only)
         return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_start_model: the model was opened vocab-only");
     duet_engine_params p = {0};
-    duet_status st = engine_params(params, &p);
+    duet_status st = duet__engine_params_check(params, &p);
     if (st) return st;
     return engine_start(duet__model_ref(model), NULL, p, out);
 }
@@ -1389,7 +1290,7 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     if (!out) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_start: out is NULL");
     *out = NULL;
     duet_engine_params p = {0};
-    duet_status st = engine_params(params, &p);
+    duet_status st = duet__engine_params_check(params, &p);
     if (st) return st;
     duet_open_params op = p.open;
     op.weights_only = true; /* the engine makes its own run state */
@@ -1573,7 +1474,7 @@ duet_status duet_engine_step_cost(duet_engine *e, duet_step_cost *out) {
 
 duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prior) {
     if (!e || !prior) return duet__error(DUET_INVALID_ARGUMENT, "duet_engine_set_step_cost: NULL argument");
-    duet_status st = check_step_cost(prior);
+    duet_status st = duet__step_cost_check(prior);
     if (st) return st;
     pthread_mutex_lock(&e->mu);
     duet__step_cost_online_init(&e->cost, prior, 0, 0);

@@ -15,6 +15,16 @@
  * arrivals come first (the engine sees a submit that raced a step's end at
  * its next plan). Time is int64 nanoseconds, as the scheduler counts it.
  *
+ * Each instance is configured from duet_sim_params.engine exactly as
+ * duet_engine_start configures a served one (engine_config.h: defaults,
+ * scheduler knobs, stall-free step budgets under ITL targets), and its
+ * scheduler sizes steps with the simulation's step-cost model, as the
+ * engine's does with its fitted one. With a latency target set, the
+ * adaptive controller runs as on the engine thread: once a window, at the
+ * instance's next plan (an idle instance wakes for it), from the window's
+ * p99 TTFT (requests finished in it) and p99 ITL (gaps ending in it) per
+ * class, kept in rings as the metrics keep them.
+ *
  * Pure: no clock, no thread; it allocates its tables at the start and
  * nothing per event.
  */
@@ -23,6 +33,7 @@
 #include <string.h>
 
 #include "../backends/backend.h"
+#include "engine_config.h"
 #include "router.h"
 #include "scheduler.h"
 
@@ -31,12 +42,58 @@
 typedef struct sim_req {
     int generated, n_output;
     bool started;
+    double t_last; /* the latest token's time */
 } sim_req;
+
+/* The newest `cap` (time, value) samples, as metrics.c's rings keep them
+ * for the controller's window. */
+typedef struct sim_ring {
+    double *t, *v;
+    int cap, head, n;
+} sim_ring;
+
+static bool ring_init(sim_ring *r, int cap) {
+    r->cap = cap;
+    r->t = malloc((size_t)cap * sizeof *r->t);
+    r->v = malloc((size_t)cap * sizeof *r->v);
+    return r->t && r->v;
+}
+
+static void ring_push(sim_ring *r, double t, double v) {
+    r->t[r->head] = t;
+    r->v[r->head] = v;
+    r->head = (r->head + 1) % r->cap;
+    if (r->n < r->cap) r->n++;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* The nearest-rank p99 of the samples stamped in (lo, hi] (scratch holds
+ * cap values); *n_out gets their count. */
+static double ring_p99(const sim_ring *r, double lo, double hi, double *scratch, int *n_out) {
+    int n = 0;
+    for (int i = 0; i < r->n; i++)
+        if (r->t[i] > lo && r->t[i] <= hi) scratch[n++] = r->v[i];
+    *n_out = n;
+    if (n == 0) return 0;
+    qsort(scratch, (size_t)n, sizeof *scratch, cmp_double);
+    int rank = (int)ceil(0.99 * n);
+    return scratch[rank < 1 ? 0 : rank - 1];
+}
 
 typedef struct sim_inst {
     duet_sched *s;
     bool stepping;
+    bool idle_tick;       /* idle, waking only for the controller's window */
     int64_t t_event;      /* the step's end, or the wait's; INT64_MAX when idle */
+    /* The adaptive controller, when a target is set. */
+    duet_ctl ctl;
+    double share;
+    int64_t ctl_next;
+    sim_ring ttft[2], itl[2]; /* per class */
     duet_sched_seq *seqs; /* the outstanding step's plan, copied */
     duet_sched_result *results;
     int n_seqs, n_tokens;
@@ -52,15 +109,39 @@ typedef struct sim {
     int n_inst;
     duet_router *router;
     duet_sim_stats stats;
+    duet_engine_setup su;
+    bool ctl_on;
+    double *scratch; /* the rings' p99s */
 } sim;
+
+/* One controller window of instance k at `now`, as the engine's
+ * controller_tick (engine_config.h does the rest). */
+static void ctl_tick(sim *f, int k, int64_t now) {
+    sim_inst *in = &f->inst[k];
+    double t = (double)now / NS, lo = t - (double)f->su.ctl_window_ns / NS;
+    duet_ctl_window w = {0}; /* arrival_rate: the controller does not read it */
+    for (int c = 0; c < 2; c++) {
+        w.ttft_p99_s[c] = ring_p99(&in->ttft[c], lo, t, f->scratch, &w.ttft_n[c]);
+        w.itl_p99_s[c] = ring_p99(&in->itl[c], lo, t, f->scratch, &w.itl_n[c]);
+    }
+    duet__engine_ctl_tick(&in->ctl, &w, in->s, &in->share, f->su.slo_itl_s);
+    f->stats.controller_windows++;
+}
 
 static void plan_at(sim *f, int k, int64_t now) {
     sim_inst *in = &f->inst[k];
+    if (f->ctl_on && now >= in->ctl_next) {
+        ctl_tick(f, k, now);
+        in->ctl_next = now + f->su.ctl_window_ns;
+    }
     duet_sched_plan plan;
     duet_sched_action a = duet__sched_plan(in->s, now, &plan);
-    in->stepping = false;
+    in->stepping = in->idle_tick = false;
     if (a == DUET_SCHED_IDLE) {
-        in->t_event = INT64_MAX;
+        /* With the controller on, idle windows count too (the engine
+         * wakes for them). */
+        in->idle_tick = f->ctl_on;
+        in->t_event = f->ctl_on ? in->ctl_next : INT64_MAX;
         return;
     }
     if (a == DUET_SCHED_WAIT) {
@@ -97,6 +178,7 @@ static duet_status step_end(sim *f, int k, int64_t now) {
         sim_req *q = &f->rq[r];
         duet_sched_result *res = &in->results[i];
         *res = (duet_sched_result){.id = s->id};
+        int prio = f->reqs[r].priority == DUET_PRIORITY_BATCH;
         if (s->logits) {
             res->n_generated = 1;
             if (f->p->on_token) f->p->on_token(r, q->generated, t, f->p->user);
@@ -104,7 +186,10 @@ static duet_status step_end(sim *f, int k, int64_t now) {
             if (!q->started) {
                 q->started = true;
                 f->out[r].first_token = t;
+            } else if (f->ctl_on) {
+                ring_push(&in->itl[prio], t, t - q->t_last);
             }
+            q->t_last = t;
             q->generated++;
             res->finished = q->generated >= q->n_output;
         }
@@ -112,6 +197,7 @@ static duet_status step_end(sim *f, int k, int64_t now) {
             duet__router_done(f->router, s->id);
             f->out[r].done = t;
             f->out[r].n_generated = q->generated;
+            if (f->ctl_on) ring_push(&in->ttft[prio], t, f->out[r].first_token - f->reqs[r].arrival);
         }
     }
     return duet__sched_step_done(in->s, now, in->results, in->n_seqs);
@@ -136,39 +222,25 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
                 "simulate: request %d arrives at %g s: arrivals must be finite, >= 0 and in order", i,
                 reqs[i].arrival);
 
-    /* The engine's defaults for knobs left at 0, as duet_engine_start does. */
-    duet_engine_params e = p->engine, d = duet_engine_params_default();
-    if (!e.max_batch_seqs) e.max_batch_seqs = d.max_batch_seqs;
-    if (!e.max_batch_tokens) e.max_batch_tokens = d.max_batch_tokens;
-    if (e.batch_timeout_ms < 0) e.batch_timeout_ms = d.batch_timeout_ms;
-    if (!e.prefill_chunk) e.prefill_chunk = d.prefill_chunk;
-    if (!e.max_waiting) e.max_waiting = d.max_waiting;
-    if (!e.kv_block_size) e.kv_block_size = d.kv_block_size;
-    /* What the scheduler does not check itself, duet_engine_start does. */
-    if (e.max_batch_tokens < e.max_batch_seqs || e.prefill_chunk < 1 || e.prefill_chunk > e.max_batch_tokens)
-        return duet__error(
-            DUET_INVALID_ARGUMENT,
-            "simulate: want max_batch_seqs (%d) <= max_batch_tokens (%d) and prefill_chunk (%d) "
-            "in [1, max_batch_tokens]",
-            e.max_batch_seqs, e.max_batch_tokens, e.prefill_chunk);
+    /* The engine's defaults and checks, then its configuration. */
+    duet_engine_params e;
+    duet_status st = duet__engine_params_check(&p->engine, &e);
+    if (st) return st;
     int n_ctx = p->n_ctx > 0 ? p->n_ctx : p->cost.n_ctx > 0 ? p->cost.n_ctx : 2048;
     int blocks_per_seq = (n_ctx + e.kv_block_size - 1) / e.kv_block_size;
-    duet_sched_config sc = {.max_seqs = e.max_batch_seqs,
-                            .max_tokens = e.max_batch_tokens,
-                            .max_waiting = e.max_waiting,
-                            .n_ctx = n_ctx,
-                            .kv_block_size = e.kv_block_size,
-                            .kv_blocks = e.kv_blocks > 0 ? e.kv_blocks : e.max_batch_seqs * blocks_per_seq,
-                            .knobs = {.max_batch_seqs = e.max_batch_seqs,
-                                      .max_batch_tokens = e.max_batch_tokens,
-                                      .prefill_chunk = e.prefill_chunk,
-                                      .max_waiting = e.max_waiting,
-                                      .batch_timeout_ns = (int64_t)(e.batch_timeout_ms * 1e6)}};
-
     sim f = {.p = p, .reqs = reqs, .out = out, .n_inst = p->n_instances};
+    duet__engine_setup(&e, n_ctx, e.kv_blocks > 0 ? e.kv_blocks : e.max_batch_seqs * blocks_per_seq, 0,
+                       &f.su);
+    const duet_sched_config sc = f.su.sched;
     f.rq = calloc((size_t)n + 1, sizeof *f.rq);
     f.inst = calloc((size_t)f.n_inst, sizeof *f.inst);
-    duet_status st = f.rq && f.inst ? DUET_OK : duet__error(DUET_OUT_OF_MEMORY, "simulate: out of memory");
+    st = f.rq && f.inst ? DUET_OK : duet__error(DUET_OUT_OF_MEMORY, "simulate: out of memory");
+    /* The rings hold what metrics.c's do (4096 first-token and 32768
+     * inter-token samples per class), or every sample there will be. */
+    int64_t tokens = 0;
+    for (int i = 0; i < n; i++)
+        tokens += reqs[i].n_output > 0 ? reqs[i].n_output : 0;
+    int cap_ttft = n < 4096 ? n + 1 : 4096, cap_itl = tokens < 32768 ? (int)tokens + 1 : 32768;
     for (int k = 0; !st && k < f.n_inst; k++) {
         sim_inst *in = &f.inst[k];
         in->t_event = INT64_MAX;
@@ -176,7 +248,20 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
         in->results = calloc((size_t)sc.max_seqs, sizeof *in->results);
         if (!in->seqs || !in->results) st = duet__error(DUET_OUT_OF_MEMORY, "simulate: out of memory");
         if (!st) st = duet__sched_new(&sc, &in->s);
+        /* The engine's scheduler sizes steps with its fitted model; here
+         * the simulation's model is the device. */
+        if (!st) duet__sched_set_cost(in->s, &p->cost);
+        if (!st) st = duet__ctl_init(&in->ctl, &f.su.ctl);
+        if (!st) f.ctl_on = duet__ctl_active(&in->ctl);
+        in->share = f.su.budget_share;
+        in->ctl_next = f.su.ctl_window_ns;
+        for (int c = 0; !st && f.ctl_on && c < 2; c++)
+            if (!ring_init(&in->ttft[c], cap_ttft) || !ring_init(&in->itl[c], cap_itl))
+                st = duet__error(DUET_OUT_OF_MEMORY, "simulate: out of memory");
     }
+    if (!st && f.ctl_on &&
+        !(f.scratch = malloc((size_t)(cap_itl > cap_ttft ? cap_itl : cap_ttft) * sizeof *f.scratch)))
+        st = duet__error(DUET_OUT_OF_MEMORY, "simulate: out of memory");
     /* The router, as the server configures it for identical instances; its
      * speeds start at the model's single-sequence decode rate. */
     duet_router_instance_config rc[DUET_ROUTER_MAX_INSTANCES];
@@ -197,10 +282,13 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
     int next = 0;
     while (!st) {
         int k = -1;
-        for (int i = 0; i < f.n_inst; i++)
+        bool busy = false; /* some instance has work (not only a controller window) */
+        for (int i = 0; i < f.n_inst; i++) {
             if (f.inst[i].t_event != INT64_MAX && (k < 0 || f.inst[i].t_event < f.inst[k].t_event)) k = i;
+            busy = busy || (f.inst[i].t_event != INT64_MAX && !f.inst[i].idle_tick);
+        }
         int64_t t_arr = next < n ? (int64_t)llround(reqs[next].arrival * NS) : INT64_MAX;
-        if (k < 0 && next >= n) break;
+        if (!busy && next >= n) break;
         if (next < n && (k < 0 || t_arr <= f.inst[k].t_event)) {
             /* An arrival. */
             const duet_sim_request *q = &reqs[next];
@@ -246,9 +334,10 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
         }
         /* An instance's event: its step ends, or its wait does. */
         int64_t now = f.inst[k].t_event;
-        if (f.inst[k].stepping) st = step_end(&f, k, now);
+        bool step = f.inst[k].stepping;
+        if (step) st = step_end(&f, k, now);
         if (!st) plan_at(&f, k, now);
-        if (now > f.stats.end * NS) f.stats.end = (double)now / NS;
+        if (step && now > f.stats.end * NS) f.stats.end = (double)now / NS;
     }
     for (int k = 0; f.inst && k < f.n_inst; k++) {
         if (f.inst[k].s) {
@@ -259,7 +348,12 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
         duet__sched_free(f.inst[k].s);
         free(f.inst[k].seqs);
         free(f.inst[k].results);
+        for (int c = 0; c < 2; c++) {
+            free(f.inst[k].ttft[c].t), free(f.inst[k].ttft[c].v);
+            free(f.inst[k].itl[c].t), free(f.inst[k].itl[c].v);
+        }
     }
+    free(f.scratch);
     free(f.inst);
     free(f.rq);
     duet__router_free(f.router);

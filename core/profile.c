@@ -226,7 +226,7 @@ duet_status duet_profile_run(const char *model_path, const duet_profile_params *
     pr.out = malloc((size_t)(max_dec + 1) * sizeof(int32_t));
     pr.tables = malloc((size_t)op.n_seqs * pr.max_blocks * sizeof(int32_t));
     duet_step_sample *out = calloc((size_t)cap, sizeof *out);
-    double *times = malloc((size_t)p.repeats * sizeof *times);
+    double *times = malloc((size_t)cap * (size_t)p.repeats * sizeof *times);
     if (!grid || !pr.tok || !pr.pos || !pr.seq || !pr.out || !pr.tables || !out || !times) {
         st = duet__error(DUET_OUT_OF_MEMORY, "profile: out of memory");
         goto done;
@@ -243,23 +243,36 @@ duet_status duet_profile_run(const char *model_path, const duet_profile_params *
 
     double t_start = now_s();
     if ((st = prefill_shared(&pr, max_cx))) goto done;
-    int done = 0;
+    /* Each shape once untimed (first use), then the repeats in rounds over
+     * the whole grid: a slow moment of the machine lands on one round of
+     * every shape, not on all repeats of one (its median stays clean). */
+    int warmed = 0, rounds = 0;
     for (int i = 0; i < n && !st; i++) {
         if (now_s() - t_start > p.budget_s) break;
         double t;
-        if ((st = run_shape(&pr, &grid[i], &t))) break; /* first use: not timed */
-        for (int r = 0; r < p.repeats && !st; r++)
-            st = run_shape(&pr, &grid[i], &times[r]);
-        if (st) break;
-        qsort(times, (size_t)p.repeats, sizeof *times, cmp_double);
+        if (!(st = run_shape(&pr, &grid[i], &t))) warmed++;
+    }
+    for (int r = 0; r < p.repeats && !st; r++) {
+        int k = 0;
+        for (; k < warmed && !st; k++) {
+            if (r > 0 && now_s() - t_start > p.budget_s) break;
+            st = run_shape(&pr, &grid[k], &times[(size_t)k * p.repeats + r]);
+        }
+        if (k < warmed) break; /* out of time: the rounds so far */
+        rounds++;
+        if (p.progress) p.progress(rounds * warmed / p.repeats, n, p.user);
+    }
+    int done = 0;
+    for (int i = 0; i < warmed && !st && rounds > 0; i++) {
+        double *ti = &times[(size_t)i * p.repeats];
+        qsort(ti, (size_t)rounds, sizeof *ti, cmp_double);
         duet_step_sample *s = &out[done++];
-        s->seconds =
-            p.repeats % 2 ? times[p.repeats / 2] : (times[p.repeats / 2 - 1] + times[p.repeats / 2]) / 2;
+        s->seconds = rounds % 2 ? ti[rounds / 2] : (ti[rounds / 2 - 1] + ti[rounds / 2]) / 2;
         for (int k = 0; k < grid[i].n_dec; k++)
             duet_step_shape_add(&s->shape, grid[i].dec_ctx, 1, true);
         if (grid[i].chunk > 0) duet_step_shape_add(&s->shape, grid[i].chunk_pos, grid[i].chunk, false);
-        if (p.progress) p.progress(done, n, p.user);
     }
+    if (p.progress && done) p.progress(n, n, p.user);
     if (!st && done < 2)
         st = duet__error(DUET_INVALID_ARGUMENT, "profile: only %d shape(s) ran within the %g s budget", done,
                          p.budget_s);

@@ -83,6 +83,51 @@ START_TEST(lone_request_timeline) {
 }
 END_TEST
 
+/* Request 0's largest gap between tokens from `after` on. */
+typedef struct gaps {
+    double after, last, max;
+} gaps;
+
+static void on_token_gap(int request, int index, double t, void *user) {
+    gaps *g = user;
+    if (request != 0) return;
+    if (index > 0 && t > g->after && t - g->last > g->max) g->max = t - g->last;
+    g->last = t;
+}
+
+START_TEST(serve_targets_budget_steps_and_run_the_controller) {
+    /* A long decode, then a 1000-token prompt: without targets its 128-token
+     * chunks ride along with the decode (5 + 1 + 64 ms steps); with an ITL
+     * target of 40 ms the step budget (0.8 of it, as duet serve starts)
+     * cuts them to what fits 32 ms, and the controller runs each window. */
+    duet_sim_params p = params(5);
+    p.n_ctx = 2048;
+    p.cost.coef[1] = 1 * MS;
+    p.cost.coef[2] = 0.5 * MS;
+    duet_sim_request r[2] = {{.arrival = 0, .n_prompt = 16, .n_output = 800},
+                             {.arrival = 0.1, .n_prompt = 1000, .n_output = 1}};
+    duet_sim_outcome o[2];
+    duet_sim_stats st;
+    gaps g = {.after = 0.1};
+    p.on_token = on_token_gap;
+    p.user = &g;
+    ck_assert_int_eq(duet_simulate(&p, r, 2, o, &st), DUET_OK);
+    ck_assert_msg(near(g.max, 0.070), "largest gap %.9f without a target", g.max);
+    ck_assert(st.controller_windows == 0);
+    double plain_first = o[1].first_token;
+
+    p.engine.slo_itl_ms[DUET_PRIORITY_INTERACTIVE] = 40;
+    g = (gaps){.after = 0.1};
+    ck_assert_int_eq(duet_simulate(&p, r, 2, o, &st), DUET_OK);
+    ck_assert_msg(g.max <= 0.032 + 1e-9 && g.max > 0.025, "largest gap %.9f under a 32 ms budget", g.max);
+    ck_assert_msg(o[1].first_token > plain_first, "the long prompt's first token: %g, %g without",
+                  o[1].first_token, plain_first);
+    ck_assert_msg(st.controller_windows >= 2, "controller windows: %llu",
+                  (unsigned long long)st.controller_windows);
+    ck_assert(o[0].status == DUET_OK && o[0].n_generated == 800 && o[1].status == DUET_OK);
+}
+END_TEST
+
 START_TEST(batching_and_batch_timeout) {
     duet_sim_params p = params(10);
     duet_sim_request r[3] = {{.arrival = 0, .n_prompt = 8, .n_output = 3},
@@ -241,6 +286,7 @@ int main(void) {
     tcase_set_timeout(tc, 120);
     tcase_add_test(tc, lone_request_timeline);
     tcase_add_test(tc, batching_and_batch_timeout);
+    tcase_add_test(tc, serve_targets_budget_steps_and_run_the_controller);
     tcase_add_test(tc, refusals_and_context_clamp);
     tcase_add_test(tc, router_spreads_work);
     tcase_add_test(tc, long_poisson_run);

@@ -213,6 +213,28 @@ class Simulate(unittest.TestCase):
         self.assertIn("--slo-ttft-ms", p.stderr)
         p = bench("--in-process", "-m", MODEL, "--instances", "2", check=False)
         self.assertIn("belong to --simulate", p.stderr)
+        p = bench("--simulate", self.prof, "--sim-slo-itl-ms", "interactive=fast", "--no-plots", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--sim-slo-itl-ms wants MS or interactive=MS,batch=MS", p.stderr)
+        p = bench("--in-process", "-m", MODEL, "--sim-slo-ttft-ms", "500", check=False)
+        self.assertIn("belong to --simulate", p.stderr)
+
+    def test_server_targets(self):
+        """--sim-slo-itl-ms runs the simulated servers as duet serve
+        --slo-itl-ms would: long prompts joining running decodes are cut
+        to the step budget, so the p99 ITL drops (and TTFT grows)."""
+        prof = os.path.join(self.dir, "slo.json")
+        write_profile(prof, [0.005, 0.001, 0.0005, 0, 0], n_ctx=2048)
+        args = ["--simulate", prof, "--request-rate", "4", "--num-prompts", "60", "--random-input-len", "600",
+                "--random-output-len", "40", "--random-range-ratio", "0.5", "--no-plots", "--seed", "1", "-m",
+                MODEL]
+        a, b = os.path.join(self.dir, "plain"), os.path.join(self.dir, "slo")
+        bench(*args, "--output-dir", a)
+        bench(*args, "--sim-slo-itl-ms", "40", "--output-dir", b)
+        pa, pb = self.points(a)[0], self.points(b)[0]
+        self.assertGreater(float(pa["itl_p99_ms"]), 60)
+        self.assertLess(float(pb["itl_p99_ms"]), 40)
+        self.assertGreater(float(pb["ttft_p50_ms"]), float(pa["ttft_p50_ms"]))
 
 
 class ServeStepCost(unittest.TestCase):

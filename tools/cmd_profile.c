@@ -28,8 +28,8 @@ static void usage(FILE *f) {
                "      --decode-batches L    decode batch sizes (default 1,2,4,8,16)\n"
                "      --chunks L            prompt chunk sizes (default 16,32,64,128)\n"
                "      --contexts L          contexts, in tokens before the step (default 16,128,512)\n"
-               "      --repeats N           timed runs per shape, the median kept (default 3)\n"
-               "      --budget S            stop starting new shapes after S seconds (default 45)\n"
+               "      --repeats N           timed rounds of the grid, medians kept (default 3)\n"
+               "      --budget S            no new shapes or rounds after S seconds (default 45)\n"
                "      --quiet               no progress line\n");
 }
 
