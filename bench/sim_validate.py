@@ -5,7 +5,7 @@ For each backend: `duet profile` measures the step costs; a `duet serve`
 (default knobs) is started; its capacity is measured (every request at
 once: the request throughput at saturation); then at each load (a share of
 that capacity) `runs` real runs (duet-bench over HTTP, Poisson arrivals,
-seeds 1..runs) and the same runs simulated (duet-bench --simulate with the
+seeds of their own per load) and the same runs simulated (duet-bench --simulate with the
 profile, the same seeds, so the same prompts and arrival times). The
 predicted p50 TTFT and ITL should be within 15% of the real runs' median,
 and the p99s within 25% or within the real runs' own range (min..max),
@@ -156,10 +156,14 @@ def main():
                 json.dump(doc, fh, indent=1)
             models = {"profile": prof, "online": prof_online}
             rows = []
-            for f in loads:
+            for li, f in enumerate(loads):
                 rate = round(f * capacity, 4)
                 real, sim = [], {m: [] for m in models}
-                for seed in range(1, a.runs + 1):
+                # Seeds of their own per load: the same seed's prompts again
+                # would be served from the server's prefix cache (a 32-token
+                # prompt's first 32 tokens are two cached blocks), which the
+                # simulator does not model.
+                for seed in range(1 + 100 * (li + 1), a.runs + 1 + 100 * (li + 1)):
                     d = os.path.join(out, f"real-{backend}-{f}-{seed}")
                     sh([bench, "--base-url", base, "--request-rate", str(rate), "--seed", str(seed), "--warmup", "0",
                         "--output-dir", d, *wl], cmds)
@@ -199,7 +203,7 @@ def main():
     lines = [f"# duet-bench --simulate against real runs", "",
              f"Model `{os.path.basename(a.model)}`, {a.threads} threads, {a.num_prompts} requests a run "
              f"({a.input_len} prompt tokens, {a.output_len} output tokens, Poisson arrivals), {a.runs} real and "
-             f"{a.runs} simulated runs per load (seeds 1..{a.runs}: the same prompts and arrival times in both). "
+             f"{a.runs} simulated runs per load (seeds 101.., 201.., 301.. by load: the same prompts and arrival times in both; no prompt twice, so the server's prefix cache, which the simulator does not model, never hits). "
              "Measured: median over the real runs (min..max); predicted: median over the simulated runs. "
              "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Two step-cost models: "
              "`duet profile`'s (measured before the server started) and the engine's own online fit, read from "
