@@ -1,4 +1,5 @@
-/* duet.c — the public API: open a model on a backend, tokenize, generate. */
+/* duet.c — the public API: open a model on a backend, tokenize, evaluate,
+ * and generate as a synchronous client of the handle's own instance. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -6,14 +7,14 @@
 
 #include "duet.h"
 #include "forward.h"
-#include "sampler.h"
 #include "speculative.h"
 #include "tokenizer.h"
 #include "duet_internal.h"
 
 /* Prefill runs in chunks of this many tokens (the step's activation size). */
 #define DUET_PREFILL_CHUNK 256
-/* Logit rows one step can return (decode of many sequences, spec verify). */
+/* Logit rows one step of the handle's run state can return (duet_quality_eval
+ * scores that many positions per step). */
 #define DUET_MAX_OUT 64
 
 duet_open_params duet_open_params_default(void) {
@@ -97,6 +98,7 @@ duet_status duet__draft_open(duet_model *m, const char *path, const duet_open_pa
     }
     duet_model_close(v);
     dp.vocab_only = false;
+    dp.weights_only = true; /* an engine makes the draft's KV pool */
     dp.n_ctx = m->n_ctx;
     dp.n_seqs = 1;
     st = model_open(path, &dp, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, m, out);
@@ -108,7 +110,10 @@ duet_status duet__draft_open(duet_model *m, const char *path, const duet_open_pa
 }
 
 duet_status duet_model_open(const char *path, const duet_open_params *params, duet_model **out) {
-    return duet__model_open(path, params, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, out);
+    /* Run states come at first use: duet_generate's is its instance's. */
+    duet_open_params p = params ? *params : duet_open_params_default();
+    p.weights_only = true;
+    return duet__model_open(path, &p, DUET_PREFILL_CHUNK, DUET_MAX_OUT, 0, 0, out);
 }
 
 duet_model *duet__model_ref(duet_model *m) {
@@ -279,6 +284,10 @@ static duet_status model_open(const char *path, const duet_open_params *params, 
                                                kv_block_size, kv_blocks, &m->run)))
         goto fail;
     if (m->spec_mode == DUET_SPEC_DRAFT && (st = duet__draft_open(m, p.draft, &p, &m->draft))) goto fail;
+    if (m->spec_mode == DUET_SPEC_DRAFT && !(m->draft_path = strdup(p.draft))) {
+        st = duet__error(DUET_OUT_OF_MEMORY, "out of memory");
+        goto fail;
+    }
     *out = m;
     return DUET_OK;
 fail:;
@@ -290,7 +299,10 @@ fail:;
 void duet_model_close(duet_model *m) {
     if (!m) return;
     if (atomic_fetch_sub(&m->refs, 1) > 1) return; /* an engine still serves it */
+    /* duet_generate's instance borrows m and m->draft: it goes first. */
+    duet_engine_stop(m->client, false);
     duet_model_close(m->draft);
+    free(m->draft_path);
     duet__run_free(m, &m->run);
     if (m->be) duet__weights_free(m->be, &m->w);
     if (!m->host) duet_backend_close(m->be);
@@ -363,37 +375,6 @@ static duet_status eval_seq0(duet_model *m, const int32_t *tokens, int n, int po
     return DUET_OK;
 }
 
-/* Evaluates tokens[0..n) (n <= DUET_MAX_OUT) of sequence 0 at pos0.. in
- * one step with the logits of every row: speculative verification. */
-static duet_status eval_rows(duet_model *m, const int32_t *tokens, int n, int pos0) {
-    int32_t pos[DUET_MAX_OUT], seq[DUET_MAX_OUT], out[DUET_MAX_OUT];
-    for (int i = 0; i < n; i++) {
-        pos[i] = pos0 + i;
-        seq[i] = 0;
-        out[i] = i;
-    }
-    duet_batch b = {.n_tokens = n, .tokens = tokens, .pos = pos, .seq = seq, .n_out = n, .out = out};
-    return duet__run_forward(m, &m->run, &b, m->run.logits);
-}
-
-/* The draft model's proposal of k tokens after hist[0..len): its KV first
- * catches up with the stream (from *dpos, the tokens it holds), then each
- * draft token is drawn from q, the draft's distribution under `dsmp` (the
- * request's settings without penalties), and fed back, except the last.
- * q's rows go to q_ids/q_probs[j * n_vocab], their sizes to q_n[j]. */
-static duet_status draft_propose(duet_model *dm, duet_sampler *dsmp, const int32_t *hist, int len, int *dpos,
-                                 int k, int32_t *out, int32_t *q_ids, float *q_probs, int *q_n) {
-    const size_t V = (size_t)dm->hp.n_vocab;
-    duet_status st = eval_seq0(dm, hist + *dpos, len - *dpos, *dpos);
-    if (st) return st;
-    *dpos = len;
-    for (int j = 0; j < k; j++) {
-        out[j] = duet__spec_draw(dsmp, dm->run.logits, (int)V, q_ids + j * V, q_probs + j * V, &q_n[j]);
-        if (j + 1 < k && (st = eval_seq0(dm, &out[j], 1, len + j))) return st;
-    }
-    return DUET_OK;
-}
-
 duet_status duet_eval(duet_model *m, const int32_t *tokens, int n, int pos0, float *logits) {
     if (!m || !tokens || n < 1) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: bad arguments");
     if (m->vocab_only) return duet__error(DUET_INVALID_ARGUMENT, "duet_eval: model was opened vocab-only");
@@ -405,6 +386,76 @@ duet_status duet_eval(duet_model *m, const int32_t *tokens, int n, int pos0, flo
     if (!st) st = eval_seq0(m, tokens, n, pos0);
     if (!st && logits) memcpy(logits, m->run.logits, (size_t)m->hp.n_vocab * sizeof(float));
     return st;
+}
+
+/* duet_generate's request in flight on the handle's instance: its events
+ * arrive on the engine's thread; DONE wakes the caller. */
+typedef struct gen_wait {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool done;
+    duet_engine *e;
+    const duet_tokenizer *tok;
+    duet_token_fn fn;
+    void *user;
+    bool deliver; /* max_tokens > 0: tokens go to fn and count (0: the prefill alone) */
+    bool ignore_eos;
+    bool stopped; /* fn returned false: no further call; the request is cancelled */
+    duet_generate_stats *stats;
+    double t_first, c_first; /* when the first token came (wall, process CPU) */
+    double t_done, c_done;
+    duet_finish finish;
+    duet_status status;
+    char message[1024];
+} gen_wait;
+
+static void gen_event(const duet_event *ev, void *user) {
+    gen_wait *g = user;
+    if (ev->kind == DUET_EVENT_TOKEN) {
+        if (ev->token >= 0 && !g->t_first) g->t_first = now_seconds(), g->c_first = cpu_seconds();
+        if (g->stopped || !g->deliver) return;
+        if (ev->token >= 0) {
+            g->stats->generated_tokens++;
+            if (!g->ignore_eos && duet_tokenizer_is_eog(g->tok, ev->token)) g->stats->stopped_by_eos = true;
+        }
+        if (g->fn && !g->fn(ev->token, ev->text, ev->text_len, g->user)) {
+            g->stopped = true;
+            duet_engine_cancel(g->e, ev->request_id); /* refused only when it has just finished */
+        }
+        return;
+    }
+    if (ev->kind != DUET_EVENT_DONE) return;
+    pthread_mutex_lock(&g->mu);
+    g->t_done = now_seconds(), g->c_done = cpu_seconds();
+    g->finish = ev->finish;
+    g->status = ev->status;
+    snprintf(g->message, sizeof g->message, "%s", ev->message ? ev->message : "");
+    g->stats->spec_drafts = ev->spec_drafts;
+    g->stats->spec_draft_tokens = ev->spec_draft_tokens;
+    g->stats->spec_accepted_tokens = ev->spec_accepted_tokens;
+    g->done = true;
+    pthread_cond_signal(&g->cv);
+    pthread_mutex_unlock(&g->mu);
+}
+
+/* duet_generate's instance, started at the first call: one sequence, the
+ * handle's context and KV type, prefill in chunks of DUET_PREFILL_CHUNK,
+ * no batching delay, the open params' speculation. */
+static duet_status client_start(duet_model *m) {
+    if (m->client) return DUET_OK;
+    duet_engine_params p = duet_engine_params_default();
+    p.open.n_ctx = m->n_ctx;
+    p.open.kv_type = m->kv_type;
+    p.open.spec = m->spec_mode == DUET_SPEC_NGRAM ? "ngram" : NULL;
+    p.open.draft = m->spec_mode == DUET_SPEC_DRAFT ? m->draft_path : NULL;
+    p.open.spec_k = m->spec_k;
+    p.max_batch_seqs = 1;
+    p.max_batch_tokens = DUET_PREFILL_CHUNK;
+    p.prefill_chunk = DUET_PREFILL_CHUNK;
+    p.max_waiting = 1;
+    p.batch_timeout_ms = 0;
+    p.spec_always = true; /* the caller chose speculation for this one stream: every draft is verified */
+    return duet__engine_start_borrowed(m, &p, &m->client);
 }
 
 duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, int max_tokens,
@@ -424,141 +475,47 @@ duet_status duet_generate(duet_model *m, const int32_t *prompt, int n_prompt, in
         if (prompt[i] < 0 || prompt[i] >= m->hp.n_vocab)
             return duet__error(DUET_INVALID_ARGUMENT, "generate: prompt token %d = %d out of range [0, %d)",
                                i, prompt[i], m->hp.n_vocab);
-    duet_status st = duet__model_own_run(m);
+    duet_status st = client_start(m);
     if (st) return st;
-    duet_sampling defaults = duet_sampling_default();
-    duet_sampler *smp;
-    st = duet_sampler_new(sampling ? sampling : &defaults, m->hp.n_vocab, &smp);
-    if (st) return st;
-    char *text = malloc(m->detok_size);
-    if (!text) {
-        duet_sampler_free(smp);
-        return duet__error(DUET_OUT_OF_MEMORY, "generate: out of memory for %zu bytes of text",
-                           m->detok_size);
-    }
-    for (int i = 0; i < n_prompt; i++)
-        duet_sampler_accept(smp, prompt[i]);
-
-    /* The context bounds generation: the last position is n_ctx - 1. */
-    if (max_tokens > m->n_ctx - n_prompt) max_tokens = m->n_ctx - n_prompt;
     stats->prompt_tokens = n_prompt;
-
+    duet_request q = {.prompt = prompt,
+                      .n_prompt = n_prompt,
+                      .max_tokens = max_tokens > 0 ? max_tokens : 1,
+                      .sampling = sampling ? *sampling : duet_sampling_default(),
+                      .priority = DUET_PRIORITY_INTERACTIVE,
+                      .ignore_eos = ignore_eos};
+    gen_wait g = {.e = m->client,
+                  .tok = m->tok,
+                  .fn = fn,
+                  .user = user,
+                  .deliver = max_tokens > 0,
+                  .ignore_eos = ignore_eos,
+                  .stats = stats};
+    pthread_mutex_init(&g.mu, NULL);
+    pthread_cond_init(&g.cv, NULL);
     double t0 = now_seconds();
-    st = eval_seq0(m, prompt, n_prompt, 0);
-    double t1 = now_seconds(), c1 = cpu_seconds();
-    stats->prefill_seconds = t1 - t0;
-
-    duet_detok detok;
-    bool after_bos = prompt[n_prompt - 1] == duet_tokenizer_bos(m->tok);
-    duet_detok_init(&detok, m->tok, after_bos && strcmp(duet_tokenizer_model(m->tok), "llama") == 0);
-    /* Speculation (speculative.h): the stream so far feeds the n-gram
-     * drafter; a step evaluates the newest token and nd drafts, and the
-     * next tokens come from its rows 0..nd in order (dj: the next row)
-     * until a draft is rejected. */
-    /* With a draft model, q (its distribution) comes with each draft token
-     * and dpos counts the stream tokens in its KV cache. */
-    const int V = m->hp.n_vocab;
-    bool spec = m->spec_mode != DUET_SPEC_OFF && max_tokens > 1;
-    bool draft = spec && m->spec_mode == DUET_SPEC_DRAFT;
-    int32_t *hist = NULL, step_tok[1 + DUET_SPEC_MAX_K];
-    duet_spec_verifier *ver = NULL;
-    duet_spec_adapt adapt;
-    duet__spec_adapt_init(&adapt, m->spec_k);
-    int nd = 0, dj = 0, kept = 0, dpos = 0, draft_len = 0;
-    duet_sampler *dsmp = NULL;
-    int32_t *q_ids = NULL;
-    float *q_probs = NULL;
-    int q_n[DUET_SPEC_MAX_K];
-    if (spec && !st) {
-        hist = malloc(((size_t)n_prompt + max_tokens) * sizeof *hist);
-        st = hist ? duet__spec_verifier_new(V, &ver)
-                  : duet__error(DUET_OUT_OF_MEMORY, "generate: out of memory for the token history");
-        if (hist) memcpy(hist, prompt, (size_t)n_prompt * sizeof *hist);
+    st = duet_engine_submit(m->client, &q, gen_event, &g, NULL);
+    if (st == DUET_BAD_REQUEST) { /* bad sampling settings: duet_generate's own code */
+        char why[512];
+        snprintf(why, sizeof why, "%s", duet_last_error());
+        st = duet__error(DUET_INVALID_ARGUMENT, "generate: %s", why);
     }
-    if (draft && !st) st = duet__model_own_run(m->draft);
-    if (draft && !st) {
-        duet_sampling ds = duet__spec_draft_sampling(sampling ? sampling : &defaults);
-        q_ids = malloc((size_t)m->spec_k * V * sizeof *q_ids);
-        q_probs = malloc((size_t)m->spec_k * V * sizeof *q_probs);
-        st = q_ids && q_probs
-                 ? duet_sampler_new(&ds, V, &dsmp)
-                 : duet__error(DUET_OUT_OF_MEMORY, "generate: out of memory for draft distributions");
+    if (!st) {
+        pthread_mutex_lock(&g.mu);
+        while (!g.done)
+            pthread_cond_wait(&g.cv, &g.mu);
+        pthread_mutex_unlock(&g.mu);
+        /* Prefill: to the first token (its sampling included); decode: from it to the end. */
+        double t1 = g.t_first ? g.t_first : g.t_done;
+        stats->prefill_seconds = t1 - t0;
+        stats->decode_seconds = g.t_done - t1;
+        stats->decode_cpu_seconds = g.t_first ? g.c_done - g.c_first : 0;
+        if (g.finish == DUET_FINISH_ERROR)
+            st = duet__error(g.status ? g.status : DUET_DEVICE, "generate: %s", g.message);
+        else if (g.finish == DUET_FINISH_CANCELLED && !g.stopped)
+            st = duet__error(DUET_CANCELLED, "generate: the instance stopped");
     }
-    bool stopped = false; /* fn returned false: it is not called again */
-    for (int i = 0; !st && i < max_tokens; i++) {
-        float *row = m->run.logits + (size_t)dj * V;
-        bool acc = false;
-        int32_t id =
-            dj < nd
-                ? duet__spec_verify(ver, smp, row, step_tok[1 + dj], draft ? q_ids + (size_t)dj * V : NULL,
-                                    draft ? q_probs + (size_t)dj * V : NULL, draft ? q_n[dj] : 0, &acc)
-                : duet_sampler_sample(smp, row);
-        kept += acc;
-        duet_sampler_accept(smp, id);
-        stats->generated_tokens++;
-        bool eog = !ignore_eos && duet_tokenizer_is_eog(m->tok, id);
-        int len = eog ? 0 : duet_detok_push(&detok, id, text, m->detok_size);
-        if (eog) stats->stopped_by_eos = true;
-        if (fn && !fn(id, text, (size_t)(len > 0 ? len : 0), user)) {
-            stopped = true;
-            break;
-        }
-        if (eog || i + 1 == max_tokens) break;
-        if (spec) hist[n_prompt + i] = id;
-        if (acc) { /* the next row is computed already */
-            dj++;
-            continue;
-        }
-        /* The newest token sits at stream position n_prompt + i. */
-        const int pos = n_prompt + i;
-        if (nd > 0) {
-            stats->spec_accepted_tokens += kept;
-            duet__spec_adapt_update(&adapt, nd, kept, m->spec_k);
-            /* The draft's KV holds the stream up to draft_len and its own
-             * drafts 1..nd-1 after it: valid as far as they were kept. */
-            if (draft) dpos = draft_len + (kept < nd - 1 ? kept : nd - 1);
-        }
-        nd = dj = kept = 0;
-        if (spec) {
-            /* Drafts fit the tokens still to come (the last comes from the
-             * target) and the context. */
-            int k = adapt.k;
-            if (k > max_tokens - (i + 1) - 1) k = max_tokens - (i + 1) - 1;
-            if (k > m->n_ctx - 1 - pos) k = m->n_ctx - 1 - pos;
-            if (k > 0 && draft) {
-                draft_len = pos + 1;
-                st = draft_propose(m->draft, dsmp, hist, draft_len, &dpos, k, step_tok + 1, q_ids, q_probs,
-                                   q_n);
-                nd = st ? 0 : k;
-            } else {
-                nd = k > 0 ? duet__spec_ngram(hist, pos + 1, DUET_SPEC_NGRAM_MIN, DUET_SPEC_NGRAM_MAX, k,
-                                              step_tok + 1)
-                           : 0;
-            }
-        }
-        if (st) break;
-        if (nd > 0) {
-            step_tok[0] = id;
-            stats->spec_drafts++;
-            stats->spec_draft_tokens += nd;
-            st = eval_rows(m, step_tok, 1 + nd, pos);
-        } else {
-            st = eval_seq0(m, &id, 1, pos);
-        }
-    }
-    if (nd > 0) stats->spec_accepted_tokens += kept; /* ended inside a speculative step */
-    free(hist);
-    duet__spec_verifier_free(ver);
-    duet_sampler_free(dsmp);
-    free(q_ids);
-    free(q_probs);
-    if (!st && fn && !stopped) {
-        int len = duet_detok_flush(&detok, text, m->detok_size);
-        if (len > 0) fn(-1, text, (size_t)len, user);
-    }
-    free(text);
-    stats->decode_seconds = now_seconds() - t1;
-    stats->decode_cpu_seconds = cpu_seconds() - c1;
-    duet_sampler_free(smp);
+    pthread_cond_destroy(&g.cv);
+    pthread_mutex_destroy(&g.mu);
     return st;
 }

@@ -7,7 +7,8 @@
  *
  * Thread safety: distinct `duet_model` handles may be used from different
  * threads at once. The synchronous API (duet_eval, duet_generate,
- * duet_quality_eval) uses one handle from one thread at a time; engines
+ * duet_quality_eval) uses one handle from one thread at a time (and not from
+ * inside a duet_generate callback); engines
  * serving a handle (duet_engine_start_model) share its weights safely with
  * each other and with that thread, and tokenizing is safe from any thread.
  * `duet_last_error` is per thread: it describes the last failure on the
@@ -100,9 +101,9 @@ typedef struct duet_open_params {
     int n_seqs;          /* concurrent sequences the KV cache holds; 0 = 1 */
     const char *kv_type; /* "f32", "f16", "q8_0"; NULL = f32 for f32 models, else f16 */
     bool vocab_only;     /* load metadata and tokenizer only (no backend, no weights) */
-    /* Load the weights but no run state of the handle's own (its KV cache
-     * and activations, for n_seqs sequences): for a model that engines
-     * serve (duet_engine_start_model). duet_eval and duet_generate make it
+    /* Kept for compatibility; it changes nothing: duet_model_open loads the
+     * weights only, and the handle's run states (duet_eval's KV cache and
+     * activations for n_seqs sequences; duet_generate's instance) are made
      * at their first call. */
     bool weights_only;
     /* Speculative decoding (duet_generate and the engine): NULL or "off",
@@ -342,7 +343,13 @@ typedef struct duet_generate_stats {
 
 /* Runs the prompt ids through the model, then samples up to max_tokens new
  * tokens, calling `fn` after each; stops at EOS (unless ignore_eos) or when
- * fn returns false. */
+ * fn returns false. It is a synchronous client of the handle's own instance:
+ * an engine (one sequence at a time, batch 1, the open params' speculation)
+ * started at the first call and kept until duet_model_close, so `fn` runs on
+ * that engine's thread while the caller waits, and its prefix cache lets a
+ * prompt that starts with an earlier call's prompt and output (a chat's next
+ * turn) reuse their KV blocks. A failed step returns its status (DUET_DEVICE,
+ * DUET_DEVICE_LOST: the handle then serves no more). */
 duet_status duet_generate(duet_model *model, const int32_t *prompt, int n_prompt, int max_tokens,
                           const duet_sampling *sampling, bool ignore_eos, duet_token_fn fn, void *user,
                           duet_generate_stats *stats);
@@ -496,9 +503,11 @@ typedef struct duet_event {
     size_t text_len;
     duet_finish finish;  /* DONE */
     const char *message; /* DONE with ERROR */
+    duet_status status;  /* DONE with ERROR: the failure's code (DUET_DEVICE_LOST, ...); else DUET_OK */
     int instance;        /* from a fleet: the instance that served it (its index); 0 from an engine */
     int prompt_tokens, generated_tokens;
     double queue_seconds, ttft_seconds, total_seconds; /* DONE: timings */
+    int spec_drafts;                                   /* DONE: steps that verified drafts */
     int spec_draft_tokens, spec_accepted_tokens;       /* DONE: speculative drafts proposed and kept */
 } duet_event;
 

@@ -14,9 +14,11 @@
  *   scheduler, engine thread and knobs;
  * - the sequence (engine.c's engine_req): sampler, detokenizer, stop
  *   matcher, finish rule.
- * The synchronous API (duet_eval, duet_generate, duet_quality_eval) runs on
- * the handle's own run state, model->run, made at open (or at first use for
- * a model opened weights_only).
+ * duet_generate is a synchronous client of an instance: the handle's own
+ * engine (model->client), started at its first call and borrowing the
+ * model. duet_eval and duet_quality_eval (one forward at a time, not a
+ * decode loop) run on the handle's run state, model->run, made at their
+ * first call (duet__model_open's callers with a geometry get it at open).
  *
  * Locking: a model's weights are read-only once loaded. A run on its own
  * stream (every engine's, when the backend has streams) records, allocates
@@ -63,11 +65,15 @@ struct duet_model {
     duet_open_params open;     /* as opened (backend name not kept): n_ctx, n_seqs, kv_type for runs */
     char kv_type[8];           /* open.kv_type's text ("" = default) */
     int n_ctx;                 /* the context runs get unless they ask for another */
-    duet_run run;              /* the synchronous API's run state (state NULL until made) */
+    duet_run run;              /* duet_eval's run state (state NULL until made) */
     size_t detok_size;         /* bytes a detokenizer buffer needs for any one token */
-    int spec_mode;             /* duet_spec_mode: how duet_generate speculates */
+    int spec_mode;             /* duet_spec_mode: how duet_generate's instance speculates */
     int spec_k;                /* with at most this many draft tokens per step */
     duet_model *draft;         /* the draft model (spec_mode DUET_SPEC_DRAFT; owned), or NULL */
+    char *draft_path;          /* its file (owned), for the instance's params */
+    /* duet_generate's instance: started at its first call, borrowing this
+     * model (it holds no reference); stopped by the model's last close. */
+    duet_engine *client;
     /* A draft model's target, whose backend (device and device_mu) it
      * shares: borrowed, it outlives the draft. NULL for a model of its own. */
     duet_model *host;
@@ -82,10 +88,11 @@ duet_status duet__model_open(const char *path, const duet_open_params *params, i
                              int max_out, int kv_block_size, int kv_blocks, duet_model **out);
 
 /* Opens `path` as a draft model for target m (p: the target's open
- * params, of which n_threads, kv_type and weights_only apply): its
- * vocabulary is checked against m's token for token first (DUET_BAD_MODEL
- * naming both otherwise), then its weights load on m's backend, which it
- * shares (m->device_mu serialises both). The draft must be closed before m. */
+ * params, of which n_threads and kv_type apply): its vocabulary is checked
+ * against m's token for token first (DUET_BAD_MODEL naming both otherwise),
+ * then its weights load on m's backend, which it shares (m->device_mu
+ * serialises both); it has no run state of its own (an engine makes the
+ * draft's KV pool). The draft must be closed before m. */
 duet_status duet__draft_open(duet_model *m, const char *path, const duet_open_params *p, duet_model **out);
 
 /* Another reference to m (for an engine that serves it); duet_model_close
@@ -107,12 +114,16 @@ void duet__run_free(duet_model *m, duet_run *run);
  * device_mu); the logits land in `logits` (b->n_out rows of n_vocab;
  * run->logits fits max_out). */
 duet_status duet__run_forward(duet_model *m, duet_run *run, const duet_batch *b, float *logits);
-/* Makes m->run at first use when the model was opened weights_only. */
+/* Makes m->run at first use (duet_eval, duet_quality_eval). */
 duet_status duet__model_own_run(duet_model *m);
 
 /* The backend an engine's steps record on: its stream, or the model's
  * backend when that has no streams (tests inject faults there). */
 duet_backend *duet__engine_backend(duet_engine *e);
+
+/* duet_engine_start_model, except that the engine borrows m (holds no
+ * reference): m's owner stops it before m goes (duet_generate's instance). */
+duet_status duet__engine_start_borrowed(duet_model *m, const duet_engine_params *params, duet_engine **out);
 
 /* The engine's metrics, its gauges refreshed (for a fleet's export and
  * its router's speed estimates). Takes the engine's lock briefly. */

@@ -85,7 +85,7 @@ typedef struct engine_req {
     bool spec_stop;
     int spec_kept;
     duet_spec_adapt adapt;
-    int spec_drafted, spec_accepted;
+    int spec_steps, spec_drafted, spec_accepted;
     /* With a draft model: the stream tokens its KV holds (after an
      * admission, those of the shared cached blocks it holds too; it catches
      * up when the request next drafts, so steps without drafts cost it
@@ -102,7 +102,8 @@ typedef struct engine_req {
 
 struct duet_engine {
     int seq_capacity;  /* tokens (prompt + generated) one request can ever hold */
-    duet_model *model; /* shared, one reference held */
+    duet_model *model; /* shared, one reference held (none when borrowed) */
+    bool borrowed;     /* the model's own instance (duet__engine_start_borrowed): it owns us */
     /* This instance's queue on the model's device (NULL: the backend has
      * no streams; the runs then use the model's backend, under its lock). */
     duet_backend *stream;
@@ -145,6 +146,7 @@ struct duet_engine {
     int max_tokens, max_seqs;
     char *text; /* [model->detok_size] a token's text, for the engine thread */
     char *err;  /* message of a failed step [ENGINE_ERR_SIZE] */
+    duet_status err_st; /* and its status */
     /* Set once, under the lock, when the device is lost: "device lost: <message>". */
     bool lost;
     char lost_why[ENGINE_ERR_SIZE];
@@ -284,8 +286,10 @@ static void emit_done(duet_engine *e, engine_req *r, duet_finish finish, const c
                      .token = -1,
                      .finish = finish,
                      .message = message,
+                     .status = finish == DUET_FINISH_ERROR ? e->err_st : DUET_OK,
                      .prompt_tokens = r->n_prompt,
                      .generated_tokens = r->n_gen,
+                     .spec_drafts = r->spec_steps,
                      .spec_draft_tokens = r->spec_drafted,
                      .spec_accepted_tokens = r->spec_accepted};
     int64_t first = r->t_first_sched ? r->t_first_sched : now;
@@ -492,7 +496,7 @@ duet_status duet_engine_submit(duet_engine *e, const duet_request *q, duet_event
     r->lp_valid = false;
     r->spec = e->spec && !q->grammar;
     duet__spec_adapt_init(&r->adapt, e->spec_k);
-    r->spec_drafted = r->spec_accepted = 0;
+    r->spec_steps = r->spec_drafted = r->spec_accepted = 0;
     r->dlen = r->dblocks = 0;
     r->qslot = -1;
     r->dsmp = NULL;
@@ -919,6 +923,7 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
         const duet_sched_seq *s = &e->plan_seqs[i];
         if (s->n_draft == 0) continue;
         engine_req *r = find_req(e, s->id);
+        r->spec_steps++;
         r->spec_drafted += s->n_draft;
         r->spec_accepted += r->spec_kept;
         /* The draft's KV holds the newest token and its drafts 0..n_draft-2:
@@ -1021,6 +1026,7 @@ static void *engine_main(void *arg) {
         pthread_mutex_unlock(&e->mu);
         duet_status st = run_step(e, n_seqs);
         if (st) snprintf(e->err, ENGINE_ERR_SIZE, "%s", duet_last_error());
+        e->err_st = st;
         pthread_mutex_lock(&e->mu);
         if (!st) {
             observe_step(e, n_seqs);
@@ -1028,7 +1034,7 @@ static void *engine_main(void *arg) {
                 engine_req *r = find_req(e, e->plan_seqs[i].id);
                 if (r && !r->cancelled) r->finish = e->step_finish[i];
             }
-            st = duet__sched_step_done(e->sched, now_ns(), e->results, n_seqs);
+            st = e->err_st = duet__sched_step_done(e->sched, now_ns(), e->results, n_seqs);
             /* Cannot happen unless engine and scheduler disagree; failing the
              * step beats leaving it outstanding, which would wedge the engine. */
             if (st)
@@ -1106,7 +1112,7 @@ static void engine_free(duet_engine *e) {
     free(e->q_ids), free(e->q_probs), free(e->dkey);
     if (e->model) duet__run_free(e->model, &e->run);
     duet_backend_close(e->stream); /* after the runs' buffers */
-    duet_model_close(e->model);
+    if (!e->borrowed) duet_model_close(e->model);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv);
     free(e);
@@ -1153,16 +1159,17 @@ static duet_status draft_start(duet_engine *e, const duet_engine_params *p, int 
 }
 
 /* Starts an engine on model m with checked params p, taking over the
- * caller's reference to m (released on failure too). `path` names it in the
- * metrics when it has no general.name. */
-static duet_status engine_start(duet_model *m, const char *path, const duet_engine_params p,
+ * caller's reference to m (released on failure too), or borrowing m. `path`
+ * names it in the metrics when it has no general.name. */
+static duet_status engine_start(duet_model *m, const char *path, const duet_engine_params p, bool borrowed,
                                 duet_engine **out) {
     duet_engine *e = calloc(1, sizeof *e);
     if (!e) {
-        duet_model_close(m);
+        if (!borrowed) duet_model_close(m);
         return duet__error(DUET_OUT_OF_MEMORY, "engine: out of memory");
     }
     e->model = m;
+    e->borrowed = borrowed;
     pthread_mutex_init(&e->mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -1283,7 +1290,14 @@ duet_status duet_engine_start_model(duet_model *model, const duet_engine_params 
     duet_engine_params p = {0};
     duet_status st = duet__engine_params_check(params, &p);
     if (st) return st;
-    return engine_start(duet__model_ref(model), NULL, p, out);
+    return engine_start(duet__model_ref(model), NULL, p, false, out);
+}
+
+duet_status duet__engine_start_borrowed(duet_model *m, const duet_engine_params *params, duet_engine **out) {
+    *out = NULL;
+    duet_engine_params p = {0};
+    duet_status st = duet__engine_params_check(params, &p);
+    return st ? st : engine_start(m, NULL, p, true, out);
 }
 
 duet_status duet_engine_start(const char *path, const duet_engine_params *params, duet_engine **out) {
@@ -1296,7 +1310,7 @@ duet_status duet_engine_start(const char *path, const duet_engine_params *params
     op.weights_only = true; /* the engine makes its own run state */
     duet_model *m;
     if ((st = duet_model_open(path, &op, &m))) return st;
-    return engine_start(m, path, p, out);
+    return engine_start(m, path, p, false, out);
 }
 
 void duet_engine_stop(duet_engine *e, bool drain) {

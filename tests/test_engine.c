@@ -152,17 +152,30 @@ START_TEST(batching_does_not_change_greedy_outputs) {
             ck_assert_msg(seq->ids[i][t] == par->ids[i][t], "request %d token %d: %d alone, %d batched", i, t,
                           seq->ids[i][t], par->ids[i][t]);
     }
-    /* And both equal the single-sequence API (one prefill, then decodes),
-     * which shares no scheduling code with the engine. */
+    /* And both equal greedy decoding by hand with duet_eval (one prefill,
+     * then one token at a time, the argmax), which shares no code with the
+     * engine's loop; so does duet_generate, the engine's synchronous client. */
     duet_open_params op = duet_open_params_default();
     op.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
     op.n_ctx = 256;
     duet_model *m;
     ck_assert_msg(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m) == DUET_OK, "open: %s",
                   duet_last_error());
+    duet_model_desc d;
+    duet_model_describe(m, &d);
+    float *lg = malloc((size_t)d.n_vocab * sizeof *lg);
     for (int i = 0; i < N_REQ; i++) {
         int32_t ids[64];
         int n = tokenize(m, i, ids);
+        ck_assert_int_eq(duet_eval(m, ids, n, 0, lg), DUET_OK);
+        for (int t = 0; t < seq->n[i]; t++) {
+            int32_t best = 0;
+            for (int v = 1; v < d.n_vocab; v++)
+                if (lg[v] > lg[best]) best = v;
+            ck_assert_msg(best == seq->ids[i][t], "request %d token %d: %d from the engine, %d by duet_eval",
+                          i, t, seq->ids[i][t], best);
+            if (t + 1 < seq->n[i]) ck_assert_int_eq(duet_eval(m, &best, 1, n + t, lg), DUET_OK);
+        }
         gen_ctx g = {0};
         duet_sampling smp = duet_sampling_default();
         smp.temperature = 0;
@@ -172,6 +185,7 @@ START_TEST(batching_does_not_change_greedy_outputs) {
             ck_assert_msg(g.ids[t] == seq->ids[i][t], "request %d token %d: %d from the engine, %d from generate", i,
                           t, seq->ids[i][t], g.ids[t]);
     }
+    free(lg);
     duet_model_close(m);
     free(seq), free(par);
     duet_engine_stop(e, true);
@@ -404,6 +418,58 @@ static void same_tokens(const collected *want, const collected *got, int n_req, 
                           t, got->ids[i][t], want->ids[i][t]);
     }
 }
+
+/* duet_generate is a synchronous client of the handle's own instance. A
+ * chat's next turn (the last prompt, its reply, then more) reuses the KV
+ * blocks of both from the prefix cache and gives a fresh handle's tokens. A
+ * failed step comes back as its status and message, and the next call
+ * works; a lost device comes back as DUET_DEVICE_LOST, then and after. */
+START_TEST(generate_is_a_client_of_the_handles_instance) {
+    duet_open_params op = duet_open_params_default();
+    op.backend = "cpu";
+    op.n_ctx = 256;
+    duet_model *m, *fresh;
+    ck_assert_int_eq(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m), DUET_OK);
+    ck_assert_int_eq(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &fresh), DUET_OK);
+    duet_sampling smp = duet_sampling_default();
+    smp.temperature = 0;
+    int32_t turn[160];
+    int n1 = tokenize(m, 0, turn);
+    gen_ctx g = {0};
+    ck_assert_int_eq(duet_generate(m, turn, n1, 40, &smp, true, collect_token, &g, NULL), DUET_OK);
+    ck_assert_int_eq(g.n, 40);
+    memcpy(turn + n1, g.ids, sizeof(int32_t) * 40);
+    int n2 = n1 + 40;
+    n2 += duet_tokenize(m, prompts[1], strlen(prompts[1]), false, false, turn + n2, 64);
+    gen_ctx a = {0}, b = {0};
+    ck_assert_int_eq(duet_generate(m, turn, n2, 24, &smp, true, collect_token, &a, NULL), DUET_OK);
+    ck_assert_int_eq(duet_generate(fresh, turn, n2, 24, &smp, true, collect_token, &b, NULL), DUET_OK);
+    ck_assert(a.n == 24 && b.n == 24 && !memcmp(a.ids, b.ids, sizeof(int32_t) * 24));
+    /* The first turn computed its prompt and 39 of its tokens (the last is
+     * never fed back): its full blocks are the second turn's hits. */
+    ck_assert_double_eq(engine_metric(m->client, "vllm:prefix_cache_hits_total"), (n1 + 39) / 16 * 16);
+    ck_assert_double_eq(engine_metric(fresh->client, "vllm:prefix_cache_hits_total"), 0);
+
+    fault_install(duet__engine_backend(m->client)); /* the instance's stream */
+    fault_arm(FAULT_OP, 4, 1);
+    gen_ctx f = {0};
+    ck_assert_int_eq(duet_generate(m, turn, n1, 40, &smp, true, collect_token, &f, NULL), DUET_DEVICE);
+    ck_assert_msg(strstr(duet_last_error(), "injected op failure"), "message: %s", duet_last_error());
+    ck_assert_int_eq(f.n, 0);
+    f.n = 0;
+    ck_assert_int_eq(duet_generate(m, turn, n1, 40, &smp, true, collect_token, &f, NULL), DUET_OK);
+    ck_assert(f.n == 40 && !memcmp(f.ids, g.ids, sizeof(int32_t) * 40));
+    fault_lose_device();
+    for (int k = 0; k < 2; k++) {
+        ck_assert_int_eq(duet_generate(m, turn, n2, 4, &smp, true, collect_token, &f, NULL),
+                         DUET_DEVICE_LOST);
+        ck_assert_msg(strstr(duet_last_error(), "injected device loss"), "message: %s", duet_last_error());
+    }
+    fault_remove(duet__engine_backend(m->client));
+    duet_model_close(m);
+    duet_model_close(fresh);
+}
+END_TEST
 
 /* duet_generate (greedy) on speculative prompt i gives want's tokens. */
 static void generate_matches(duet_model *m, int i, const collected *want, const char *what,
@@ -1570,6 +1636,7 @@ int main(void) {
     TCase *tc = tcase_create("stories260K");
     tcase_set_timeout(tc, 300);
     tcase_add_test(tc, batching_does_not_change_greedy_outputs);
+    tcase_add_test(tc, generate_is_a_client_of_the_handles_instance);
     tcase_add_test(tc, preemption_under_kv_pressure_loses_nothing);
     tcase_add_test(tc, cancel_and_refusals);
     tcase_add_test(tc, queue_full_and_stop_without_drain);
