@@ -550,9 +550,10 @@ void duet_backend_close(duet_backend *be);
  *     one, else the parent's, submissions to it serialised by a mutex.
  *   opencl: its own in-order command queue and kernel objects on the
  *     parent's context and programs.
- *   cpu: its scratch and step; the ops run on the device's worker pool,
- *     task by task with other streams (params->n_threads 0), or on a pool
- *     of its own of n_threads workers.
+ *   cpu: its scratch and step; its steps run on the device's worker pool,
+ *     a whole step at a time (begin to submit) with other streams
+ *     (params->n_threads 0: the cores are the device; the work between
+ *     steps overlaps), or on a pool of its own of n_threads workers.
  * Streams are not ordered against each other: a buffer one stream writes
  * may be read by another only after the writer's wait. Profiles and
  * scratch_bytes are per stream. The parent and its streams close in any

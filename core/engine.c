@@ -1191,7 +1191,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     int64_t max_out = p.max_batch_seqs + (int64_t)spec_max_batch * spec_k;
     if (max_out > p.max_batch_tokens) max_out = p.max_batch_tokens;
     /* Its own queue on the model's device (on the cpu backend: the device's
-     * worker pool, op by op with the other instances). */
+     * worker pool, a step at a time with the other instances). */
     duet_status st = duet_backend_stream_open(m->be, NULL, &e->stream);
     if (st == DUET_UNSUPPORTED) e->stream = NULL, st = DUET_OK;
     if (st) goto fail;

@@ -1,5 +1,6 @@
 /* cpu_backend.c — the cpu backend's interface: one host device, host-memory
- * buffers, and ops that run when they are recorded.
+ * buffers, and ops that run when they are recorded; an instance's streams
+ * share its worker pool (cpu_device) and run their steps on it in turn.
  *
  * The cpu backend is the fallback where there is no GPU and the oracle the
  * GPU backends are tested against, so every op validates its operands
@@ -170,8 +171,10 @@ static void cpu_close(duet_backend *base) {
     cpu_backend *be = (cpu_backend *)base;
     if (!be) return;
     if (be->pool == &be->own_pool) duet__cpu_pool_free(&be->own_pool);
+    if (be->in_step && be->pool == &be->dev->pool) pthread_mutex_unlock(&be->dev->step_mu);
     if (be->dev && atomic_fetch_sub(&be->dev->refs, 1) == 1) {
         duet__cpu_pool_free(&be->dev->pool);
+        pthread_mutex_destroy(&be->dev->step_mu);
         pthread_rwlock_destroy(&be->dev->layout);
         free(be->dev);
     }
@@ -222,8 +225,10 @@ static duet_status cpu_open(int index, const duet_backend_params *params, duet_b
     cpu_device *dev = calloc(1, sizeof *dev);
     if (!dev) return duet__error(DUET_OUT_OF_MEMORY, "cpu: device");
     pthread_rwlock_init(&dev->layout, NULL);
+    pthread_mutex_init(&dev->step_mu, NULL);
     duet_status st = duet__cpu_pool_init(&dev->pool, n);
     if (st != DUET_OK) {
+        pthread_mutex_destroy(&dev->step_mu);
         pthread_rwlock_destroy(&dev->layout);
         free(dev);
         return st;
@@ -234,6 +239,7 @@ static duet_status cpu_open(int index, const duet_backend_params *params, duet_b
     st = cpu_stream_new(dev, &info, 0, &be);
     if (st != DUET_OK) {
         duet__cpu_pool_free(&dev->pool);
+        pthread_mutex_destroy(&dev->step_mu);
         pthread_rwlock_destroy(&dev->layout);
         free(dev);
         return st;
@@ -242,10 +248,10 @@ static duet_status cpu_open(int index, const duet_backend_params *params, duet_b
     return DUET_OK;
 }
 
-/* Ops of streams take turns on the device's pool, task by task, unless the
- * stream asks for a pool of its own: two pools on the same cores
- * oversubscribe them, and the pool's join then waits for descheduled
- * workers. */
+/* Streams take turns on the device's pool, a step at a time (step_mu,
+ * begin to submit; host work between steps overlaps), unless the stream
+ * asks for a pool of its own: two pools on the same cores oversubscribe
+ * them, and the pool's join then waits for descheduled workers. */
 static duet_status cpu_stream_open(duet_backend *parent, const duet_backend_params *params,
                                    duet_backend **out) {
     *out = NULL;
@@ -340,6 +346,7 @@ static void *cpu_buffer_host_ptr(duet_backend *be, duet_buffer *buf) {
 static duet_status cpu_begin(duet_backend *base) {
     cpu_backend *be = (cpu_backend *)base;
     if (be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "cpu: begin while a step is open");
+    if (be->pool == &be->dev->pool) pthread_mutex_lock(&be->dev->step_mu); /* released at submit */
     be->in_step = true;
     return DUET_OK;
 }
@@ -348,6 +355,7 @@ static duet_status cpu_submit(duet_backend *base) {
     cpu_backend *be = (cpu_backend *)base;
     if (!be->in_step) return duet__error(DUET_INVALID_ARGUMENT, "cpu: submit without begin");
     be->in_step = false;
+    if (be->pool == &be->dev->pool) pthread_mutex_unlock(&be->dev->step_mu);
     be->prof_steps += be->profile;
     return DUET_OK;
 }

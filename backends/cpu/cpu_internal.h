@@ -115,6 +115,10 @@ typedef struct cpu_scratch {
 typedef struct cpu_device {
     atomic_int refs; /* the instance and each stream open on it */
     cpu_pool pool;
+    /* Held by a stream on `pool` from begin to submit: steps take the pool
+     * in turn, whole (two steps' ops interleaved op by op ran slower: each
+     * op then waits for a wake-up). */
+    pthread_mutex_t step_mu;
     /* Q4_0 weights are repacked in place at their first matmul (and
      * restored for other uses): a layout change takes it for writing, an op
      * and a host access of the bytes for reading, so no stream reads a

@@ -1,6 +1,7 @@
 /* ocl_backend.c — the OpenCL backend's interface: devices, instances (one
- * context and one in-order queue each), buffers, op validation, steps and
- * profiling.
+ * context and one in-order queue each) and their streams (another in-order
+ * queue on the same context and programs), buffers, op validation, steps
+ * and profiling.
  *
  * A step enqueues its ops as they are recorded (no host round-trip inside
  * it); submit flushes the queue, wait finishes it. Every view is checked

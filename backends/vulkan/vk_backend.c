@@ -1,5 +1,5 @@
-/* vk_backend.c — the Vulkan backend's interface: devices, instances,
- * buffers, and steps.
+/* vk_backend.c — the Vulkan backend's interface: devices, instances and
+ * their streams (vk_device: what they share), buffers, and steps.
  *
  * A step is one command buffer: begin() starts recording, each op records
  * its dispatches (vk_ops.c), with a pipeline barrier only where a dispatch
