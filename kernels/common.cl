@@ -223,13 +223,13 @@ BLK_INLINE float k3_scale(gbytes q, int k) {
     return (float)((lo | hi << 4) - 32);
 }
 
-/* Chunk c (0 .. BLK_CPB - 1) of the block at blk: qa = q of its weights
- * 0..15, qb = 16..31; s0, m0 and s1, m1 their scales and mins. */
-BLK_INLINE void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, float *s1, float *m0, float *m1) {
-    const uchar16 m4 = (uchar16)(0xf), m2 = (uchar16)(3);
-    *m0 = *m1 = 0.0f;
+#if BLK_CPB == 1
+/* The quants of the 32-block at blk (its fp16 scale at byte 0 and, with
+ * BLK_MIN, its min at byte 2 are read apart): qa = weights 0..15, qb =
+ * 16..31. */
+BLK_INLINE void blk_quants32(gbytes blk, char16 *qa, char16 *qb) {
+    const uchar16 m4 = (uchar16)(0xf);
 #if WTYPE == DT_Q4_0 || WTYPE == DT_IQ4_NL || WTYPE == DT_Q4_1
-    const float d = load_half(blk);
     const uchar16 v = vload16(0, blk + (WTYPE == DT_Q4_1 ? 4 : 2));
 #if WTYPE == DT_IQ4_NL
     *qa = iq4_lookup(v & m4);
@@ -240,12 +240,9 @@ BLK_INLINE void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, 
 #else
     *qa = as_char16(v & m4);
     *qb = as_char16(v >> (uchar)4);
-    *m0 = *m1 = -load_half(blk + 2);
 #endif
-    *s0 = *s1 = d;
-#elif WTYPE == DT_Q5_0 || WTYPE == DT_Q5_1
+#else /* Q5_0, Q5_1 */
     const int o = WTYPE == DT_Q5_1 ? 4 : 2;
-    const float d = load_half(blk);
     const uint qh = blk_u16(blk + o) | blk_u16(blk + o + 2) << 16;
     const uchar16 v = vload16(0, blk + o + 4);
     const uchar16 a = (v & m4) | bit4_16(qh), b = (v >> (uchar)4) | bit4_16(qh >> 16);
@@ -255,9 +252,22 @@ BLK_INLINE void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, 
 #else
     *qa = as_char16(a);
     *qb = as_char16(b);
+#endif
+#endif
+}
+#endif
+
+/* Chunk c (0 .. BLK_CPB - 1) of the block at blk: qa = q of its weights
+ * 0..15, qb = 16..31; s0, m0 and s1, m1 their scales and mins. */
+BLK_INLINE void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, float *s1, float *m0, float *m1) {
+    const uchar16 m4 = (uchar16)(0xf), m2 = (uchar16)(3);
+    *m0 = *m1 = 0.0f;
+#if BLK_CPB == 1
+    blk_quants32(blk, qa, qb);
+    *s0 = *s1 = load_half(blk);
+#if BLK_MIN
     *m0 = *m1 = -load_half(blk + 2);
 #endif
-    *s0 = *s1 = d;
 #elif WTYPE == DT_Q2_K
     /* scales[16], qs[64], d, dmin */
     gbytes qs = blk + 16 + 32 * (c / 4);

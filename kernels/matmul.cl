@@ -87,12 +87,14 @@ inline float8 half8_to_float8(ushort8 h) {
     return as_float8(as_uint8(f) | ((u & 0x8000u) << 16));
 }
 
-/* The scales of blocks c0 .. c0 + 7 of a q8_0 row. */
-inline float8 q8_scales8(gbytes row, int c0) {
-    global const ushort *s = (global const ushort *)(row + (ulong)c0 * Q8_0_BYTES);
-    const int k = Q8_0_BYTES / 2; /* block stride in ushorts */
+/* Eight fp16 values k ushorts apart from p, as f32. */
+inline float8 halves8(gbytes p, int k) {
+    global const ushort *s = (global const ushort *)p;
     return half8_to_float8((ushort8)(s[0], s[k], s[2 * k], s[3 * k], s[4 * k], s[5 * k], s[6 * k], s[7 * k]));
 }
+
+/* The scales of blocks c0 .. c0 + 7 of a q8_0 row. */
+inline float8 q8_scales8(gbytes row, int c0) { return halves8(row + (ulong)c0 * Q8_0_BYTES, Q8_0_BYTES / 2); }
 
 inline float chunk_scale(gbytes row, int c) {
 #if WTYPE == DT_Q8_0
@@ -583,6 +585,30 @@ BLK_INLINE float hsum16(float16 v) {
     return s;
 }
 
+/* Chunk cg of an activation row as f32: q8_0 blocks (x_q8) times their
+ * scale dx, or f32 values. xa = values 0..15, xb = 16..31. */
+BLK_INLINE void blk_x_chunk(gbytes xrow, int cg, bool xq8, float dx, float16 *xa, float16 *xb) {
+    if (xq8) {
+        global const char *q = (global const char *)(xrow + (ulong)cg * Q8_0_BYTES + 2);
+        *xa = convert_float16(vload16(0, q)) * dx;
+        *xb = convert_float16(vload16(1, q)) * dx;
+    } else {
+        *xa = vload16(2 * cg, (global const float *)xrow);
+        *xb = vload16(2 * cg + 1, (global const float *)xrow);
+    }
+}
+
+/* acc[t] += wa * xa[t] + wb * xb[t] for the first mt tokens: a chunk's
+ * weights (as f32) against its activations, lane by lane. */
+BLK_INLINE void blk_fma_tokens(float16 *acc, float16 wa, float16 wb, const float16 *xa, const float16 *xb, int mt) {
+#pragma unroll
+    for (int t = 0; t < MV_MT; t++) {
+        if (t >= mt) continue;
+        acc[t] = fma(wa, xa[t], acc[t]);
+        acc[t] = fma(wb, xb[t], acc[t]);
+    }
+}
+
 BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes bias, ulong bias_off, global uchar *out,
                        ulong out_off, int n_in, int n_out, int n_tokens, int flags, const int mt, const bool xq8,
                        local float *red) {
@@ -656,6 +682,59 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
         for (int r = 0; r < MV_NR; r++)
 #pragma unroll
             for (int t = 0; t < MV_MT; t++) acc[r][t] = (float16)(0.0f);
+#if BLK_CPB == 1 && MV_R == 1
+        /* CPUs, 32-blocks: the fp16 scales (and mins) of 8 blocks, of every
+         * row and token, convert together, as q8_0's do (q8_scales8): one
+         * scalar conversion a block, row and token cost as much as the
+         * block's products. The same values as blk_chunk_f32's. */
+        for (int b0 = 0; b0 < nb; b0 += 8) {
+            const int nblk = min(8, nb - b0);
+            float ds[MV_NR][8], ms[MV_NR][8], dxs[MV_MT][8];
+            if (nblk == 8) {
+#pragma unroll
+                for (int r = 0; r < MV_NR; r++) {
+                    gbytes b = wrow[r] + (ulong)b0 * BLK_BYTES;
+                    vstore8(halves8(b, BLK_BYTES / 2), 0, ds[r]);
+                    if (BLK_MIN) vstore8(halves8(b + 2, BLK_BYTES / 2), 0, ms[r]);
+                }
+#pragma unroll
+                for (int t = 0; t < MV_MT; t++)
+                    if (t < mt && xq8) vstore8(q8_scales8(xrow[t], b0), 0, dxs[t]);
+            } else {
+                for (int i = 0; i < nblk; i++) {
+#pragma unroll
+                    for (int r = 0; r < MV_NR; r++) {
+                        gbytes b = wrow[r] + (ulong)(b0 + i) * BLK_BYTES;
+                        ds[r][i] = load_half(b);
+                        if (BLK_MIN) ms[r][i] = load_half(b + 2);
+                    }
+#pragma unroll
+                    for (int t = 0; t < MV_MT; t++)
+                        if (t < mt && xq8) dxs[t][i] = load_half(xrow[t] + (ulong)(b0 + i) * Q8_0_BYTES);
+                }
+            }
+            for (int i = 0; i < nblk; i++) {
+                const int b = b0 + i;
+                float16 xa[MV_MT], xb[MV_MT];
+#pragma unroll
+                for (int t = 0; t < MV_MT; t++)
+                    if (t < mt) blk_x_chunk(xrow[t], b, xq8, xq8 ? dxs[t][i] : 1.0f, &xa[t], &xb[t]);
+#pragma unroll
+                for (int r = 0; r < MV_NR; r++) {
+                    char16 qa, qb;
+                    blk_quants32(wrow[r] + (ulong)b * BLK_BYTES, &qa, &qb);
+                    const float16 s = (float16)(ds[r][i]);
+#if BLK_MIN
+                    const float16 wa = fma(convert_float16(qa), s, (float16)(ms[r][i]));
+                    const float16 wb = fma(convert_float16(qb), s, (float16)(ms[r][i]));
+#else
+                    const float16 wa = convert_float16(qa) * s, wb = convert_float16(qb) * s;
+#endif
+                    blk_fma_tokens(acc[r], wa, wb, xa, xb, mt);
+                }
+            }
+        }
+#else
         for (int b = lane; b < nb; b += MV_R) {
             /* The activation scales of the block's chunks (a super-block's
              * eight convert together, as in q8_scales8's other users). */
@@ -673,31 +752,17 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
             const int cg = b * BLK_CPB + c;
             float16 xa[MV_MT], xb[MV_MT];
 #pragma unroll
-            for (int t = 0; t < MV_MT; t++) {
-                if (t >= mt) continue;
-                if (xq8) {
-                    gbytes xblk = xrow[t] + (ulong)cg * Q8_0_BYTES;
-                    const float dx = dxs[t][c];
-                    xa[t] = convert_float16(vload16(0, (global const char *)(xblk + 2))) * dx;
-                    xb[t] = convert_float16(vload16(1, (global const char *)(xblk + 2))) * dx;
-                } else {
-                    xa[t] = vload16(2 * cg, (global const float *)xrow[t]);
-                    xb[t] = vload16(2 * cg + 1, (global const float *)xrow[t]);
-                }
-            }
+            for (int t = 0; t < MV_MT; t++)
+                if (t < mt) blk_x_chunk(xrow[t], cg, xq8, xq8 ? dxs[t][c] : 1.0f, &xa[t], &xb[t]);
 #pragma unroll
             for (int r = 0; r < MV_NR; r++) {
                 float16 wa, wb;
                 blk_chunk_f32(wrow[r] + (ulong)b * BLK_BYTES, c, &wa, &wb);
-#pragma unroll
-                for (int t = 0; t < MV_MT; t++) {
-                    if (t >= mt) continue;
-                    acc[r][t] = fma(wa, xa[t], acc[r][t]);
-                    acc[r][t] = fma(wb, xb[t], acc[r][t]);
-                }
+                blk_fma_tokens(acc[r], wa, wb, xa, xb, mt);
             }
         }
         }
+#endif
 #pragma unroll
         for (int r = 0; r < MV_NR; r++)
 #pragma unroll
