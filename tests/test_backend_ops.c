@@ -215,8 +215,9 @@ START_TEST(test_attention_past_n_keys) {
     const duet_backend_iface *iface = duet_backend_get(_i);
     if (excluded(iface) || !test_backend_usable(iface->name, "attention past n_keys")) return;
     int ci = 0;
-    while (ci < BO_N_CASES && !(bo_cases[ci].kind == DUET_OP_ATTENTION && !strcmp(bo_cases[ci].shape, "ctx1000") &&
-                                bo_cases[ci].dtype == DUET_DTYPE_F16))
+    while (ci < BO_N_CASES &&
+           !(bo_cases[ci].kind == DUET_OP_ATTENTION && !strcmp(bo_cases[ci].shape, "ctx1000") &&
+             bo_cases[ci].dtype == DUET_DTYPE_F16))
         ci++;
     ck_assert_int_lt(ci, BO_N_CASES);
     const bo_case *c = &bo_cases[ci];
@@ -253,7 +254,8 @@ START_TEST(test_attention_past_n_keys) {
                           "attention (NMSE %g)",
                           iface->name, err / norm);
             free(img);
-            printf("%s/%d: a position past n_keys: %s\n", iface->name, d, zeros ? "zeros" : "the whole context");
+            printf("%s/%d: a position past n_keys: %s\n", iface->name, d,
+                   zeros ? "zeros" : "the whole context");
         }
         if (st) printf("%s/%d: a position past n_keys: %s\n", iface->name, d, duet_last_error());
         bo_dev_free(&dev);
@@ -307,8 +309,8 @@ START_TEST(test_attention_memory_linear) {
         printf("%s: attention scratch %zu bytes at context 2048, %zu at 8192 (%d tokens, %d sequences)\n",
                iface->name, small, big, shapes[k][0], shapes[k][1]);
         ck_assert_msg(big <= 4.5 * (double)small + (1 << 20),
-                      "%s: scratch grows faster than the context: %zu bytes at 2048, %zu at 8192", iface->name, small,
-                      big);
+                      "%s: scratch grows faster than the context: %zu bytes at 2048, %zu at 8192",
+                      iface->name, small, big);
         ck_assert_msg(big < ((size_t)64 << 20), "%s: %zu bytes of scratch at context 8192", iface->name, big);
     }
 }
@@ -340,7 +342,8 @@ START_TEST(test_bounds_refused) {
     char why[256];
     if (!iface->available(why, sizeof why)) return;
     duet_backend *be;
-    ck_assert_msg(iface->open(0, &(duet_backend_params){0}, &be) == DUET_OK, "%s: %s", iface->name, duet_last_error());
+    ck_assert_msg(iface->open(0, &(duet_backend_params){0}, &be) == DUET_OK, "%s: %s", iface->name,
+                  duet_last_error());
     duet_buffer *w, *x, *out;
     ck_assert_int_eq(duet_buffer_alloc(be, 64 * 64 * 4, &w), DUET_OK);
     ck_assert_int_eq(duet_buffer_alloc(be, 64 * 4, &x), DUET_OK);
@@ -360,11 +363,13 @@ START_TEST(test_bounds_refused) {
     op.matmul.n_out = 1;
     op.matmul.x = (duet_view){w, 2};
     st = duet_step_op(be, &op);
-    ck_assert_msg(st == DUET_INVALID_ARGUMENT, "%s: a misaligned x gave %s", iface->name, duet_status_name(st));
+    ck_assert_msg(st == DUET_INVALID_ARGUMENT, "%s: a misaligned x gave %s", iface->name,
+                  duet_status_name(st));
     op.matmul.x = (duet_view){x, 0};
     op.matmul.out = (duet_view){w, 128};
     st = duet_step_op(be, &op);
-    ck_assert_msg(st == DUET_INVALID_ARGUMENT, "%s: out overlapping w gave %s", iface->name, duet_status_name(st));
+    ck_assert_msg(st == DUET_INVALID_ARGUMENT, "%s: out overlapping w gave %s", iface->name,
+                  duet_status_name(st));
     ck_assert_int_eq(duet_step_submit(be), DUET_OK);
     ck_assert_int_eq(duet_step_wait(be), DUET_OK);
     duet_buffer_free(be, w);
@@ -504,11 +509,22 @@ START_TEST(test_streams) {
         oracle_rmsnorm(k[i].x, g, k[i].n_tokens, ST_IN, 1e-5f, xn, NULL);
         oracle_matmul(wq, DUET_DTYPE_Q4_0, xn, NULL, NULL, false, k[i].n_tokens, ST_IN, ST_OUT, k[i].want);
     }
-    pthread_t th[ST_WORKERS];
-    for (int i = 0; i < ST_WORKERS; i++)
-        ck_assert_int_eq(pthread_create(&th[i], NULL, st_run, &k[i]), 0);
-    for (int i = 0; i < ST_WORKERS; i++)
-        pthread_join(th[i], NULL);
+    if (getenv("DUET_TEST_STREAMS_SERIAL")) {
+        /* Under oclgrind (tests/test_opencl.c): its checker plugins keep
+         * shadow memory in a pool that is not thread-safe (two host threads
+         * enqueueing at once crash it in MemoryPool::alloc), so the streams
+         * take turns there; the threaded run is the normal pass's. */
+        for (int i = 0; i < ST_WORKERS; i++) {
+            k[i].start = NULL;
+            st_run(&k[i]);
+        }
+    } else {
+        pthread_t th[ST_WORKERS];
+        for (int i = 0; i < ST_WORKERS; i++)
+            ck_assert_int_eq(pthread_create(&th[i], NULL, st_run, &k[i]), 0);
+        for (int i = 0; i < ST_WORKERS; i++)
+            pthread_join(th[i], NULL);
+    }
     for (int i = 0; i < ST_WORKERS; i++)
         ck_assert_msg(!k[i].err[0], "%s: %s %d: %s", iface->name, i ? "stream" : "instance", i, k[i].err);
     pthread_barrier_destroy(&start);

@@ -797,13 +797,15 @@ START_TEST(test_oclgrind) {
      * after the simulator has torn down its LLVM, and the process aborts
      * there ("corrupted double-linked list" in clblast::Cache's destructor;
      * the kernels are CLBlast's, not ours). Under ASan: oclgrind preloads
-     * its runtime ahead of ASan's, and leaks. */
+     * its runtime ahead of ASan's, and leaks. The HAL's streams test runs
+     * its streams in turn here (oclgrind's checkers are not thread-safe). */
     const char *ops_env[] = {_i == 0 ? "DUET_OPS_SHARD=0/2" : "DUET_OPS_SHARD=1/2",
                              "DUET_OPS_VARIANTS=!clblast_min=2",
                              "DUET_OPS_BACKENDS=opencl",
                              "DUET_OPS_CASES=small",
                              "DUET_OPENCL_CACHE=0",
                              "DUET_REQUIRE_BACKENDS=opencl",
+                             "DUET_TEST_STREAMS_SERIAL=1",
                              "CK_FORK=no",
                              "ASAN_OPTIONS=verify_asan_link_order=0:detect_leaks=0",
                              _i == 0 ? NULL : "CK_INCLUDE_TAGS=variants",
