@@ -1,5 +1,5 @@
 /* test_cpu_matmul.c — the cpu backend's q8_0 matmul and quantiser, the
- * block types' batch invariance and Q4_0's repacked layout.
+ * block types' batch invariance and Q4_0's and F16's repacked layouts.
  *
  * - duet__cpu_quantize_q8_0 on every SIMD path this machine has must give
  *   the bytes of duet_quantize_row_q8_0: ties, clamps, NaN/inf, subnormal
@@ -489,6 +489,160 @@ START_TEST(matmul_q4_0_repacked) {
 }
 END_TEST
 
+/* ---- F16's repacked layout ---------------------------------------------- */
+
+/* The F16 matrix at `off` in wbuf (host bytes w): T tokens through the HAL
+ * with bias and accumulate must match the plain kernels (duet__cpu_matmul
+ * on w) within 1e-5 of each output's magnitude (sum |w x| + |bias| + |out|:
+ * the repacked kernels sum in another order), leave the buffer repacked as
+ * `rp_rows` says, and give each token the same bits when it runs alone
+ * (batch invariance; the ops then find the layout already in place). */
+static void f16rp_matmul(duet_backend *be, duet_buffer *wbuf, size_t off, const uint16_t *w, int n_out,
+                         int n_in, int T, int64_t rp_rows, const char *what) {
+    float *x = malloc(sizeof(float) * T * n_in), *bias = malloc(sizeof(float) * n_out);
+    float *init = malloc(sizeof(float) * T * n_out), *want = malloc(sizeof(float) * T * n_out);
+    float *got = malloc(sizeof(float) * T * n_out), *one = malloc(sizeof(float) * n_out);
+    for (int i = 0; i < T * n_in; i++)
+        x[i] = rng_uniform(-2.0f, 2.0f);
+    for (int o = 0; o < n_out; o++)
+        bias[o] = rng_uniform(-1.0f, 1.0f);
+    for (int i = 0; i < T * n_out; i++)
+        init[i] = want[i] = rng_uniform(-1.0f, 1.0f); /* accumulated onto */
+    duet_op op = {.kind = DUET_OP_MATMUL, .n_tokens = T};
+    op.matmul.dtype = DUET_DTYPE_F16;
+    op.matmul.n_in = n_in;
+    op.matmul.n_out = n_out;
+    op.matmul.accumulate = true;
+    ck_assert_int_eq(duet__cpu_matmul((cpu_backend *)be, &op, w, x, NULL, bias, want), DUET_OK);
+    duet_buffer *xb, *bb, *ob;
+    ck_assert_int_eq(duet_buffer_alloc(be, sizeof(float) * T * n_in, &xb), DUET_OK);
+    ck_assert_int_eq(duet_buffer_alloc(be, sizeof(float) * n_out, &bb), DUET_OK);
+    ck_assert_int_eq(duet_buffer_alloc(be, sizeof(float) * T * n_out, &ob), DUET_OK);
+    ck_assert_int_eq(duet_buffer_upload(be, xb, 0, x, sizeof(float) * T * n_in), DUET_OK);
+    ck_assert_int_eq(duet_buffer_upload(be, bb, 0, bias, sizeof(float) * n_out), DUET_OK);
+    ck_assert_int_eq(duet_buffer_upload(be, ob, 0, init, sizeof(float) * T * n_out), DUET_OK);
+    op.matmul.w = (duet_view){wbuf, off};
+    op.matmul.x = (duet_view){xb, 0};
+    op.matmul.bias = (duet_view){bb, 0};
+    op.matmul.out = (duet_view){ob, 0};
+    hal_op(be, &op);
+    ck_assert_msg(wbuf->rp_rows == rp_rows, "%s: %lld rows repacked, want %lld", what,
+                  (long long)wbuf->rp_rows, (long long)rp_rows);
+    ck_assert_int_eq(duet_buffer_download(be, ob, 0, got, sizeof(float) * T * n_out), DUET_OK);
+    for (int t = 0; t < T; t++)
+        for (int o = 0; o < n_out; o++) {
+            double mag = fabs(bias[o]) + fabs(init[t * n_out + o]);
+            for (int i = 0; i < n_in; i++)
+                mag += fabs((double)duet_fp16_to_fp32(w[(size_t)o * n_in + i]) * x[t * n_in + i]);
+            const float g = got[t * n_out + o], p = want[t * n_out + o];
+            ck_assert_msg(fabs((double)g - p) <= 1e-5 * mag,
+                          "%s: %d x %d, %d tokens: token %d row %d: %.9g, plain %.9g (magnitude %.3g)", what,
+                          n_out, n_in, T, t, o, (double)g, (double)p, mag);
+        }
+    /* Each token alone: the same bits as in the batch. */
+    op.n_tokens = 1;
+    for (int t = 0; t < T; t++) {
+        op.matmul.x = (duet_view){xb, sizeof(float) * (size_t)t * n_in};
+        op.matmul.out = (duet_view){ob, sizeof(float) * (size_t)t * n_out};
+        ck_assert_int_eq(duet_buffer_upload(be, ob, sizeof(float) * (size_t)t * n_out, init + t * n_out,
+                                            sizeof(float) * n_out),
+                         DUET_OK);
+        hal_op(be, &op);
+        ck_assert_int_eq(
+            duet_buffer_download(be, ob, sizeof(float) * (size_t)t * n_out, one, sizeof(float) * n_out),
+            DUET_OK);
+        for (int o = 0; o < n_out; o++)
+            ck_assert_msg(memcmp(&one[o], &got[t * n_out + o], 4) == 0,
+                          "%s: %d x %d: token %d of %d alone, row %d: %.9g, in the batch %.9g", what, n_out,
+                          n_in, t, T, o, (double)one[o], (double)got[t * n_out + o]);
+    }
+    ck_assert_msg(wbuf->rp_rows == rp_rows, "%s: one-token ops changed the layout", what);
+    duet_buffer_free(be, xb), duet_buffer_free(be, bb), duet_buffer_free(be, ob);
+    free(x), free(bias), free(init), free(want), free(got), free(one);
+}
+
+/* F16 weights through the HAL on every path and thread count: repacked on
+ * avx512 only; close to the plain kernels and batch invariant (decode, the
+ * 12/8/4/2/1-token passes and their tails, 1 to 15 plain tail rows, rows
+ * below one group, odd columns); embedding lookups read the layout; a
+ * download gives the uploaded bytes back; an upload lands on the plain
+ * layout; $DUET_CPU_REPACK=0 leaves it plain. */
+START_TEST(matmul_f16_repacked) {
+    static const struct {
+        int n_out, n_in, T;
+    } cases[] = {{37, 96, 1}, {64, 96, 31},  {53, 67, 29}, {16, 64, 2},
+                 {15, 64, 3}, {100, 256, 9}, {144, 40, 13}};
+    const size_t off = 96; /* the matrix need not start the buffer */
+    const size_t n_cases = sizeof cases / sizeof cases[0];
+    for (int isa = 0; isa < n_isas(); isa++)
+        for (int th = 1; th <= 3; th += 2)
+            for (size_t k = 0; k < n_cases; k++) {
+                const int n_out = cases[k].n_out, n_in = cases[k].n_in, T = cases[k].T;
+                const bool no_repack = k == n_cases - 1;
+                const size_t ws = duet_dtype_row_bytes(DUET_DTYPE_F16, n_in), bytes = ws * n_out;
+                uint16_t *w = malloc(bytes), *back = malloc(bytes);
+                float *row = malloc(sizeof(float) * n_in);
+                for (int i = 0; i < n_out * n_in; i++)
+                    w[i] = duet_fp32_to_fp16(rng_uniform(-1.0f, 1.0f));
+                setenv("DUET_CPU_ISA", ISA_NAMES[isa], 1);
+                if (no_repack) setenv("DUET_CPU_REPACK", "0", 1);
+                duet_backend *be;
+                ck_assert_int_eq(duet_backend_open("cpu", 0, &(duet_backend_params){.n_threads = th}, &be),
+                                 DUET_OK);
+                unsetenv("DUET_CPU_ISA");
+                unsetenv("DUET_CPU_REPACK");
+                const int64_t groups = isa == 2 && !no_repack ? n_out / CPU_RP_ROWS * CPU_RP_ROWS : 0;
+                char what[64];
+                snprintf(what, sizeof what, "f16 %s/%d threads", ISA_NAMES[isa], th);
+                duet_buffer *wb;
+                ck_assert_int_eq(duet_buffer_alloc(be, off + bytes + 40, &wb), DUET_OK);
+                ck_assert_int_eq(duet_buffer_upload(be, wb, off, w, bytes), DUET_OK);
+                f16rp_matmul(be, wb, off, w, n_out, n_in, T, groups, what);
+
+                /* Embedding lookups of group rows and tail rows. */
+                int32_t toks[5] = {0, n_out - 1, n_out / 2, 15 % n_out, rng_int(n_out)};
+                duet_buffer *tb, *eb;
+                ck_assert_int_eq(duet_buffer_alloc(be, sizeof toks, &tb), DUET_OK);
+                ck_assert_int_eq(duet_buffer_alloc(be, sizeof(float) * 5 * n_in, &eb), DUET_OK);
+                ck_assert_int_eq(duet_buffer_upload(be, tb, 0, toks, sizeof toks), DUET_OK);
+                duet_op eo = {.kind = DUET_OP_EMBED, .n_tokens = 5};
+                eo.embed.tokens = (duet_view){tb, 0};
+                eo.embed.table = (duet_view){wb, off};
+                eo.embed.dtype = DUET_DTYPE_F16;
+                eo.embed.dim = n_in;
+                eo.embed.out = (duet_view){eb, 0};
+                hal_op(be, &eo);
+                ck_assert_msg(wb->rp_rows == groups, "%s: embed changed the layout", what);
+                float *emb = malloc(sizeof(float) * 5 * n_in);
+                ck_assert_int_eq(duet_buffer_download(be, eb, 0, emb, sizeof(float) * 5 * n_in), DUET_OK);
+                for (int t = 0; t < 5; t++) {
+                    duet_dequantize_row(DUET_DTYPE_F16, w + (size_t)toks[t] * n_in, row, n_in);
+                    ck_assert_msg(memcmp(row, emb + t * n_in, sizeof(float) * n_in) == 0,
+                                  "%s: embedding row %d differs from the plain row", what, toks[t]);
+                }
+                free(emb);
+
+                /* A download restores the bytes as uploaded; the next matmul repacks again. */
+                ck_assert_int_eq(duet_buffer_download(be, wb, off, back, bytes), DUET_OK);
+                ck_assert_msg(memcmp(back, w, bytes) == 0, "%s: download differs from the upload", what);
+                ck_assert_int_eq((int)wb->rp_rows, 0);
+                f16rp_matmul(be, wb, off, w, n_out, n_in, T, groups, what);
+
+                /* A partial upload (row 1 anew) lands on the plain layout. */
+                for (int i = 0; i < n_in; i++)
+                    w[n_in + i] = duet_fp32_to_fp16(rng_uniform(-1.0f, 1.0f));
+                ck_assert_int_eq(duet_buffer_upload(be, wb, off + ws, w + n_in, ws), DUET_OK);
+                f16rp_matmul(be, wb, off, w, n_out, n_in, 1, groups, what);
+                ck_assert_int_eq(duet_buffer_download(be, wb, off, back, bytes), DUET_OK);
+                ck_assert_msg(memcmp(back, w, bytes) == 0, "%s: download after an upload differs", what);
+
+                duet_buffer_free(be, tb), duet_buffer_free(be, eb), duet_buffer_free(be, wb);
+                duet_backend_close(be);
+                free(w), free(back), free(row);
+            }
+}
+END_TEST
+
 START_TEST(matmul_x_q8_needs_q8_weights) {
     duet_backend_params p = {.n_threads = 1};
     duet_backend *be;
@@ -515,6 +669,7 @@ int main(void) {
     tcase_add_test(tc, matmul_q8_random);
     tcase_add_test(tc, matmul_blocks_batch_invariant);
     tcase_add_test(tc, matmul_q4_0_repacked);
+    tcase_add_test(tc, matmul_f16_repacked);
     tcase_add_test(tc, matmul_x_q8_needs_q8_weights);
     suite_add_tcase(s, tc);
     return test_run_suite(s);

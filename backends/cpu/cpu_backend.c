@@ -288,6 +288,7 @@ static duet_status cpu_buffer_alloc(duet_backend *be, size_t size, duet_buffer *
     b->head = (duet_buffer_head){.size = size, .kind = DUET_BUFFER_HOST};
     b->rp_rows = b->rp_cols = 0;
     b->rp_off = 0;
+    b->rp_dtype = DUET_DTYPE_Q4_0;
     b->rp_never = false;
     *out = b;
     return DUET_OK;
@@ -428,10 +429,13 @@ static duet_status cpu_run_op(cpu_backend *be, const duet_op *op) {
     case DUET_OP_MATMUL: {
         /* Pre-quantised activations (x_q8) replace x when given. */
         const bool xq = op->matmul.x_q8.buf != NULL;
-        if (op->matmul.w.buf->rp_rows)
-            return duet__cpu_matmul_rp(be, op, at(op->matmul.w), op->matmul.w.buf->rp_rows,
-                                       xq ? NULL : at(op->matmul.x), at(op->matmul.x_q8), at(op->matmul.bias),
-                                       at(op->matmul.out));
+        const duet_buffer *wb = op->matmul.w.buf;
+        if (wb->rp_rows && wb->rp_dtype == DUET_DTYPE_F16)
+            return duet__cpu_matmul_f16_rp(be, op, at(op->matmul.w), wb->rp_rows, at(op->matmul.x),
+                                           at(op->matmul.bias), at(op->matmul.out));
+        if (wb->rp_rows)
+            return duet__cpu_matmul_rp(be, op, at(op->matmul.w), wb->rp_rows, xq ? NULL : at(op->matmul.x),
+                                       at(op->matmul.x_q8), at(op->matmul.bias), at(op->matmul.out));
         return duet__cpu_matmul(be, op, at(op->matmul.w), xq ? NULL : at(op->matmul.x), at(op->matmul.x_q8),
                                 at(op->matmul.bias), at(op->matmul.out));
     }
@@ -511,7 +515,7 @@ static bool cpu_supports_op(int index, const duet_op *op) {
 }
 
 /* The op under the device's layout lock: for reading, or for writing when
- * a weight's layout must change first (rare: a Q4_0 matrix's first matmul). */
+ * a weight's layout must change first (rare: a Q4_0 or F16 matrix's first matmul). */
 static duet_status cpu_run_op_locked(cpu_backend *be, const duet_op *op) {
     bool stale;
     pthread_rwlock_rdlock(&be->dev->layout);

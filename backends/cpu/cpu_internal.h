@@ -4,7 +4,8 @@
  * cpu_threadpool.c the persistent worker pool (the caller is worker 0)
  * cpu_matmul.c    MATMUL for f32/f16/bf16/q8_0 weights
  * cpu_matmul_blocks.c MATMUL for the other block-quantised weight types, and
- *                 Q4_0's repacked layout (repacking, kernels, embedding rows)
+ *                 Q4_0's repacked layout (repacking Q4_0 and F16, kernels,
+ *                 embedding rows; F16's kernels are in cpu_matmul.c)
  * cpu_ops.c       the other ops and the small vector kernels they use
  *
  * Kernels come in three paths chosen at run time from the CPU's features
@@ -94,11 +95,13 @@ static inline void cpu_split(int64_t n, int ith, int nth, int64_t align, int64_t
 struct duet_buffer {
     duet_buffer_head head; /* first: the registry reads it */
     void *data;            /* 64-byte aligned */
-    /* A Q4_0 matrix of rp_cols columns at byte rp_off whose first rp_rows
-     * rows (a multiple of CPU_RP_ROWS) the backend re-laid out for its
-     * kernels (cpu_matmul_blocks.c); rp_rows 0: the bytes are as uploaded. */
+    /* A Q4_0 or F16 (rp_dtype) matrix of rp_cols columns at byte rp_off
+     * whose first rp_rows rows (a multiple of CPU_RP_ROWS) the backend
+     * re-laid out for its kernels (cpu_matmul_blocks.c); rp_rows 0: the
+     * bytes are as uploaded. */
     int64_t rp_rows, rp_cols;
     size_t rp_off;
+    duet_dtype rp_dtype;
     /* An op read these bytes otherwise (another shape or offset: a buffer
      * of several matrices): never repacked again, so uses that take turns
      * do not convert the bytes back and forth. */
@@ -119,7 +122,7 @@ typedef struct cpu_device {
      * in turn, whole (two steps' ops interleaved op by op ran slower: each
      * op then waits for a wake-up). */
     pthread_mutex_t step_mu;
-    /* Q4_0 weights are repacked in place at their first matmul (and
+    /* Q4_0 and F16 weights are repacked in place at their first matmul (and
      * restored for other uses): a layout change takes it for writing, an op
      * and a host access of the bytes for reading, so no stream reads a
      * buffer while another converts it. */
@@ -139,7 +142,7 @@ typedef struct cpu_backend {
     cpu_scratch act;  /* matmul: quantized activations */
     cpu_scratch work; /* per-thread rows: attention tiles, rope tables, q8 rows */
     cpu_scratch attn; /* attention: query tiles and split partials (linear in tokens) */
-    /* Q4_0 weights are repacked at their first matmul ($DUET_CPU_REPACK=0:
+    /* Q4_0 and F16 weights are repacked at their first matmul ($DUET_CPU_REPACK=0:
      * never, for A/B runs); dev->n_repacked buffers hold the layout now. */
     bool repack;
     /* $DUET_PROFILE: wall time of each op (ops run when recorded). */
@@ -161,9 +164,13 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
  * cpu_matmul_blocks.c); x or xq as above. */
 duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const void *w, const float *x,
                                     const duet_block_q8_0 *xq, const float *bias, float *out);
-/* The same for a matrix whose first rp_rows rows are repacked. */
+/* The same for a Q4_0 matrix whose first rp_rows rows are repacked. */
 duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *w, int64_t rp_rows,
                                 const float *x, const duet_block_q8_0 *xq, const float *bias, float *out);
+/* The same for an F16 matrix whose first rp_rows rows are repacked
+ * (cpu_matmul.c; avx512 only). */
+duet_status duet__cpu_matmul_f16_rp(cpu_backend *be, const duet_op *op, const void *w, int64_t rp_rows,
+                                    const float *x, const float *bias, float *out);
 /* ---- repacked weights (cpu_matmul_blocks.c) ----------------------------------------
  *
  * Decode reads every weight once per token, so the GEMV's cost per weight
@@ -182,7 +189,15 @@ duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *
  * that reads a buffer as a Q4_0 matrix repacks it in place; any other use
  * of those bytes (a download, an upload, a host pointer, another op or
  * shape) first restores the plain layout, and after another op or shape
- * the buffer stays plain. Embedding lookups read the layout. */
+ * the buffer stays plain. Embedding lookups read the layout.
+ *
+ * An F16 matrix (avx512 path, f32 activations) is stored CPU_RP_ROWS rows
+ * at a time column by column: for each column k the 16 rows' halves (32
+ * bytes), so one load and one conversion give 16 rows' weights at column
+ * k, a vector lane per row. The kernels broadcast each token's x[k] and
+ * FMA it into 16-row accumulators (an outer product): every row's sum runs
+ * over k in order, in one lane, whatever the number of tokens or groups
+ * the kernel takes at once. */
 #define CPU_RP_ROWS 16
 /* Repacks buf's matrix when the op is a matmul the layout serves; restores
  * the plain layout of every other buffer the op touches. With apply false
@@ -192,7 +207,7 @@ duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op, bool apply,
 /* Restores buf's plain layout (no-op when it has none); fails only out of
  * memory (16 rows of staging), leaving the layout as it was. */
 duet_status duet__cpu_rp_restore(cpu_backend *be, duet_buffer *buf);
-/* Row `row` of a repacked Q4_0 table as n floats. */
+/* Row `row` of a repacked Q4_0 or F16 table as n floats. */
 void duet__cpu_rp_dequant_row(const duet_buffer *buf, int64_t row, float *out);
 
 /* Quantises n floats (n % 32 == 0) to q8_0 blocks with the fastest path of

@@ -21,7 +21,13 @@
  * sums a token's products in the same order (greedy output must not change
  * with the engine's batching).
  * F32/F16/BF16 weights are converted to f32 in registers and use f32 FMAs
- * with f32 activations. */
+ * with f32 activations. F16 matrices the backend repacked (avx512; groups
+ * of 16 rows stored column by column, cpu_internal.h) run an outer-product
+ * kernel instead: per column one conversion gives 16 rows' weights, and
+ * each token's x[k] is broadcast into 16-row accumulators, in passes of 2
+ * groups x 12/8/4/2/1 tokens (decode: 4 groups, prefetched). Its sums run
+ * over k in order per row (not the tiles' 16 lanes), so it is batch
+ * invariant on its own but not the tiles' bits. */
 #include <assert.h>
 #include <stdlib.h>
 
@@ -591,6 +597,121 @@ AVX512_F_TILE(avx512_f32_tile, DUET_DTYPE_F32)
 AVX512_F_TILE(avx512_f16_tile, DUET_DTYPE_F16)
 AVX512_F_TILE(avx512_bf16_tile, DUET_DTYPE_BF16)
 
+/* ---- F16 repacked groups (cpu_internal.h) ---------------------------------- */
+
+#define F16RP_TOKENS 12 /* tokens per pass, at most (2 groups: 24 accumulators) */
+/* Decode prefetches each group's stream this far ahead (the 4 groups of a
+ * pass are 4 streams the hardware prefetcher takes up late). */
+#define F16RP_PF 1024
+
+/* One pass: NG groups (gs bytes apart) against NT tokens, all n columns;
+ * writes out (+ bias, + out). x is the pass's activations column by
+ * column (x[k * NT + j]: token j's column k), so every broadcast is at a
+ * constant offset from one pointer. */
+typedef struct f16rp_job {
+    const uint8_t *g;
+    size_t gs;
+    int64_t n;
+    const float *x;
+    const float *bias; /* at the first group's first row, or NULL */
+    bool accumulate;
+    float *out; /* the first token's first row */
+    int64_t os; /* floats between tokens of out */
+} f16rp_job;
+
+/* Per column k: each group's 16 halves become 16 floats (a row per lane),
+ * each token's x[k] is broadcast, and one FMA per group and token adds the
+ * products. Two columns per step (one cache line per group). A row's sum
+ * over k runs in order in its lane, so a token's bits do not depend on NG,
+ * NT or the pass it lands in. */
+CPU_AVX512 CPU_INLINE void avx512_f16rp_body(const int NG, const int NT, const f16rp_job *jb) {
+    __m512 acc[4][F16RP_TOKENS];
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++)
+#pragma GCC unroll 12
+        for (int j = 0; j < NT; j++)
+            acc[g][j] = _mm512_setzero_ps();
+    const uint8_t *w = jb->g;
+    const float *x = jb->x;
+    const int64_t n = jb->n;
+    const size_t gs = jb->gs;
+    int64_t k = 0;
+    for (; k + 2 <= n; k += 2) {
+        __m512 w0[4], w1[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) {
+            const uint8_t *p = w + (size_t)g * gs + (size_t)k * 32;
+            if (NT == 1) CPU_PREFETCH(p + F16RP_PF);
+            __m512i v = _mm512_loadu_si512(p);
+            w0[g] = _mm512_cvtph_ps(_mm512_castsi512_si256(v));
+            w1[g] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(v, 1));
+        }
+#pragma GCC unroll 12
+        for (int j = 0; j < NT; j++) {
+            const __m512 xv = _mm512_set1_ps(x[k * NT + j]);
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++)
+                acc[g][j] = _mm512_fmadd_ps(w0[g], xv, acc[g][j]);
+        }
+#pragma GCC unroll 12
+        for (int j = 0; j < NT; j++) {
+            const __m512 xv = _mm512_set1_ps(x[(k + 1) * NT + j]);
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++)
+                acc[g][j] = _mm512_fmadd_ps(w1[g], xv, acc[g][j]);
+        }
+    }
+    if (k < n) { /* an odd last column */
+        __m512 w0[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++)
+            w0[g] =
+                _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + (size_t)g * gs + (size_t)k * 32)));
+#pragma GCC unroll 12
+        for (int j = 0; j < NT; j++) {
+            const __m512 xv = _mm512_set1_ps(x[k * NT + j]);
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++)
+                acc[g][j] = _mm512_fmadd_ps(w0[g], xv, acc[g][j]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++) {
+        const __m512 bias = jb->bias ? _mm512_loadu_ps(jb->bias + 16 * g) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+        for (int j = 0; j < NT; j++) {
+            float *o = jb->out + j * jb->os + 16 * g;
+            __m512 v = _mm512_add_ps(acc[g][j], bias);
+            if (jb->accumulate) v = _mm512_add_ps(_mm512_loadu_ps(o), v);
+            _mm512_storeu_ps(o, v);
+        }
+    }
+}
+
+typedef void (*f16rp_fn)(const f16rp_job *jb);
+#define AVX512_F16RP(NG, NT)                                                                                 \
+    CPU_AVX512 static void avx512_f16rp_##NG##_##NT(const f16rp_job *jb) {                                   \
+        avx512_f16rp_body(NG, NT, jb);                                                                       \
+    }
+AVX512_F16RP(2, 12)
+AVX512_F16RP(2, 8)
+AVX512_F16RP(2, 4)
+AVX512_F16RP(2, 2)
+AVX512_F16RP(2, 1)
+AVX512_F16RP(1, 12)
+AVX512_F16RP(1, 8)
+AVX512_F16RP(1, 4)
+AVX512_F16RP(1, 2)
+AVX512_F16RP(1, 1)
+AVX512_F16RP(4, 1)
+
+/* Passes of 12, 8, 4, 2 and 1 tokens, for 2 groups and for 1. */
+static const int f16rp_nt[5] = {12, 8, 4, 2, 1};
+static const f16rp_fn f16rp_fns[2][5] = {
+    {avx512_f16rp_1_12, avx512_f16rp_1_8, avx512_f16rp_1_4, avx512_f16rp_1_2, avx512_f16rp_1_1},
+    {avx512_f16rp_2_12, avx512_f16rp_2_8, avx512_f16rp_2_4, avx512_f16rp_2_2, avx512_f16rp_2_1},
+};
+
 /* ---- the q8_0 panel ------------------------------------------------------- */
 
 /* Loads block b of the 16 rows from w (ws bytes apart) and transposes it:
@@ -832,11 +953,9 @@ static void mm_store(const mm_task *t, int64_t r, int64_t tok, int nr, int nt, c
     }
 }
 
-static void mm_rows_task(void *p, int chunk, int n_chunks, int worker) {
-    mm_task *t = p;
+/* Rows [lo, hi) by the tiles. */
+static void mm_rows_range(const mm_task *t, int64_t lo, int64_t hi) {
     const mm_kernels *k = t->k;
-    int64_t lo, hi;
-    cpu_split(t->n_out, chunk, n_chunks, k->mr, &lo, &hi);
     f_tile_fn f = t->dtype == DUET_DTYPE_F16 ? k->f16 : t->dtype == DUET_DTYPE_BF16 ? k->bf16 : k->f32;
     cpu_tile_res res;
     for (int64_t t0 = 0; t0 < t->n_tokens; t0 += t->token_chunk) {
@@ -855,6 +974,14 @@ static void mm_rows_task(void *p, int chunk, int n_chunks, int worker) {
             }
         }
     }
+}
+
+static void mm_rows_task(void *p, int chunk, int n_chunks, int worker) {
+    (void)worker;
+    const mm_task *t = p;
+    int64_t lo, hi;
+    cpu_split(t->n_out, chunk, n_chunks, t->k->mr, &lo, &hi);
+    mm_rows_range(t, lo, hi);
 }
 
 /* Panels of CPU_PANEL_ROWS rows; per token chunk each panel meets the
@@ -979,4 +1106,173 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
     t.token_chunk = chunk < k->mt ? k->mt : chunk;
     duet__cpu_pool_run(be->pool, n_chunks, mm_rows_task, &t);
     return DUET_OK;
+}
+
+/* ---- F16 repacked weights ------------------------------------------------- */
+
+#if CPU_X86
+/* A batch's passes: as many of 12 tokens as fit, then 8, 4, 2, 1 for the
+ * rest (its binary digits). Pass p's first token and its size's index in
+ * f16rp_nt. */
+static int64_t f16rp_passes(int64_t n_tokens) {
+    const int64_t r = n_tokens % F16RP_TOKENS;
+    return n_tokens / F16RP_TOKENS + ((r >> 3) & 1) + ((r >> 2) & 1) + ((r >> 1) & 1) + (r & 1);
+}
+
+static int f16rp_pass(int64_t n_tokens, int64_t p, int64_t *t0) {
+    const int64_t full = n_tokens / F16RP_TOKENS;
+    if (p < full) {
+        *t0 = p * F16RP_TOKENS;
+        return 0;
+    }
+    int64_t t = full * F16RP_TOKENS, left = p - full;
+    for (int i = 1;; i++) {
+        if (!((n_tokens - full * F16RP_TOKENS) & f16rp_nt[i])) continue;
+        if (left-- == 0) {
+            *t0 = t;
+            return i;
+        }
+        t += f16rp_nt[i];
+    }
+}
+
+typedef struct f16rp_task {
+    const uint8_t *w;
+    size_t gs; /* bytes per group */
+    int64_t n_in, n_tokens, groups, passes;
+    const float *x;
+    float *xp; /* x by passes, column by column (x itself for one token) */
+    const float *bias;
+    float *out;
+    int64_t os;
+    bool accumulate;
+    int64_t pass_chunk; /* passes whose activations stay in L2 while a chunk's groups cycle */
+    int rp_chunks;      /* chunks of whole groups; a last one takes the plain rows */
+    int align;          /* groups per chunk: a multiple of this */
+    mm_task tail;       /* the plain rows past the last group */
+    int64_t rp_rows;
+} f16rp_task;
+
+/* Passes' activations into the kernels' layout. */
+static void f16rp_pack_task(void *p, int chunk, int n_chunks, int worker) {
+    (void)worker;
+    const f16rp_task *t = p;
+    int64_t lo, hi;
+    cpu_split(t->passes, chunk, n_chunks, 1, &lo, &hi);
+    for (int64_t q = lo; q < hi; q++) {
+        int64_t t0;
+        const int nt = f16rp_nt[f16rp_pass(t->n_tokens, q, &t0)];
+        const float *x = t->x + t0 * t->n_in;
+        float *o = t->xp + t0 * t->n_in;
+        for (int64_t k = 0; k < t->n_in; k++)
+            for (int j = 0; j < nt; j++)
+                o[k * nt + j] = x[j * t->n_in + k];
+    }
+}
+
+static void f16rp_run_task(void *p, int chunk, int n_chunks, int worker) {
+    (void)n_chunks, (void)worker;
+    const f16rp_task *t = p;
+    if (chunk >= t->rp_chunks) {
+        mm_rows_range(&t->tail, t->rp_rows, t->tail.n_out);
+        return;
+    }
+    int64_t lo, hi;
+    cpu_split(t->groups, chunk, t->rp_chunks, t->align, &lo, &hi);
+    f16rp_job jb = {.gs = t->gs, .n = t->n_in, .accumulate = t->accumulate, .os = t->os};
+    for (int64_t p0 = 0; p0 < t->passes; p0 += t->pass_chunk) {
+        const int64_t p1 = p0 + t->pass_chunk < t->passes ? p0 + t->pass_chunk : t->passes;
+        for (int64_t g = lo; g < hi;) {
+            jb.g = t->w + (size_t)g * t->gs;
+            jb.bias = t->bias ? t->bias + g * CPU_RP_ROWS : NULL;
+            if (t->n_tokens == 1 && hi - g >= 4) { /* decode: 4 groups' streams at once */
+                jb.x = t->xp;
+                jb.out = t->out + g * CPU_RP_ROWS;
+                avx512_f16rp_4_1(&jb);
+                g += 4;
+                continue;
+            }
+            const int ng = hi - g >= 2 ? 2 : 1;
+            for (int64_t q = p0; q < p1; q++) {
+                int64_t t0;
+                const int i = f16rp_pass(t->n_tokens, q, &t0);
+                jb.x = t->xp + t0 * t->n_in;
+                jb.out = t->out + t0 * t->os + g * CPU_RP_ROWS;
+                f16rp_fns[ng - 1][i](&jb);
+            }
+            g += ng;
+        }
+    }
+}
+#endif
+
+duet_status duet__cpu_matmul_f16_rp(cpu_backend *be, const duet_op *op, const void *w, int64_t rp_rows,
+                                    const float *x, const float *bias, float *out) {
+#if CPU_X86
+    if (be->isa != CPU_ISA_AVX512 || op->matmul.dtype != DUET_DTYPE_F16)
+        return duet__error(DUET_INVALID_ARGUMENT, "matmul: repacked f16 weights need the avx512 path");
+    const mm_kernels *k = mm_kernels_for(be->isa);
+    const size_t ws = duet_dtype_row_bytes(DUET_DTYPE_F16, op->matmul.n_in);
+    f16rp_task t = {
+        .w = w,
+        .gs = CPU_RP_ROWS * ws,
+        .n_in = op->matmul.n_in,
+        .n_tokens = op->n_tokens,
+        .groups = rp_rows / CPU_RP_ROWS,
+        .passes = f16rp_passes(op->n_tokens),
+        .x = x,
+        .bias = bias,
+        .out = out,
+        .os = op->matmul.n_out,
+        .accumulate = op->matmul.accumulate,
+        .rp_rows = rp_rows,
+        .align = op->n_tokens == 1 ? 4 : 2,
+    };
+    t.tail = (mm_task){.k = k,
+                       .dtype = DUET_DTYPE_F16,
+                       .n_tokens = op->n_tokens,
+                       .n_in = op->matmul.n_in,
+                       .n_out = op->matmul.n_out,
+                       .w = w,
+                       .ws = ws,
+                       .x = x,
+                       .bias = bias,
+                       .out = out,
+                       .accumulate = op->matmul.accumulate,
+                       .token_chunk = op->n_tokens};
+    const int64_t work = (int64_t)t.n_tokens * t.n_in * op->matmul.n_out;
+    const bool small = work < 32 * 1024; /* smaller than a dispatch costs: inline */
+    if (t.n_tokens == 1) {
+        t.xp = (float *)x; /* one token's columns are its row */
+    } else {
+        duet_status st = duet__cpu_scratch_reserve(&be->act, (size_t)(t.n_tokens * t.n_in) * sizeof(float));
+        if (st != DUET_OK) return st;
+        t.xp = be->act.p;
+        duet__cpu_pool_run(be->pool, small ? 1 : cpu_chunks(be->pool, t.passes), f16rp_pack_task, &t);
+    }
+    /* ~256 KiB of activations per pass chunk. */
+    const int64_t pc = (256 * 1024) / (t.n_in * F16RP_TOKENS * (int64_t)sizeof(float));
+    t.pass_chunk = pc < 1 ? 1 : pc;
+    /* Chunks of ~1 MiB of weights, and at least a few per thread: claimed
+     * by whichever thread is free, so both cores stay busy to the end. */
+    const int64_t units = (t.groups + t.align - 1) / t.align;
+    int64_t n = (int64_t)((t.groups * t.gs + (1u << 20) - 1) >> 20);
+    const int64_t few = cpu_chunks(be->pool, units);
+    if (n < few) n = few;
+    if (n > units) n = units;
+    if (n > CPU_POOL_MAX_CHUNKS - 1) n = CPU_POOL_MAX_CHUNKS - 1;
+    if (small) n = 1;
+    t.rp_chunks = (int)n;
+    const bool tail = rp_rows < op->matmul.n_out;
+    if (t.rp_chunks == 1 && tail) {
+        f16rp_run_task(&t, 0, 1, 0);
+        f16rp_run_task(&t, 1, 1, 0);
+        return DUET_OK;
+    }
+    duet__cpu_pool_run(be->pool, t.rp_chunks + (tail ? 1 : 0), f16rp_run_task, &t);
+    return DUET_OK;
+#else
+    (void)be, (void)op, (void)w, (void)rp_rows, (void)x, (void)bias, (void)out;
+    return duet__error(DUET_INVALID_ARGUMENT, "matmul: repacked f16 weights on a cpu without their kernels");
+#endif
 }

@@ -1173,8 +1173,8 @@ duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *
 /* ---- repacking ------------------------------------------------------------------------------------ */
 
 /* 16 plain Q4_0 rows (ws bytes apart) -> one group at g, and back. */
-static void rp_pack_group(const uint8_t *rows, size_t ws, int64_t nb, uint8_t *g) {
-    for (int64_t b = 0; b < nb; b++, g += CPU_RP_ROWS * sizeof(duet_block_q4_0))
+static void rp_pack_q4_0(const uint8_t *rows, size_t ws, int64_t cols, uint8_t *g) {
+    for (int64_t b = 0; b < cols / 32; b++, g += CPU_RP_ROWS * sizeof(duet_block_q4_0))
         for (int l = 0; l < CPU_RP_ROWS; l++) {
             const duet_block_q4_0 *blk = (const duet_block_q4_0 *)(rows + (size_t)l * ws) + b;
             memcpy(g + 2 * l, &blk->d, 2);
@@ -1191,16 +1191,123 @@ static void rp_block(const uint8_t *g, int64_t b, int l, duet_block_q4_0 *out) {
         memcpy(out->qs + 4 * c, p + 32 + 64 * c + 4 * l, 4);
 }
 
-static void rp_unpack_group(const uint8_t *g, size_t ws, int64_t nb, uint8_t *rows) {
+static void rp_unpack_q4_0(const uint8_t *g, size_t ws, int64_t cols, uint8_t *rows) {
     for (int l = 0; l < CPU_RP_ROWS; l++)
-        for (int64_t b = 0; b < nb; b++)
+        for (int64_t b = 0; b < cols / 32; b++)
             rp_block(g, b, l, (duet_block_q4_0 *)(rows + (size_t)l * ws) + b);
+}
+
+/* 16 plain F16 rows -> one group (column k's 16 halves at g + 32k), and back. */
+static void rp_pack_f16(const uint8_t *rows, size_t ws, int64_t cols, uint8_t *g) {
+    uint16_t *o = (uint16_t *)g;
+    for (int l = 0; l < CPU_RP_ROWS; l++) {
+        const uint16_t *r = (const uint16_t *)(rows + (size_t)l * ws);
+        for (int64_t k = 0; k < cols; k++)
+            o[k * CPU_RP_ROWS + l] = r[k];
+    }
+}
+
+#if CPU_X86
+/* The same 16 columns at a time: a 16 x 16 transpose of halves in three
+ * rounds of two-source word permutes. A register holds 32 halves; each
+ * round's output lists (row, column) pairs in the order wanted, and its
+ * index picks them out of two inputs. Round 0 holds rows 2i, 2i+1 (all 16
+ * columns); round 1: 4 rows x 8 columns, column-major; round 2: 8 rows x
+ * 4 columns; round 3: 16 rows x 2 columns, the group's layout. */
+static int rp_t_elem(int round, int reg, int e) { /* (row << 4) | column of element e */
+    switch (round) {
+    case 0:
+        return ((2 * reg + e / 16) << 4) | (e % 16);
+    case 1: /* reg = 2m + h: rows 4m.., columns 8h.. */
+        return ((4 * (reg / 2) + e % 4) << 4) | (8 * (reg % 2) + e / 4);
+    case 2: /* reg = 4n + q: rows 8n.., columns 4q.. */
+        return ((8 * (reg / 4) + e % 8) << 4) | (4 * (reg % 4) + e / 8);
+    default: /* reg = s: columns 2s, 2s + 1 */
+        return ((e % 16) << 4) | (2 * reg + e / 16);
+    }
+}
+
+/* idx[round - 1][reg] and the two inputs of each output register. */
+typedef struct rp_t_plan {
+    uint16_t idx[3][8][32];
+    uint8_t src[3][8][2];
+} rp_t_plan;
+
+static void rp_t_plan_make(rp_t_plan *pl) {
+    static const uint8_t srcs[3][8][2] = {
+        {{0, 1}, {0, 1}, {2, 3}, {2, 3}, {4, 5}, {4, 5}, {6, 7}, {6, 7}},
+        {{0, 2}, {0, 2}, {1, 3}, {1, 3}, {4, 6}, {4, 6}, {5, 7}, {5, 7}},
+        {{0, 4}, {0, 4}, {1, 5}, {1, 5}, {2, 6}, {2, 6}, {3, 7}, {3, 7}},
+    };
+    for (int r = 0; r < 3; r++)
+        for (int o = 0; o < 8; o++) {
+            pl->src[r][o][0] = srcs[r][o][0];
+            pl->src[r][o][1] = srcs[r][o][1];
+            for (int e = 0; e < 32; e++) {
+                const int want = rp_t_elem(r + 1, o, e);
+                int at = -1;
+                for (int h = 0; h < 2 && at < 0; h++)
+                    for (int f = 0; f < 32; f++)
+                        if (rp_t_elem(r, srcs[r][o][h], f) == want) {
+                            at = 32 * h + f;
+                            break;
+                        }
+                pl->idx[r][o][e] = (uint16_t)at;
+            }
+        }
+}
+
+static rp_t_plan rp_plan;
+static pthread_once_t rp_plan_once = PTHREAD_ONCE_INIT;
+static void rp_t_plan_make_once(void) {
+    rp_t_plan_make(&rp_plan);
+}
+
+CPU_AVX512 static void rp_pack_f16_avx512(const uint8_t *rows, size_t ws, int64_t cols, uint8_t *g) {
+    pthread_once(&rp_plan_once, rp_t_plan_make_once);
+    const rp_t_plan *pl = &rp_plan;
+    __m512i idx[3][8];
+    for (int r = 0; r < 3; r++)
+        for (int o = 0; o < 8; o++)
+            idx[r][o] = _mm512_loadu_si512(pl->idx[r][o]);
+    int64_t k = 0;
+    for (; k + 16 <= cols; k += 16) {
+        __m512i a[8], b[8];
+        for (int i = 0; i < 8; i++) {
+            const uint8_t *r0 = rows + (size_t)(2 * i) * ws + (size_t)k * 2;
+            a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)r0)),
+                                      _mm256_loadu_si256((const __m256i *)(r0 + ws)), 1);
+        }
+        for (int r = 0; r < 3; r++) {
+            for (int o = 0; o < 8; o++)
+                b[o] = _mm512_permutex2var_epi16(a[pl->src[r][o][0]], idx[r][o], a[pl->src[r][o][1]]);
+            for (int o = 0; o < 8; o++)
+                a[o] = b[o];
+        }
+        for (int o = 0; o < 8; o++)
+            _mm512_storeu_si512(g + (size_t)(k + 2 * o) * 32, a[o]);
+    }
+    for (; k < cols; k++)
+        for (int l = 0; l < CPU_RP_ROWS; l++)
+            memcpy(g + (size_t)k * 32 + 2 * l, rows + (size_t)l * ws + (size_t)k * 2, 2);
+}
+#endif
+
+static void rp_unpack_f16(const uint8_t *g, size_t ws, int64_t cols, uint8_t *rows) {
+    const uint16_t *in = (const uint16_t *)g;
+    for (int l = 0; l < CPU_RP_ROWS; l++) {
+        uint16_t *r = (uint16_t *)(rows + (size_t)l * ws);
+        for (int64_t k = 0; k < cols; k++)
+            r[k] = in[k * CPU_RP_ROWS + l];
+    }
 }
 
 typedef struct rp_pack_ctx {
     uint8_t *base; /* the matrix */
     size_t ws;
-    int64_t nb, groups;
+    int64_t cols, groups;
+    duet_dtype dtype;
+    void (*pack_f16)(const uint8_t *rows, size_t ws, int64_t cols, uint8_t *g);
     uint8_t *tmp; /* per worker: one group's bytes */
     bool pack;    /* false: back to plain */
 } rp_pack_ctx;
@@ -1209,26 +1316,33 @@ static void rp_pack_task(void *p, int chunk, int n_chunks, int worker) {
     const rp_pack_ctx *c = p;
     const size_t gb = CPU_RP_ROWS * c->ws;
     uint8_t *tmp = c->tmp + (size_t)worker * gb;
+    const bool f16 = c->dtype == DUET_DTYPE_F16;
     int64_t lo, hi;
     cpu_split(c->groups, chunk, n_chunks, 1, &lo, &hi);
     for (int64_t g = lo; g < hi; g++) {
         uint8_t *at = c->base + (size_t)g * gb;
         memcpy(tmp, at, gb);
         if (c->pack)
-            rp_pack_group(tmp, c->ws, c->nb, at);
+            (f16 ? c->pack_f16 : rp_pack_q4_0)(tmp, c->ws, c->cols, at);
         else
-            rp_unpack_group(tmp, c->ws, c->nb, at);
+            (f16 ? rp_unpack_f16 : rp_unpack_q4_0)(tmp, c->ws, c->cols, at);
     }
 }
 
-/* Repacks (pack) or restores buf's matrix; false when out of memory (the
- * bytes are then untouched). */
-static bool rp_convert(cpu_backend *be, duet_buffer *buf, size_t off, int64_t rows, int64_t cols, bool pack) {
+/* Repacks (pack) or restores buf's matrix of `dtype`; false when out of
+ * memory (the bytes are then untouched). */
+static bool rp_convert(cpu_backend *be, duet_buffer *buf, size_t off, int64_t rows, int64_t cols,
+                       duet_dtype dtype, bool pack) {
     rp_pack_ctx c = {.base = (uint8_t *)buf->data + off,
-                     .ws = duet_dtype_row_bytes(DUET_DTYPE_Q4_0, cols),
-                     .nb = cols / 32,
+                     .ws = duet_dtype_row_bytes(dtype, cols),
+                     .cols = cols,
                      .groups = rows / CPU_RP_ROWS,
+                     .dtype = dtype,
+                     .pack_f16 = rp_pack_f16,
                      .pack = pack};
+#if CPU_X86
+    if (be->isa == CPU_ISA_AVX512) c.pack_f16 = rp_pack_f16_avx512;
+#endif
     /* Restoring runs on the caller alone (uploads and downloads are not
      * the hot path, and may come while the pool is idle or not). */
     const int workers = pack ? be->pool->n_threads : 1;
@@ -1244,7 +1358,7 @@ static bool rp_convert(cpu_backend *be, duet_buffer *buf, size_t off, int64_t ro
 
 duet_status duet__cpu_rp_restore(cpu_backend *be, duet_buffer *buf) {
     if (!buf->rp_rows) return DUET_OK;
-    if (!rp_convert(be, buf, buf->rp_off, buf->rp_rows, buf->rp_cols, false))
+    if (!rp_convert(be, buf, buf->rp_off, buf->rp_rows, buf->rp_cols, buf->rp_dtype, false))
         return duet__error(DUET_OUT_OF_MEMORY, "cpu: out of memory restoring a repacked weight's layout");
     buf->rp_rows = 0;
     atomic_fetch_sub(&be->dev->n_repacked, 1);
@@ -1252,34 +1366,54 @@ duet_status duet__cpu_rp_restore(cpu_backend *be, duet_buffer *buf) {
 }
 
 void duet__cpu_rp_dequant_row(const duet_buffer *buf, int64_t row, float *out) {
-    const size_t ws = duet_dtype_row_bytes(DUET_DTYPE_Q4_0, buf->rp_cols);
+    const size_t ws = duet_dtype_row_bytes(buf->rp_dtype, buf->rp_cols);
     const uint8_t *g =
         (const uint8_t *)buf->data + buf->rp_off + (size_t)(row / CPU_RP_ROWS) * CPU_RP_ROWS * ws;
+    const int l = (int)(row % CPU_RP_ROWS);
+    if (buf->rp_dtype == DUET_DTYPE_F16) {
+        const uint16_t *h = (const uint16_t *)g + l;
+        for (int64_t k = 0; k < buf->rp_cols; k++)
+            out[k] = duet_fp16_to_fp32(h[k * CPU_RP_ROWS]);
+        return;
+    }
     for (int64_t b = 0; b < buf->rp_cols / 32; b++) {
         duet_block_q4_0 blk;
-        rp_block(g, b, (int)(row % CPU_RP_ROWS), &blk);
+        rp_block(g, b, l, &blk);
         duet_dequantize_row(DUET_DTYPE_Q4_0, &blk, out + 32 * b, 32);
     }
 }
 
+/* Whether be has kernels for a repacked `dtype` matrix: Q4_0 on the avx2
+ * and avx512 paths (f32 or q8_0 activations), F16 on avx512 with f32
+ * activations (q8_0 ones never meet F16 weights). ($DUET_CPU_REPACK=0
+ * only stops new repacking.) */
+static bool rp_serves(const cpu_backend *be, duet_dtype dtype, bool x_q8) {
+    if (dtype == DUET_DTYPE_Q4_0) return be->isa >= CPU_ISA_AVX2;
+    if (dtype == DUET_DTYPE_F16) return be->isa == CPU_ISA_AVX512 && !x_q8;
+    return false;
+}
+
 /* Whether op reads operand o (a view of the repacked buffer b) in b's
- * layout: as the same matrix's weights, or as an embedding table of its
- * rows (rows past the groups are plain either way). */
-static bool rp_reads_layout(const duet_op *op, const duet_operand *o, const duet_buffer *b) {
+ * layout: as the same matrix's weights (on a path with its kernels), or as
+ * an embedding table of its rows (rows past the groups are plain either
+ * way). */
+static bool rp_reads_layout(const cpu_backend *be, const duet_op *op, const duet_operand *o,
+                            const duet_buffer *b) {
     if (o->view.offset != b->rp_off) return false;
     if (op->kind == DUET_OP_MATMUL && strcmp(o->name, "w") == 0)
-        return op->matmul.dtype == DUET_DTYPE_Q4_0 && op->matmul.n_in == b->rp_cols &&
-               op->matmul.n_out / CPU_RP_ROWS * CPU_RP_ROWS == b->rp_rows;
+        return op->matmul.dtype == b->rp_dtype && op->matmul.n_in == b->rp_cols &&
+               op->matmul.n_out / CPU_RP_ROWS * CPU_RP_ROWS == b->rp_rows &&
+               rp_serves(be, b->rp_dtype, op->matmul.x_q8.buf != NULL);
     if (op->kind == DUET_OP_EMBED && strcmp(o->name, "table") == 0)
-        return op->embed.dtype == DUET_DTYPE_Q4_0 && op->embed.dim == b->rp_cols;
+        return op->embed.dtype == b->rp_dtype && op->embed.dim == b->rp_cols;
     return false;
 }
 
 duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op, bool apply, bool *stale) {
     *stale = false;
     const bool mm = op->kind == DUET_OP_MATMUL;
-    if (!atomic_load(&be->dev->n_repacked) && !(mm && be->repack && op->matmul.dtype == DUET_DTYPE_Q4_0))
-        return DUET_OK;
+    const bool serves = mm && be->repack && rp_serves(be, op->matmul.dtype, op->matmul.x_q8.buf != NULL);
+    if (!atomic_load(&be->dev->n_repacked) && !serves) return DUET_OK;
     duet_operand ops[DUET_MAX_OPERANDS];
     const int n = duet_op_operands(op, ops);
     duet_buffer *w = mm ? op->matmul.w.buf : NULL;
@@ -1288,7 +1422,7 @@ duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op, bool apply,
         duet_buffer *b = ops[i].view.buf;
         if (!b) continue;
         if (b == w && !(mm && strcmp(ops[i].name, "w") == 0)) w_alone = false;
-        if (b->rp_rows && !rp_reads_layout(op, &ops[i], b)) {
+        if (b->rp_rows && !rp_reads_layout(be, op, &ops[i], b)) {
             *stale = true;
             if (!apply) return DUET_OK;
             duet_status st = duet__cpu_rp_restore(be, b);
@@ -1296,18 +1430,19 @@ duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op, bool apply,
             b->rp_never = true;
         }
     }
-    /* A Q4_0 matrix of at least one group, on a path with the kernels. */
-    if (!w || !w_alone || w->rp_rows || w->rp_never || op->matmul.dtype != DUET_DTYPE_Q4_0 ||
-        op->matmul.n_out < CPU_RP_ROWS || !be->repack)
+    /* A matrix of at least one group, on a path with its kernels. */
+    if (!w || !w_alone || w->rp_rows || w->rp_never || !serves || op->matmul.n_out < CPU_RP_ROWS)
         return DUET_OK;
     *stale = true;
     if (!apply) return DUET_OK;
     const int64_t rows = op->matmul.n_out / CPU_RP_ROWS * CPU_RP_ROWS;
     /* Out of memory for the one-group staging: the plain layout serves. */
-    if (!rp_convert(be, w, op->matmul.w.offset, rows, op->matmul.n_in, true)) return DUET_OK;
+    if (!rp_convert(be, w, op->matmul.w.offset, rows, op->matmul.n_in, op->matmul.dtype, true))
+        return DUET_OK;
     w->rp_rows = rows;
     w->rp_cols = op->matmul.n_in;
     w->rp_off = op->matmul.w.offset;
+    w->rp_dtype = op->matmul.dtype;
     atomic_fetch_add(&be->dev->n_repacked, 1);
     return DUET_OK;
 }
