@@ -22,7 +22,7 @@ speculating (--spec ngram, or --draft DRAFT), then runs one of:
                       logprob gap there (a near-tie when < 1e-3).
 
 usage: spec_serve.py DUET MODEL (--draft DRAFT | --ngram | --control) [--spec-max-batch N]
-                     [--threads T] [--ctx N] [--max-batch-seqs N] [--json OUT]
+                     [--backend cpu|vulkan|opencl] [--threads T] [--ctx N] [--max-batch-seqs N] [--json OUT]
                      streams N [N ...] [--rounds R] [--max-tokens M] [--prompt-file F]
        spec_serve.py ... identity --prompts REF.json [--concurrent C] [--max-tokens M]
 """
@@ -182,6 +182,7 @@ def main():
     g.add_argument("--control", action="store_true", help="both servers plain: the A/A noise floor")
     ap.add_argument("--spec-k", type=int, default=0)
     ap.add_argument("--spec-max-batch", type=int, default=0)
+    ap.add_argument("--backend", default="cpu", help="duet serve --backend (both servers)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--max-batch-seqs", type=int, default=16)
@@ -198,7 +199,7 @@ def main():
     i.add_argument("--max-tokens", type=int, default=64)
     a = ap.parse_args()
 
-    base = [a.duet, "serve", "-m", a.model, "--backend", "cpu", "--port", "0", "-c", str(a.ctx), "-t", str(a.threads),
+    base = [a.duet, "serve", "-m", a.model, "--backend", a.backend, "--port", "0", "-c", str(a.ctx), "-t", str(a.threads),
             "--max-batch-seqs", str(a.max_batch_seqs)]
     spec = ["--draft", a.draft] if a.draft else [] if a.control else ["--spec", "ngram"]
     if a.spec_k and not a.control:

@@ -144,8 +144,8 @@ struct duet_engine {
     duet_sched_result *results;
     duet_finish *step_finish; /* [max_seqs] what the step decided; published under the lock */
     int max_tokens, max_seqs;
-    char *text; /* [model->detok_size] a token's text, for the engine thread */
-    char *err;  /* message of a failed step [ENGINE_ERR_SIZE] */
+    char *text;         /* [model->detok_size] a token's text, for the engine thread */
+    char *err;          /* message of a failed step [ENGINE_ERR_SIZE] */
     duet_status err_st; /* and its status */
     /* Set once, under the lock, when the device is lost: "device lost: <message>". */
     bool lost;
@@ -697,17 +697,22 @@ static void spec_row(duet_engine *e, engine_req *r, int i, int j, float *logits)
 }
 
 /* Before a plan (locked): each speculated request that is decoding offers
- * the scheduler a draft of up to its adaptive k tokens: an n-gram draft, or
- * with a draft model, k tokens it will draft in the step if granted. */
+ * the scheduler a draft: an n-gram draft, or with a draft model, tokens it
+ * will draft in the step if granted. With the measured decision it offers
+ * up to spec_k and the decision picks how many pay (from its acceptance and
+ * the step costs); without it (every offer verified) it offers its adaptive
+ * k. */
 static void offer_drafts(duet_engine *e) {
     if (!e->spec) return;
+    const int k_offer_max = duet__sched_knobs(e->sched).spec_measured ? e->spec_k : 0;
     for (int i = 0; i < e->cap; i++) {
         engine_req *r = &e->reqs[i];
         if (!r->id || !r->spec || r->cancelled || r->finish != DUET_FINISH_NONE || r->n_gen == 0) continue;
         int len = r->n_prompt + r->n_gen;
-        int n = e->draft ? r->adapt.k
-                         : duet__spec_ngram(r->stream, len, DUET_SPEC_NGRAM_MIN, DUET_SPEC_NGRAM_MAX,
-                                            r->adapt.k, r->draft);
+        int k = k_offer_max ? k_offer_max : r->adapt.k;
+        int n = e->draft
+                    ? k
+                    : duet__spec_ngram(r->stream, len, DUET_SPEC_NGRAM_MIN, DUET_SPEC_NGRAM_MAX, k, r->draft);
         /* The decision weighs the steady state: the newest token, and one
          * more after a step that kept every draft. A longer catch-up
          * (after steps without drafts) is paid once, not charged to the
@@ -741,6 +746,28 @@ static void draft_admit(duet_engine *e, engine_req *r, const duet_sched_seq *s, 
         h = duet__kv_hash_block(h, r->stream + (size_t)b * bs, bs);
         if (e->dkey[table[b]] != h) break;
         r->dblocks = b + 1, r->dhash = h, r->dlen = (b + 1) * bs;
+    }
+}
+
+/* Before a running request's step (its table was `old`, is `now`): the
+ * scheduler may have swapped one of its full blocks for an identical cached
+ * one (kv_blocks: two streams computed the same block; keep one copy). The
+ * target's KV there is the same; the draft's is only where the other
+ * stream's draft wrote that block whole (its mark matches this stream's
+ * chain). Otherwise the draft's KV is valid only up to the block, and its
+ * next drafting step catches up from there. */
+static void draft_reblock(duet_engine *e, engine_req *r, const int32_t *old, const int32_t *now) {
+    const int bs = e->run.state->p.block_size;
+    uint64_t h = DUET_KV_HASH_SEED;
+    for (int b = 0; b * bs < r->dlen; b++) {
+        uint64_t prev = h;
+        if ((b + 1) * bs <= r->n_prompt + r->n_gen)
+            h = duet__kv_hash_block(h, r->stream + (size_t)b * bs, bs);
+        if (old[b] == now[b]) continue;
+        if ((b + 1) * bs <= r->dlen && e->dkey[now[b]] == h) continue;
+        r->dlen = b * bs;
+        if (r->dblocks > b) r->dblocks = b, r->dhash = prev;
+        return;
     }
 }
 
@@ -785,6 +812,7 @@ static duet_status draft_forward(duet_engine *e, int n, int n_out, int j) {
  * (the last draft is never fed: the target's step computes its KV). */
 static duet_status draft_run(duet_engine *e, int n_seqs) {
     const int cap = e->drun.max_step_tokens;
+    const int bs = e->run.state->p.block_size;
     int n = 0, n_out = 0, max_draft = 0, n_q = 0;
     duet_status st = DUET_OK;
     for (int i = 0; i < n_seqs && !st; i++) {
@@ -794,6 +822,13 @@ static duet_status draft_run(duet_engine *e, int n_seqs) {
         r->qslot = r->dsmp && n_q < e->q_slots ? n_q++ : -1;
         if (s->n_draft > max_draft) max_draft = s->n_draft;
         if (r->dlen > s->pos) r->dlen = s->pos; /* a failed step left it ahead of the stream */
+        /* The blocks this step's passes write lose their marks until they
+         * are whole again (draft_mark): another stream's draft KV may have
+         * been marked there before the block was reused, with the very hash
+         * these tokens will have. */
+        const int32_t *table = e->tables + (size_t)s->slot * e->max_blocks;
+        for (int b = r->dlen / bs; b <= (s->pos + s->n_draft - 1) / bs; b++)
+            if (b >= r->dblocks) e->dkey[table[b]] = 0;
         for (int p = r->dlen; p <= s->pos && !st; p++) {
             if (n == cap) {
                 st = draft_forward(e, n, n_out, 0);
@@ -1008,10 +1043,12 @@ static void *engine_main(void *arg) {
         for (int i = 0; i < n_seqs; i++) {
             const duet_sched_seq *s = &e->plan_seqs[i];
             int32_t *row = e->tables + (size_t)s->slot * e->max_blocks;
+            engine_req *r = find_req(e, s->id);
+            if (e->draft && r && r->spec && !s->first_schedule && !s->resumed)
+                draft_reblock(e, r, row, s->blocks);
             memcpy(row, s->blocks, (size_t)s->n_blocks * sizeof *row);
             for (int j = s->n_blocks; j < e->max_blocks; j++)
                 row[j] = -1;
-            engine_req *r = find_req(e, s->id);
             if (e->draft && r && r->spec && (s->first_schedule || s->resumed)) draft_admit(e, r, s, row);
         }
         for (int i = 0; i < plan.n_preempted; i++) {
@@ -1412,20 +1449,28 @@ duet_status duet_engine_warmup(duet_engine *e) {
     }
     duet_status st = DUET_OK;
     double t;
+    /* With speculation, a verification: 1 + spec_k decode tokens, each with
+     * logits, after the `big` chunk and within the blocks written. */
+    int verify = e->spec ? 1 + e->spec_k : 0;
+    if (verify > e->run.max_out) verify = e->run.max_out;
+    if (verify > (big / bs + 1) * bs - big) verify = (big / bs + 1) * bs - big;
     /* A prompt chunk of n tokens, then one decode token: each path's first
-     * run (pipeline and kernel builds, first touches) happens here, untimed. */
+     * run (pipeline and kernel builds, first touches) happens here, untimed.
+     * So does a verification's, and the draft's spec_k one-token passes
+     * (one step's drafting): a step's first run of a shape costs far more
+     * than the next, and a verification timed cold made the fit's
+     * per-token cost so high that the decision refused every draft. */
     if (n >= 1) st = warm_pass(e, n, 0, 1, &t);
     if (!st && n >= 1 && e->draft) st = draft_warm_pass(e, n, false);
     if (!st && n >= 1) st = warm_pass(e, 1, n, 1, &t);
     if (!st && n >= 1 && e->draft) st = draft_warm_pass(e, 1, false);
-    /* Then timed: a chunk of `big` and of n tokens, decodes after them;
-     * with speculation, a verification (1 + spec_k decode tokens, each
-     * with logits, within the blocks written: a decode's per-token cost
-     * is then measured apart from the step's fixed cost) and the draft's
-     * passes of one token and of a chunk. */
-    int verify = e->spec ? 1 + e->spec_k : 0;
-    if (verify > e->run.max_out) verify = e->run.max_out;
-    if (verify > (big / bs + 1) * bs - big) verify = (big / bs + 1) * bs - big;
+    if (!st && n >= 1 && big > n && verify >= 2) st = warm_pass(e, verify, big, verify, &t);
+    for (int j = 1; !st && n >= 1 && e->draft && j < e->spec_k; j++)
+        st = draft_warm_pass(e, 1, false);
+    /* Then timed (these alone enter the fits): a chunk of `big` and of n
+     * tokens, decodes after them; the verification again (a decode's
+     * per-token cost is then measured apart from the step's fixed cost)
+     * and the draft's passes of one token and of a chunk. */
     const struct {
         int n, pos;
         bool decode;

@@ -143,17 +143,17 @@ typedef struct duet_sched duet_sched;
 /* Knobs: settable at run time (duet__sched_set_knobs); take effect at the
  * next plan. */
 typedef struct duet_sched_knobs {
-    int max_batch_seqs;       /* running sequences at most; 1..config.max_seqs */
-    int max_batch_tokens;     /* tokens per step; 1..config.max_tokens. Keep it
-                                 >= max_batch_seqs: otherwise the youngest
-                                 running sequences skip steps */
-    int prefill_chunk;        /* prompt tokens per sequence per step; >= 1 */
-    int max_waiting;          /* waiting requests at most; 0..config.max_waiting */
-    int64_t batch_timeout_ns; /* idle wait for more arrivals; >= 0 */
-    int spec_max_batch;       /* drafts only in steps with at most this many
-                                 decodes (a hard cap; 0: never); >= 0 */
-    bool spec_measured;       /* grant drafts by duet__spec_decide (needs a
-                                 step-cost model); false: every offer */
+    int max_batch_seqs;        /* running sequences at most; 1..config.max_seqs */
+    int max_batch_tokens;      /* tokens per step; 1..config.max_tokens. Keep it
+                                  >= max_batch_seqs: otherwise the youngest
+                                  running sequences skip steps */
+    int prefill_chunk;         /* prompt tokens per sequence per step; >= 1 */
+    int max_waiting;           /* waiting requests at most; 0..config.max_waiting */
+    int64_t batch_timeout_ns;  /* idle wait for more arrivals; >= 0 */
+    int spec_max_batch;        /* drafts only in steps with at most this many
+                                  decodes (a hard cap; 0: never); >= 0 */
+    bool spec_measured;        /* grant drafts by duet__spec_decide (needs a
+                                  step-cost model); false: every offer */
     int64_t step_budget_ns[2]; /* per duet_priority: the predicted time of a
                                   step in which a sequence of that class
                                   decodes, at most (prompt chunks shrink to
@@ -166,7 +166,7 @@ typedef struct duet_sched_knobs {
 
 /* Plans in a row whose draft offers the decision refused, after which one
  * candidate's offer is granted anyway (exploration). */
-#define DUET_SCHED_SPEC_EXPLORE 64
+#define DUET_SCHED_SPEC_EXPLORE 16
 
 /* Steps with draft offers, by what became of them. */
 enum {
@@ -180,14 +180,14 @@ enum {
 
 /* Capacities, fixed at creation (all memory is sized from them). */
 typedef struct duet_sched_config {
-    int max_seqs;      /* sequence slots; the engine's KV state holds this many */
-    int max_tokens;    /* largest step the engine's buffers take */
-    int max_waiting;   /* largest queue. Preempted requests count as
-                          waiting, and the request table always has room
-                          for them (it holds max_waiting + max_seqs) */
-    int n_ctx;         /* positions per sequence */
-    int kv_block_size; /* tokens per KV block (16 or 32) */
-    int kv_blocks;     /* blocks in the pool */
+    int max_seqs;           /* sequence slots; the engine's KV state holds this many */
+    int max_tokens;         /* largest step the engine's buffers take */
+    int max_waiting;        /* largest queue. Preempted requests count as
+                               waiting, and the request table always has room
+                               for them (it holds max_waiting + max_seqs) */
+    int n_ctx;              /* positions per sequence */
+    int kv_block_size;      /* tokens per KV block (16 or 32) */
+    int kv_blocks;          /* blocks in the pool */
     duet_sched_knobs knobs; /* initial knob values */
 } duet_sched_config;
 
@@ -203,18 +203,18 @@ typedef enum duet_sched_admit {
  * pos.. in KV slot `slot`. */
 typedef struct duet_sched_seq {
     uint64_t id;
-    int slot;             /* KV sequence slot, in [0, config.max_seqs) */
-    int pos;              /* first position = stream index of the first token */
-    int n_tokens;         /* >= 1: a prompt chunk, or 1 + n_draft for a decode */
-    int n_draft;          /* speculative: the last n_draft tokens are the
-                             engine's draft tokens (not in the stream yet),
-                             and all 1 + n_draft tokens yield logits */
-    bool logits;          /* the last token's logits are wanted: sample one */
-    bool decode;          /* a decode (the stream's newest token), not a chunk */
-    bool first_schedule;  /* the first time this request runs (queue time ends) */
-    bool resumed;         /* re-prefill after a preemption */
-    int n_prompt;         /* stream layout, for the engine's convenience */
-    int n_generated;      /* tokens generated before this step */
+    int slot;              /* KV sequence slot, in [0, config.max_seqs) */
+    int pos;               /* first position = stream index of the first token */
+    int n_tokens;          /* >= 1: a prompt chunk, or 1 + n_draft for a decode */
+    int n_draft;           /* speculative: the last n_draft tokens are the
+                              engine's draft tokens (not in the stream yet),
+                              and all 1 + n_draft tokens yield logits */
+    bool logits;           /* the last token's logits are wanted: sample one */
+    bool decode;           /* a decode (the stream's newest token), not a chunk */
+    bool first_schedule;   /* the first time this request runs (queue time ends) */
+    bool resumed;          /* re-prefill after a preemption */
+    int n_prompt;          /* stream layout, for the engine's convenience */
+    int n_generated;       /* tokens generated before this step */
     const int32_t *blocks; /* KV block table covering [0, pos + n_tokens) */
     int n_blocks;
 } duet_sched_seq;
@@ -251,14 +251,14 @@ typedef struct duet_sched_result {
 } duet_sched_result;
 
 typedef struct duet_sched_stats {
-    int waiting[2];          /* by duet_priority: in queue (incl. preempted) */
-    int running[2];          /* holding a slot (prefilling or decoding) */
-    int prefilling;          /* running but not yet past their stream */
+    int waiting[2]; /* by duet_priority: in queue (incl. preempted) */
+    int running[2]; /* holding a slot (prefilling or decoding) */
+    int prefilling; /* running but not yet past their stream */
     int kv_blocks_used, kv_blocks_total;
-    double kv_usage;         /* kv_blocks_used / kv_blocks_total */
-    uint64_t arrivals;       /* admitted */
-    uint64_t refused;        /* QUEUE_FULL */
-    uint64_t rejected;       /* TOO_LONG or INVALID */
+    double kv_usage;   /* kv_blocks_used / kv_blocks_total */
+    uint64_t arrivals; /* admitted */
+    uint64_t refused;  /* QUEUE_FULL */
+    uint64_t rejected; /* TOO_LONG or INVALID */
     uint64_t finished, cancelled;
     uint64_t preemptions;
     uint64_t steps, step_tokens;
@@ -273,8 +273,8 @@ typedef struct duet_sched_stats {
     uint64_t spec_throttled; /* draft tokens offered but not granted (the decision or the cap) */
     uint64_t spec_capped;    /* of those, refused by the cap (spec_max_batch) */
     uint64_t spec_steps[DUET_SPEC_STEP_KINDS]; /* plans with offers, by DUET_SPEC_STEP_* */
-    uint64_t budget_cut;     /* steps whose prompt chunks the time budget shortened */
-    uint64_t budget_over;    /* steps predicted over their budget (decodes alone, or the minimum chunk) */
+    uint64_t budget_cut;                       /* steps whose prompt chunks the time budget shortened */
+    uint64_t budget_over; /* steps predicted over their budget (decodes alone, or the minimum chunk) */
 } duet_sched_stats;
 
 /* Validates config and allocates everything. DUET_INVALID_ARGUMENT on bad

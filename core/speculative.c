@@ -211,10 +211,16 @@ void duet__spec_adapt_init(duet_spec_adapt *a, int k_max) {
 void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, int k_max) {
     if (k_max < 1) k_max = 1;
     if (n_draft > 0) {
-        /* A run of n_accepted keeps, then one rejection unless all were kept. */
-        float trials = (float)n_accepted + (n_accepted < n_draft ? 1.0f : 0.0f);
-        float est = trials > 0.0f ? (float)n_accepted / trials : a->alpha;
-        a->alpha = 0.7f * a->alpha + 0.3f * est;
+        /* A run of n_accepted keeps, then one rejection unless all were kept:
+         * each is a trial, and each trial moves the average by its weight
+         * 0.3 (as many single-trial updates would), so a step that kept 8
+         * drafts says more than one that kept 1. */
+        int trials = n_accepted + (n_accepted < n_draft ? 1 : 0);
+        if (trials > 0) {
+            float est = (float)n_accepted / (float)trials;
+            float w = 1.0f - powf(0.7f, (float)trials);
+            a->alpha = (1.0f - w) * a->alpha + w * est;
+        }
     }
     int k;
     if (a->alpha >= 0.999f)

@@ -108,7 +108,9 @@ void duet__spec_verifier_break_residual(duet_spec_verifier *v, bool broken);
  * probability alpha (the acceptance rate); a step that drafts k tokens
  * keeps a run of them. alpha is estimated per step as a geometric run's
  * maximum-likelihood value (kept / (kept + 1 if one was rejected)) and
- * smoothed with an exponential moving average. The next k is the largest
+ * smoothed with an exponential moving average whose step weight grows with
+ * the step's trials (1 - 0.7^trials: per trial, 0.3), so one step that kept
+ * a long run of drafts (an exploration) moves it most of the way. The next k is the largest
  * whose last token still has a chance alpha^k >= DUET_SPEC_ADAPT_MIN_GAIN
  * of being reached and kept: one more drafted position costs a fraction of
  * a step, and it pays only while its expected gain exceeds that. */

@@ -60,7 +60,8 @@ static void on_event(const duet_event *ev, void *user) {
     pthread_mutex_unlock(&c->mu);
 }
 
-static const char *prompts[6] = {"Once upon a time", "Lily wanted", "The cat", "One day, Tom", "", "The dog ran"};
+static const char *prompts[6] = {"Once upon a time", "Lily wanted", "The cat", "One day, Tom", "",
+                                 "The dog ran"};
 
 static int tokenize(const duet_model *m, int i, int32_t *ids) {
     const char *p = prompts[i % 6];
@@ -78,8 +79,8 @@ static duet_engine *start_timeout(int max_seqs, int kv_blocks, int max_waiting, 
     p.kv_blocks = kv_blocks;
     p.max_waiting = max_waiting;
     duet_engine *e;
-    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK, "start: %s",
-                  duet_last_error());
+    ck_assert_msg(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e) == DUET_OK,
+                  "start: %s", duet_last_error());
     return e;
 }
 
@@ -89,7 +90,8 @@ static duet_engine *start(int max_seqs, int kv_blocks, int max_waiting) {
 
 static void wait_all(collected *c, int n) {
     pthread_mutex_lock(&c->mu);
-    while (c->n_done < n) pthread_cond_wait(&c->cv, &c->mu);
+    while (c->n_done < n)
+        pthread_cond_wait(&c->cv, &c->mu);
     pthread_mutex_unlock(&c->mu);
 }
 
@@ -101,7 +103,8 @@ static collected *collected_new(void) {
 }
 
 static duet_request greedy_request(const int32_t *ids, int n, int max_tokens, duet_priority prio) {
-    duet_request q = {.prompt = ids, .n_prompt = n, .max_tokens = max_tokens, .priority = prio, .ignore_eos = true};
+    duet_request q = {
+        .prompt = ids, .n_prompt = n, .max_tokens = max_tokens, .priority = prio, .ignore_eos = true};
     q.sampling = duet_sampling_default();
     q.sampling.temperature = 0;
     return q;
@@ -117,8 +120,8 @@ static collected *run_requests(duet_engine *e, bool one_at_a_time, int n_req) {
         int32_t ids[64];
         int n = tokenize(m, i, ids);
         xs[i] = (ctx){c, i};
-        duet_request q = greedy_request(ids, n, 16 + (i * 7) % (MAX_GEN - 16), i % 3 ? DUET_PRIORITY_BATCH
-                                                                                      : DUET_PRIORITY_INTERACTIVE);
+        duet_request q = greedy_request(ids, n, 16 + (i * 7) % (MAX_GEN - 16),
+                                        i % 3 ? DUET_PRIORITY_BATCH : DUET_PRIORITY_INTERACTIVE);
         ck_assert_msg(duet_engine_submit(e, &q, on_event, &xs[i], &c->rid[i]) == DUET_OK, "submit %d: %s", i,
                       duet_last_error());
         if (one_at_a_time) wait_all(c, i + 1);
@@ -159,8 +162,8 @@ START_TEST(batching_does_not_change_greedy_outputs) {
     op.backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
     op.n_ctx = 256;
     duet_model *m;
-    ck_assert_msg(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m) == DUET_OK, "open: %s",
-                  duet_last_error());
+    ck_assert_msg(duet_model_open(test_shared_path("models/stories260K.gguf"), &op, &m) == DUET_OK,
+                  "open: %s", duet_last_error());
     duet_model_desc d;
     duet_model_describe(m, &d);
     float *lg = malloc((size_t)d.n_vocab * sizeof *lg);
@@ -182,8 +185,9 @@ START_TEST(batching_does_not_change_greedy_outputs) {
         ck_assert_int_eq(duet_generate(m, ids, n, seq->n[i], &smp, true, collect_token, &g, NULL), DUET_OK);
         ck_assert_int_eq(g.n, seq->n[i]);
         for (int t = 0; t < g.n; t++)
-            ck_assert_msg(g.ids[t] == seq->ids[i][t], "request %d token %d: %d from the engine, %d from generate", i,
-                          t, seq->ids[i][t], g.ids[t]);
+            ck_assert_msg(g.ids[t] == seq->ids[i][t],
+                          "request %d token %d: %d from the engine, %d from generate", i, t, seq->ids[i][t],
+                          g.ids[t]);
     }
     free(lg);
     duet_model_close(m);
@@ -203,7 +207,8 @@ START_TEST(preemption_under_kv_pressure_loses_nothing) {
         ck_assert_int_eq(got->done[i], 1);
         ck_assert_int_eq(got->n[i], want->n[i]);
         for (int t = 0; t < want->n[i]; t++)
-            ck_assert_msg(got->ids[i][t] == want->ids[i][t], "request %d token %d differs after preemption", i, t);
+            ck_assert_msg(got->ids[i][t] == want->ids[i][t], "request %d token %d differs after preemption",
+                          i, t);
     }
     char *metrics = duet_engine_metrics(e);
     ck_assert_ptr_nonnull(metrics);
@@ -257,7 +262,8 @@ START_TEST(cancel_and_refusals) {
 
     /* The engine still serves after all that. */
     collected *after = run_requests(e, false, 3);
-    for (int i = 0; i < 3; i++) ck_assert_int_eq(after->done[i], 1);
+    for (int i = 0; i < 3; i++)
+        ck_assert_int_eq(after->done[i], 1);
     free(after), free(c);
     duet_engine_stop(e, true);
 }
@@ -275,7 +281,8 @@ START_TEST(queue_full_and_stop_without_drain) {
         xs[i] = (ctx){c, i};
         duet_request q = greedy_request(ids, n, MAX_GEN, DUET_PRIORITY_BATCH);
         duet_status st = duet_engine_submit(e, &q, on_event, &xs[i], NULL);
-        if (st == DUET_OK) accepted++;
+        if (st == DUET_OK)
+            accepted++;
         else {
             ck_assert_int_eq(st, DUET_QUEUE_FULL);
             refused++;
@@ -693,6 +700,45 @@ START_TEST(speculative_draft_model_in_the_engine) {
         duet_engine_stop(e, true);
     }
 
+    /* One sequence at a time under the measured decision: the warm-up's
+     * untimed passes (first runs of each shape, a verification and the
+     * draft's one-token passes among them) stay out of the step-cost fit,
+     * which learns from its 5 timed passes alone; each step's one
+     * candidate offers all of spec_k (the decision picks how many, not the
+     * adaptive k, which a rejected draft lowers); the output is the
+     * target's. */
+    {
+        duet_engine *e = start_spec_on(backend, 1, 0, 6, draft_copy(), 0);
+        duet_step_cost m;
+        ck_assert_int_eq(duet__engine_step_cost(e, &m), 0);
+        ck_assert_int_eq(duet_engine_warmup(e), DUET_OK);
+        ck_assert_msg(duet__engine_step_cost(e, &m) == 5, "the warm-up's timed passes: %llu",
+                      (unsigned long long)duet__engine_step_cost(e, &m));
+        collected *got = run_spec(e, true, 4, false);
+        same_tokens(want, got, 4, "draft model, measured decision, one at a time");
+        char *metrics = duet_engine_metrics(e);
+        double steps = 0;
+        const char *kinds[] = {"draft", "plain", "explore", "always", "capped"};
+        for (int j = 0; j < 5; j++) {
+            char filter[64];
+            snprintf(filter, sizeof filter, "decision=\"%s\"", kinds[j]);
+            steps += metric_value(metrics, "duet_spec_decode_steps_total", filter);
+        }
+        double offered = metric_value(metrics, "duet_spec_decode_offered_tokens_total", NULL);
+        int drafted = 0, accepted = 0;
+        for (int i = 0; i < 4; i++)
+            drafted += got->drafted[i], accepted += got->accepted[i];
+        fprintf(stderr, "one at a time, measured: %g steps with offers, %g tokens offered, %d of %d kept\n",
+                steps, offered, accepted, drafted);
+        ck_assert_msg(steps > 0 && drafted > 0 && accepted < drafted,
+                      "%g steps with offers, %d drafted, %d kept: want explorations with rejections", steps,
+                      drafted, accepted);
+        ck_assert_msg(offered == 6 * steps, "every offer is spec_k: %g offered in %g steps", offered, steps);
+        free(metrics);
+        free(got);
+        duet_engine_stop(e, true);
+    }
+
     /* A model opened without a draft: the engine opens it on that model's
      * backend; greedy output is the target's. */
     duet_open_params op = duet_open_params_default();
@@ -781,7 +827,8 @@ START_TEST(device_error_fails_the_step_not_the_engine) {
     for (int i = 0; i < 4; i++) {
         ck_assert_int_eq(c->done[i], 1);
         ck_assert_int_eq(c->finish[i], DUET_FINISH_ERROR);
-        ck_assert_msg(strstr(c->message[i], "injected op failure"), "request %d: message '%s'", i, c->message[i]);
+        ck_assert_msg(strstr(c->message[i], "injected op failure"), "request %d: message '%s'", i,
+                      c->message[i]);
         ck_assert_int_eq(duet_engine_cancel(e, c->rid[i]), DUET_INVALID_ARGUMENT);
     }
     atomic_store(&fault_ops_left, -1);
@@ -857,7 +904,8 @@ START_TEST(cancel_racing_completion) {
     int n_cancelled = 0;
     for (int i = 0; i < ROUNDS * PER_ROUND; i++) {
         ck_assert_msg(rs[i].done == 1, "request %d: %d DONE events", i, rs[i].done);
-        ck_assert_msg(rs[i].tokens_after_done == 0, "request %d: %d tokens after DONE", i, rs[i].tokens_after_done);
+        ck_assert_msg(rs[i].tokens_after_done == 0, "request %d: %d tokens after DONE", i,
+                      rs[i].tokens_after_done);
         if (cancelled[i])
             ck_assert_msg(rs[i].finish == DUET_FINISH_CANCELLED, "request %d: cancel succeeded, finish %d", i,
                           rs[i].finish);
@@ -866,7 +914,8 @@ START_TEST(cancel_racing_completion) {
                           rs[i].finish);
         n_cancelled += cancelled[i];
     }
-    fprintf(stderr, "cancel_racing_completion: %d of %d cancels won the race\n", n_cancelled, ROUNDS * PER_ROUND);
+    fprintf(stderr, "cancel_racing_completion: %d of %d cancels won the race\n", n_cancelled,
+            ROUNDS * PER_ROUND);
     free(rs), free(cancelled);
 }
 END_TEST

@@ -23,7 +23,10 @@ static duet_sched_config base_config(void) {
         .n_ctx = 256,
         .kv_block_size = 16,
         .kv_blocks = 64,
-        .knobs = {.max_batch_seqs = 4, .max_batch_tokens = 64, .prefill_chunk = 16, .max_waiting = 16,
+        .knobs = {.max_batch_seqs = 4,
+                  .max_batch_tokens = 64,
+                  .prefill_chunk = 16,
+                  .max_waiting = 16,
                   .batch_timeout_ns = 0},
     };
     return c;
@@ -46,8 +49,8 @@ static void check_ok(const duet_sched *s, const char *where) {
 
 static void arrive(duet_sched *s, int64_t now, uint64_t id, int n_prompt, int max_new, duet_priority prio) {
     duet_sched_admit a = duet__sched_arrival(s, now, id, n_prompt, max_new, prio);
-    ck_assert_msg(a == DUET_SCHED_ADMITTED, "arrival of %llu (prompt %d, max_new %d) got %d", (unsigned long long)id,
-                  n_prompt, max_new, a);
+    ck_assert_msg(a == DUET_SCHED_ADMITTED, "arrival of %llu (prompt %d, max_new %d) got %d",
+                  (unsigned long long)id, n_prompt, max_new, a);
     g_target[id] = max_new;
     check_ok(s, "after arrival");
 }
@@ -132,25 +135,29 @@ START_TEST(test_single_request_lifecycle) {
         const duet_sched_seq *e = &p.seqs[0];
         ck_assert_msg(e->pos == want_pos[i] && e->n_tokens == want_n[i] && e->logits == want_logits[i] &&
                           e->decode == want_decode[i],
-                      "step %d: pos %d n %d logits %d decode %d; want pos %d n %d logits %d decode %d", i, e->pos,
-                      e->n_tokens, e->logits, e->decode, want_pos[i], want_n[i], want_logits[i], want_decode[i]);
+                      "step %d: pos %d n %d logits %d decode %d; want pos %d n %d logits %d decode %d", i,
+                      e->pos, e->n_tokens, e->logits, e->decode, want_pos[i], want_n[i], want_logits[i],
+                      want_decode[i]);
         ck_assert_msg(e->first_schedule == (i == 0), "first_schedule only on the first step (step %d)", i);
-        ck_assert_msg(e->slot == 0 && e->n_blocks == 1 && e->blocks[0] >= 0, "one slot, one block of 16 tokens");
-        ck_assert_msg(e->n_prompt == 10 && e->n_generated == (i < 3 ? 0 : i - 2), "stream layout at step %d", i);
+        ck_assert_msg(e->slot == 0 && e->n_blocks == 1 && e->blocks[0] >= 0,
+                      "one slot, one block of 16 tokens");
+        ck_assert_msg(e->n_prompt == 10 && e->n_generated == (i < 3 ? 0 : i - 2), "stream layout at step %d",
+                      i);
         ck_assert_int_eq(p.n_tokens, want_n[i]);
         ck_assert_int_eq(p.n_logits, want_logits[i] ? 1 : 0);
         complete(s, i * MS + MS / 2, &p);
     }
-    ck_assert_msg(g_gen[7] == 3 && g_done[7] == 1, "request 7 generated %d (want 3), finished %d times", g_gen[7],
-                  g_done[7]);
-    ck_assert_msg(duet__sched_plan(s, 10 * MS, &p) == DUET_SCHED_IDLE, "idle after the only request finished");
+    ck_assert_msg(g_gen[7] == 3 && g_done[7] == 1, "request 7 generated %d (want 3), finished %d times",
+                  g_gen[7], g_done[7]);
+    ck_assert_msg(duet__sched_plan(s, 10 * MS, &p) == DUET_SCHED_IDLE,
+                  "idle after the only request finished");
     duet_sched_stats st;
     duet__sched_stats(s, &st);
     ck_assert_msg(st.finished == 1 && st.arrivals == 1 && st.kv_blocks_used == 0 && st.steps == 5 &&
                       st.step_tokens == 12,
-                  "stats: finished %llu arrivals %llu kv used %d steps %llu tokens %llu", (unsigned long long)st.finished,
-                  (unsigned long long)st.arrivals, st.kv_blocks_used, (unsigned long long)st.steps,
-                  (unsigned long long)st.step_tokens);
+                  "stats: finished %llu arrivals %llu kv used %d steps %llu tokens %llu",
+                  (unsigned long long)st.finished, (unsigned long long)st.arrivals, st.kv_blocks_used,
+                  (unsigned long long)st.steps, (unsigned long long)st.step_tokens);
     duet__sched_free(s);
 }
 END_TEST
@@ -180,7 +187,8 @@ START_TEST(test_fifo_within_class) {
     duet_sched *s = make(&c);
     /* Arrival order differs from id order to catch sorting by id. */
     uint64_t ids[] = {5, 3, 9, 1, 7};
-    for (int i = 0; i < 5; i++) arrive(s, i, ids[i], 3 + i, 2, DUET_PRIORITY_BATCH);
+    for (int i = 0; i < 5; i++)
+        arrive(s, i, ids[i], 3 + i, 2, DUET_PRIORITY_BATCH);
     uint64_t order[8];
     int n = run_recording_order(s, 10, order, 8);
     ck_assert_int_eq(n, 5);
@@ -208,13 +216,15 @@ START_TEST(test_interactive_before_batch) {
     duet__sched_stats(s, &st);
     ck_assert_msg(st.waiting[DUET_PRIORITY_INTERACTIVE] == 2 && st.waiting[DUET_PRIORITY_BATCH] == 2 &&
                       st.running[DUET_PRIORITY_BATCH] == 1,
-                  "gauges: waiting %d/%d running %d/%d", st.waiting[0], st.waiting[1], st.running[0], st.running[1]);
+                  "gauges: waiting %d/%d running %d/%d", st.waiting[0], st.waiting[1], st.running[0],
+                  st.running[1]);
     uint64_t order[8];
     int n = run_recording_order(s, 5 * MS, order, 8);
     uint64_t want[] = {3, 5, 2, 4};
     ck_assert_int_eq(n, 4);
     for (int i = 0; i < 4; i++)
-        ck_assert_msg(order[i] == want[i], "position %d started %llu, want %llu (interactive first, FIFO within)", i,
+        ck_assert_msg(order[i] == want[i],
+                      "position %d started %llu, want %llu (interactive first, FIFO within)", i,
                       (unsigned long long)order[i], (unsigned long long)want[i]);
     duet__sched_stats(s, &st);
     ck_assert_msg(st.preemptions == 0, "plenty of KV: the running batch request must not be preempted");
@@ -237,7 +247,8 @@ START_TEST(test_batch_timeout_waits_then_starts) {
     arrive(s, 4 * MS, 2, 8, 4, DUET_PRIORITY_BATCH);
     ck_assert_msg(duet__sched_plan(s, 4 * MS, &p) == DUET_SCHED_WAIT && p.wake_at == 10 * MS,
                   "the deadline follows the oldest arrival (wake_at %lld)", (long long)p.wake_at);
-    ck_assert_msg(duet__sched_plan(s, 10 * MS - 1, &p) == DUET_SCHED_WAIT, "still waiting 1 ns before the deadline");
+    ck_assert_msg(duet__sched_plan(s, 10 * MS - 1, &p) == DUET_SCHED_WAIT,
+                  "still waiting 1 ns before the deadline");
     plan_step(s, 10 * MS, &p);
     ck_assert_msg(p.n_seqs == 2 && find_seq(&p, 1) == 0 && find_seq(&p, 2) == 1,
                   "at the deadline both start, interactive first (%d entries)", p.n_seqs);
@@ -287,7 +298,8 @@ START_TEST(test_chunked_prefill_mixed_with_decodes) {
     c.knobs.prefill_chunk = 8;
     duet_sched *s = make(&c);
     duet_sched_plan p;
-    for (uint64_t id = 1; id <= 3; id++) arrive(s, 0, id, 2, 100, DUET_PRIORITY_INTERACTIVE);
+    for (uint64_t id = 1; id <= 3; id++)
+        arrive(s, 0, id, 2, 100, DUET_PRIORITY_INTERACTIVE);
     plan_step(s, 0, &p);
     ck_assert_msg(p.n_seqs == 3 && p.n_tokens == 6 && p.n_logits == 3, "three 2-token prompts in one step");
     complete(s, MS, &p);
@@ -303,7 +315,8 @@ START_TEST(test_chunked_prefill_mixed_with_decodes) {
         }
         int budget = duet__sched_knobs(s).max_batch_tokens;
         plan_step(s, now, &p);
-        ck_assert_msg(p.n_tokens <= budget, "step %d uses %d tokens over the budget %d", step, p.n_tokens, budget);
+        ck_assert_msg(p.n_tokens <= budget, "step %d uses %d tokens over the budget %d", step, p.n_tokens,
+                      budget);
         ck_assert_msg(p.n_seqs == 4, "step %d: 3 decodes + 1 chunk (got %d)", step, p.n_seqs);
         for (int k = 0; k < 3; k++)
             ck_assert_msg(p.seqs[k].decode && p.seqs[k].n_tokens == 1 && p.seqs[k].logits,
@@ -312,9 +325,10 @@ START_TEST(test_chunked_prefill_mixed_with_decodes) {
         int want_n = budget - 3 < 8 ? budget - 3 : 8;
         if (want_n > 40 - expect_pos) want_n = 40 - expect_pos;
         ck_assert_msg(e->id == 4 && !e->decode && e->pos == expect_pos && e->n_tokens == want_n,
-                      "step %d: chunk of request 4 at pos %d n %d, want pos %d n %d", step, e->pos, e->n_tokens,
-                      expect_pos, want_n);
-        ck_assert_msg(e->logits == (expect_pos + want_n == 40), "step %d: logits only on the last chunk", step);
+                      "step %d: chunk of request 4 at pos %d n %d, want pos %d n %d", step, e->pos,
+                      e->n_tokens, expect_pos, want_n);
+        ck_assert_msg(e->logits == (expect_pos + want_n == 40), "step %d: logits only on the last chunk",
+                      step);
         ck_assert_msg(e->n_blocks == duet__kv_blocks_needed(duet__sched_kv(s), e->pos + e->n_tokens),
                       "step %d: the table covers the chunk (%d blocks)", step, e->n_blocks);
         expect_pos += want_n;
@@ -606,8 +620,8 @@ START_TEST(test_interactive_preempts_batch_and_batch_resumes) {
     duet__sched_stats(s, &st);
     ck_assert_msg(st.waiting[DUET_PRIORITY_BATCH] == 1 && st.running[DUET_PRIORITY_INTERACTIVE] == 1 &&
                       st.preemptions == 1,
-                  "after preemption: batch waiting %d, interactive running %d, preemptions %llu", st.waiting[1],
-                  st.running[0], (unsigned long long)st.preemptions);
+                  "after preemption: batch waiting %d, interactive running %d, preemptions %llu",
+                  st.waiting[1], st.running[0], (unsigned long long)st.preemptions);
     complete(s, ++now, &p);
     /* While the interactive request runs, the batch one cannot come back:
      * it needs 5 blocks for its 18-token stream. */
@@ -619,7 +633,8 @@ START_TEST(test_interactive_preempts_batch_and_batch_resumes) {
         ck_assert(a == DUET_SCHED_STEP);
         int k = find_seq(&p, 10);
         if (k >= 0 && p.seqs[k].resumed) {
-            ck_assert_msg(g_done[20] == 1, "the batch request resumes only after the interactive one is done");
+            ck_assert_msg(g_done[20] == 1,
+                          "the batch request resumes only after the interactive one is done");
             ck_assert_msg(p.seqs[k].pos == 0 && !p.seqs[k].first_schedule && p.seqs[k].logits,
                           "resume re-prefills from position 0 and samples at the end");
             resumed = true;
@@ -629,11 +644,12 @@ START_TEST(test_interactive_preempts_batch_and_batch_resumes) {
     }
     ck_assert_msg(resumed && resumed_tokens == 18, "resume re-prefills prompt + 6 generated = 18 (got %d)",
                   resumed_tokens);
-    ck_assert_msg(g_gen[10] == 12 && g_done[10] == 1, "batch request finished once with 12 tokens (got %d, %d times)",
-                  g_gen[10], g_done[10]);
+    ck_assert_msg(g_gen[10] == 12 && g_done[10] == 1,
+                  "batch request finished once with 12 tokens (got %d, %d times)", g_gen[10], g_done[10]);
     ck_assert_msg(g_gen[20] == 4 && g_done[20] == 1, "interactive request finished once with 4 tokens");
     duet__sched_stats(s, &st);
-    ck_assert_msg(st.finished == 2 && st.kv_blocks_used == 0 && st.preemptions == 1, "nothing lost, nothing leaked");
+    ck_assert_msg(st.finished == 2 && st.kv_blocks_used == 0 && st.preemptions == 1,
+                  "nothing lost, nothing leaked");
     duet__sched_free(s);
 }
 END_TEST
@@ -660,7 +676,8 @@ START_TEST(test_decode_growth_preempts_youngest) {
         }
         complete(s, ++now, &p);
     }
-    ck_assert_msg(first_victim == 2, "the younger request is the victim (got %llu)", (unsigned long long)first_victim);
+    ck_assert_msg(first_victim == 2, "the younger request is the victim (got %llu)",
+                  (unsigned long long)first_victim);
     ck_assert_msg(g_gen[1] == 12 && g_gen[2] == 12 && g_done[1] == 1 && g_done[2] == 1,
                   "both finish with all their tokens");
     duet__sched_free(s);
@@ -725,7 +742,8 @@ START_TEST(test_chunk_shrinks_rather_than_preempting_own_class) {
     chunk_under_pressure(DUET_PRIORITY_BATCH, &s, &p);
     const duet_sched_seq *e = &p.seqs[find_seq(&p, 1)];
     ck_assert_msg(e->n_tokens == 4 && !e->logits && p.n_preempted == 0,
-                  "the chunk shrinks to the 4 tokens that fit (got %d, %d preempted)", e->n_tokens, p.n_preempted);
+                  "the chunk shrinks to the 4 tokens that fit (got %d, %d preempted)", e->n_tokens,
+                  p.n_preempted);
     ck_assert_msg(find_seq(&p, 2) >= 0 && find_seq(&p, 3) >= 0, "younger decodes keep flowing");
     complete(s, 100, &p);
     int64_t now = 100;
@@ -740,9 +758,10 @@ START_TEST(test_interactive_chunk_preempts_batch) {
     duet_sched_plan p;
     chunk_under_pressure(DUET_PRIORITY_INTERACTIVE, &s, &p);
     const duet_sched_seq *e = &p.seqs[find_seq(&p, 1)];
-    ck_assert_msg(e->n_tokens == 5 && p.n_preempted == 1 && p.preempted[0] == 3 && find_seq(&p, 3) < 0,
-                  "an interactive chunk takes its blocks from the youngest batch request (n %d, %d preempted)",
-                  e->n_tokens, p.n_preempted);
+    ck_assert_msg(
+        e->n_tokens == 5 && p.n_preempted == 1 && p.preempted[0] == 3 && find_seq(&p, 3) < 0,
+        "an interactive chunk takes its blocks from the youngest batch request (n %d, %d preempted)",
+        e->n_tokens, p.n_preempted);
     complete(s, 100, &p);
     int64_t now = 100;
     run_to_idle(s, &now, 200);
@@ -774,7 +793,8 @@ START_TEST(test_cancel_in_every_state) {
     ck_assert(duet__sched_plan(s, now, &p) == DUET_SCHED_WAIT);
     ck_assert(duet__sched_cancel(s, now, 1) == DUET_OK);
     ck_assert_msg(duet__sched_cancel(s, now, 1) == DUET_INVALID_ARGUMENT, "a second cancel finds nothing");
-    ck_assert_msg(duet__sched_plan(s, now, &p) == DUET_SCHED_IDLE, "nothing left after cancelling the only waiter");
+    ck_assert_msg(duet__sched_plan(s, now, &p) == DUET_SCHED_IDLE,
+                  "nothing left after cancelling the only waiter");
     k.batch_timeout_ns = 0;
     ck_assert(duet__sched_set_knobs(s, &k) == DUET_OK);
 
@@ -786,7 +806,8 @@ START_TEST(test_cancel_in_every_state) {
     ck_assert(st.prefilling == 1 && st.kv_blocks_used == 1);
     ck_assert(duet__sched_cancel(s, now, 2) == DUET_OK);
     duet__sched_stats(s, &st);
-    ck_assert_msg(st.running[1] == 0 && st.kv_blocks_used == 0, "a cancelled prefill frees its slot and blocks");
+    ck_assert_msg(st.running[1] == 0 && st.kv_blocks_used == 0,
+                  "a cancelled prefill frees its slot and blocks");
     check_ok(s, "after cancelling a prefill");
 
     /* Decoding. */
@@ -798,7 +819,8 @@ START_TEST(test_cancel_in_every_state) {
     ck_assert_int_eq(g_gen[3], 3);
     ck_assert(duet__sched_cancel(s, now, 3) == DUET_OK);
     duet__sched_stats(s, &st);
-    ck_assert_msg(st.running[1] == 0 && st.kv_blocks_used == 0, "a cancelled decode frees its slot and blocks");
+    ck_assert_msg(st.running[1] == 0 && st.kv_blocks_used == 0,
+                  "a cancelled decode frees its slot and blocks");
 
     /* In flight: cancelled between plan and step_done. */
     arrive(s, now, 4, 4, 10, DUET_PRIORITY_BATCH);
@@ -807,13 +829,14 @@ START_TEST(test_cancel_in_every_state) {
     ck_assert(p.n_seqs == 2);
     ck_assert(duet__sched_cancel(s, now, 4) == DUET_OK);
     duet__sched_stats(s, &st);
-    ck_assert_msg(st.kv_blocks_used == 2, "blocks of an in-flight sequence stay until its step ends (%d used)",
-                  st.kv_blocks_used);
+    ck_assert_msg(st.kv_blocks_used == 2,
+                  "blocks of an in-flight sequence stay until its step ends (%d used)", st.kv_blocks_used);
     ck_assert_msg(st.running[1] == 1, "but it no longer counts as running");
     ck_assert_msg(duet__sched_cancel(s, now, 4) == DUET_INVALID_ARGUMENT, "cancelled already");
     complete(s, ++now, &p);
     duet__sched_stats(s, &st);
-    ck_assert_msg(st.kv_blocks_used == 1 && st.running[1] == 1, "released at step_done (%d used)", st.kv_blocks_used);
+    ck_assert_msg(st.kv_blocks_used == 1 && st.running[1] == 1, "released at step_done (%d used)",
+                  st.kv_blocks_used);
     run_to_idle(s, &now, 100);
     ck_assert_msg(g_done[5] == 1, "the other sequence of the step is unaffected");
 
@@ -852,7 +875,8 @@ START_TEST(test_queue_full_refuses) {
     c.knobs.max_batch_seqs = 1;
     duet_sched *s = make(&c);
     duet_sched_plan p;
-    for (uint64_t id = 1; id <= 3; id++) arrive(s, 0, id, 4, 4, DUET_PRIORITY_BATCH);
+    for (uint64_t id = 1; id <= 3; id++)
+        arrive(s, 0, id, 4, 4, DUET_PRIORITY_BATCH);
     ck_assert_msg(duet__sched_arrival(s, 0, 4, 4, 4, DUET_PRIORITY_INTERACTIVE) == DUET_SCHED_QUEUE_FULL,
                   "a fourth waiter is refused");
     duet_sched_stats st;
@@ -886,13 +910,16 @@ START_TEST(test_rejects_what_can_never_fit) {
                   "prompt + max_new beyond n_ctx");
     ck_assert_msg(duet__sched_arrival(s, 0, 2, 50, 20, DUET_PRIORITY_BATCH) == DUET_SCHED_TOO_LONG,
                   "prompt + max_new beyond the KV pool");
-    ck_assert_msg(duet__sched_arrival(s, 0, 3, 0, 5, DUET_PRIORITY_BATCH) == DUET_SCHED_INVALID, "empty prompt");
+    ck_assert_msg(duet__sched_arrival(s, 0, 3, 0, 5, DUET_PRIORITY_BATCH) == DUET_SCHED_INVALID,
+                  "empty prompt");
     ck_assert_msg(duet__sched_arrival(s, 0, 4, 5, 0, DUET_PRIORITY_BATCH) == DUET_SCHED_INVALID, "max_new 0");
-    ck_assert_msg(duet__sched_arrival(s, 0, 5, 5, 5, (duet_priority)7) == DUET_SCHED_INVALID, "unknown priority");
+    ck_assert_msg(duet__sched_arrival(s, 0, 5, 5, 5, (duet_priority)7) == DUET_SCHED_INVALID,
+                  "unknown priority");
     ck_assert_msg(duet__sched_arrival(s, 0, 6, 5, INT32_MAX, DUET_PRIORITY_BATCH) == DUET_SCHED_TOO_LONG,
                   "huge max_new must not overflow");
     arrive(s, 0, 7, 50, 14, DUET_PRIORITY_BATCH); /* exactly the pool */
-    ck_assert_msg(duet__sched_arrival(s, 0, 7, 5, 5, DUET_PRIORITY_BATCH) == DUET_SCHED_INVALID, "duplicate id");
+    ck_assert_msg(duet__sched_arrival(s, 0, 7, 5, 5, DUET_PRIORITY_BATCH) == DUET_SCHED_INVALID,
+                  "duplicate id");
     duet_sched_stats st;
     duet__sched_stats(s, &st);
     ck_assert_msg(st.rejected == 7 && st.arrivals == 1 && st.refused == 0, "rejected %llu arrivals %llu",
@@ -911,7 +938,8 @@ START_TEST(test_knobs_validated_and_applied) {
     duet_sched *bad = NULL;
     duet_sched_config cb = c;
     cb.knobs.max_batch_seqs = 5;
-    ck_assert_msg(duet__sched_new(&cb, &bad) == DUET_INVALID_ARGUMENT && !bad, "knobs beyond capacity at creation");
+    ck_assert_msg(duet__sched_new(&cb, &bad) == DUET_INVALID_ARGUMENT && !bad,
+                  "knobs beyond capacity at creation");
     cb = c;
     cb.kv_blocks = 0;
     ck_assert(duet__sched_new(&cb, &bad) == DUET_INVALID_ARGUMENT);
@@ -932,7 +960,8 @@ START_TEST(test_knobs_validated_and_applied) {
     ck_assert_msg(duet__sched_knobs(s).max_batch_seqs == 1, "a refused setting changes nothing");
 
     duet_sched_plan p;
-    for (uint64_t id = 1; id <= 3; id++) arrive(s, 0, id, 4, 5, DUET_PRIORITY_BATCH);
+    for (uint64_t id = 1; id <= 3; id++)
+        arrive(s, 0, id, 4, 5, DUET_PRIORITY_BATCH);
     plan_step(s, 0, &p);
     ck_assert_int_eq(p.n_seqs, 1);
     complete(s, 1, &p);
@@ -967,7 +996,8 @@ START_TEST(test_step_done_validates_results) {
     ck_assert_msg(duet__sched_step_done(s, 1, r, 2) == DUET_INVALID_ARGUMENT, "wrong id");
     r[1].id = 2;
     r[0].finished = false;
-    ck_assert_msg(duet__sched_step_done(s, 1, r, 2) == DUET_INVALID_ARGUMENT, "past max_new without finishing");
+    ck_assert_msg(duet__sched_step_done(s, 1, r, 2) == DUET_INVALID_ARGUMENT,
+                  "past max_new without finishing");
     r[0].finished = true;
     r[1].n_generated = 0;
     ck_assert_msg(duet__sched_step_done(s, 1, r, 2) == DUET_INVALID_ARGUMENT, "logits row without a token");
@@ -976,7 +1006,8 @@ START_TEST(test_step_done_validates_results) {
     ck_assert_msg(duet__sched_step_done(s, 1, r, 2) == DUET_OK, "correct results: %s", duet_last_error());
     ck_assert_msg(duet__sched_step_done(s, 1, r, 2) == DUET_INVALID_ARGUMENT, "no step outstanding");
     plan_step(s, 1, &p);
-    ck_assert_msg(p.n_seqs == 1 && p.seqs[0].id == 2 && p.seqs[0].pos == 4, "request 1 finished, 2 decodes at 4");
+    ck_assert_msg(p.n_seqs == 1 && p.seqs[0].id == 2 && p.seqs[0].pos == 4,
+                  "request 1 finished, 2 decodes at 4");
     duet__sched_free(s);
 }
 END_TEST
@@ -1230,6 +1261,67 @@ START_TEST(test_spec_measured_decision) {
 }
 END_TEST
 
+/* A wrong refusal is corrected quickly (the engine's loop, driven by
+ * hand): a draft model that pays at batch 1 only at high acceptance (its
+ * pass costs 0.7 of the target's step), a sequence whose acceptance is not
+ * known yet (0.5: refused) but which keeps every draft. Each step it offers
+ * spec_k drafts at its adaptive alpha; after DUET_SCHED_SPEC_EXPLORE
+ * refused plans one exploration grants the whole offer, the kept run lifts
+ * alpha (duet__spec_adapt_update weighs each trial) and from the next step
+ * on the decision grants drafts by itself. With exploration every 64 plans,
+ * or an alpha that one run of 8 kept drafts moves only to 0.65, the
+ * sequence decoded with nothing verified far longer. */
+START_TEST(test_spec_refusal_recovers) {
+    enum { SPEC_K = 8, STEPS = 64 };
+    duet_sched_config c = base_config();
+    c.max_seqs = c.knobs.max_batch_seqs = 1;
+    c.n_ctx = 2048;
+    c.kv_blocks = 128;
+    c.knobs.spec_max_batch = 1;
+    c.knobs.spec_measured = true;
+    duet_sched *s = make(&c);
+    duet_step_cost target = {0}, draft = {0};
+    target.coef[0] = 0.040, target.coef[1] = 0.002;
+    draft.coef[0] = 0.028, draft.coef[1] = 0.001;
+    duet__sched_set_cost(s, &target);
+    duet__sched_set_draft_cost(s, &draft);
+    duet_sched_plan p;
+    arrive(s, 0, 1, 8, 1500, DUET_PRIORITY_INTERACTIVE);
+    plan_step(s, 0, &p);
+    done_one(s, 1, 1, 1, false);
+    duet_spec_adapt a;
+    duet__spec_adapt_init(&a, SPEC_K);
+    int first_granted = 0, granted_steps = 0, explored = 0;
+    for (int step = 1; step <= STEPS; step++) {
+        duet__sched_set_draft(s, 1, SPEC_K, a.alpha, 1);
+        plan_step(s, 1 + step, &p);
+        ck_assert_int_eq(p.n_seqs, 1);
+        int n = p.seqs[0].n_draft;
+        duet_spec_decision d;
+        ck_assert(duet__sched_spec_decision(s, &d));
+        if (n > 0 && d.n_granted > 0) {
+            granted_steps++;
+            if (!first_granted) first_granted = step;
+        } else if (n > 0) {
+            explored++;
+            ck_assert_msg(n == SPEC_K, "an exploration grants the whole offer (%d)", n);
+        }
+        done_one(s, 2 + step, 1, 1 + n, false);
+        if (n > 0) duet__spec_adapt_update(&a, n, n, SPEC_K);
+    }
+    duet_sched_stats st;
+    duet__sched_stats(s, &st);
+    fprintf(stderr, "refusal recovers: first granted at step %d, %d of %d steps granted, %d explorations\n",
+            first_granted, granted_steps, STEPS, explored);
+    ck_assert_msg(first_granted > 0 && first_granted <= DUET_SCHED_SPEC_EXPLORE + 1 && first_granted <= 17,
+                  "the first step the decision granted: %d", first_granted);
+    ck_assert_msg(granted_steps >= STEPS - 17, "%d of %d steps granted", granted_steps, STEPS);
+    ck_assert_uint_eq(st.spec_steps[DUET_SPEC_STEP_EXPLORE], (uint64_t)explored);
+    ck_assert_int_eq(explored, 1);
+    duet__sched_free(s);
+}
+END_TEST
+
 /* Cancellation in the middle of a speculative step: the blocks of the
  * drafts go back at step_done, like the rest; preemption of a sequence
  * whose decode carries drafts takes them out of the plan. */
@@ -1268,9 +1360,9 @@ END_TEST
 /* Check's ck_assert records a mark point per passing call, which dominates
  * a simulation that asserts thousands of times per step: fail through
  * ck_abort_msg only. */
-#define SIM_ASSERT(cond, ...)                       \
-    do {                                            \
-        if (!(cond)) ck_abort_msg(__VA_ARGS__);     \
+#define SIM_ASSERT(cond, ...)                                                                                \
+    do {                                                                                                     \
+        if (!(cond)) ck_abort_msg(__VA_ARGS__);                                                              \
     } while (0)
 #define SIM_CHECK(cond) SIM_ASSERT(cond, "%s", #cond)
 
@@ -1473,13 +1565,13 @@ typedef struct sim_cfg {
     int n_arrivals;
     duet_sched_config c;
     int max_prompt, max_new;
-    double mean_gap_ms;  /* mean inter-arrival time */
-    double cancel_prob;  /* per event, cancel a random live request */
-    double fail_prob;    /* per step, the device "fails" the step */
-    bool retune;         /* change knobs at random */
-    int n_prefixes;      /* > 0: streams start with one of this many shared token runs (prefix caching) */
-    double spec_prob;    /* per decoding request and plan, offer 1..6 drafts */
-    bool timed;          /* a step-cost model and step budgets (retuned at random with retune) */
+    double mean_gap_ms; /* mean inter-arrival time */
+    double cancel_prob; /* per event, cancel a random live request */
+    double fail_prob;   /* per step, the device "fails" the step */
+    bool retune;        /* change knobs at random */
+    int n_prefixes;     /* > 0: streams start with one of this many shared token runs (prefix caching) */
+    double spec_prob;   /* per decoding request and plan, offer 1..6 drafts */
+    bool timed;         /* a step-cost model and step budgets (retuned at random with retune) */
 } sim_cfg;
 
 /* The simulation's step-cost model (timed runs): its fake device's costs. */
@@ -1499,8 +1591,12 @@ static uint64_t sim_next(void) { /* splitmix64 */
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
     return z ^ (z >> 31);
 }
-static int sim_int(int lo, int hi) { return lo + (int)(sim_next() % (uint64_t)(hi - lo + 1)); }
-static double sim_unit(void) { return (double)(sim_next() >> 11) / 9007199254740992.0; }
+static int sim_int(int lo, int hi) {
+    return lo + (int)(sim_next() % (uint64_t)(hi - lo + 1));
+}
+static double sim_unit(void) {
+    return (double)(sim_next() >> 11) / 9007199254740992.0;
+}
 
 typedef struct sim_out {
     uint64_t trace_hash;
@@ -1510,7 +1606,9 @@ typedef struct sim_out {
     uint64_t budget_cut, budget_over;
 } sim_out;
 
-static uint64_t mix(uint64_t h, uint64_t v) { return (h ^ v) * 0x100000001B3ULL; }
+static uint64_t mix(uint64_t h, uint64_t v) {
+    return (h ^ v) * 0x100000001B3ULL;
+}
 
 /* Prefix caching in the simulation: each request's whole stream (prompt and
  * the tokens it will "generate"), and what each KV block position holds
@@ -1525,8 +1623,10 @@ static void sim_set_outcome(shadow *sh, uint64_t id, bool finished) {
     sh[id].outcomes++;
     sh[id].state = SH_DONE;
     sh[id].slot = -1;
-    if (finished) sh[id].finished = true;
-    else sh[id].cancelled = true;
+    if (finished)
+        sh[id].finished = true;
+    else
+        sh[id].cancelled = true;
 }
 
 /* Checks one plan against the shadow and applies its preemptions/admissions. */
@@ -1536,13 +1636,13 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
                            const duet_sched_knobs *kn, const duet_sched_config *c, uint64_t *hash) {
     SIM_ASSERT(p->n_seqs >= 1 && p->n_seqs <= c->max_seqs, "plan has %d entries", p->n_seqs);
     SIM_ASSERT(p->n_tokens <= kn->max_batch_tokens, "plan uses %d tokens, budget %d", p->n_tokens,
-                  kn->max_batch_tokens);
+               kn->max_batch_tokens);
     /* Preemptions: only of running requests, which go back to waiting. */
     bool interactive_preempted = false;
     for (int k = 0; k < p->n_preempted; k++) {
         uint64_t id = p->preempted[k];
         SIM_ASSERT(id < (uint64_t)n_ids && sh[id].state == SH_RUNNING, "preempted %llu was not running",
-                      (unsigned long long)id);
+                   (unsigned long long)id);
         SIM_ASSERT(find_seq(p, id) < 0, "preempted %llu is also in the step", (unsigned long long)id);
         sh[id].state = SH_WAITING;
         sh[id].computed = 0;
@@ -1561,11 +1661,11 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
         SIM_ASSERT(id < (uint64_t)n_ids, "unknown id %llu in plan", (unsigned long long)id);
         shadow *r = &sh[id];
         SIM_ASSERT(e->slot >= 0 && e->slot < c->max_seqs && !seen_slot[e->slot], "slot %d reused in one step",
-                      e->slot);
+                   e->slot);
         seen_slot[e->slot] = true;
         if (r->state == SH_WAITING) {
             SIM_ASSERT(r->slot != -2, "request %llu re-admitted in the plan that preempted it",
-                          (unsigned long long)id);
+                       (unsigned long long)id);
             int bs = c->kv_block_size;
             SIM_ASSERT(e->pos == 0 || (g_streams && e->pos % bs == 0 && e->pos < r->n_prompt + r->gen),
                        "admission of %llu starts at %d", (unsigned long long)id, e->pos);
@@ -1587,10 +1687,10 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
             r->state = SH_RUNNING;
             r->slot = e->slot;
         } else {
-            SIM_ASSERT(r->state == SH_RUNNING, "request %llu in the plan is in state %d", (unsigned long long)id,
-                          r->state);
+            SIM_ASSERT(r->state == SH_RUNNING, "request %llu in the plan is in state %d",
+                       (unsigned long long)id, r->state);
             SIM_ASSERT(r->slot == e->slot, "request %llu moved from slot %d to %d while running",
-                          (unsigned long long)id, r->slot, e->slot);
+                       (unsigned long long)id, r->slot, e->slot);
         }
         int len = r->n_prompt + r->gen;
         int n_real = e->n_tokens - e->n_draft; /* stream tokens; drafts follow */
@@ -1604,18 +1704,18 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
                    "request %llu: %d drafts (decode %d, %d of %d generated)", (unsigned long long)id,
                    e->n_draft, e->decode, r->gen, r->max_new);
         SIM_ASSERT(e->n_prompt == r->n_prompt && e->n_generated == r->gen, "request %llu: stream layout",
-                      (unsigned long long)id);
+                   (unsigned long long)id);
         if (e->decode) {
             SIM_ASSERT(!seen_chunk, "a decode after a prompt chunk");
             SIM_ASSERT(n_real == 1 && r->gen > 0, "decode entry of %d tokens", e->n_tokens);
         } else {
             seen_chunk = true;
             SIM_ASSERT(e->n_tokens <= kn->prefill_chunk, "chunk of %d over prefill_chunk %d", e->n_tokens,
-                          kn->prefill_chunk);
+                       kn->prefill_chunk);
         }
         SIM_ASSERT(e->n_blocks >= duet__kv_blocks_needed(duet__sched_kv(s), e->pos + e->n_tokens),
-                      "request %llu: %d blocks do not cover %d tokens", (unsigned long long)id, e->n_blocks,
-                      e->pos + e->n_tokens);
+                   "request %llu: %d blocks do not cover %d tokens", (unsigned long long)id, e->n_blocks,
+                   e->pos + e->n_tokens);
         for (int q = e->pos; g_streams && q < e->pos + e->n_tokens; q++) {
             int bs = c->kv_block_size, b = e->blocks[q / bs];
             SIM_ASSERT(duet__kv_blocks_refcount(duet__sched_kv(s), b) == 1 &&
@@ -1659,8 +1759,8 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
         for (int id = lo; id < n_ids; id++)
             if (sh[id].state == SH_WAITING && sh[id].prio == q && sh[id].slot != -2)
                 SIM_ASSERT((uint64_t)id > last_admitted[q],
-                              "class %d: request %d still waits but %llu, younger, was admitted", q, id,
-                              (unsigned long long)last_admitted[q]);
+                           "class %d: request %d still waits but %llu, younger, was admitted", q, id,
+                           (unsigned long long)last_admitted[q]);
     }
     /* Priority: batch admitted only when no interactive request is waiting;
      * interactive preempted only when no batch request holds a slot. */
@@ -1675,18 +1775,20 @@ static void sim_check_plan(duet_sched *s, shadow *sh, int lo, int n_ids, const d
     }
     if (admitted[1]) SIM_ASSERT(waiting_interactive == 0, "batch admitted while interactive requests wait");
     if (interactive_preempted)
-        SIM_ASSERT(running_batch == 0, "interactive work preempted while batch work holds %d slots", running_batch);
+        SIM_ASSERT(running_batch == 0, "interactive work preempted while batch work holds %d slots",
+                   running_batch);
     SIM_ASSERT(running_total <= c->max_seqs, "%d running over %d slots", running_total, c->max_seqs);
     if (admitted[0] + admitted[1] > 0)
-        SIM_ASSERT(running_total <= kn->max_batch_seqs, "admitted beyond max_batch_seqs (%d running, knob %d)",
-                      running_total, kn->max_batch_seqs);
+        SIM_ASSERT(running_total <= kn->max_batch_seqs,
+                   "admitted beyond max_batch_seqs (%d running, knob %d)", running_total, kn->max_batch_seqs);
     /* Continuous batching: a running decode skips a step only when the
      * budget is spent or the plan had to preempt. */
     if (p->n_tokens < kn->max_batch_tokens && p->n_preempted == 0) {
         for (int id = lo; id < n_ids; id++) {
             const shadow *r = &sh[id];
             if (r->state == SH_RUNNING && r->gen > 0 && r->computed == r->n_prompt + r->gen - 1)
-                SIM_ASSERT(find_seq(p, (uint64_t)id) >= 0, "running decode %d left out of a step with budget", id);
+                SIM_ASSERT(find_seq(p, (uint64_t)id) >= 0, "running decode %d left out of a step with budget",
+                           id);
         }
     }
     /* KV: blocks of the running requests add up to what the pool lent. */
@@ -1753,7 +1855,8 @@ static sim_out run_sim(const sim_cfg *cfg) {
             }
             act = duet__sched_plan(s, now, &p);
             if (act == DUET_SCHED_STEP) {
-                while (lo < next && (sh[lo].state == SH_DONE || sh[lo].state == SH_REFUSED)) lo++;
+                while (lo < next && (sh[lo].state == SH_DONE || sh[lo].state == SH_REFUSED))
+                    lo++;
                 sim_check_plan(s, sh, lo, next, &p, &plan_knobs, &cfg->c, &out.trace_hash);
                 outstanding = true;
                 /* Fake cost model: fixed overhead + per token + per sequence. */
@@ -1761,8 +1864,8 @@ static sim_out run_sim(const sim_cfg *cfg) {
                 out.steps++;
                 out.tokens += (uint64_t)p.n_tokens;
             } else if (act == DUET_SCHED_WAIT) {
-                SIM_ASSERT(p.wake_at > now, "WAIT until %lld is not in the future (%lld)", (long long)p.wake_at,
-                              (long long)now);
+                SIM_ASSERT(p.wake_at > now, "WAIT until %lld is not in the future (%lld)",
+                           (long long)p.wake_at, (long long)now);
                 wake = p.wake_at;
             } else if (next >= n) {
                 break;
@@ -1771,8 +1874,10 @@ static sim_out run_sim(const sim_cfg *cfg) {
             SIM_ASSERT(cs == DUET_OK, "invariants after plan: %s", duet_last_error());
         }
         int64_t tn = INT64_MAX;
-        if (outstanding) tn = step_end;
-        else if (act == DUET_SCHED_WAIT) tn = wake;
+        if (outstanding)
+            tn = step_end;
+        else if (act == DUET_SCHED_WAIT)
+            tn = wake;
         if (next < n && arrival_at[next] < tn) tn = arrival_at[next];
         SIM_CHECK(tn != INT64_MAX);
         if (tn > now) now = tn;
@@ -1832,10 +1937,11 @@ static sim_out run_sim(const sim_cfg *cfg) {
             duet_sched_stats st;
             duet__sched_stats(s, &st);
             int waiting = st.waiting[0] + st.waiting[1];
-            bool too_long = q->n_prompt + q->max_new > cfg->c.n_ctx ||
-                            duet__kv_blocks_needed(duet__sched_kv(s), q->n_prompt + q->max_new) > cfg->c.kv_blocks;
-            duet_sched_admit a = duet__sched_arrival(s, now, (uint64_t)id, q->n_prompt, q->max_new,
-                                                     (duet_priority)q->prio);
+            bool too_long =
+                q->n_prompt + q->max_new > cfg->c.n_ctx ||
+                duet__kv_blocks_needed(duet__sched_kv(s), q->n_prompt + q->max_new) > cfg->c.kv_blocks;
+            duet_sched_admit a =
+                duet__sched_arrival(s, now, (uint64_t)id, q->n_prompt, q->max_new, (duet_priority)q->prio);
             if (g_streams && a == DUET_SCHED_ADMITTED) {
                 /* One of the shared runs for a random length, then its own
                  * tokens; "generated" tokens follow the same rule, so equal
@@ -1846,9 +1952,9 @@ static sim_out run_sim(const sim_cfg *cfg) {
                     t[j] = j < share ? k * 10000 + j : 1000000 + id * 1000 + j;
                 SIM_CHECK(duet__sched_set_stream(s, (uint64_t)id, t, sim_unit() < 0.9) == DUET_OK);
             }
-            duet_sched_admit want = too_long ? DUET_SCHED_TOO_LONG
+            duet_sched_admit want = too_long                                      ? DUET_SCHED_TOO_LONG
                                     : waiting >= duet__sched_knobs(s).max_waiting ? DUET_SCHED_QUEUE_FULL
-                                                                                 : DUET_SCHED_ADMITTED;
+                                                                                  : DUET_SCHED_ADMITTED;
             SIM_ASSERT(a == want, "arrival %d: got %d, want %d", id, a, want);
             if (a == DUET_SCHED_ADMITTED) {
                 q->state = SH_WAITING;
@@ -1856,8 +1962,10 @@ static sim_out run_sim(const sim_cfg *cfg) {
                 live[n_live++] = id;
             } else {
                 q->state = SH_REFUSED;
-                if (a == DUET_SCHED_QUEUE_FULL) out.refused++;
-                else out.rejected++;
+                if (a == DUET_SCHED_QUEUE_FULL)
+                    out.refused++;
+                else
+                    out.rejected++;
             }
         }
         if (n_live > 0 && sim_unit() < cfg->cancel_prob) {
@@ -1865,7 +1973,7 @@ static sim_out run_sim(const sim_cfg *cfg) {
             int id = live[j];
             live[j] = live[--n_live];
             SIM_ASSERT(duet__sched_cancel(s, now, (uint64_t)id) == DUET_OK, "cancel of live %d: %s", id,
-                          duet_last_error());
+                       duet_last_error());
             sim_set_outcome(sh, (uint64_t)id, false);
             out.cancelled++;
         }
@@ -1893,19 +2001,21 @@ static sim_out run_sim(const sim_cfg *cfg) {
         if (sh[id].state == SH_REFUSED) continue;
         SIM_ASSERT(sh[id].outcomes == 1, "request %d ended %d times", id, sh[id].outcomes);
         if (sh[id].finished)
-            SIM_ASSERT(sh[id].gen == sh[id].target, "request %d finished with %d of %d tokens", id, sh[id].gen,
-                          sh[id].target);
+            SIM_ASSERT(sh[id].gen == sh[id].target, "request %d finished with %d of %d tokens", id,
+                       sh[id].gen, sh[id].target);
         if (sh[id].finished) out.finished++;
     }
     SIM_ASSERT(st.finished == out.finished && st.cancelled == out.cancelled &&
-                      st.arrivals == out.finished + out.cancelled && st.refused == out.refused &&
-                      st.rejected == out.rejected,
-                  "scheduler counters disagree: finished %llu/%llu cancelled %llu/%llu arrivals %llu",
-                  (unsigned long long)st.finished, (unsigned long long)out.finished, (unsigned long long)st.cancelled,
-                  (unsigned long long)out.cancelled, (unsigned long long)st.arrivals);
-    SIM_ASSERT(st.kv_blocks_used == 0 && st.running[0] + st.running[1] == 0 && st.waiting[0] + st.waiting[1] == 0,
-                  "leftovers: kv %d running %d waiting %d", st.kv_blocks_used, st.running[0] + st.running[1],
-                  st.waiting[0] + st.waiting[1]);
+                   st.arrivals == out.finished + out.cancelled && st.refused == out.refused &&
+                   st.rejected == out.rejected,
+               "scheduler counters disagree: finished %llu/%llu cancelled %llu/%llu arrivals %llu",
+               (unsigned long long)st.finished, (unsigned long long)out.finished,
+               (unsigned long long)st.cancelled, (unsigned long long)out.cancelled,
+               (unsigned long long)st.arrivals);
+    SIM_ASSERT(st.kv_blocks_used == 0 && st.running[0] + st.running[1] == 0 &&
+                   st.waiting[0] + st.waiting[1] == 0,
+               "leftovers: kv %d running %d waiting %d", st.kv_blocks_used, st.running[0] + st.running[1],
+               st.waiting[0] + st.waiting[1]);
     out.preemptions = st.preemptions;
     out.throttled = st.spec_throttled;
     out.budget_cut = st.budget_cut;
@@ -1926,9 +2036,16 @@ static sim_cfg sim_tight_kv(uint64_t seed) {
     sim_cfg c = {
         .seed = seed,
         .n_arrivals = 3000,
-        .c = {.max_seqs = 8, .max_tokens = 128, .max_waiting = 32, .n_ctx = 256, .kv_block_size = 16,
+        .c = {.max_seqs = 8,
+              .max_tokens = 128,
+              .max_waiting = 32,
+              .n_ctx = 256,
+              .kv_block_size = 16,
               .kv_blocks = 24,
-              .knobs = {.max_batch_seqs = 8, .max_batch_tokens = 128, .prefill_chunk = 32, .max_waiting = 32,
+              .knobs = {.max_batch_seqs = 8,
+                        .max_batch_tokens = 128,
+                        .prefill_chunk = 32,
+                        .max_waiting = 32,
                         .batch_timeout_ns = 2 * MS}},
         .max_prompt = 200,
         .max_new = 80,
@@ -1944,7 +2061,8 @@ START_TEST(test_sim_tight_kv) {
     sim_cfg c = sim_tight_kv(1 + (uint64_t)_i);
     sim_out o = run_sim(&c);
     fprintf(stderr,
-            "sim tight kv seed %d: steps %llu tokens %llu finished %llu cancelled %llu refused %llu rejected %llu "
+            "sim tight kv seed %d: steps %llu tokens %llu finished %llu cancelled %llu refused %llu rejected "
+            "%llu "
             "preemptions %llu\n",
             _i + 1, (unsigned long long)o.steps, (unsigned long long)o.tokens, (unsigned long long)o.finished,
             (unsigned long long)o.cancelled, (unsigned long long)o.refused, (unsigned long long)o.rejected,
@@ -1963,9 +2081,11 @@ START_TEST(test_sim_retuned_knobs) {
     c.c.knobs.max_batch_seqs = 16;
     c.mean_gap_ms = 8;
     sim_out o = run_sim(&c);
-    fprintf(stderr, "sim retuned seed %d: steps %llu finished %llu cancelled %llu refused %llu preemptions %llu\n",
-            _i + 100, (unsigned long long)o.steps, (unsigned long long)o.finished, (unsigned long long)o.cancelled,
-            (unsigned long long)o.refused, (unsigned long long)o.preemptions);
+    fprintf(stderr,
+            "sim retuned seed %d: steps %llu finished %llu cancelled %llu refused %llu preemptions %llu\n",
+            _i + 100, (unsigned long long)o.steps, (unsigned long long)o.finished,
+            (unsigned long long)o.cancelled, (unsigned long long)o.refused,
+            (unsigned long long)o.preemptions);
     ck_assert_msg(o.refused > 0, "overload with a retuned queue limit must refuse some arrivals");
 }
 END_TEST
@@ -1994,8 +2114,16 @@ START_TEST(test_sim_tiny_pool) {
     sim_cfg c = {
         .seed = 77,
         .n_arrivals = 4000,
-        .c = {.max_seqs = 3, .max_tokens = 8, .max_waiting = 8, .n_ctx = 40, .kv_block_size = 4, .kv_blocks = 10,
-              .knobs = {.max_batch_seqs = 3, .max_batch_tokens = 8, .prefill_chunk = 3, .max_waiting = 8,
+        .c = {.max_seqs = 3,
+              .max_tokens = 8,
+              .max_waiting = 8,
+              .n_ctx = 40,
+              .kv_block_size = 4,
+              .kv_blocks = 10,
+              .knobs = {.max_batch_seqs = 3,
+                        .max_batch_tokens = 8,
+                        .prefill_chunk = 3,
+                        .max_waiting = 8,
                         .batch_timeout_ns = 0}},
         .max_prompt = 30,
         .max_new = 12,
@@ -2097,6 +2225,7 @@ static Suite *suite(void) {
     tcase_add_test(tc, test_spec_throttle_budget_and_blocks);
     tcase_add_test(tc, test_spec_cancel_and_preempt);
     tcase_add_test(tc, test_spec_measured_decision);
+    tcase_add_test(tc, test_spec_refusal_recovers);
     suite_add_tcase(s, tc);
     TCase *sim = tcase_create("simulation");
     tcase_set_timeout(sim, 600);
@@ -2111,4 +2240,6 @@ static Suite *suite(void) {
     return s;
 }
 
-int main(void) { return test_run_suite(suite()); }
+int main(void) {
+    return test_run_suite(suite());
+}

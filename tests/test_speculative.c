@@ -413,6 +413,19 @@ START_TEST(test_adapt) {
         duet__spec_adapt_update(&a, 4, 1, 8); /* one kept, one rejected */
     ck_assert_float_eq_tol(a.alpha, 0.5f, 0.02f);
     ck_assert_int_eq(a.k, 2);
+    /* A step's weight grows with its trials: from the prior 0.5, one step
+     * keeping all 8 drafts (an exploration) lifts alpha past 0.95 (so the
+     * decision grants drafts next), one keeping its single draft only to
+     * 0.65; one rejecting its first draft drops it by 0.3 of its value. */
+    duet_spec_adapt b;
+    duet__spec_adapt_init(&b, 8);
+    duet__spec_adapt_update(&b, 8, 8, 8);
+    ck_assert_msg(b.alpha > 0.95f && b.k == 8, "8 of 8 kept: alpha %.3f k %d", b.alpha, b.k);
+    duet__spec_adapt_update(&b, 8, 0, 8);
+    ck_assert_float_eq_tol(b.alpha, 0.7f * (1.0f - 0.5f * powf(0.7f, 8)), 1e-5f);
+    duet__spec_adapt_init(&b, 8);
+    duet__spec_adapt_update(&b, 1, 1, 8);
+    ck_assert_float_eq_tol(b.alpha, 0.65f, 1e-5f);
     /* k_max bounds it; a step without drafts changes nothing. */
     float before = a.alpha;
     duet__spec_adapt_update(&a, 0, 0, 1);
