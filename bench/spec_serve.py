@@ -22,7 +22,7 @@ speculating (--spec ngram, or --draft DRAFT), then runs one of:
                       logprob gap there (a near-tie when < 1e-3).
 
 usage: spec_serve.py DUET MODEL (--draft DRAFT | --ngram | --control) [--spec-max-batch N]
-                     [--backend cpu|vulkan|opencl] [--threads T] [--ctx N] [--max-batch-seqs N] [--json OUT]
+                     [--backend cpu|vulkan|opencl] [--request-timeout S] [--threads T] [--ctx N] [--max-batch-seqs N] [--json OUT]
                      streams N [N ...] [--rounds R] [--max-tokens M] [--prompt-file F]
        spec_serve.py ... identity --prompts REF.json [--concurrent C] [--max-tokens M]
 """
@@ -41,7 +41,8 @@ import urllib.request
 
 
 class Server:
-    def __init__(self, cmd):
+    def __init__(self, cmd, timeout=3600):
+        self.timeout = timeout
         self.log = tempfile.NamedTemporaryFile(prefix="spec-serve-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
         self.port = None
@@ -61,7 +62,7 @@ class Server:
     def post(self, body):
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=3600) as r:
+        with urllib.request.urlopen(req, timeout=self.timeout) as r:
             return json.load(r)
 
     def metric(self, name):
@@ -186,6 +187,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--max-batch-seqs", type=int, default=16)
+    ap.add_argument("--request-timeout", type=float, default=3600, help="seconds a request may take")
     ap.add_argument("--json")
     sub = ap.add_subparsers(dest="mode", required=True)
     s = sub.add_parser("streams")
@@ -206,10 +208,16 @@ def main():
         spec += ["--spec-k", str(a.spec_k)]
     if a.spec_max_batch and not a.control:
         spec += ["--spec-max-batch", str(a.spec_max_batch)]
-    off = Server(base)
-    on = Server(base + spec)
+    off = Server(base, a.request_timeout)
+    on = Server(base + spec, a.request_timeout)
     try:
         result = streams(a, off, on) if a.mode == "streams" else identity(a, off, on)
+    except Exception:
+        for name, srv in (("off", off), ("on", on)):  # where a stuck run stands
+            print(name, "running", srv.metric("vllm:num_requests_running"), "waiting",
+                  srv.metric("vllm:num_requests_waiting"), "generated", srv.metric("vllm:generation_tokens_total"),
+                  file=sys.stderr)
+        raise
     finally:
         off.stop()
         on.stop()

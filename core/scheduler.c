@@ -79,8 +79,8 @@ struct duet_sched {
      * the last decision. */
     bool have_draft_cost;
     duet_step_cost draft_cost;
-    duet_spec_cand *cands;
-    int *cand_req; /* [max_seqs] the record of each candidate */
+    duet_spec_cand *cands, *cands_opt; /* cands_opt: the exploration's what-if */
+    int *cand_req;                     /* [max_seqs] the record of each candidate */
     double draft_s;
     int spec_refused_run;
     uint64_t spec_explore;
@@ -228,9 +228,10 @@ duet_status duet__sched_new(const duet_sched_config *config, duet_sched **out) {
     s->preempted = malloc((size_t)c->max_seqs * sizeof *s->preempted);
     s->hits = malloc((size_t)per_seq * sizeof *s->hits);
     s->cands = malloc((size_t)c->max_seqs * sizeof *s->cands);
+    s->cands_opt = malloc((size_t)c->max_seqs * sizeof *s->cands_opt);
     s->cand_req = malloc((size_t)c->max_seqs * sizeof *s->cand_req);
     if (!s->reqs || !s->slot_req || !s->order || !s->seqs || !s->seq_req || !s->preempted || !s->hits ||
-        !s->cands || !s->cand_req) {
+        !s->cands || !s->cands_opt || !s->cand_req) {
         duet__sched_free(s);
         return duet__error(DUET_OUT_OF_MEMORY, "scheduler: out of memory for %d requests", c->max_waiting);
     }
@@ -256,6 +257,7 @@ void duet__sched_free(duet_sched *s) {
     free(s->preempted);
     free(s->hits);
     free(s->cands);
+    free(s->cands_opt);
     free(s->cand_req);
     free(s);
 }
@@ -581,13 +583,27 @@ static void register_blocks(duet_sched *s, req *r) {
     }
 }
 
+/* Whether the decision would grant drafts at this step if every candidate
+ * kept all its drafts (alpha 1): only then can a refusal be wrong about
+ * acceptance, and only then is an exploration worth its cost (with a draft
+ * model, its passes and its KV's catch-up over the steps it missed). */
+static bool pays_if_all_kept(duet_sched *s, const duet_step_shape *base, int n) {
+    duet_spec_decision d;
+    for (int i = 0; i < n; i++) {
+        s->cands_opt[i] = s->cands[i];
+        s->cands_opt[i].alpha = 1.0f;
+    }
+    duet__spec_decide(&s->cost, s->have_draft_cost ? &s->draft_cost : NULL, base, s->cands_opt, n, &d);
+    return d.n_granted > 0;
+}
+
 /* Step 1b of a plan (the decodes are placed): the decodes with draft
  * offers are the candidates. With the hard cap exceeded nothing is
  * granted; with spec_measured and a step-cost model, duet__spec_decide
  * grants what pays; otherwise every offer. After DUET_SCHED_SPEC_EXPLORE
  * plans in a row whose offers the decision refused, one candidate (in turn)
- * gets its offer anyway, so the models and its acceptance keep being
- * measured at the shapes refused. */
+ * gets its offer anyway, so its acceptance keeps being measured, where
+ * better acceptance would have changed the decision (pays_if_all_kept). */
 static void place_drafts(duet_sched *s, int n_order) {
     const int n_decodes = s->n_seqs;
     int n = 0, offered = 0;
@@ -622,11 +638,13 @@ static void place_drafts(duet_sched *s, int n_order) {
                           &s->spec_last);
         s->spec_last_valid = true;
         kind = s->spec_last.n_granted > 0 ? DUET_SPEC_STEP_DRAFT : DUET_SPEC_STEP_PLAIN;
-        if (kind == DUET_SPEC_STEP_PLAIN && ++s->spec_refused_run >= DUET_SCHED_SPEC_EXPLORE) {
+        if (kind == DUET_SPEC_STEP_PLAIN && ++s->spec_refused_run >= DUET_SCHED_SPEC_EXPLORE &&
+            pays_if_all_kept(s, &base, n)) {
             duet_spec_cand *c = &s->cands[s->spec_explore++ % n];
             c->k = c->offer;
             kind = DUET_SPEC_STEP_EXPLORE;
         }
+        if (s->spec_refused_run >= DUET_SCHED_SPEC_EXPLORE) s->spec_refused_run = 0;
         if (kind != DUET_SPEC_STEP_PLAIN) s->spec_refused_run = 0;
         s->draft_s = s->spec_last.draft_seconds; /* 0 but for DRAFT: an exploration is not budgeted */
     }

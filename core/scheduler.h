@@ -105,8 +105,10 @@
  *   model and the draft model's (duet__sched_set_draft_cost; none: drafts
  *   are free, as n-gram's); after DUET_SCHED_SPEC_EXPLORE plans in a row
  *   in which it granted nothing, one candidate in turn gets its offer (so
- *   the models and its acceptance are measured where speculation is
- *   refused); without spec_measured or a model every offer is granted.
+ *   its acceptance is measured where speculation is refused), when the
+ *   decision would have granted drafts had every candidate kept all of
+ *   them (otherwise acceptance is not what refuses them, and exploring
+ *   costs throughput for nothing); without spec_measured or a model every offer is granted.
  *   A step with more than spec_max_batch decodes (a hard cap) grants
  *   nothing. Each decode, best rank first, grows by its grant
  *   (n_draft), within the token budget, the KV blocks free now (nobody

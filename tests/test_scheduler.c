@@ -1270,7 +1270,8 @@ END_TEST
  * alpha (duet__spec_adapt_update weighs each trial) and from the next step
  * on the decision grants drafts by itself. With exploration every 64 plans,
  * or an alpha that one run of 8 kept drafts moves only to 0.65, the
- * sequence decoded with nothing verified far longer. */
+ * sequence decoded with nothing verified far longer. A draft too dear to
+ * pay even if every draft were kept is not explored. */
 START_TEST(test_spec_refusal_recovers) {
     enum { SPEC_K = 8, STEPS = 64 };
     duet_sched_config c = base_config();
@@ -1318,6 +1319,20 @@ START_TEST(test_spec_refusal_recovers) {
     ck_assert_msg(granted_steps >= STEPS - 17, "%d of %d steps granted", granted_steps, STEPS);
     ck_assert_uint_eq(st.spec_steps[DUET_SPEC_STEP_EXPLORE], (uint64_t)explored);
     ck_assert_int_eq(explored, 1);
+    /* A draft model whose pass costs more than the target's step pays at
+     * no acceptance: refused, and never explored (an exploration would only
+     * cost its passes and its KV's catch-up). */
+    duet_step_cost dear = {0};
+    dear.coef[0] = 0.045;
+    duet__sched_set_draft_cost(s, &dear);
+    for (int step = 1; step <= 3 * DUET_SCHED_SPEC_EXPLORE; step++) {
+        duet__sched_set_draft(s, 1, SPEC_K, a.alpha, 1);
+        plan_step(s, 100 + step, &p);
+        ck_assert_msg(p.seqs[0].n_draft == 0, "dear draft, step %d: %d drafts", step, p.seqs[0].n_draft);
+        done_one(s, 101 + step, 1, 1, false);
+    }
+    duet__sched_stats(s, &st);
+    ck_assert_uint_eq(st.spec_steps[DUET_SPEC_STEP_EXPLORE], 1);
     duet__sched_free(s);
 }
 END_TEST
