@@ -72,7 +72,9 @@ static const char usage[] =
     "  --priority-mix X           share of interactive requests, as 0.3 or 3:7 (interactive:batch)\n"
     "  --temperature T            default 0 (greedy)\n"
     "  --ignore-eos / --no-ignore-eos   generate exactly the output length (default on)\n"
-    "  --seed N                   workload and arrival seed (default 0)\n"
+    "  --seed N                   workload and arrival seed (default 0); each load point draws its own\n"
+    "                             random prompts from it (a server's prefix cache gains nothing from\n"
+    "                             earlier points), the same for every target and knob setting\n"
     "  --warmup N                 unmeasured requests, sent at once, before each knob setting (default:\n"
     "                             max_batch_seqs, so every batch size runs once before measuring)\n"
     "\n"
@@ -307,6 +309,8 @@ static int run_compare(db_config *c, const db_target *tg, int n_t, const char *c
     for (int il = 0; il < n_load; il++)
         for (int t = 0; t < n_t; t++) {
             db_config cc = *c;
+            /* Point il's own prompts, the same for every target. */
+            cc.workload.seed = db_point_seed(c->workload.seed, il);
             if (c->n_sweep_rate) cc.sweep_rate[0] = c->sweep_rate[il], cc.n_sweep_rate = 1;
             if (c->n_sweep_conc) cc.sweep_conc[0] = c->sweep_conc[il], cc.n_sweep_conc = 1;
             const char *label = tg[t].label;

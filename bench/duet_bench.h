@@ -248,6 +248,10 @@ typedef struct db_vocab {
 bool db_workload_make(const db_workload_cfg *cfg, const db_vocab *vocab, db_prompt **out, char *err,
                       size_t esize);
 void db_workload_free(db_prompt *p, int n);
+/* The workload seed of load point i of a sweep (point 0: seed itself). */
+static inline uint64_t db_point_seed(uint64_t seed, int i) {
+    return seed + (uint64_t)i * UINT64_C(0x9E3779B97F4A7C15);
+}
 
 /* ---- one run: the load, the client -------------------------------------- */
 
@@ -398,8 +402,8 @@ typedef struct db_config {
      * set, the adaptive controller and the stall-free step budget run in
      * the simulation as they would in those servers. */
     double sim_slo_ttft_ms[2], sim_slo_itl_ms[2];
-    const char *trace_path;  /* arrivals and lengths from a file */
-    int find_instances;      /* > 0: search 1..find_instances for the fewest meeting the targets */
+    const char *trace_path; /* arrivals and lengths from a file */
+    int find_instances;     /* > 0: search 1..find_instances for the fewest meeting the targets */
 } db_config;
 
 /* A whole sweep on one target, with its points and chosen operating point. */

@@ -386,17 +386,33 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
     }
     db_workload_cfg wc = cfg->workload;
     wc.n = cfg->num_prompts > 0 ? cfg->num_prompts : cfg->simulate ? db_sim_requests_needed(cfg) : 20000;
-    db_prompt *prompts = NULL;
+    /* Each load point draws its own random prompts (db_point_seed): the
+     * same prompts at every point would hit a server's prefix cache from
+     * the second point on and skip their prefill. A trace is the same
+     * requests at every point (its times rescaled). Knob settings at the
+     * same load point get the same prompts. */
+    db_prompt *lp[DB_MAX_SWEEP] = {0};
     char err[512] = "";
-    bool ok = cfg->trace_path ? db_trace_load(cfg->trace_path, &prompts, &wc.n, err, sizeof err)
-                              : db_workload_make(&wc, &vocab, &prompts, err, sizeof err);
+    bool ok = true;
+    int n_req = wc.n;
+    for (int il = 0; ok && il < n_load; il++) {
+        if (cfg->trace_path) {
+            ok = db_trace_load(cfg->trace_path, &lp[il], &wc.n, err, sizeof err);
+        } else {
+            db_workload_cfg pw = wc;
+            pw.seed = db_point_seed(wc.seed, il);
+            ok = db_workload_make(&pw, &vocab, &lp[il], err, sizeof err);
+        }
+        n_req = wc.n;
+    }
     if (!ok) {
+        for (int il = 0; il < n_load; il++)
+            db_workload_free(lp[il], n_req);
         snprintf(out->why, sizeof out->why, "workload: %s", err);
         out->failed = true;
         duet_model_close(vocab_model);
         return false;
     }
-    int n_req = wc.n;
     /* Warm-up requests (auto: as many as the largest batch), sent at once
      * with output lengths 2, 3, 4, ...: the decode batch then shrinks
      * through every size, so each batch shape's first-use cost (a kernel
@@ -469,7 +485,8 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
             if (!cfg->in_process && !cfg->simulate && !http.model_name[0])
                 db_http_model_id(http.base_url, http.model_name, sizeof http.model_name);
             /* A remote target's model is the id it serves. */
-            if (!m->model[0] && http.model_name[0]) snprintf(m->model, sizeof m->model, "%s", http.model_name);
+            if (!m->model[0] && http.model_name[0])
+                snprintf(m->model, sizeof m->model, "%s", http.model_name);
 
             /* Warm-up: not measured; it also proves the target works. */
             if (warm) {
@@ -502,6 +519,7 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
                 }
             }
             for (int il = 0; ok && il < n_load; il++) {
+                db_prompt *prompts = lp[il];
                 db_point *pt = &out->points[k];
                 pt->load = loads[il];
                 pt->knobs = kn;
@@ -547,7 +565,8 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
             if (eng) duet_engine_stop(eng, false);
             serve_stop(&srv);
         }
-    db_workload_free(prompts, n_req);
+    for (int il = 0; il < n_load; il++)
+        db_workload_free(lp[il], n_req);
     db_workload_free(warm, n_warm);
     duet_model_close(vocab_model);
 
