@@ -18,7 +18,8 @@
  *   (half the old value, half the new) so one noisy window moves little.
  * - ITL over 0.9 of its target (smoothed), or this window over the target:
  *   the step is too long. Cut the step budget (prefill rides along with
- *   the decodes) by 0.8 / ratio, at least 8% and at most 40% per window;
+ *   the decodes) by 0.8 / the smoothed ratio, at least 8% and at most 40%
+ *   per window (a lone window over the target: about 8%);
  *   once the budget is down to its floor (the batch size for tokens,
  *   share_min for a time budget), cut max_batch_seqs the same way.
  * - Else TTFT over its target, or requests waiting while every slot is
