@@ -412,6 +412,14 @@ typedef struct duet_engine_params {
      * values are the ceilings of the last two). */
     double slo_ttft_ms[2], slo_itl_ms[2];
     double controller_window_ms; /* 0 = 2000 */
+    /* Keep the configured knobs: the controller does not run (the latency
+     * targets still size stall-free steps, at step_budget_share). For
+     * comparing the controller against the best fixed setting. */
+    bool static_knobs;
+    /* The share of each class's ITL target a step with its decodes may take,
+     * predicted (0 = 0.8: headroom for a p99 over the predicted mean); the
+     * controller starts here and retunes it within [0.25, 1]. */
+    double step_budget_share;
     /* Seeds the engine's step-cost model (duet_step_cost_load of a file
      * `duet profile` wrote; copied), which the engine refits online from its
      * steps; NULL = learn it from the warm-up and the steps. Under an ITL

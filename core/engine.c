@@ -1262,7 +1262,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     e->metrics = duet__metrics_new(name);
     e->prefix_cache = !p.no_prefix_cache;
     if ((st = duet__ctl_init(&e->ctl, &su.ctl))) goto fail;
-    e->ctl_on = duet__ctl_active(&e->ctl);
+    e->ctl_on = !su.static_knobs && duet__ctl_active(&e->ctl);
     e->ctl_window_ns = su.ctl_window_ns;
     e->ctl_next = now_ns() + e->ctl_window_ns;
     /* Requests in flight at most: every waiting one plus every running one. */

@@ -51,6 +51,10 @@ duet_status duet__engine_params_check(const duet_engine_params *params, duet_eng
             return duet__error(DUET_INVALID_ARGUMENT,
                                "latency targets must be in [0, 3600000] ms (0 = none)");
     if (!p.controller_window_ms) p.controller_window_ms = 2000;
+    if (!p.step_budget_share) p.step_budget_share = 0.8;
+    if (!(p.step_budget_share >= 0.25 && p.step_budget_share <= 1))
+        return duet__error(DUET_INVALID_ARGUMENT, "step_budget_share %g out of range [0.25, 1]",
+                           p.step_budget_share);
     if (!(p.controller_window_ms >= 10 && p.controller_window_ms <= 3.6e6))
         return duet__error(DUET_INVALID_ARGUMENT, "controller_window_ms %g out of range [10, 3600000]",
                            p.controller_window_ms);
@@ -76,9 +80,9 @@ void duet__engine_setup(const duet_engine_params *p, int n_ctx, int kv_blocks, i
                             .spec_max_batch = spec_max_batch,
                             .spec_measured = p->spec_max_batch >= 0 && !p->spec_always}},
         /* Stall-free steps under ITL targets: the budget starts at this
-         * share of each class's target (headroom for a p99 over predicted
-         * means). */
-        .budget_share = 0.8,
+         * share of each class's target. */
+        .budget_share = p->step_budget_share,
+        .static_knobs = p->static_knobs,
         .ctl = {.seqs_min = 1,
                 .seqs_max = p->max_batch_seqs,
                 .tokens_min = p->max_batch_tokens < 16 ? p->max_batch_tokens : 16,

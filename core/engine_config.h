@@ -23,6 +23,7 @@ typedef struct duet_engine_setup {
                                 ITL target, predicted (the controller retunes it) */
     double slo_itl_s[2];     /* the ITL targets per duet_priority (0: none) */
     int64_t ctl_window_ns;   /* one controller window */
+    bool static_knobs;       /* the controller never runs (duet_engine_params.static_knobs) */
 } duet_engine_setup;
 
 /* The knobs with their defaults filled in and checked (before anything

@@ -252,7 +252,7 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
          * the simulation's model is the device. */
         if (!st) duet__sched_set_cost(in->s, &p->cost);
         if (!st) st = duet__ctl_init(&in->ctl, &f.su.ctl);
-        if (!st) f.ctl_on = duet__ctl_active(&in->ctl);
+        if (!st) f.ctl_on = !f.su.static_knobs && duet__ctl_active(&in->ctl);
         in->share = f.su.budget_share;
         in->ctl_next = f.su.ctl_window_ns;
         for (int c = 0; !st && f.ctl_on && c < 2; c++)

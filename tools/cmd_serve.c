@@ -68,6 +68,10 @@ static void usage(FILE *f) {
         "                              step-cost model's predicted step time fits (stall-free steps)\n"
         "      --step-cost FILE        the step-cost model `duet profile` wrote: seeds the model the engine\n"
         "                              fits online (default: learnt from the warm-up and the steps)\n"
+        "      --step-budget-share X   the share of a class's ITL target a step with its decodes may take\n"
+        "                              (0.25..1, default 0.8; the controller starts here and retunes it)\n"
+        "      --static-knobs          keep the knobs as configured: targets size the steps, the\n"
+        "                              controller does not run (to compare it with fixed settings)\n"
         "  instances (repeat --instance for several engines behind one router):\n"
         "      --instance SPEC         one engine: KEY=VALUE,... with keys name (default: its index),\n"
         "                              backend, device, tier (interactive|batch), threads, ctx, "
@@ -138,7 +142,9 @@ enum {
     O_INSTANCE,
     O_SPILL,
     O_TIER_BLIND,
-    O_STEP_COST
+    O_STEP_COST,
+    O_STATIC_KNOBS,
+    O_BUDGET_SHARE
 };
 
 static const struct option opts[] = {
@@ -167,6 +173,8 @@ static const struct option opts[] = {
     {"slo-ttft-ms", required_argument, 0, O_SLO_TTFT},
     {"slo-itl-ms", required_argument, 0, O_SLO_ITL},
     {"step-cost", required_argument, 0, O_STEP_COST},
+    {"static-knobs", no_argument, 0, O_STATIC_KNOBS},
+    {"step-budget-share", required_argument, 0, O_BUDGET_SHARE},
     {"config", required_argument, 0, O_CONFIG},
     {"drain-timeout", required_argument, 0, O_DRAIN},
     {"max-connections", required_argument, 0, O_MAX_CONN},
@@ -269,6 +277,13 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         return parse_slo("--slo-itl-ms", v, ep->slo_itl_ms);
     case O_STEP_COST:
         o->step_cost = v;
+        return true;
+    case O_STATIC_KNOBS:
+        ep->static_knobs = true;
+        return true;
+    case O_BUDGET_SHARE:
+        if (!cli_float("--step-budget-share", v, 0.25f, 1, &f)) return false;
+        ep->step_budget_share = f;
         return true;
     case O_CONFIG: o->config = v; return true;
     case O_DRAIN:
