@@ -53,6 +53,8 @@ static const char usage[] =
     "                             duet serve --slo-ttft-ms/--slo-itl-ms take them (MS, or\n"
     "                             interactive=MS,batch=MS): the adaptive controller and the stall-free step\n"
     "                             budget then run as in such a server (default: none, as duet serve's)\n"
+    "  --sim-static-knobs         --simulate: the simulated servers keep their knobs (duet serve\n"
+    "                             --static-knobs: targets size the steps, no controller)\n"
     "  --trace FILE               --simulate: arrivals and lengths from a file, one request a line:\n"
     "                             arrival_s,prompt_tokens,output_tokens[,interactive|batch] or JSONL with "
     "those\n"
@@ -80,6 +82,9 @@ static const char usage[] =
     "\n"
     "Load and sweeps:\n"
     "  --request-rate R           requests/s, Poisson arrivals (default inf: all at once)\n"
+    "  --rate-profile P           the offered rate over time, piecewise linear: SECONDS:RATE,... from 0\n"
+    "                             (e.g. 0:1,300:6,600:1, a ramp up and down); the run ends with it, and\n"
+    "                             --timeline defaults to 30\n"
     "  --burstiness B             gamma shape of the gaps (1 = Poisson; <1 burstier)\n"
     "  --max-concurrency N        at most N requests in flight (closed loop with rate inf)\n"
     "  --sweep-rate L             e.g. 1,2,4,inf\n"
@@ -99,6 +104,9 @@ static const char usage[] =
     "  --output-dir DIR           default bench/results/<timestamp>-<device>\n"
     "  --label NAME               names the device in reports (HTTP mode)\n"
     "  --save-detailed            also write requests.csv (every request's timings)\n"
+    "  --timeline S               also write timeline.csv/.png: per S-second window the offered and\n"
+    "                             served load, p99 TTFT and ITL per class, and the server's knobs\n"
+    "                             (sampled from /metrics every min(2, S/2) s)\n"
     "  --no-plots                 skip gnuplot\n"
     "  --disable-tqdm, --no-progress   no progress line\n";
 
@@ -535,6 +543,14 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--request-rate")) {
             NEED_ARG();
             ok = parse_double(a, v, 1e-6, 1e9, true, &c.load.rate);
+        } else if (!strcmp(a, "--rate-profile")) {
+            NEED_ARG();
+            char perr[200];
+            if (!(ok = db_profile_parse(v, &c.profile, perr, sizeof perr)))
+                fprintf(stderr, "duet-bench: %s\n", perr);
+        } else if (!strcmp(a, "--timeline")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 0.1, 86400, false, &c.timeline_s);
         } else if (!strcmp(a, "--burstiness")) {
             NEED_ARG();
             ok = parse_double(a, v, 1e-3, 1e3, false, &c.load.burstiness);
@@ -632,6 +648,8 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--sim-slo-ttft-ms") || !strcmp(a, "--sim-slo-itl-ms")) {
             NEED_ARG();
             ok = parse_class_ms(a, v, a[10] == 't' ? c.sim_slo_ttft_ms : c.sim_slo_itl_ms);
+        } else if (!strcmp(a, "--sim-static-knobs")) {
+            c.sim_static_knobs = true;
         } else if (!strcmp(a, "--trace")) {
             NEED_ARG();
             c.trace_path = v;
@@ -671,11 +689,11 @@ int main(int argc, char **argv) {
     }
     bool sim_slo =
         c.sim_slo_ttft_ms[0] + c.sim_slo_ttft_ms[1] + c.sim_slo_itl_ms[0] + c.sim_slo_itl_ms[1] > 0;
-    if (!c.simulate &&
-        (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.trace_path || sim_slo)) {
+    if (!c.simulate && (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms ||
+                        c.trace_path || sim_slo || c.sim_static_knobs)) {
         fprintf(stderr,
-                "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, --sim-slo-*-ms "
-                "and --trace belong to --simulate\n");
+                "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, --sim-slo-*-ms, "
+                "--sim-static-knobs and --trace belong to --simulate\n");
         return 2;
     }
     if (c.simulate) {
@@ -728,6 +746,20 @@ int main(int argc, char **argv) {
         fprintf(stderr, "duet-bench: --per-instance compares the instances of one running duet server: it "
                         "needs --base-url, without --peer or --all-devices\n");
         return 2;
+    }
+    if (c.profile.n) {
+        if (!isinf(c.load.rate) || c.n_sweep_rate || c.load.max_concurrency > 0 || c.n_sweep_conc ||
+            c.trace_path) {
+            fprintf(stderr, "duet-bench: --rate-profile is the load itself: no --request-rate, --sweep-rate, "
+                            "--max-concurrency, --sweep-concurrency or --trace with it\n");
+            return 2;
+        }
+        /* The profile's mean rate names the point in tables and plots. */
+        double end = db_profile_end(&c.profile);
+        c.load.rate = db_profile_cumulative(&c.profile, end) / end;
+        c.load.profile = &c.profile;
+        if (c.load.duration_s <= 0 || c.load.duration_s > end) c.load.duration_s = end;
+        if (c.timeline_s <= 0) c.timeline_s = 30;
     }
     if (c.num_prompts == 0) c.num_prompts = c.load.duration_s > 0 ? -1 : 100;
     /* p50 and p99 feed the plots and the operating point. */

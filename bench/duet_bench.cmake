@@ -13,6 +13,7 @@ set(DUET_BENCH_TOOL_SOURCES
   bench/duet_bench_inproc.c
   bench/duet_bench_sweep.c
   bench/duet_bench_report.c
+  bench/duet_bench_timeline.c
   bench/duet_bench_sim.c)
 add_executable(duet-bench ${DUET_BENCH_TOOL_SOURCES})
 target_link_libraries(duet-bench PRIVATE duet_shared PkgConfig::CJSON PkgConfig::CURL Threads::Threads m)

@@ -11,6 +11,8 @@
  *                       Prometheus text parsing and histogram diffs
  * duet_bench_sweep.c    one run per sweep point; a server per knob setting
  * duet_bench_report.c   CSV, JSON, markdown, gnuplot plots, progress line
+ * duet_bench_timeline.c --rate-profile (load over time) and --timeline (what a
+ *                       run did per window: load, latencies, the knobs)
  * duet_bench_sim.c      --simulate: the same runs on a virtual clock (the
  *                       engine's scheduler, a router, a measured step-cost
  *                       model), traces, and the instance-count search
@@ -253,6 +255,44 @@ static inline uint64_t db_point_seed(uint64_t seed, int i) {
     return seed + (uint64_t)i * UINT64_C(0x9E3779B97F4A7C15);
 }
 
+/* ---- load over time (duet_bench_load.c) and the timeline (duet_bench_timeline.c) */
+
+#define DB_MAX_KNOTS 64
+
+/* --rate-profile: the offered rate, piecewise linear between knots (a ramp,
+ * a plateau, a step where two knots share a time). */
+typedef struct db_profile {
+    int n; /* knots; 0 = no profile (a constant rate) */
+    double t[DB_MAX_KNOTS], rate[DB_MAX_KNOTS];
+} db_profile;
+
+/* Parses "0:1,300:6,600:1" (seconds:requests/s; times from 0, not
+ * decreasing; rates >= 0, not all 0). False with a message in err. */
+bool db_profile_parse(const char *s, db_profile *out, char *err, size_t esize);
+double db_profile_rate(const db_profile *p, double t);
+/* Expected arrivals in [0, t]: the integral of the rate. */
+double db_profile_cumulative(const db_profile *p, double t);
+/* The time at which the expected arrivals reach u; INFINITY past the end. */
+double db_profile_invert(const db_profile *p, double u);
+double db_profile_end(const db_profile *p);
+
+/* /metrics samples taken during a run (--timeline): the engine's knobs and
+ * queue, NAN where the server does not export them. */
+typedef struct db_scrape {
+    double t; /* seconds after the run's start */
+    double max_batch_seqs, batch_timeout_ms, max_batch_tokens, budget_share, waiting, running;
+} db_scrape;
+
+typedef struct db_scrapes {
+    db_scrape *s;
+    int n, cap;
+    double every_s;
+} db_scrapes;
+
+/* Appends the sample of one /metrics text (NULL: every value NAN). */
+bool db_scrapes_add(db_scrapes *sc, double t, const char *metrics_text);
+void db_scrapes_free(db_scrapes *sc);
+
 /* ---- one run: the load, the client -------------------------------------- */
 
 /* The load of one sweep point. */
@@ -262,7 +302,24 @@ typedef struct db_load {
     int max_concurrency; /* 0 = unlimited */
     double duration_s;   /* stop sending after this long; 0 = no bound */
     uint64_t seed;
+    const db_profile *profile; /* a rate over time instead of `rate` (NULL: constant) */
+    db_scrapes *scrapes;       /* output: /metrics sampled every scrapes->every_s (NULL: none) */
 } db_load;
+
+/* The arrival times of a load, in order: at a constant rate gaps of
+ * db_next_gap with the first request at 0; under a profile the same
+ * unit-mean gaps in operational time (expected arrivals) mapped back
+ * through the profile, a non-homogeneous Poisson (or gamma) process. */
+typedef struct db_arrivals {
+    const db_load *load;
+    db_rng rng;
+    double t, u;
+    bool started;
+} db_arrivals;
+void db_arrivals_init(db_arrivals *a, const db_load *load);
+/* The next arrival (seconds from the start); INFINITY when the profile has
+ * ended. */
+double db_arrivals_next(db_arrivals *a);
 
 /* The engine knobs of one sweep point (<0 / 0 = the engine's default). */
 typedef struct db_knobs {
@@ -334,6 +391,7 @@ typedef struct db_point {
     db_server_stats server;
     db_result *results; /* [n_sent] */
     int n_sent;
+    db_scrapes scrapes;                                      /* with --timeline */
     double ttft_p50_ms, ttft_p99_ms, itl_p50_ms, itl_p99_ms; /* for the plots and the choice */
     /* By priority class (duet_priority index): completed requests, p99
      * TTFT and p99 ITL in ms (NAN without requests of that class). */
@@ -381,6 +439,8 @@ typedef struct db_config {
     int n_sweep_mbs;
     db_knobs knobs;
     int max_waiting;
+    db_profile profile; /* --rate-profile (n = 0: none) */
+    double timeline_s;  /* --timeline: window length (0: no timeline) */
     /* stats */
     db_slo goodput;
     double ps[DB_MAX_PCT];
@@ -402,6 +462,7 @@ typedef struct db_config {
      * set, the adaptive controller and the stall-free step budget run in
      * the simulation as they would in those servers. */
     double sim_slo_ttft_ms[2], sim_slo_itl_ms[2];
+    bool sim_static_knobs;  /* the simulated servers keep their knobs (no controller) */
     const char *trace_path; /* arrivals and lengths from a file */
     int find_instances;     /* > 0: search 1..find_instances for the fewest meeting the targets */
 } db_config;
@@ -439,6 +500,11 @@ void db_gp_header(FILE *f, const char *out_png, int w, int h);
  * missing or fails. */
 bool db_gnuplot(const char *script_path, char *err, size_t esize);
 const char *db_gnuplot_terminal(void); /* "pngcairo", "png", or NULL */
+
+/* Writes timeline.csv (or timeline-P.csv for point P of several) and its
+ * plot under dir: per window of cfg->timeline_s seconds, the offered and
+ * served load, p99 TTFT and ITL per class, and the knobs scraped. */
+bool db_timeline_write(const db_config *cfg, const db_sweep *s, const char *dir);
 
 /* ---- --simulate (duet_bench_sim.c) ------------------------------------------ */
 

@@ -346,14 +346,20 @@ bool db_http_run(const db_http *h, const db_prompt *prompts, int n, const db_loa
     curl_multi_setopt(multi, CURLMOPT_MAXCONNECTS, (long)(n > 16 ? n : 16));
 
     if (metrics_before) *metrics_before = db_http_get(h->base_url, "/metrics", 10, NULL);
-    db_rng rng;
-    db_rng_seed(&rng, load->seed);
-    double t0 = db_now(), next_arrival = 0, t_last_done = 0;
+    db_arrivals arr;
+    db_arrivals_init(&arr, load);
+    double t0 = db_now(), next_arrival = db_arrivals_next(&arr), t_last_done = 0, next_scrape = 0;
     int sent = 0, done = 0, in_flight = 0;
-    bool stop_sending = false, ok = true;
+    bool stop_sending = isinf(next_arrival), ok = true;
     while (ok && ((!stop_sending && sent < n) || in_flight > 0)) {
         double now = db_now();
         if (load->duration_s > 0 && now - t0 >= load->duration_s) stop_sending = true;
+        if (load->scrapes && now - t0 >= next_scrape) {
+            char *text = db_http_get(h->base_url, "/metrics", 2, NULL);
+            db_scrapes_add(load->scrapes, now - t0, text);
+            free(text);
+            next_scrape += load->scrapes->every_s;
+        }
         /* Send whatever is due and allowed. */
         while (!stop_sending && sent < n && now >= t0 + next_arrival &&
                (load->max_concurrency <= 0 || in_flight < load->max_concurrency)) {
@@ -374,8 +380,9 @@ bool db_http_run(const db_http *h, const db_prompt *prompts, int n, const db_loa
             sent++;
             in_flight++;
             if (sent < n) {
-                next_arrival += db_next_gap(&rng, load->rate, load->burstiness);
-                if (load->duration_s > 0 && next_arrival >= load->duration_s) stop_sending = true;
+                next_arrival = db_arrivals_next(&arr);
+                if (isinf(next_arrival) || (load->duration_s > 0 && next_arrival >= load->duration_s))
+                    stop_sending = true;
             }
         }
         int running = 0;
@@ -398,6 +405,7 @@ bool db_http_run(const db_http *h, const db_prompt *prompts, int n, const db_loa
         if (prog) db_progress_update(prog, done, stop_sending ? sent : n, in_flight, now - t0, false);
         /* Sleep until data, the next arrival, or a progress tick. */
         double wait = 0.25;
+        if (load->scrapes && t0 + next_scrape - now < wait) wait = fmax(t0 + next_scrape - now, 0);
         if (!stop_sending && sent < n && (load->max_concurrency <= 0 || in_flight < load->max_concurrency)) {
             double until = t0 + next_arrival - now;
             if (until < wait) wait = until > 0 ? until : 0;

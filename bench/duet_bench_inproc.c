@@ -91,14 +91,14 @@ bool db_inproc_run(duet_engine *e, const db_prompt *prompts, int n, const db_loa
     pthread_condattr_destroy(&ca);
 
     if (metrics_before) *metrics_before = duet_engine_metrics(e);
-    db_rng rng;
-    db_rng_seed(&rng, load->seed);
-    double t0 = db_now(), arrival = 0;
+    db_arrivals arr;
+    db_arrivals_init(&arr, load);
+    double t0 = db_now(), arrival = 0, next_scrape = 0;
     int sent = 0;
     pthread_mutex_lock(&run.mu);
     for (int i = 0; i < n; i++) {
-        if (i > 0) arrival += db_next_gap(&rng, load->rate, load->burstiness);
-        if (load->duration_s > 0 && arrival >= load->duration_s) break;
+        arrival = db_arrivals_next(&arr);
+        if (isinf(arrival) || (load->duration_s > 0 && arrival >= load->duration_s)) break;
         /* Wait for the arrival time and for a free concurrency slot. */
         bool out_of_time = false;
         for (;;) {
@@ -110,8 +110,18 @@ bool db_inproc_run(duet_engine *e, const db_prompt *prompts, int n, const db_loa
             bool slot = load->max_concurrency <= 0 || run.in_flight < load->max_concurrency;
             if (slot && now >= t0 + arrival) break;
             if (prog) db_progress_update(prog, run.done, n, run.in_flight, now - t0, false);
-            /* Wake at the arrival, a completion, or a progress tick. */
+            if (load->scrapes && now - t0 >= next_scrape) {
+                /* Not under run.mu: the engine's callbacks take it. */
+                pthread_mutex_unlock(&run.mu);
+                char *text = duet_engine_metrics(e);
+                pthread_mutex_lock(&run.mu);
+                db_scrapes_add(load->scrapes, now - t0, text);
+                free(text);
+                next_scrape += load->scrapes->every_s;
+            }
+            /* Wake at the arrival, a completion, a sample or a progress tick. */
             double wake = now + 0.25;
+            if (load->scrapes && t0 + next_scrape < wake) wake = t0 + next_scrape;
             if (slot && t0 + arrival < wake) wake = t0 + arrival;
             struct timespec ts;
             abs_deadline(wake, &ts);

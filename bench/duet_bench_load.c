@@ -1,6 +1,7 @@
 /* duet_bench_load.c — the workload: random numbers, arrival gaps, and the
  * prompts (random token ids, word prompts, or a JSONL dataset) with their
- * output lengths and priorities. Everything is a function of the seed, so
+ * output lengths and priorities; --rate-profile's load over time (arrivals
+ * mapped through the integral of a piecewise-linear rate). Everything is a function of the seed, so
  * every sweep point and every device sees the same requests. */
 #include <cjson/cJSON.h>
 #include <math.h>
@@ -77,6 +78,106 @@ double db_next_gap(db_rng *r, double rate, double burstiness) {
     double shape = burstiness > 0 ? burstiness : 1.0;
     /* Mean shape*scale = 1/rate whatever the burstiness. */
     return db_rng_gamma(r, shape, 1.0 / (rate * shape));
+}
+
+/* ---- the rate profile ------------------------------------------------------- */
+
+bool db_profile_parse(const char *s, db_profile *out, char *err, size_t esize) {
+    memset(out, 0, sizeof *out);
+    const char *p = s;
+    while (*p) {
+        char *end;
+        double t = strtod(p, &end);
+        if (end == p || *end != ':') goto bad;
+        p = end + 1;
+        double r = strtod(p, &end);
+        if (end == p || (*end && *end != ',')) goto bad;
+        p = *end ? end + 1 : end;
+        if (out->n == DB_MAX_KNOTS) {
+            snprintf(err, esize, "--rate-profile: at most %d knots", DB_MAX_KNOTS);
+            return false;
+        }
+        if (!isfinite(t) || !isfinite(r) || r < 0 || r > 1e6 || t > 1e7 ||
+            (out->n ? t < out->t[out->n - 1] : t != 0)) {
+            snprintf(err, esize,
+                     "--rate-profile: knot %d (%g:%g): times start at 0 and do not decrease, rates are in "
+                     "[0, 1e6]",
+                     out->n + 1, t, r);
+            return false;
+        }
+        out->t[out->n] = t, out->rate[out->n] = r;
+        out->n++;
+    }
+    if (out->n < 2 || out->t[out->n - 1] <= 0 || db_profile_cumulative(out, db_profile_end(out)) <= 0) {
+        snprintf(err, esize, "--rate-profile: at least two knots, a positive end time and some load");
+        return false;
+    }
+    return true;
+bad:
+    snprintf(err, esize,
+             "--rate-profile wants SECONDS:RATE,SECONDS:RATE,... (e.g. 0:1,300:6,600:1), got '%s'", s);
+    return false;
+}
+
+double db_profile_end(const db_profile *p) {
+    return p->n ? p->t[p->n - 1] : 0;
+}
+
+double db_profile_rate(const db_profile *p, double t) {
+    if (p->n == 0 || t < 0 || t > db_profile_end(p)) return 0;
+    for (int i = 1; i < p->n; i++)
+        if (t <= p->t[i] && p->t[i] > p->t[i - 1])
+            return p->rate[i - 1] +
+                   (p->rate[i] - p->rate[i - 1]) * (t - p->t[i - 1]) / (p->t[i] - p->t[i - 1]);
+    return p->rate[p->n - 1];
+}
+
+double db_profile_cumulative(const db_profile *p, double t) {
+    double sum = 0;
+    for (int i = 1; i < p->n && t > p->t[i - 1]; i++) {
+        double len = p->t[i] - p->t[i - 1];
+        if (len <= 0) continue;
+        double x = t < p->t[i] ? t - p->t[i - 1] : len;
+        sum += x * (p->rate[i - 1] + 0.5 * (p->rate[i] - p->rate[i - 1]) / len * x);
+    }
+    return sum;
+}
+
+double db_profile_invert(const db_profile *p, double u) {
+    double sum = 0;
+    for (int i = 1; i < p->n; i++) {
+        double len = p->t[i] - p->t[i - 1];
+        if (len <= 0) continue;
+        double r0 = p->rate[i - 1], a = (p->rate[i] - r0) / len;
+        double seg = len * (r0 + 0.5 * a * len);
+        if (u <= sum + seg) {
+            /* Solve r0 x + a x^2 / 2 = du in the stable form (no
+             * cancellation when a is small or negative). */
+            double du = u - sum, disc = r0 * r0 + 2 * a * du;
+            double x = 2 * du / (r0 + sqrt(disc > 0 ? disc : 0));
+            if (!isfinite(x)) x = 0; /* du = 0 at a rate of 0 */
+            return p->t[i - 1] + (x < len ? x : len);
+        }
+        sum += seg;
+    }
+    return INFINITY;
+}
+
+void db_arrivals_init(db_arrivals *a, const db_load *load) {
+    memset(a, 0, sizeof *a);
+    a->load = load;
+    db_rng_seed(&a->rng, load->seed);
+}
+
+double db_arrivals_next(db_arrivals *a) {
+    const db_load *l = a->load;
+    if (l->profile && l->profile->n) {
+        a->u += db_next_gap(&a->rng, 1.0, l->burstiness);
+        return a->t = db_profile_invert(l->profile, a->u);
+    }
+    if (a->started) a->t += db_next_gap(&a->rng, l->rate, l->burstiness);
+    a->started = true;
+    return a->t;
 }
 
 /* ---- prompts -------------------------------------------------------------- */

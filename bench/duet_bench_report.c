@@ -761,6 +761,7 @@ bool db_report_write(const db_config *cfg, const db_sweep *s, const char *dir) {
         if (!plotted) fprintf(stderr, "duet-bench: %s\n", err);
     }
     ok = write_summary_md(cfg, s, dir, plotted) && ok;
+    ok = db_timeline_write(cfg, s, dir) && ok;
     return ok;
 }
 

@@ -53,8 +53,10 @@ int db_sim_requests_needed(const db_config *cfg) {
     double rate = cfg->load.rate;
     for (int i = 0; i < cfg->n_sweep_rate; i++)
         if (i == 0 || cfg->sweep_rate[i] > rate) rate = cfg->sweep_rate[i];
-    if (cfg->load.duration_s <= 0 || isinf(rate)) return 20000;
-    double n = rate * cfg->load.duration_s;
+    double n = cfg->profile.n ? db_profile_cumulative(&cfg->profile, db_profile_end(&cfg->profile))
+               : cfg->load.duration_s <= 0 || isinf(rate) ? NAN
+                                                          : rate * cfg->load.duration_s;
+    if (isnan(n)) return 20000;
     /* The Poisson count stays under its mean plus 6 standard deviations. */
     n += 6 * sqrt(n) + 16;
     return n > 50000000 ? 50000000 : (int)n;
@@ -82,16 +84,13 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
     double scale = 1;
     if (cfg->trace_path && !isinf(load->rate) && n > 1 && prompts[n - 1].arrival > 0)
         scale = (double)(n - 1) / prompts[n - 1].arrival / load->rate;
-    db_rng rng;
-    db_rng_seed(&rng, load->seed);
+    db_arrivals arr;
+    db_arrivals_init(&arr, load);
     double arrival = 0;
     int sent = 0;
     for (int i = 0; i < n; i++) {
-        if (cfg->trace_path)
-            arrival = prompts[i].arrival * scale;
-        else if (i > 0)
-            arrival += db_next_gap(&rng, load->rate, load->burstiness);
-        if (load->duration_s > 0 && arrival >= load->duration_s) break;
+        arrival = cfg->trace_path ? prompts[i].arrival * scale : db_arrivals_next(&arr);
+        if (isinf(arrival) || (load->duration_s > 0 && arrival >= load->duration_s)) break;
         rq[i] = (duet_sim_request){.arrival = arrival,
                                    .n_prompt = prompt_tokens(&prompts[i]),
                                    .n_output = prompts[i].output_len,
@@ -105,6 +104,7 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
                           .on_token = on_token};
     memcpy(sp.engine.slo_ttft_ms, cfg->sim_slo_ttft_ms, sizeof sp.engine.slo_ttft_ms);
     memcpy(sp.engine.slo_itl_ms, cfg->sim_slo_itl_ms, sizeof sp.engine.slo_itl_ms);
+    sp.engine.static_knobs = cfg->sim_static_knobs;
     if (kn->max_batch_seqs > 0) sp.engine.max_batch_seqs = kn->max_batch_seqs;
     if (kn->batch_timeout_ms >= 0) sp.engine.batch_timeout_ms = kn->batch_timeout_ms;
     if (kn->max_batch_tokens > 0) sp.engine.max_batch_tokens = kn->max_batch_tokens;

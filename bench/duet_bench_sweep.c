@@ -286,6 +286,7 @@ void db_sweep_free(db_sweep *s) {
         for (int j = 0; j < s->points[i].n_sent; j++)
             db_result_free(&s->points[i].results[j]);
         free(s->points[i].results);
+        db_scrapes_free(&s->points[i].scrapes);
     }
     free(s->points);
     s->points = NULL;
@@ -522,6 +523,10 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
                 db_prompt *prompts = lp[il];
                 db_point *pt = &out->points[k];
                 pt->load = loads[il];
+                if (cfg->timeline_s > 0 && !cfg->simulate) {
+                    pt->scrapes.every_s = fmin(2, cfg->timeline_s / 2);
+                    pt->load.scrapes = &pt->scrapes;
+                }
                 pt->knobs = kn;
                 if (!(pt->results = calloc((size_t)n_req, sizeof *pt->results))) {
                     snprintf(out->why, sizeof out->why, "out of memory");

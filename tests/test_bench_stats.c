@@ -349,6 +349,63 @@ START_TEST(arrival_gaps) {
 }
 END_TEST
 
+START_TEST(rate_profile) {
+    db_profile p;
+    char err[200];
+    /* A ramp 1 -> 5 over 10 s, a plateau to 20 s, a step down to 0 at 20 s. */
+    ck_assert(db_profile_parse("0:1,10:5,20:5,20:0", &p, err, sizeof err));
+    ck_assert_int_eq(p.n, 4);
+    ck_assert(fabs(db_profile_rate(&p, 5) - 3) < EPS);
+    ck_assert(fabs(db_profile_rate(&p, 15) - 5) < EPS);
+    ck_assert(fabs(db_profile_end(&p) - 20) < EPS);
+    /* The integral: 30 arrivals expected over the ramp, 50 on the plateau. */
+    ck_assert_msg(fabs(db_profile_cumulative(&p, 10) - 30) < EPS, "ramp: %g", db_profile_cumulative(&p, 10));
+    ck_assert(fabs(db_profile_cumulative(&p, 20) - 80) < EPS);
+    ck_assert(fabs(db_profile_cumulative(&p, 99) - 80) < EPS);
+    for (double t = 0; t <= 20; t += 0.37)
+        ck_assert_msg(fabs(db_profile_invert(&p, db_profile_cumulative(&p, t)) - t) < 1e-9,
+                      "invert(cumulative(%g)) = %g", t, db_profile_invert(&p, db_profile_cumulative(&p, t)));
+    ck_assert_msg(isinf(db_profile_invert(&p, 80.5)), "past the end: no more arrivals");
+    /* A falling ramp inverts too (the negative slope's root). */
+    ck_assert(db_profile_parse("0:6,100:0.5", &p, err, sizeof err));
+    for (double t = 0; t <= 100; t += 3.1)
+        ck_assert(fabs(db_profile_invert(&p, db_profile_cumulative(&p, t)) - t) < 1e-9);
+    const char *bad[] = {"", "1:2,3:4", "0:1", "0:1,5", "0:1,5:2,4:1", "0:-1,5:2", "0:0,5:0", "0:1;5:2", "x"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++)
+        ck_assert_msg(!db_profile_parse(bad[i], &p, err, sizeof err) && err[0], "'%s' refused", bad[i]);
+
+    /* Arrivals under a profile follow it: counts per window near the
+     * integral (Poisson: within 5 standard deviations), none past the end;
+     * and a constant rate keeps its old draws (first request at 0). */
+    ck_assert(db_profile_parse("0:20,100:200,200:20", &p, err, sizeof err));
+    db_load l = {.rate = INFINITY, .burstiness = 1, .seed = 7, .profile = &p};
+    db_arrivals a;
+    db_arrivals_init(&a, &l);
+    int count[20] = {0}, total = 0;
+    double prev = 0, t;
+    while (!isinf(t = db_arrivals_next(&a))) {
+        ck_assert_msg(t >= prev && t <= 200, "arrivals in order, inside the profile: %g after %g", t, prev);
+        count[(int)fmin(t / 10, 19)]++, total++, prev = t;
+    }
+    for (int k = 0; k < 20; k++) {
+        double want = db_profile_cumulative(&p, 10 * (k + 1)) - db_profile_cumulative(&p, 10 * k);
+        ck_assert_msg(fabs((double)count[k] - want) < 5 * sqrt(want), "window %d: %d arrivals, want about %g",
+                      k, count[k], want);
+    }
+    ck_assert_msg(fabs((double)total - 22000) < 5 * sqrt(22000), "%d in all", total);
+    db_load c = {.rate = 4, .burstiness = 1, .seed = 7};
+    db_rng r;
+    db_rng_seed(&r, 7);
+    db_arrivals_init(&a, &c);
+    ck_assert(db_arrivals_next(&a) == 0);
+    double want = 0;
+    for (int i = 0; i < 100; i++) {
+        want += db_next_gap(&r, 4, 1);
+        ck_assert(db_arrivals_next(&a) == want);
+    }
+}
+END_TEST
+
 START_TEST(other_cpu_share) {
     db_cpu a = {.busy = 100, .total = 400, .self = 50, .ok = true},
            b = {.busy = 300, .total = 800, .self = 150, .ok = true};
@@ -441,6 +498,7 @@ int main(void) {
     tcase_add_test(tc, prometheus_parse_and_diff);
     tcase_add_test(tc, prometheus_reads_duet_metrics);
     tcase_add_test(tc, arrival_gaps);
+    tcase_add_test(tc, rate_profile);
     tcase_add_test(tc, other_cpu_share);
     tcase_add_test(tc, lists_and_names);
     tcase_add_test(tc, workload_lengths_priorities_dataset);

@@ -342,6 +342,44 @@ class Http(Sweep):
         comp = read_csv(os.path.join(out, "comparison.csv"))
         self.assertEqual(len(comp), 4)
 
+    def test_rate_profile_timeline_and_static_knobs(self):
+        # A ramp up and down against a server started with fixed knobs under
+        # an ITL target: the timeline's windows follow the profile, and the
+        # knobs sampled from /metrics are the configured ones throughout.
+        out = os.path.join(self.tmp.name, "ramp")
+        cmd = (f"'{DUET}' serve -m '{self.model}' --threads 1 --slo-itl-ms 2000 --static-knobs "
+               "--step-budget-share 0.5")
+        bench("--serve-cmd", cmd, "--backend", "cpu", "-m", self.model, "--rate-profile", "0:4,3:40,6:4",
+              "--timeline", "1", "--random-input-len", "6", "--random-output-len", "3", "--max-batch-seqs", "6",
+              "--output-dir", out, "--save-detailed", timeout=180)
+        win = read_csv(os.path.join(out, "timeline.csv"))
+        reqs = read_csv(os.path.join(out, "requests.csv"))
+        self.assertGreaterEqual(len(win), 6)
+        # The profile's own rate per window: the integral over the window.
+        want = [4 + 6 * (2 * k + 1) for k in range(3)] + [40 - 6 * (2 * k + 1) for k in range(3)]
+        for k in range(6):
+            self.assertAlmostEqual(float(win[k]["profile_rate"]), want[k], places=6)
+        arrived = sum(int(w["interactive_arrivals"]) + int(w["batch_arrivals"]) for w in win)
+        self.assertEqual(arrived, len(reqs), "every request in one window")
+        self.assertTrue(all(float(r["sent_s"]) < 6.5 for r in reqs), "nothing sent after the profile ends")
+        # Poisson counts: the peak windows get more than the edges.
+        peak = sum(float(win[k]["arrival_rate"]) for k in (2, 3))
+        edge = sum(float(win[k]["arrival_rate"]) for k in (0, 5))
+        self.assertGreater(peak, edge, [w["arrival_rate"] for w in win])
+        sampled = [w for w in win if w["budget_share"] != ""]
+        self.assertGreaterEqual(len(sampled), 4, "the knobs were sampled during the run")
+        self.assertTrue(all(float(w["budget_share"]) == 0.5 and float(w["max_batch_seqs"]) == 6
+                            for w in sampled), sampled)
+        self.assertTrue(all(r["ok"] == "1" for r in reqs))
+        if shutil.which("gnuplot"):
+            self.assertTrue(os.path.getsize(os.path.join(out, "timeline.png")) > 0)
+        p = bench("--base-url", self.url, "--rate-profile", "0:1,5:2", "--request-rate", "3", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--rate-profile is the load itself", p.stderr)
+        p = bench("--base-url", self.url, "--rate-profile", "1:1,5:2", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("times start at 0", p.stderr)
+
     def test_peer_bad_arguments(self):
         p = bench("--base-url", self.url, "--peer", "nolabel", check=False)
         self.assertEqual(p.returncode, 2)

@@ -236,6 +236,30 @@ class Simulate(unittest.TestCase):
         self.assertLess(float(pb["itl_p99_ms"]), 40)
         self.assertGreater(float(pb["ttft_p50_ms"]), float(pa["ttft_p50_ms"]))
 
+    def test_rate_profile(self):
+        """--rate-profile on the virtual clock: arrivals follow the ramp (the
+        timeline's windows), and --sim-static-knobs runs the same servers
+        without the controller."""
+        prof = os.path.join(self.dir, "ramp.json")
+        write_profile(prof, [0.005, 0.001, 0.0005, 0, 0], n_ctx=2048)
+        args = ["--simulate", prof, "--rate-profile", "0:2,20:30,40:2", "--timeline", "5", "--random-input-len",
+                "100", "--random-output-len", "20", "--sim-slo-itl-ms", "40", "--no-plots", "--seed", "3",
+                "--save-detailed", "-m", MODEL]
+        for extra in ([], ["--sim-static-knobs"]):
+            out = os.path.join(self.dir, "ramp" + "".join(extra))
+            bench(*args, *extra, "--output-dir", out)
+            with open(os.path.join(out, "timeline.csv")) as fh:
+                win = list(csv.DictReader(fh))
+            with open(os.path.join(out, "requests.csv")) as fh:
+                reqs = list(csv.DictReader(fh))
+            self.assertGreaterEqual(len(win), 8)
+            self.assertEqual(sum(int(w["interactive_arrivals"]) + int(w["batch_arrivals"]) for w in win), len(reqs))
+            # 640 expected in all: a Poisson count within 5 standard deviations.
+            self.assertLess(abs(len(reqs) - 640), 5 * 640 ** 0.5, len(reqs))
+            rates = [float(w["arrival_rate"]) for w in win[:8]]
+            self.assertGreater(rates[3] + rates[4], 2 * (rates[0] + rates[7]), rates)
+            self.assertTrue(all(r["ok"] == "1" for r in reqs))
+
 
 class ServeStepCost(unittest.TestCase):
     """`duet serve --step-cost FILE`: a profile seeds the model the step
