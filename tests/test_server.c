@@ -1593,6 +1593,45 @@ START_TEST(idle_connections_time_out) {
     ck_assert_msg(now_s() - t0 < 8, "closed only after %.1f s", now_s() - t0);
     close(quiet), close(short_body);
     ck_assert_int_eq(server_stop(&s, 60), 0);
+
+    /* A request in work is not idle: with one slot and SmolLM2 (tens of
+     * tokens a second), the second and third requests wait seconds before
+     * their first byte, past the 1 s idle timeout, and must still be
+     * answered whole (libmicrohttpd used to cut them: "partial file"). */
+    const char *slow[] = {"--idle-timeout",
+                          "1",
+                          "--max-batch-seqs",
+                          "1",
+                          "--threads",
+                          "1",
+                          "-m",
+                          test_shared_path("models/smollm2-135m-instruct-q4_k_m.gguf"),
+                          NULL};
+    server_start(&s, "idle-queued", slow);
+    const char *stream = "{\"prompt\":\"Once upon a time\",\"max_tokens\":60,\"ignore_eos\":true,\"stream\":true}";
+    const char *plain = "{\"prompt\":\"Once upon a time\",\"max_tokens\":60,\"ignore_eos\":true}";
+    static xfer xs[3];
+    const char *bodies[3] = {stream, stream, plain};
+    for (int i = 0; i < 3; i++)
+        xfer_init(&xs[i], s.port, "POST", "/v1/completions", bodies[i]);
+    t0 = now_s();
+    run_multi(xs, 3, NULL, NULL);
+    double secs = now_s() - t0;
+    for (int i = 0; i < 3; i++) {
+        ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "queued request %d: curl %d HTTP %ld", i,
+                      (int)xs[i].res, xs[i].code);
+        if (bodies[i] == stream) {
+            stream_result r;
+            parse_stream(xs[i].buf, false, &r);
+            ck_assert_msg(r.done_marker && !strcmp(r.finish[0], "length"), "queued stream %d: done %d finish '%s'",
+                          i, r.done_marker, r.finish[0]);
+        } else {
+            ck_assert_msg(strstr(xs[i].buf, "\"finish_reason\":\"length\""), "queued answer: %s", xs[i].buf);
+        }
+        xfer_free(&xs[i]);
+    }
+    fprintf(stderr, "idle timeout 1 s: three queued requests on one slot answered in %.1f s\n", secs);
+    ck_assert_int_eq(server_stop(&s, 60), 0);
 }
 END_TEST
 

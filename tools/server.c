@@ -106,6 +106,7 @@ typedef struct conn_rec {
 
 struct srv {
     struct MHD_Daemon *d;
+    unsigned idle_s; /* --idle-timeout: connections without a request in work */
     duet_fleet *f;
     const duet_model *model;
     char *name, *path, *name_label;
@@ -1294,6 +1295,13 @@ static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
     bool ok = job_prepare(s, j, ids, n_ids, &err) && job_submit(s, j, ids, n_ids, &err);
     for (int p = 0; p < SRV_MAX_PROMPTS; p++) free(ids[p]);
     if (!ok) return send_error(s, cn, c, &err);
+    /* A request in work is not idle: one queued behind a long backlog can
+     * wait past --idle-timeout before its first byte, and libmicrohttpd
+     * would then close it mid-response ("partial file", no error event).
+     * Its client is watched instead (check_client: a vanished client
+     * cancels it), and --request-timeout bounds it; `completed` restores
+     * the idle timeout for the connection's next request. */
+    MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, 0u);
 
     if (!j->req.stream) return finish_plain(s, cn, c, j);
     pthread_mutex_lock(&j->mu);
@@ -1629,6 +1637,7 @@ static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum 
     }
     conn *cn = *con_cls;
     if (!cn) return;
+    if (cn->j) MHD_set_connection_option(c, MHD_CONNECTION_OPTION_TIMEOUT, s->idle_s);
     if (cn->received) { /* counted once, by how it ended */
         int out = cn->outcome >= 0 ? cn->outcome : cn->j ? job_outcome(cn->j) : OUT_FAILED;
         pthread_mutex_lock(&s->mu);
@@ -1825,6 +1834,7 @@ int srv_start(duet_fleet *f, const srv_config *cfg, srv **out) {
     mallopt(M_MMAP_THRESHOLD, 1 << 20);
     const unsigned idle_s =
         (unsigned)(cfg->idle_timeout_s > 0 ? cfg->idle_timeout_s : SRV_DEFAULT_IDLE_TIMEOUT_S);
+    s->idle_s = idle_s;
     unsigned flags =
         MHD_USE_THREAD_PER_CONNECTION | MHD_USE_POLL_INTERNAL_THREAD | MHD_USE_ITC | MHD_USE_ERROR_LOG;
     if (ai->ai_family == AF_INET6) flags |= MHD_USE_IPv6;
