@@ -188,6 +188,16 @@ BLK_INLINE uint blk_u16(gbytes p) { return *(global const ushort *)p; }
  * 15 blends per 16 lanes, where shuffle() with a variable mask becomes
  * one extract and insert per lane on PoCL. */
 BLK_INLINE char16 iq4_lookup(uchar16 nib) {
+#if defined(__x86_64__) && defined(__SSSE3__) && defined(__has_builtin)
+#if __has_builtin(__builtin_ia32_pshufb128)
+    /* x86 CPUs (PoCL compiles for the host): one byte shuffle does the 16
+     * lookups (pshufb), as llama.cpp's IQ4 kernels do. */
+    const char16 lv = (char16)(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return __builtin_ia32_pshufb128(lv, as_char16(nib));
+#define IQ4_PSHUFB
+#endif
+#endif
+#ifndef IQ4_PSHUFB
 #define IQ4_C(v) ((char16)(v))
     const char16 b0 = as_char16(nib << (uchar)7), b1 = as_char16(nib << (uchar)6);
     const char16 b2 = as_char16(nib << (uchar)5), b3 = as_char16(nib << (uchar)4);
@@ -197,12 +207,16 @@ BLK_INLINE char16 iq4_lookup(uchar16 nib) {
     const char16 h1 = select(select(IQ4_C(53), IQ4_C(69), b0), select(IQ4_C(89), IQ4_C(113), b0), b1);
 #undef IQ4_C
     return select(select(l0, l1, b2), select(h0, h1, b2), b3);
+#endif
 }
 
-/* Bit j of h, j = 0..15, as 16 in lane j (the fifth bit of q5 quants). */
+/* Bit j of h, j = 0..15, as 16 in lane j (the fifth bit of q5 quants):
+ * byte ops on one 16-byte vector (each byte of h broadcast to 8 lanes,
+ * tested against its lane's bit), not 32-bit shifts of 16 lanes. */
 BLK_INLINE uchar16 bit4_16(uint h) {
-    const uint16 b = ((uint16)(h) >> (uint16)(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)) & (uint16)(1u);
-    return convert_uchar16(b) << (uchar)4;
+    const uchar16 b = (uchar16)((uchar8)((uchar)h), (uchar8)((uchar)(h >> 8)));
+    const uchar16 bit = (uchar16)(1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128);
+    return as_uchar16((b & bit) != (uchar16)(0)) & (uchar16)(16);
 }
 
 /* q4_K / q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes at q. */
@@ -222,6 +236,90 @@ BLK_INLINE float k3_scale(gbytes q, int k) {
     const int hi = (q[8 + k % 4] >> (2 * (k / 4))) & 3;
     return (float)((lo | hi << 4) - 32);
 }
+
+#if BLK_CPB == 8
+/* The codes of chunk c (0..7) of the super-block at blk: qa = q of its
+ * weights 0..15, qb = 16..31 (the scales: blk_chunk or blk_scales16). */
+BLK_INLINE void blk_codes_k(gbytes blk, int c, char16 *qa, char16 *qb) {
+    const uchar16 m4 = (uchar16)(0xf), m2 = (uchar16)(3);
+#if WTYPE == DT_Q2_K
+    /* scales[16], qs[64], d, dmin */
+    gbytes qs = blk + 16 + 32 * (c / 4);
+    const uchar sh = (uchar)(2 * (c % 4));
+    *qa = as_char16((vload16(0, qs) >> sh) & m2);
+    *qb = as_char16((vload16(1, qs) >> sh) & m2);
+#elif WTYPE == DT_Q3_K
+    /* hmask[32], qs[64], scales[12], d */
+    gbytes qs = blk + 32 + 32 * (c / 4);
+    const uchar sh = (uchar)(2 * (c % 4)), hs = (uchar)c;
+    const uchar16 one = (uchar16)(1);
+    *qa = as_char16(((vload16(0, qs) >> sh) & m2) | (((vload16(0, blk) >> hs) & one) << (uchar)2)) - (char)4;
+    *qb = as_char16(((vload16(1, qs) >> sh) & m2) | (((vload16(1, blk) >> hs) & one) << (uchar)2)) - (char)4;
+#elif WTYPE == DT_Q4_K || WTYPE == DT_Q5_K
+    /* d, dmin, scales[12], (q5_K: qh[32],) qs[128] */
+    gbytes qs = blk + (WTYPE == DT_Q5_K ? 48 : 16) + 32 * (c / 2);
+    const uchar sh = (uchar)(4 * (c % 2));
+    uchar16 a = (vload16(0, qs) >> sh) & m4, b = (vload16(1, qs) >> sh) & m4;
+#if WTYPE == DT_Q5_K
+    const uchar hs = (uchar)c;
+    const uchar16 one = (uchar16)(1);
+    a |= ((vload16(0, blk + 16) >> hs) & one) << (uchar)4;
+    b |= ((vload16(1, blk + 16) >> hs) & one) << (uchar)4;
+#endif
+    *qa = as_char16(a);
+    *qb = as_char16(b);
+#elif WTYPE == DT_Q6_K
+    /* ql[128], qh[64], scales[16] (int8), d */
+    const int h = c / 4, k = c % 4;
+    gbytes ql = blk + 64 * h + 32 * (k & 1), qh = blk + 128 + 32 * h;
+    const uchar ls = (uchar)(4 * (k >> 1)), hs = (uchar)(2 * k);
+    *qa = as_char16(((vload16(0, ql) >> ls) & m4) | (((vload16(0, qh) >> hs) & m2) << (uchar)4)) - (char)32;
+    *qb = as_char16(((vload16(1, ql) >> ls) & m4) | (((vload16(1, qh) >> hs) & m2) << (uchar)4)) - (char)32;
+#else /* IQ4_XS: d, scales_h, scales_l[4], qs[128] */
+    const uchar16 v = vload16(0, blk + 8 + 16 * c);
+    *qa = iq4_lookup(v & m4);
+    *qb = iq4_lookup(v >> (uchar)4);
+#endif
+}
+
+/* Each 8-lane value twice, in order (a chunk's scale for both its halves). */
+BLK_INLINE float16 blk_twice8(float8 v) { return (float16)(v.s00112233, v.s44556677); }
+
+/* The scales s and mins m of the super-block's 16 half-chunks (chunk c's
+ * are lanes 2c and 2c + 1) at once, with byte-vector ops: the values
+ * blk_chunk forms one chunk at a time, the same products (CPUs, where
+ * per-chunk scalar decoding costs as much as the chunk's weights). */
+BLK_INLINE void blk_scales16(gbytes blk, float16 *s, float16 *m) {
+    *m = (float16)(0.0f);
+#if WTYPE == DT_Q2_K
+    const uchar16 sc = vload16(0, blk);
+    *s = load_half(blk + 80) * convert_float16(sc & (uchar)15);
+    *m = load_half(blk + 82) * convert_float16(sc >> (uchar)4);
+#elif WTYPE == DT_Q3_K
+    /* k3_scale for k = 0..15: low nibbles of bytes 0..7, then their high
+     * nibbles; bits 2(k/4) of byte 8 + k%4 above them. */
+    const uchar8 lq = vload8(0, blk + 96);
+    const uchar4 hq = vload4(0, blk + 104);
+    const uchar16 lo = (uchar16)(lq & (uchar)15, lq >> (uchar)4);
+    const uchar16 hi = (uchar16)(hq, hq >> (uchar)2, hq >> (uchar)4, hq >> (uchar)6) & (uchar)3;
+    *s = load_half(blk + 108) * convert_float16(as_char16(lo | hi << (uchar)4) - (char)32);
+#elif WTYPE == DT_Q4_K || WTYPE == DT_Q5_K
+    /* k4_scale_min for j = 0..7 from scales[12] = a (0..3), b (4..7), c (8..11). */
+    const uchar4 a = vload4(0, blk + 4), b = vload4(0, blk + 8), c = vload4(0, blk + 12);
+    const uchar8 sc = (uchar8)(a & (uchar)63, (c & (uchar)15) | ((a >> (uchar)6) << (uchar)4));
+    const uchar8 mn = (uchar8)(b & (uchar)63, (c >> (uchar)4) | ((b >> (uchar)6) << (uchar)4));
+    *s = blk_twice8(load_half(blk) * convert_float8(sc));
+    *m = blk_twice8(load_half(blk + 2) * convert_float8(mn));
+#elif WTYPE == DT_Q6_K
+    *s = load_half(blk + 208) * convert_float16(vload16(0, (global const char *)(blk + 192)));
+#else /* IQ4_XS: chunk c's 6-bit scale: nibble c % 2 of scales_l[c / 2], bits 2c of scales_h above */
+    const uchar4 sl = vload4(0, blk + 4);
+    const uchar8 lo = (uchar8)(sl.s00112233) >> (uchar8)(0, 4, 0, 4, 0, 4, 0, 4) & (uchar)15;
+    const uint8 hi = ((uint8)(blk_u16(blk + 2)) >> (uint8)(0, 2, 4, 6, 8, 10, 12, 14)) & (uint8)(3u);
+    *s = blk_twice8(load_half(blk) * convert_float8(convert_int8(lo) + convert_int8(hi << 4u) - 32));
+#endif
+}
+#endif
 
 #if BLK_CPB == 1
 /* The quants of the 32-block at blk (its fp16 scale at byte 0 and, with
@@ -260,7 +358,6 @@ BLK_INLINE void blk_quants32(gbytes blk, char16 *qa, char16 *qb) {
 /* Chunk c (0 .. BLK_CPB - 1) of the block at blk: qa = q of its weights
  * 0..15, qb = 16..31; s0, m0 and s1, m1 their scales and mins. */
 BLK_INLINE void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, float *s1, float *m0, float *m1) {
-    const uchar16 m4 = (uchar16)(0xf), m2 = (uchar16)(3);
     *m0 = *m1 = 0.0f;
 #if BLK_CPB == 1
     blk_quants32(blk, qa, qb);
@@ -268,12 +365,9 @@ BLK_INLINE void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, 
 #if BLK_MIN
     *m0 = *m1 = -load_half(blk + 2);
 #endif
-#elif WTYPE == DT_Q2_K
-    /* scales[16], qs[64], d, dmin */
-    gbytes qs = blk + 16 + 32 * (c / 4);
-    const uchar sh = (uchar)(2 * (c % 4));
-    *qa = as_char16((vload16(0, qs) >> sh) & m2);
-    *qb = as_char16((vload16(1, qs) >> sh) & m2);
+#else
+    blk_codes_k(blk, c, qa, qb);
+#if WTYPE == DT_Q2_K
     const float d = load_half(blk + 80), dm = load_half(blk + 82);
     const uint sa = blk[2 * c], sb = blk[2 * c + 1];
     *s0 = d * (float)(sa & 15);
@@ -281,50 +375,23 @@ BLK_INLINE void blk_chunk(gbytes blk, int c, char16 *qa, char16 *qb, float *s0, 
     *m0 = dm * (float)(sa >> 4);
     *m1 = dm * (float)(sb >> 4);
 #elif WTYPE == DT_Q3_K
-    /* hmask[32], qs[64], scales[12], d */
-    gbytes qs = blk + 32 + 32 * (c / 4);
-    const uchar sh = (uchar)(2 * (c % 4)), hs = (uchar)c;
-    const uchar16 one = (uchar16)(1);
-    *qa = as_char16(((vload16(0, qs) >> sh) & m2) | (((vload16(0, blk) >> hs) & one) << (uchar)2)) - (char)4;
-    *qb = as_char16(((vload16(1, qs) >> sh) & m2) | (((vload16(1, blk) >> hs) & one) << (uchar)2)) - (char)4;
     const float d = load_half(blk + 108);
     *s0 = d * k3_scale(blk + 96, 2 * c);
     *s1 = d * k3_scale(blk + 96, 2 * c + 1);
 #elif WTYPE == DT_Q4_K || WTYPE == DT_Q5_K
-    /* d, dmin, scales[12], (q5_K: qh[32],) qs[128] */
-    gbytes qs = blk + (WTYPE == DT_Q5_K ? 48 : 16) + 32 * (c / 2);
-    const uchar sh = (uchar)(4 * (c % 2));
-    uchar16 a = (vload16(0, qs) >> sh) & m4, b = (vload16(1, qs) >> sh) & m4;
-#if WTYPE == DT_Q5_K
-    const uchar hs = (uchar)c;
-    const uchar16 one = (uchar16)(1);
-    a |= ((vload16(0, blk + 16) >> hs) & one) << (uchar)4;
-    b |= ((vload16(1, blk + 16) >> hs) & one) << (uchar)4;
-#endif
-    *qa = as_char16(a);
-    *qb = as_char16(b);
     float sc, mn;
     k4_scale_min(blk + 4, c, &sc, &mn);
     *s0 = *s1 = load_half(blk) * sc;
     *m0 = *m1 = load_half(blk + 2) * mn;
 #elif WTYPE == DT_Q6_K
-    /* ql[128], qh[64], scales[16] (int8), d */
-    const int h = c / 4, k = c % 4;
-    gbytes ql = blk + 64 * h + 32 * (k & 1), qh = blk + 128 + 32 * h;
-    const uchar ls = (uchar)(4 * (k >> 1)), hs = (uchar)(2 * k);
-    *qa = as_char16(((vload16(0, ql) >> ls) & m4) | (((vload16(0, qh) >> hs) & m2) << (uchar)4)) - (char)32;
-    *qb = as_char16(((vload16(1, ql) >> ls) & m4) | (((vload16(1, qh) >> hs) & m2) << (uchar)4)) - (char)32;
     const float d = load_half(blk + 208);
     global const char *sc = (global const char *)(blk + 192);
     *s0 = d * (float)sc[2 * c];
     *s1 = d * (float)sc[2 * c + 1];
-#elif WTYPE == DT_IQ4_XS
-    /* d, scales_h, scales_l[4], qs[128] */
-    const uchar16 v = vload16(0, blk + 8 + 16 * c);
-    *qa = iq4_lookup(v & m4);
-    *qb = iq4_lookup(v >> (uchar)4);
+#else /* IQ4_XS */
     const int l = ((blk[4 + c / 2] >> (4 * (c % 2))) & 0xf) | (((blk_u16(blk + 2) >> (2 * c)) & 3) << 4);
     *s0 = *s1 = load_half(blk) * (float)(l - 32);
+#endif
 #endif
 }
 

@@ -748,6 +748,18 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
                 dxs[t][0] = load_half(xrow[t] + (ulong)b * Q8_0_BYTES);
 #endif
             }
+#if BLK_CPB == 8 && MV_R == 1
+            /* CPUs: the scales and mins of every row's super-block decoded
+             * together (blk_scales16), not chunk by chunk. */
+            float ks[MV_NR][16], km[MV_NR][16];
+#pragma unroll
+            for (int r = 0; r < MV_NR; r++) {
+                float16 s16, m16;
+                blk_scales16(wrow[r] + (ulong)b * BLK_BYTES, &s16, &m16);
+                vstore16(s16, 0, ks[r]);
+                vstore16(m16, 0, km[r]);
+            }
+#endif
         BLK_UNROLL_C for (int c = 0; c < BLK_CPB; c++) {
             const int cg = b * BLK_CPB + c;
             float16 xa[MV_MT], xb[MV_MT];
@@ -757,7 +769,19 @@ BLK_INLINE void matmul_blk(gbytes w, ulong w_off, gbytes x, ulong x_off, gbytes 
 #pragma unroll
             for (int r = 0; r < MV_NR; r++) {
                 float16 wa, wb;
+#if BLK_CPB == 8 && MV_R == 1
+                char16 qa, qb;
+                blk_codes_k(wrow[r] + (ulong)b * BLK_BYTES, c, &qa, &qb);
+#if BLK_MIN
+                wa = fma(convert_float16(qa), (float16)(ks[r][2 * c]), (float16)(-km[r][2 * c]));
+                wb = fma(convert_float16(qb), (float16)(ks[r][2 * c + 1]), (float16)(-km[r][2 * c + 1]));
+#else
+                wa = convert_float16(qa) * ks[r][2 * c];
+                wb = convert_float16(qb) * ks[r][2 * c + 1];
+#endif
+#else
                 blk_chunk_f32(wrow[r] + (ulong)b * BLK_BYTES, c, &wa, &wb);
+#endif
                 blk_fma_tokens(acc[r], wa, wb, xa, xb, mt);
             }
         }
