@@ -114,8 +114,12 @@ DEFINE_BLK_LOAD(blk_ld2x5, 2, 5)
 DEFINE_BLK_LOAD(blk_ld3x6, 3, 6)
 DEFINE_BLK_LOAD(blk_ld3x8, 3, 8)
 
-// Byte i of a word array.
-#define BLK_BYTE(w, i) (((w)[(i) >> 2] >> (((i) & 3u) * 8u)) & 0xffu)
+// Word i (0..3, run-time) of hw through selects: a run-time index into a
+// private array costs CPU devices far more (llvmpipe cannot keep the
+// array in registers; Q4_K/Q5_K's GEMV took 1.5x the time that way).
+uint blk_hw_word(uint hw[5], uint i) {
+    return (i & 2u) != 0u ? ((i & 1u) != 0u ? hw[3] : hw[2]) : ((i & 1u) != 0u ? hw[1] : hw[0]);
+}
 
 // Each byte of x (all < 128) minus k, as int8.
 uint blk_sub_bytes(uint x, uint k) {
@@ -190,12 +194,12 @@ void blk_head(usamplerBuffer W, uint dt, int tex, uint ph, out uint hw[5]) {
 // Chunk offsets inside a block that depend on c are whole texels (added to
 // tex), so a constant ph stays constant.
 //
-// uq: q unsigned (0..63) wherever the type has a fixed offset, the offset
-// moved into m (m = offset * s), and IQ4's q the nibbles (0..15), not their
-// levels (see blk_iq4f). The tile float path takes it for IQ4 only: with
-// the offsets folded into m, SmolLM2 Q4_K_M on lavapipe lost its greedy
-// match with llama.cpp (the op cases all passed), so the other types stay
-// signed there until that is understood.
+// uq: q unsigned (0..63) wherever the type has a fixed offset (the codes
+// less blk_offset are the signed ones; m stays 0), and IQ4's q the nibbles
+// (0..15), not their levels (see blk_iq4f). The tile float path takes it
+// and subtracts the offset from its exact integer sums: folding the offset
+// into m (m = offset * s) instead rounds differently, and SmolLM2 Q4_K_M
+// on lavapipe lost its greedy match with llama.cpp that way.
 void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, bool uq, out uint q[8], out vec2 s,
                  out vec2 m) {
     m = vec2(0.0);
@@ -205,7 +209,6 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
         s = vec2(f16_bits(o[0] & 0xffffu));
         [[unroll]] for (int k = 0; k < 4; k++) w[k] = (o[k] >> 16) | (o[k + 1] << 16);
         blk_nibbles(w, dt == DT_IQ4_NL && !uq, uq ? 0u : 8u, q);
-        if (uq && dt == DT_Q4_0) m = 8.0 * s;
     } else if (dt == DT_Q4_1) {
         uint o[6];
         blk_ld3x6(W, tex, ph, o);
@@ -225,7 +228,6 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
             [[unroll]] for (int k = 0; k < 4; k++) w[k] = o[k + 2];
         }
         uint sub = dt == DT_Q5_0 && !uq ? 16u : 0u;
-        if (uq && dt == DT_Q5_0) m = 16.0 * s;
         [[unroll]] for (int k = 0; k < 4; k++) {
             uint lo = (w[k] & 0x0f0f0f0fu) | blk_spread4(qh >> (4 * k), 4u);
             uint hi = ((w[k] >> 4) & 0x0f0f0f0fu) | blk_spread4(qh >> (16 + 4 * k), 4u);
@@ -237,7 +239,8 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
         uint o[8], sh = 2u * (c & 3u);
         blk_ld3x8(W, tex + 2 * int(c >> 2), ph + 16u, o);
         [[unroll]] for (int k = 0; k < 8; k++) q[k] = (o[k] >> sh) & 0x03030303u;
-        uint sc0 = BLK_BYTE(hw, 2u * c), sc1 = BLK_BYTE(hw, 2u * c + 1u);
+        uint sw = blk_hw_word(hw, c >> 1) >> (16u * (c & 1u)); // scales[2c], [2c + 1]
+        uint sc0 = sw & 0xffu, sc1 = (sw >> 8) & 0xffu;
         float d = f16_bits(hw[4] & 0xffffu), dmin = f16_bits(hw[4] >> 16);
         s = vec2(d * float(sc0 & 15u), d * float(sc1 & 15u));
         m = vec2(dmin * float(sc0 >> 4), dmin * float(sc1 >> 4));
@@ -250,14 +253,16 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
             q[k] = blk_sub_bytes(((o[k] >> sh) & 0x03030303u) | (((hm[k] >> c) & 0x01010101u) << 2), uq ? 0u : 4u);
         float d = f16_bits(hw[3] & 0xffffu);
         vec2 sc;
+        // Scale j: the low (j < 8) or high nibble of byte j % 8, 2 bits of
+        // byte 8 + j % 4 above; hw indexed by constants (blk_hw_word).
+        uint lw = (c & 2u) != 0u ? hw[1] : hw[0];
         [[unroll]] for (int h = 0; h < 2; h++) {
             uint j = 2u * c + uint(h);
-            uint lo = j < 8u ? BLK_BYTE(hw, j) & 15u : BLK_BYTE(hw, j - 8u) >> 4;
-            uint hi = (BLK_BYTE(hw, 8u + (j & 3u)) >> (2u * (j >> 2))) & 3u;
+            uint lo = (lw >> (8u * (j & 3u) + (c >= 4u ? 4u : 0u))) & 15u;
+            uint hi = (hw[2] >> (8u * (j & 3u) + 2u * (j >> 2))) & 3u;
             sc[h] = d * float(int(lo | hi << 4) - 32);
         }
         s = sc;
-        if (uq) m = 4.0 * s;
     } else if (dt == DT_Q4_K || dt == DT_Q5_K) {
         // hw: d | dmin << 16 in 0, scales[12] in bytes 4..15.
         uint o[8];
@@ -269,13 +274,16 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
             blk_ld3x8(W, tex, ph + 16u, qh);
             [[unroll]] for (int k = 0; k < 8; k++) q[k] |= ((qh[k] >> c) & 0x01010101u) << 4;
         }
+        // Byte c % 4 of scales[0..3], [4..7], [8..11] (hw[1..3]): shifts,
+        // not a run-time index into hw (see blk_hw_word).
+        uint sh4 = 8u * (c & 3u), a = hw[1] >> sh4, b = hw[2] >> sh4, e = hw[3] >> sh4;
         uint sc, mn;
         if (c < 4u) {
-            sc = BLK_BYTE(hw, 4u + c) & 63u;
-            mn = BLK_BYTE(hw, 8u + c) & 63u;
+            sc = a & 63u;
+            mn = b & 63u;
         } else {
-            sc = (BLK_BYTE(hw, 8u + c) & 15u) | (BLK_BYTE(hw, c) >> 6) << 4;
-            mn = (BLK_BYTE(hw, 8u + c) >> 4) | (BLK_BYTE(hw, 4u + c) >> 6) << 4;
+            sc = (e & 15u) | ((a >> 6) & 3u) << 4;
+            mn = ((e >> 4) & 15u) | ((b >> 6) & 3u) << 4;
         }
         float d = f16_bits(hw[0] & 0xffffu), dmin = f16_bits(hw[0] >> 16);
         s = vec2(d * float(sc));
@@ -289,13 +297,13 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
             q[k] = blk_sub_bytes(((ql[k] >> (4u * (k4 >> 1))) & 0x0f0f0f0fu) | (((qh[k] >> (2u * k4)) & 0x03030303u) << 4),
                                  uq ? 0u : 32u);
         float d = f16_bits(hw[4] & 0xffffu);
-        s = vec2(d * float(int(BLK_BYTE(hw, 2u * c) << 24) >> 24), d * float(int(BLK_BYTE(hw, 2u * c + 1u) << 24) >> 24));
-        if (uq) m = 32.0 * s;
+        uint sw = blk_hw_word(hw, c >> 1) >> (16u * (c & 1u)); // scales[2c], [2c + 1]
+        s = vec2(d * float(int(sw << 24) >> 24), d * float(int(sw << 16) >> 24));
     } else { // IQ4_XS; hw: d | scales_h << 16 in 0, scales_l[4] in 1.
         uint o[4];
         blk_ld2x4(W, tex + int(c), ph + 8u, o);
         blk_nibbles(o, !uq, 0u, q);
-        uint ls = ((BLK_BYTE(hw, 4u + (c >> 1)) >> (4u * (c & 1u))) & 15u) | ((hw[0] >> (16u + 2u * c)) & 3u) << 4;
+        uint ls = ((hw[1] >> (4u * c)) & 15u) | ((hw[0] >> (16u + 2u * c)) & 3u) << 4; // nibble c of scales_l
         s = vec2(f16_bits(hw[0] & 0xffffu) * float(int(ls) - 32));
     }
 }
@@ -316,6 +324,19 @@ vec4 blk_iq4f(vec4 n) {
     a = a * n - 1.5001835754544732;
     a = a * n + 24.74324574634172;
     return roundEven(a * n - 127.04360165118679);
+}
+
+// The fixed offset of a type's codes (q4_0's 8, ...): blk_chunk_x's
+// unsigned codes less it are the signed ones.
+uint blk_offset(uint dt) {
+    return dt == DT_Q4_0 ? 8u : dt == DT_Q5_0 ? 16u : dt == DT_Q3_K ? 4u : dt == DT_Q6_K ? 32u : 0u;
+}
+
+// Four unsigned codes (bytes, each < 128) as floats, byte k times 2^(8k):
+// a mask and a conversion a code, where unpacking to the code itself
+// takes a shift more (exact: at most 7 significant bits).
+vec4 blk_codesf(uint q) {
+    return vec4(ivec4(uvec4(q & 0xffu, q & 0xff00u, q & 0xff0000u, q & 0xff000000u)));
 }
 
 // Four unsigned bytes as floats (lowest byte first).

@@ -68,6 +68,14 @@ void main() {
     if (r0 >= int(p.n_rows)) return;
     uint CPB = blk_chunks(BT), BB = blk_bytes(BT);
     bool MIN = blk_has_min(BT);
+#ifndef USE_INT_DOT
+    // The float path takes unsigned codes as blk_codesf gives them (code k
+    // of a word times 2^(8k)), so activation k of a word is scaled by
+    // 2^(-8k); the codes' fixed offset OFF comes off the sums. IQ4's levels
+    // are floats already (XS = 1, OFF = 0).
+    const vec4 XS = blk_signed(BT) ? vec4(1.0) : vec4(1.0, 1.0 / 256.0, 1.0 / 65536.0, 1.0 / 16777216.0);
+    const float OFF = float(blk_offset(BT));
+#endif
     uint wrow[R];
     [[unroll]] for (int i = 0; i < R; i++) wrow[i] = p.w_off + uint(min(r0 + i, int(p.n_rows) - 1)) * p.row_bytes;
     uint xrow[T];
@@ -111,18 +119,24 @@ void main() {
                     xm[j] = xd[j] * vec2(float(s0), float(s1));
                 }
 #else
-                vec4 xf[T][8]; // the int8 activations as floats: unpacked once, used by R rows
+                // The int8 activations as floats, unpacked once and used by R
+                // rows, times XS (blk_codesf's byte weights undone), and
+                // their two 16-sums xs (for the codes' offsets).
+                vec4 xf[T][8];
+                vec2 xs[T];
                 [[unroll]] for (int j = 0; j < T; j++) {
                     uint xq[8];
                     load_q8_block(XQ, xrow[j] + g * 34u, xd[j], xq);
                     vec4 s4 = vec4(0.0), h4 = vec4(0.0);
                     [[unroll]] for (int k = 0; k < 4; k++) {
-                        xf[j][k] = i8x4(xq[k]);
-                        xf[j][k + 4] = i8x4(xq[k + 4]);
-                        s4 += xf[j][k];
-                        h4 += xf[j][k + 4];
+                        vec4 a = i8x4(xq[k]), b = i8x4(xq[k + 4]);
+                        s4 += a;
+                        h4 += b;
+                        xf[j][k] = a * XS;
+                        xf[j][k + 4] = b * XS;
                     }
-                    xm[j] = xd[j] * vec2(dot(s4, vec4(1.0)), dot(h4, vec4(1.0)));
+                    xs[j] = vec2(dot(s4, vec4(1.0)), dot(h4, vec4(1.0)));
+                    xm[j] = xd[j] * xs[j];
                 }
 #endif
                 [[unroll]] for (int i = 0; i < R; i++) {
@@ -131,8 +145,9 @@ void main() {
 #ifdef USE_INT_DOT
                     blk_chunk(W, BT, wtex[i], wph[i], hw[i], c, q, s, m);
 #else
-                    // IQ4: the nibbles, for blk_iq4f; the rest: signed codes.
-                    blk_chunk_x(W, BT, wtex[i], wph[i], hw[i], c, blk_signed(BT), q, s, m);
+                    // Unsigned codes (IQ4: the nibbles, for blk_iq4f); m is
+                    // used only for the types with a real min.
+                    blk_chunk_x(W, BT, wtex[i], wph[i], hw[i], c, true, q, s, m);
 #endif
 #ifdef USE_INT_DOT
                     [[unroll]] for (int j = 0; j < T; j++) {
@@ -146,13 +161,18 @@ void main() {
                     }
 #else
                     vec4 wf[8];
-                    [[unroll]] for (int k = 0; k < 8; k++) wf[k] = blk_signed(BT) ? blk_iq4f(blk_u8x4(q[k])) : i8x4(q[k]);
+                    [[unroll]] for (int k = 0; k < 8; k++)
+                        wf[k] = blk_signed(BT) ? blk_iq4f(blk_u8x4(q[k])) : blk_codesf(q[k]);
                     [[unroll]] for (int j = 0; j < T; j++) {
                         float lo = 0.0, hi = 0.0;
                         [[unroll]] for (int k = 0; k < 4; k++) {
                             lo += dot(wf[k], xf[j][k]);
                             hi += dot(wf[k + 4], xf[j][k + 4]);
                         }
+                        // The signed codes' sums: every term an integer below
+                        // 2^24, so exact, and the same as summing signed codes.
+                        lo -= OFF * xs[j].x;
+                        hi -= OFF * xs[j].y;
                         acc[i][j] += xd[j] * (s.x * lo + s.y * hi);
                         if (MIN) acc[i][j] -= dot(m, xm[j]);
                     }
