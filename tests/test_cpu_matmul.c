@@ -563,7 +563,7 @@ static void f16rp_matmul(duet_backend *be, duet_buffer *wbuf, size_t off, const 
 
 /* F16 weights through the HAL on every path and thread count: repacked on
  * avx512 only; close to the plain kernels and batch invariant (decode, the
- * 12/8/4/2/1-token passes and their tails, 1 to 15 plain tail rows, rows
+ * 12-token passes and the last pass of the rest, 1 to 15 plain tail rows, rows
  * below one group, odd columns); embedding lookups read the layout; a
  * download gives the uploaded bytes back; an upload lands on the plain
  * layout; $DUET_CPU_REPACK=0 leaves it plain. */

@@ -25,7 +25,7 @@
  * of 16 rows stored column by column, cpu_internal.h) run an outer-product
  * kernel instead: per column one conversion gives 16 rows' weights, and
  * each token's x[k] is broadcast into 16-row accumulators, in passes of 2
- * groups x 12/8/4/2/1 tokens (decode: 4 groups, prefetched). Its sums run
+ * groups x 12 tokens and one of the rest (decode: 4 groups, prefetched). Its sums run
  * over k in order per row (not the tiles' 16 lanes), so it is batch
  * invariant on its own but not the tiles' bits. */
 #include <assert.h>
@@ -693,24 +693,31 @@ typedef void (*f16rp_fn)(const f16rp_job *jb);
     CPU_AVX512 static void avx512_f16rp_##NG##_##NT(const f16rp_job *jb) {                                   \
         avx512_f16rp_body(NG, NT, jb);                                                                       \
     }
-AVX512_F16RP(2, 12)
-AVX512_F16RP(2, 8)
-AVX512_F16RP(2, 4)
-AVX512_F16RP(2, 2)
-AVX512_F16RP(2, 1)
-AVX512_F16RP(1, 12)
-AVX512_F16RP(1, 8)
-AVX512_F16RP(1, 4)
-AVX512_F16RP(1, 2)
-AVX512_F16RP(1, 1)
+#define AVX512_F16RP_NG(NG)                                                                                  \
+    AVX512_F16RP(NG, 1)                                                                                      \
+    AVX512_F16RP(NG, 2)                                                                                      \
+    AVX512_F16RP(NG, 3)                                                                                      \
+    AVX512_F16RP(NG, 4)                                                                                      \
+    AVX512_F16RP(NG, 5)                                                                                      \
+    AVX512_F16RP(NG, 6)                                                                                      \
+    AVX512_F16RP(NG, 7)                                                                                      \
+    AVX512_F16RP(NG, 8)                                                                                      \
+    AVX512_F16RP(NG, 9)                                                                                      \
+    AVX512_F16RP(NG, 10)                                                                                     \
+    AVX512_F16RP(NG, 11)                                                                                     \
+    AVX512_F16RP(NG, 12)
+AVX512_F16RP_NG(1)
+AVX512_F16RP_NG(2)
 AVX512_F16RP(4, 1)
 
-/* Passes of 12, 8, 4, 2 and 1 tokens, for 2 groups and for 1. */
-static const int f16rp_nt[5] = {12, 8, 4, 2, 1};
-static const f16rp_fn f16rp_fns[2][5] = {
-    {avx512_f16rp_1_12, avx512_f16rp_1_8, avx512_f16rp_1_4, avx512_f16rp_1_2, avx512_f16rp_1_1},
-    {avx512_f16rp_2_12, avx512_f16rp_2_8, avx512_f16rp_2_4, avx512_f16rp_2_2, avx512_f16rp_2_1},
-};
+/* Passes of 1..12 tokens (index nt - 1), for 1 group and for 2. */
+#define F16RP_FNS(NG)                                                                                        \
+    {                                                                                                        \
+        avx512_f16rp_##NG##_1, avx512_f16rp_##NG##_2, avx512_f16rp_##NG##_3, avx512_f16rp_##NG##_4,          \
+            avx512_f16rp_##NG##_5, avx512_f16rp_##NG##_6, avx512_f16rp_##NG##_7, avx512_f16rp_##NG##_8,      \
+            avx512_f16rp_##NG##_9, avx512_f16rp_##NG##_10, avx512_f16rp_##NG##_11, avx512_f16rp_##NG##_12    \
+    }
+static const f16rp_fn f16rp_fns[2][F16RP_TOKENS] = {F16RP_FNS(1), F16RP_FNS(2)};
 
 /* ---- the q8_0 panel ------------------------------------------------------- */
 
@@ -1111,29 +1118,17 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
 /* ---- F16 repacked weights ------------------------------------------------- */
 
 #if CPU_X86
-/* A batch's passes: as many of 12 tokens as fit, then 8, 4, 2, 1 for the
- * rest (its binary digits). Pass p's first token and its size's index in
- * f16rp_nt. */
+/* A batch's passes: as many of 12 tokens as fit, then one of the rest (a
+ * verification's 2 to 9 tokens in one pass: split as 8 + 1, the 1-token
+ * pass's two accumulators wait on the FMA latency). Pass p's first token
+ * and its size. */
 static int64_t f16rp_passes(int64_t n_tokens) {
-    const int64_t r = n_tokens % F16RP_TOKENS;
-    return n_tokens / F16RP_TOKENS + ((r >> 3) & 1) + ((r >> 2) & 1) + ((r >> 1) & 1) + (r & 1);
+    return (n_tokens + F16RP_TOKENS - 1) / F16RP_TOKENS;
 }
 
 static int f16rp_pass(int64_t n_tokens, int64_t p, int64_t *t0) {
-    const int64_t full = n_tokens / F16RP_TOKENS;
-    if (p < full) {
-        *t0 = p * F16RP_TOKENS;
-        return 0;
-    }
-    int64_t t = full * F16RP_TOKENS, left = p - full;
-    for (int i = 1;; i++) {
-        if (!((n_tokens - full * F16RP_TOKENS) & f16rp_nt[i])) continue;
-        if (left-- == 0) {
-            *t0 = t;
-            return i;
-        }
-        t += f16rp_nt[i];
-    }
+    *t0 = p * F16RP_TOKENS;
+    return n_tokens - *t0 < F16RP_TOKENS ? (int)(n_tokens - *t0) : F16RP_TOKENS;
 }
 
 typedef struct f16rp_task {
@@ -1161,7 +1156,7 @@ static void f16rp_pack_task(void *p, int chunk, int n_chunks, int worker) {
     cpu_split(t->passes, chunk, n_chunks, 1, &lo, &hi);
     for (int64_t q = lo; q < hi; q++) {
         int64_t t0;
-        const int nt = f16rp_nt[f16rp_pass(t->n_tokens, q, &t0)];
+        const int nt = f16rp_pass(t->n_tokens, q, &t0);
         const float *x = t->x + t0 * t->n_in;
         float *o = t->xp + t0 * t->n_in;
         for (int64_t k = 0; k < t->n_in; k++)
@@ -1195,10 +1190,10 @@ static void f16rp_run_task(void *p, int chunk, int n_chunks, int worker) {
             const int ng = hi - g >= 2 ? 2 : 1;
             for (int64_t q = p0; q < p1; q++) {
                 int64_t t0;
-                const int i = f16rp_pass(t->n_tokens, q, &t0);
+                const int nt = f16rp_pass(t->n_tokens, q, &t0);
                 jb.x = t->xp + t0 * t->n_in;
                 jb.out = t->out + t0 * t->os + g * CPU_RP_ROWS;
-                f16rp_fns[ng - 1][i](&jb);
+                f16rp_fns[ng - 1][nt - 1](&jb);
             }
             g += ng;
         }
