@@ -713,11 +713,11 @@ static void offer_drafts(duet_engine *e) {
         int n = e->draft
                     ? k
                     : duet__spec_ngram(r->stream, len, DUET_SPEC_NGRAM_MIN, DUET_SPEC_NGRAM_MAX, k, r->draft);
-        /* The decision weighs the steady state: the newest token, and one
-         * more after a step that kept every draft. A longer catch-up
-         * (after steps without drafts) is paid once, not charged to the
-         * step that would start speculating again. */
-        int catchup = len - r->dlen < 1 ? 1 : len - r->dlen > 2 ? 2 : len - r->dlen;
+        /* Every token the draft's KV misses: the decision charges the
+         * steady part (the newest token, and one more after a step that
+         * kept every draft) whole and a longer backlog (after steps
+         * without drafts) by the share of it this step serves. */
+        int catchup = len - r->dlen < 1 ? 1 : len - r->dlen;
         if (n > 0) duet__sched_set_draft(e->sched, r->id, n, r->adapt.alpha, catchup);
     }
 }

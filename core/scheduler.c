@@ -30,7 +30,7 @@ typedef struct req {
     int n_preempted;        /* times preempted */
     int draft_offer;        /* draft tokens the engine offers for the next plan */
     float draft_alpha;      /* with it: the request's estimated acceptance */
-    int draft_catchup;      /* and the tokens the draft model's pass 0 takes for it */
+    int draft_catchup;      /* and the tokens the draft model's KV has still to take (>= 1) */
     uint64_t preempt_epoch; /* plan epoch of its last preemption */
     bool started;           /* scheduled at least once */
     bool cancelled;         /* cancelled while in the outstanding step */
@@ -617,7 +617,10 @@ static void place_drafts(duet_sched *s, int n_order) {
         *c = (duet_spec_cand){.pos = s->seqs[r->plan_index].pos,
                               .offer = r->draft_offer,
                               .alpha = r->draft_alpha,
-                              .catchup = r->draft_catchup,
+                              .catchup = min_int(r->draft_catchup, DUET_SCHED_SPEC_STEADY_CATCHUP),
+                              .backlog = r->draft_catchup -
+                                         min_int(r->draft_catchup, DUET_SCHED_SPEC_STEADY_CATCHUP),
+                              .remaining = r->max_new - r->n_generated,
                               .k = r->draft_offer};
         offered += r->draft_offer;
         s->cand_req[n++] = s->order[k];

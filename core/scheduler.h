@@ -314,10 +314,14 @@ void duet__sched_set_cost(duet_sched *s, const duet_step_cost *m);
 
 /* Offers n_draft (>= 0) draft tokens for request id's next decode, with
  * the request's estimated per-token acceptance alpha and the tokens a
- * draft model's first pass takes for it (catchup >= 1; ignored without a
- * draft cost); the next plan grants all, some or none of them (see the
- * policies above). Ignored for an unknown id or a request that is not
- * decoding. */
+ * draft model's first pass takes for it (catchup >= 1: its newest token
+ * and every token its KV missed; ignored without a draft cost); the next
+ * plan grants all, some or none of them (see the policies above). Up to
+ * DUET_SCHED_SPEC_STEADY_CATCHUP of them are a drafting step's own, the
+ * rest a backlog the decision charges by the share it serves
+ * (duet_spec_cand.backlog). Ignored for an unknown id or a request that is
+ * not decoding. */
+#define DUET_SCHED_SPEC_STEADY_CATCHUP 2
 void duet__sched_set_draft(duet_sched *s, uint64_t id, int n_draft, float alpha, int catchup);
 /* The draft model's step-cost model, per forward pass (copied); NULL:
  * drafts cost nothing (n-gram). */

@@ -254,6 +254,21 @@ static void add_passes(duet_step_shape *pass, const duet_spec_cand *c, int a, in
         duet_step_shape_add(&pass[j], c->pos + j, 1, true);
 }
 
+/* The share of c's backlog this step pays when c starts drafting
+ * (speculative.h): the backlog's own seconds (what it adds to a pass of
+ * the steady catch-up) times the step's expected tokens over those the
+ * sequence may still generate. */
+static double backlog_seconds(const duet_step_cost *draft, const duet_spec_cand *c, bool whole) {
+    if (!draft || c->backlog <= 0) return 0;
+    duet_step_shape steady = {0}, all = {0};
+    duet_step_shape_add(&steady, c->pos - c->catchup + 1, c->catchup, true);
+    duet_step_shape_add(&all, c->pos - c->catchup - c->backlog + 1, c->catchup + c->backlog, true);
+    double s = pass_seconds(draft, &all) - pass_seconds(draft, &steady);
+    double yield = 1 + run_gain(c->alpha, 0, c->offer);
+    double share = !whole && c->remaining > 0 && yield < c->remaining ? yield / c->remaining : 1;
+    return s > 0 ? s * share : 0;
+}
+
 /* Seconds the target's step and the draft's passes gain when c goes from a to b drafts. */
 static double move_seconds(const duet_step_cost *target, const duet_step_cost *draft,
                            const duet_step_shape *pass, const duet_spec_cand *c, int a, int b) {
@@ -261,6 +276,7 @@ static double move_seconds(const duet_step_cost *target, const duet_step_cost *d
     duet_step_shape_add(&v, c->pos + 1 + a, b - a, true);
     double t = duet_step_cost_predict(target, &v) - target->coef[0];
     if (!draft) return t;
+    if (a == 0) t += backlog_seconds(draft, c, false);
     duet_step_shape p[DUET_SPEC_MAX_K];
     memcpy(p, pass, sizeof p);
     add_passes(p, c, a, b);
@@ -282,6 +298,8 @@ void duet__spec_decide(const duet_step_cost *target, const duet_step_cost *draft
         if (c->offer > DUET_SPEC_MAX_K) c->offer = DUET_SPEC_MAX_K;
         if (c->offer < 0) c->offer = 0;
         if (c->catchup < 1) c->catchup = 1;
+        if (c->backlog > c->pos - c->catchup + 1) c->backlog = c->pos - c->catchup + 1;
+        if (c->backlog < 0) c->backlog = 0;
         c->alpha = c->alpha > 1 ? 1 : c->alpha > 0 ? c->alpha : 0;
         out->tokens_offered += c->offer;
         out->alpha_mean += c->alpha / n;
@@ -313,6 +331,7 @@ void duet__spec_decide(const duet_step_cost *target, const duet_step_cost *draft
                 duet_step_shape v = {0};
                 duet_step_shape_add(&v, c->pos + 1 + c->k, to - c->k, true);
                 dT += duet_step_cost_predict(target, &v) - target->coef[0];
+                if (c->k == 0) dT += backlog_seconds(draft, c, false);
                 dE += run_gain(c->alpha, c->k, to);
                 add_passes(p, c, c->k, to);
                 moved++;
@@ -334,6 +353,8 @@ void duet__spec_decide(const duet_step_cost *target, const duet_step_cost *draft
     }
     for (int j = 0; draft && j < DUET_SPEC_MAX_K; j++)
         D += pass_seconds(draft, &pass[j]);
+    for (int i = 0; i < n; i++) /* the time the passes will take: every backlog whole */
+        D += cand[i].k > 0 ? backlog_seconds(draft, &cand[i], true) : 0;
     out->speedup = E / T / (out->tokens_plain / out->seconds_plain);
     /* Worth it only by a margin over the model's error. */
     if (out->speedup <= 1 + DUET_SPEC_MIN_GAIN) {

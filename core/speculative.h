@@ -139,10 +139,18 @@ void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, in
  *   each grown by its k verification tokens at the positions after it),
  *   plus with a draft model its own passes, predicted by the draft's
  *   step-cost model per pass: pass 0 takes each drafting sequence's
- *   catch-up tokens (its newest token and any its KV missed) and gives
- *   draft 0; pass j > 0 takes one token of each sequence with k > j. A pass
- *   costs its intercept once, however many sequences share it. n-gram
- *   drafts cost nothing (draft == NULL).
+ *   steady catch-up tokens (its newest token, and the last draft after a
+ *   step that kept every draft) and gives draft 0; pass j > 0 takes one
+ *   token of each sequence with k > j. A pass costs its intercept once,
+ *   however many sequences share it. n-gram drafts cost nothing (draft ==
+ *   NULL).
+ * - The backlog: a sequence that starts drafting after steps without
+ *   drafts (or after its admission) first feeds the draft every token its
+ *   KV missed. That is paid once and serves every later drafting step, so
+ *   the step is charged the share of it that its expected tokens are of
+ *   the tokens the sequence may still generate (all of it when that is not
+ *   known, or fewer remain than one drafting step yields): a long stream
+ *   near its end never starts drafting for a few tokens' gain.
  *
  * On a memory-bound device a verification token costs a small fraction of
  * a step, so speculation pays even at modest acceptance; on a
@@ -158,14 +166,16 @@ typedef struct duet_spec_cand {
     int pos;     /* position of the sequence's newest token (its decode) */
     int offer;   /* draft tokens on offer, 0..DUET_SPEC_MAX_K */
     float alpha; /* estimated per-token acceptance, [0, 1] */
-    int catchup; /* draft model: tokens its pass 0 takes for this sequence (>= 1) */
+    int catchup; /* draft model: tokens its pass 0 takes for this sequence in the steady state (1..2) */
+    int backlog; /* draft model: tokens more its KV missed (steps without drafts, an admission) */
+    int remaining; /* tokens the sequence may still generate (0: unknown, the backlog charged whole) */
     int k;       /* out: draft tokens granted, 0..offer */
 } duet_spec_cand;
 
 typedef struct duet_spec_decision {
     double tokens_plain, tokens_spec;   /* expected tokens of the step without / with the grants */
-    double seconds_plain, seconds_spec; /* predicted seconds: target (+ draft passes) */
-    double draft_seconds;               /* of seconds_spec, the draft's passes */
+    double seconds_plain, seconds_spec; /* predicted seconds: target (+ draft passes, backlogs' shares) */
+    double draft_seconds;               /* the draft's passes' predicted seconds, backlogs whole */
     double alpha_mean;                  /* mean alpha of the candidates (0 without) */
     double speedup;                     /* predicted tokens/s of the best grants found over plain's
                                            (granted only when above 1 + DUET_SPEC_MIN_GAIN); 0: no model */

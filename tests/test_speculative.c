@@ -568,6 +568,46 @@ START_TEST(test_decide_draft_model) {
 }
 END_TEST
 
+/* The draft's backlog (tokens its KV missed while the sequence did not
+ * draft): a sequence with many tokens still to generate starts drafting
+ * and pays its share; the same sequence with a few tokens left does not,
+ * though drafting pays once the draft has caught up. Where it is granted,
+ * draft_seconds counts the whole backlog (the pass will take it). */
+START_TEST(test_decide_backlog) {
+    const duet_step_cost target = cost_model(0.040, 0.002);
+    /* A pass: 10 ms fixed, 1 ms a token (a 300-token backlog: 0.3 s, more than 7 target steps). */
+    const duet_step_cost draft = cost_model(0.010, 0.001);
+    duet_step_shape base = {0};
+    duet_step_shape_add(&base, 400, 1, true);
+    duet_spec_decision d;
+    duet_spec_cand c = {.pos = 400, .offer = 8, .alpha = 0.9f, .catchup = 1};
+    duet__spec_decide(&target, &draft, &base, &c, 1, &d);
+    ck_assert_msg(c.k > 0, "caught up: k %d (%.3fx)", c.k, d.speedup);
+    const double steady = d.speedup, steady_draft_s = d.draft_seconds;
+    /* 300 tokens behind, 1000 to go: its share (E / 1000 of 0.3 s) barely matters. */
+    c = (duet_spec_cand){
+        .pos = 400, .offer = 8, .alpha = 0.9f, .catchup = 1, .backlog = 300, .remaining = 1000};
+    duet__spec_decide(&target, &draft, &base, &c, 1, &d);
+    ck_assert_msg(c.k > 0 && d.speedup > 1.02 && d.speedup < steady,
+                  "1000 to go: k %d (%.3fx, %.3fx caught up)", c.k, d.speedup, steady);
+    ck_assert_msg(d.draft_seconds > steady_draft_s + 0.25, "draft seconds %.3f (caught up %.3f)",
+                  d.draft_seconds, steady_draft_s);
+    /* 300 tokens behind, 10 to go: the catch-up costs more than drafting saves. */
+    c.remaining = 10;
+    duet__spec_decide(&target, &draft, &base, &c, 1, &d);
+    ck_assert_msg(c.k == 0 && d.tokens_granted == 0, "10 to go: k %d (%.3fx)", c.k, d.speedup);
+    /* Unknown remainder: the backlog is charged whole. */
+    c.remaining = 0;
+    duet__spec_decide(&target, &draft, &base, &c, 1, &d);
+    ck_assert_int_eq(c.k, 0);
+    /* A backlog longer than the stream is clamped to it. */
+    c = (duet_spec_cand){
+        .pos = 10, .offer = 8, .alpha = 0.9f, .catchup = 1, .backlog = 500, .remaining = 1000};
+    duet__spec_decide(&target, &draft, &base, &c, 1, &d);
+    ck_assert_int_eq(c.backlog, 10);
+}
+END_TEST
+
 static Suite *spec_suite(void) {
     Suite *s = suite_create("speculative");
     TCase *tc = tcase_create("core");
@@ -580,6 +620,7 @@ static Suite *spec_suite(void) {
     tcase_add_test(tc, test_verifier_args);
     tcase_add_test(tc, test_decide);
     tcase_add_test(tc, test_decide_draft_model);
+    tcase_add_test(tc, test_decide_backlog);
     suite_add_tcase(s, tc);
     TCase *dist = tcase_create("distribution");
     tcase_set_timeout(dist, 240);
