@@ -810,7 +810,8 @@ bool db_report_compare(const db_config *cfg, const db_sweep *sw, int n, const ch
         fprintf(f, " %s", cfg->model_path);
     else
         for (int i = 0; i < n; i++)
-            fprintf(f, "%s %s: %s", i ? ";" : "", sw[i].meta.device, sw[i].meta.model[0] ? sw[i].meta.model : "?");
+            fprintf(f, "%s %s: %s", i ? ";" : "", sw[i].meta.device,
+                    sw[i].meta.model[0] ? sw[i].meta.model : "?");
     fprintf(f, "\n- commit: %s\n- started: %s on %s\n- command: `%s`\n", n ? sw[0].meta.commit : "",
             n ? sw[0].meta.started : "", n ? sw[0].meta.host : "", n ? sw[0].meta.command : "");
     fprintf(f, "- targets: p99 TTFT <= %g ms, p99 ITL <= %g ms\n\n", cfg->slo_ttft_ms, cfg->slo_itl_ms);

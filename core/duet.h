@@ -701,7 +701,7 @@ typedef struct duet_sim_params {
 typedef struct duet_sim_stats {
     double end; /* the last step's end, seconds */
     uint64_t steps, preemptions;
-    double busy_s; /* summed step time of every instance */
+    double busy_s;               /* summed step time of every instance */
     uint64_t controller_windows; /* adaptive controller windows run (with a latency target set) */
 } duet_sim_stats;
 

@@ -87,14 +87,14 @@ static double ring_p99(const sim_ring *r, double lo, double hi, double *scratch,
 typedef struct sim_inst {
     duet_sched *s;
     bool stepping;
-    bool idle_tick;       /* idle, waking only for the controller's window */
-    int64_t t_event;      /* the step's end, or the wait's; INT64_MAX when idle */
+    bool idle_tick;  /* idle, waking only for the controller's window */
+    int64_t t_event; /* the step's end, or the wait's; INT64_MAX when idle */
     /* The adaptive controller, when a target is set. */
     duet_ctl ctl;
     double share;
     int64_t ctl_next;
     sim_ring ttft[2], itl[2]; /* per class */
-    duet_sched_seq *seqs; /* the outstanding step's plan, copied */
+    duet_sched_seq *seqs;     /* the outstanding step's plan, copied */
     duet_sched_result *results;
     int n_seqs, n_tokens;
     int64_t dt; /* the outstanding step's duration */

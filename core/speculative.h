@@ -163,13 +163,13 @@ void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, in
 #define DUET_SPEC_MIN_GAIN 0.02
 
 typedef struct duet_spec_cand {
-    int pos;     /* position of the sequence's newest token (its decode) */
-    int offer;   /* draft tokens on offer, 0..DUET_SPEC_MAX_K */
-    float alpha; /* estimated per-token acceptance, [0, 1] */
-    int catchup; /* draft model: tokens its pass 0 takes for this sequence in the steady state (1..2) */
-    int backlog; /* draft model: tokens more its KV missed (steps without drafts, an admission) */
+    int pos;       /* position of the sequence's newest token (its decode) */
+    int offer;     /* draft tokens on offer, 0..DUET_SPEC_MAX_K */
+    float alpha;   /* estimated per-token acceptance, [0, 1] */
+    int catchup;   /* draft model: tokens its pass 0 takes for this sequence in the steady state (1..2) */
+    int backlog;   /* draft model: tokens more its KV missed (steps without drafts, an admission) */
     int remaining; /* tokens the sequence may still generate (0: unknown, the backlog charged whole) */
-    int k;       /* out: draft tokens granted, 0..offer */
+    int k;         /* out: draft tokens granted, 0..offer */
 } duet_spec_cand;
 
 typedef struct duet_spec_decision {

@@ -42,8 +42,10 @@ START_TEST(parse_completion_fields) {
     srv_request r;
     srv_error e;
     const char *body =
-        "{\"model\":\"m\",\"prompt\":\"hello\",\"max_tokens\":7,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":-1,"
-        "\"min_p\":0.1,\"presence_penalty\":0.5,\"frequency_penalty\":-0.5,\"repetition_penalty\":1.1,\"seed\":42,"
+        "{\"model\":\"m\",\"prompt\":\"hello\",\"max_tokens\":7,\"temperature\":0.5,\"top_p\":0.9,\"top_k\":-"
+        "1,"
+        "\"min_p\":0.1,\"presence_penalty\":0.5,\"frequency_penalty\":-0.5,\"repetition_penalty\":1.1,"
+        "\"seed\":42,"
         "\"n\":3,\"stop\":[\"a\",\"bc\"],\"priority\":\"batch\",\"stream\":true,\"stream_options\":"
         "{\"include_usage\":true},\"ignore_eos\":true,\"user\":\"x\",\"some_new_field\":{\"y\":1}}";
     ck_assert_msg(parse(SRV_COMPLETION, body, &r, &e), "valid request refused: %s", e.message);
@@ -63,19 +65,22 @@ START_TEST(parse_completion_fields) {
     srv_request_free(&r);
 
     /* Defaults: OpenAI's plain sampling; nulls count as absent. */
-    ck_assert(parse(SRV_COMPLETION, "{\"prompt\":\"x\",\"temperature\":null,\"stop\":null,\"n\":null}", &r, &e));
+    ck_assert(
+        parse(SRV_COMPLETION, "{\"prompt\":\"x\",\"temperature\":null,\"stop\":null,\"n\":null}", &r, &e));
     ck_assert_msg(r.sampling.temperature == 1 && r.sampling.top_p == 1 && r.sampling.top_k == 0 &&
-                      r.sampling.min_p == 0 && r.sampling.repetition_penalty == 1 && !r.seed_set && r.n == 1 &&
-                      r.max_tokens == -1 && !r.stream && r.n_stop == 0 && r.priority == DUET_PRIORITY_INTERACTIVE,
+                      r.sampling.min_p == 0 && r.sampling.repetition_penalty == 1 && !r.seed_set &&
+                      r.n == 1 && r.max_tokens == -1 && !r.stream && r.n_stop == 0 &&
+                      r.priority == DUET_PRIORITY_INTERACTIVE,
                   "defaults are not OpenAI's");
     srv_request_free(&r);
 
     /* Token-id prompts, several prompts, a vLLM integer priority, the
      * model's path as its name, max_completion_tokens winning. */
-    ck_assert(parse(SRV_COMPLETION,
-                    "{\"model\":\"/models/m.gguf\",\"prompt\":[[1,2,3],\"two\"],\"priority\":5,\"max_tokens\":3,"
-                    "\"max_completion_tokens\":9,\"stop\":\"END\",\"seed\":-1}",
-                    &r, &e));
+    ck_assert(
+        parse(SRV_COMPLETION,
+              "{\"model\":\"/models/m.gguf\",\"prompt\":[[1,2,3],\"two\"],\"priority\":5,\"max_tokens\":3,"
+              "\"max_completion_tokens\":9,\"stop\":\"END\",\"seed\":-1}",
+              &r, &e));
     ck_assert_int_eq(r.n_prompts, 2);
     ck_assert_int_eq(r.prompts[0].n_ids, 3);
     ck_assert_int_eq(r.prompts[0].ids[2], 3);
@@ -262,10 +267,11 @@ START_TEST(parse_rejects_bad_input) {
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         srv_request r;
         srv_error e;
-        ck_assert_msg(!parse(bad[i].kind, bad[i].body, &r, &e), "accepted bad request #%zu: %s", i, bad[i].body);
+        ck_assert_msg(!parse(bad[i].kind, bad[i].body, &r, &e), "accepted bad request #%zu: %s", i,
+                      bad[i].body);
         ck_assert_msg(e.http == 400, "#%zu: http %d, want 400", i, e.http);
-        ck_assert_msg(!strcmp(e.param, bad[i].param), "#%zu %s: param '%s', want '%s' (%s)", i, bad[i].body, e.param,
-                      bad[i].param, e.message);
+        ck_assert_msg(!strcmp(e.param, bad[i].param), "#%zu %s: param '%s', want '%s' (%s)", i, bad[i].body,
+                      e.param, bad[i].param, e.message);
         ck_assert_msg(e.message[0], "#%zu: empty message", i);
         /* The error object, as OpenAI's clients read it. */
         char *j = srv_error_json(&e);
@@ -295,15 +301,15 @@ START_TEST(stop_string_scanning) {
     } cases[] = {
         {"", 0, false},
         {"hello", 5, false},
-        {"hello E", 6, false},      /* "E" may start END */
-        {"hello EN", 6, false},     /* "EN" too */
-        {"hello END", 6, true},     /* full match */
+        {"hello E", 6, false},  /* "E" may start END */
+        {"hello EN", 6, false}, /* "EN" too */
+        {"hello END", 6, true}, /* full match */
         {"hello ENDthere", 6, true},
-        {"ab\n", 2, false},         /* "\n" may start "\n\n" */
-        {"abc", 0, false},          /* "abc" may start "abcd" */
-        {"xabcENDabcd", 4, true},   /* the earliest match wins */
+        {"ab\n", 2, false},       /* "\n" may start "\n\n" */
+        {"abc", 0, false},        /* "abc" may start "abcd" */
+        {"xabcENDabcd", 4, true}, /* the earliest match wins */
         {"x\n\nEND", 1, true},
-        {"ENE", 2, false},          /* "E" at the end; "EN" is not followed by D */
+        {"ENE", 2, false}, /* "E" at the end; "EN" is not followed by D */
         {"EEND", 1, true},
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
@@ -328,7 +334,8 @@ START_TEST(response_and_chunk_json) {
     cJSON *c1 = cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 1);
     ck_assert_int_eq(cJSON_GetObjectItem(c1, "index")->valueint, 1);
     ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(c1, "message"), "content")->valuestring, "Bye");
-    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(c1, "message"), "role")->valuestring, "assistant");
+    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(c1, "message"), "role")->valuestring,
+                     "assistant");
     ck_assert_str_eq(cJSON_GetObjectItem(c1, "finish_reason")->valuestring, "length");
     cJSON *us = cJSON_GetObjectItem(o, "usage");
     ck_assert_msg(cJSON_GetObjectItem(us, "prompt_tokens")->valueint == 5 &&
@@ -365,8 +372,9 @@ START_TEST(response_and_chunk_json) {
     srv_choice_result nul = {.text = "a\0b\"c", .len = 5, .finish = "stop"};
     s = srv_response_json(SRV_COMPLETION, "cmpl-1", 1, "m", &nul, 1, u);
     o = cJSON_Parse(s);
-    ck_assert_str_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "text")->valuestring,
-                     "ab\"c");
+    ck_assert_str_eq(
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(o, "choices"), 0), "text")->valuestring,
+        "ab\"c");
     ck_assert_str_eq(cJSON_GetObjectItem(o, "object")->valuestring, "text_completion");
     cJSON_Delete(o);
     free(s);
@@ -377,7 +385,8 @@ START_TEST(response_and_chunk_json) {
     ck_assert(srv_chunk_sse(&t, SRV_CHAT, "id", 1, "m", 0, "", 0, "stop", false, true));
     ck_assert(srv_usage_sse(&t, SRV_CHAT, "id", 1, "m", u));
     /* Four "data: {json}\n\n" events. */
-    const char *want_delta[4] = {"{\"role\":\"assistant\",\"content\":\"\"}", "{\"content\":\"tok\"}", "{}", NULL};
+    const char *want_delta[4] = {"{\"role\":\"assistant\",\"content\":\"\"}", "{\"content\":\"tok\"}", "{}",
+                                 NULL};
     char *p = t.p;
     for (int k = 0; k < 4; k++) {
         ck_assert_msg(!strncmp(p, "data: ", 6), "event %d does not start with 'data: ': %s", k, p);
@@ -396,7 +405,8 @@ START_TEST(response_and_chunk_json) {
             ck_assert_msg(cJSON_IsNull(cJSON_GetObjectItem(ev, "usage")), "event %d: usage must be null", k);
         } else {
             ck_assert_msg(cJSON_GetArraySize(choices) == 0, "usage event has choices");
-            ck_assert_int_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(ev, "usage"), "total_tokens")->valueint, 16);
+            ck_assert_int_eq(cJSON_GetObjectItem(cJSON_GetObjectItem(ev, "usage"), "total_tokens")->valueint,
+                             16);
         }
         cJSON_Delete(ev);
         p = end + 2;
@@ -464,8 +474,8 @@ static size_t on_body(char *p, size_t sz, size_t n, void *user) {
 static size_t on_header(char *p, size_t sz, size_t n, void *user) {
     xfer *x = user;
     size_t k = sz * n;
-    if (k > 13 && !strncasecmp(p, "Retry-After: ", 13)) snprintf(x->retry_after, sizeof x->retry_after, "%.*s",
-                                                                 (int)strcspn(p + 13, "\r\n"), p + 13);
+    if (k > 13 && !strncasecmp(p, "Retry-After: ", 13))
+        snprintf(x->retry_after, sizeof x->retry_after, "%.*s", (int)strcspn(p + 13, "\r\n"), p + 13);
     if (k > 14 && !strncasecmp(p, "Content-Type: ", 14))
         snprintf(x->content_type, sizeof x->content_type, "%.*s", (int)strcspn(p + 14, "\r\n"), p + 14);
     if (k > 29 && !strncasecmp(p, "Access-Control-Allow-Origin: ", 29))
@@ -540,7 +550,8 @@ static long http_with(int port, const char *method, const char *path, const char
 /* Drives transfers together; `tick` (may be NULL) runs every loop. */
 static void run_multi(xfer *xs, int n, void (*tick)(void *), void *arg) {
     CURLM *m = curl_multi_init();
-    for (int i = 0; i < n; i++) curl_multi_add_handle(m, xs[i].h);
+    for (int i = 0; i < n; i++)
+        curl_multi_add_handle(m, xs[i].h);
     int running = n;
     while (running) {
         curl_multi_perform(m, &running);
@@ -556,7 +567,8 @@ static void run_multi(xfer *xs, int n, void (*tick)(void *), void *arg) {
         if (tick) tick(arg);
         if (running) curl_multi_poll(m, NULL, 0, 20, NULL);
     }
-    for (int i = 0; i < n; i++) curl_multi_remove_handle(m, xs[i].h);
+    for (int i = 0; i < n; i++)
+        curl_multi_remove_handle(m, xs[i].h);
     curl_multi_cleanup(m);
 }
 
@@ -570,10 +582,12 @@ static char *read_log(const server *s) {
 static void server_start(server *s, const char *name, const char *const *extra) {
     memset(s, 0, sizeof *s);
     snprintf(s->log, sizeof s->log, "%s/test_server_%s_%d.log", DUET_BINARY_DIR, name, (int)getpid());
-    const char *argv[64] = {duet_binary(), "serve", "-m", test_shared_path("models/stories260K.gguf"), "--backend",
-                            "cpu", "--port", "0", "-c", "1024"};
+    const char *argv[64] = {duet_binary(), "serve", "-m",     test_shared_path("models/stories260K.gguf"),
+                            "--backend",   "cpu",   "--port", "0",
+                            "-c",          "1024"};
     int argc = 10;
-    for (int i = 0; extra && extra[i]; i++) argv[argc++] = extra[i];
+    for (int i = 0; extra && extra[i]; i++)
+        argv[argc++] = extra[i];
     argv[argc] = NULL;
     int log_fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ck_assert_msg(log_fd >= 0, "cannot create %s", s->log);
@@ -678,7 +692,8 @@ static void parse_stream(const char *body, bool chat, stream_result *r) {
             ck_assert_msg(i >= 0 && i < SRV_MAX_N, "choice index %d", i);
             cJSON *t = chat ? cJSON_GetObjectItem(cJSON_GetObjectItem(c, "delta"), "content")
                             : cJSON_GetObjectItem(c, "text");
-            if (cJSON_IsString(t)) strncat(r->text[i], t->valuestring, sizeof r->text[i] - strlen(r->text[i]) - 1);
+            if (cJSON_IsString(t))
+                strncat(r->text[i], t->valuestring, sizeof r->text[i] - strlen(r->text[i]) - 1);
             cJSON *f = cJSON_GetObjectItem(c, "finish_reason");
             if (cJSON_IsString(f)) {
                 ck_assert_msg(!r->finish[i][0], "choice %d finished twice", i);
@@ -693,12 +708,14 @@ static void parse_stream(const char *body, bool chat, stream_result *r) {
 
 static const char *choice_text(cJSON *resp, int i, bool chat) {
     cJSON *c = cJSON_GetArrayItem(cJSON_GetObjectItem(resp, "choices"), i);
-    cJSON *t = chat ? cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "content") : cJSON_GetObjectItem(c, "text");
+    cJSON *t = chat ? cJSON_GetObjectItem(cJSON_GetObjectItem(c, "message"), "content")
+                    : cJSON_GetObjectItem(c, "text");
     return cJSON_IsString(t) ? t->valuestring : NULL;
 }
 
 static const char *choice_finish(cJSON *resp, int i) {
-    cJSON *f = cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(resp, "choices"), i), "finish_reason");
+    cJSON *f =
+        cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(resp, "choices"), i), "finish_reason");
     return cJSON_IsString(f) ? f->valuestring : "";
 }
 
@@ -726,15 +743,18 @@ static double scrape(int port, const char *name, const char *filter) {
 /* Polls until name{filter} == want or the timeout passes; returns the last value. */
 static double await_metric(int port, const char *name, const char *filter, double want, double timeout_s) {
     double v = scrape(port, name, filter);
-    for (double t0 = now_s(); v != want && now_s() - t0 < timeout_s; sleep_ms(20)) v = scrape(port, name, filter);
+    for (double t0 = now_s(); v != want && now_s() - t0 < timeout_s; sleep_ms(20))
+        v = scrape(port, name, filter);
     return v;
 }
 
 /* ---- the live tests ---- */
 
-static const char *const subjects[8] = {"Once upon a time", "The little dog", "Lily wanted", "Tom and his mom",
-                                        "The sun",          "A big bear",     "The cat",     "One day"};
-static const char *const endings[8] = {"", " and", " went to", " saw a", " was", " liked to", " found a", " said"};
+static const char *const subjects[8] = {"Once upon a time", "The little dog", "Lily wanted",
+                                        "Tom and his mom",  "The sun",        "A big bear",
+                                        "The cat",          "One day"};
+static const char *const endings[8] = {"",     " and",      " went to", " saw a",
+                                       " was", " liked to", " found a", " said"};
 
 START_TEST(concurrent_streams_match_sequential_runs) {
     server s;
@@ -744,7 +764,8 @@ START_TEST(concurrent_streams_match_sequential_runs) {
     static stream_result seq[N], con[N];
     for (int i = 0; i < N; i++)
         snprintf(bodies[i], sizeof bodies[i],
-                 "{\"model\":\"stories260K\",\"prompt\":\"%s%s\",\"max_tokens\":%d,\"temperature\":0,\"stream\":true,"
+                 "{\"model\":\"stories260K\",\"prompt\":\"%s%s\",\"max_tokens\":%d,\"temperature\":0,"
+                 "\"stream\":true,"
                  "\"stream_options\":{\"include_usage\":true}}",
                  subjects[i % 8], endings[i / 8], 24 + (i % 5) * 8);
     /* One at a time: batch size 1. */
@@ -753,7 +774,8 @@ START_TEST(concurrent_streams_match_sequential_runs) {
         xfer x;
         long code = http(s.port, "POST", "/v1/completions", bodies[i], &x);
         ck_assert_msg(code == 200, "sequential request %d: HTTP %ld %s", i, code, x.buf ? x.buf : "");
-        ck_assert_msg(strstr(x.content_type, "text/event-stream") != NULL, "stream content type '%s'", x.content_type);
+        ck_assert_msg(strstr(x.content_type, "text/event-stream") != NULL, "stream content type '%s'",
+                      x.content_type);
         parse_stream(x.buf, false, &seq[i]);
         xfer_free(&x);
         ck_assert_msg(seq[i].done_marker && seq[i].finish[0][0] && seq[i].usage_completion > 0,
@@ -763,29 +785,32 @@ START_TEST(concurrent_streams_match_sequential_runs) {
     t_seq = now_s() - t_seq;
     /* All 64 at once. */
     static xfer xs[N];
-    for (int i = 0; i < N; i++) xfer_init(&xs[i], s.port, "POST", "/v1/completions", bodies[i]);
+    for (int i = 0; i < N; i++)
+        xfer_init(&xs[i], s.port, "POST", "/v1/completions", bodies[i]);
     double t0 = now_s();
     run_multi(xs, N, NULL, NULL);
     double secs = now_s() - t0;
     int differ = 0;
     for (int i = 0; i < N; i++) {
-        ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "concurrent request %d: curl %d HTTP %ld", i,
-                      (int)xs[i].res, xs[i].code);
+        ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "concurrent request %d: curl %d HTTP %ld",
+                      i, (int)xs[i].res, xs[i].code);
         parse_stream(xs[i].buf, false, &con[i]);
         ck_assert_msg(con[i].done_marker, "concurrent stream %d has no [DONE]", i);
         if (strcmp(con[i].text[0], seq[i].text[0]) || strcmp(con[i].finish[0], seq[i].finish[0]) ||
             con[i].usage_completion != seq[i].usage_completion) {
             if (!differ++)
-                fprintf(stderr, "request %d differs:\n  alone:   [%s] %s %d\n  batched: [%s] %s %d\n", i, seq[i].text[0],
-                        seq[i].finish[0], seq[i].usage_completion, con[i].text[0], con[i].finish[0],
-                        con[i].usage_completion);
+                fprintf(stderr, "request %d differs:\n  alone:   [%s] %s %d\n  batched: [%s] %s %d\n", i,
+                        seq[i].text[0], seq[i].finish[0], seq[i].usage_completion, con[i].text[0],
+                        con[i].finish[0], con[i].usage_completion);
         }
         xfer_free(&xs[i]);
     }
-    ck_assert_msg(differ == 0, "%d of %d concurrent greedy streams differ from their sequential runs", differ, N);
+    ck_assert_msg(differ == 0, "%d of %d concurrent greedy streams differ from their sequential runs", differ,
+                  N);
     fprintf(stderr, "test_server: 64 streams one at a time in %.2f s, all at once in %.2f s\n", t_seq, secs);
     /* Batching happened: some step ran more than one sequence. */
-    double steps = scrape(s.port, "duet_batch_size_count", ""), seqs = scrape(s.port, "duet_batch_size_sum", "");
+    double steps = scrape(s.port, "duet_batch_size_count", ""),
+           seqs = scrape(s.port, "duet_batch_size_sum", "");
     ck_assert_msg(seqs > steps, "no step had more than one sequence (%g sequences in %g steps)", seqs, steps);
     ck_assert_int_eq(server_stop(&s, 60), 0);
 }
@@ -811,7 +836,8 @@ START_TEST(completions_stop_n_usage_and_chat) {
                   "usage totals");
     /* Stop at a word two thirds in. */
     const char *cut = text + strlen(text) * 2 / 3;
-    while (*cut && *cut != ' ') cut++;
+    while (*cut && *cut != ' ')
+        cut++;
     char stop[16] = "";
     snprintf(stop, sizeof stop, "%.*s", (int)(strcspn(cut + 1, " ") + 1), cut);
     ck_assert_msg(strlen(stop) >= 2, "no word to stop at in: %s", text);
@@ -848,8 +874,8 @@ START_TEST(completions_stop_n_usage_and_chat) {
                           usage_of(o, "completion_tokens"));
         }
         ck_assert_msg(strlen(got) == prefix && !strncmp(got, text, prefix),
-                      "stop '%s' (stream=%d): got [%s], want the first %zu bytes of [%s]", stop, stream, got, prefix,
-                      text);
+                      "stop '%s' (stream=%d): got [%s], want the first %zu bytes of [%s]", stop, stream, got,
+                      prefix, text);
         ck_assert_msg(!strcmp(finish, "stop"), "finish_reason '%s' after a stop string", finish);
         cJSON_Delete(o);
         xfer_free(&x);
@@ -867,29 +893,34 @@ START_TEST(completions_stop_n_usage_and_chat) {
     ck_assert_int_eq(cJSON_GetArraySize(cJSON_GetObjectItem(a, "choices")), 3);
     int distinct = 0;
     for (int i = 0; i < 3; i++) {
-        ck_assert_int_eq(cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(a, "choices"), i), "index")->valueint, i);
-        ck_assert_msg(!strcmp(choice_text(a, i, false), choice_text(b, i, false)), "seeded choice %d not reproducible", i);
+        ck_assert_int_eq(
+            cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(a, "choices"), i), "index")->valueint,
+            i);
+        ck_assert_msg(!strcmp(choice_text(a, i, false), choice_text(b, i, false)),
+                      "seeded choice %d not reproducible", i);
         if (i && strcmp(choice_text(a, i, false), choice_text(a, 0, false))) distinct++;
     }
     ck_assert_msg(distinct > 0, "n=3 sampled choices are all identical: the seed is not varied per choice");
-    code = http(s.port, "POST", "/v1/completions",
-                "{\"prompt\":\"The cat\",\"max_tokens\":16,\"temperature\":1.0,\"seed\":7,\"n\":3,\"stream\":true,"
-                "\"stream_options\":{\"include_usage\":true}}",
-                &x);
+    code = http(
+        s.port, "POST", "/v1/completions",
+        "{\"prompt\":\"The cat\",\"max_tokens\":16,\"temperature\":1.0,\"seed\":7,\"n\":3,\"stream\":true,"
+        "\"stream_options\":{\"include_usage\":true}}",
+        &x);
     stream_result sr;
     parse_stream(x.buf, false, &sr);
     xfer_free(&x);
     for (int i = 0; i < 3; i++)
-        ck_assert_msg(!strcmp(sr.text[i], choice_text(a, i, false)), "streamed choice %d [%s] != [%s]", i, sr.text[i],
-                      choice_text(a, i, false));
+        ck_assert_msg(!strcmp(sr.text[i], choice_text(a, i, false)), "streamed choice %d [%s] != [%s]", i,
+                      sr.text[i], choice_text(a, i, false));
     ck_assert_int_eq(sr.usage_completion, usage_of(a, "completion_tokens"));
     ck_assert_int_eq(sr.usage_prompt, usage_of(a, "prompt_tokens"));
     cJSON_Delete(a);
     cJSON_Delete(b);
 
     /* Chat: the template-rendered prompt; streamed equals non-streamed. */
-    const char *cb = "{\"messages\":[{\"role\":\"system\",\"content\":\"Tell stories.\"},{\"role\":\"user\","
-                     "\"content\":\"A story about a dog\"}],\"max_completion_tokens\":20,\"temperature\":0%s}";
+    const char *cb =
+        "{\"messages\":[{\"role\":\"system\",\"content\":\"Tell stories.\"},{\"role\":\"user\","
+        "\"content\":\"A story about a dog\"}],\"max_completion_tokens\":20,\"temperature\":0%s}";
     snprintf(body, sizeof body, cb, "");
     code = http(s.port, "POST", "/v1/chat/completions", body, &x);
     ck_assert_msg(code == 200, "chat: HTTP %ld %s", code, x.buf);
@@ -920,8 +951,10 @@ START_TEST(completions_stop_n_usage_and_chat) {
     /* The model list. */
     code = http(s.port, "GET", "/v1/models", NULL, &x);
     cJSON *ml = cJSON_Parse(x.buf);
-    ck_assert_msg(code == 200 && !strcmp(cJSON_GetObjectItem(cJSON_GetArrayItem(cJSON_GetObjectItem(ml, "data"), 0),
-                                                             "id")->valuestring, "stories260K"),
+    ck_assert_msg(code == 200 && !strcmp(cJSON_GetObjectItem(
+                                             cJSON_GetArrayItem(cJSON_GetObjectItem(ml, "data"), 0), "id")
+                                             ->valuestring,
+                                         "stories260K"),
                   "/v1/models: %s", x.buf);
     cJSON_Delete(ml);
     xfer_free(&x);
@@ -935,7 +968,8 @@ START_TEST(malformed_requests_get_400) {
     /* A prompt longer than the 1024-token context. */
     static char huge[64 * 1024];
     strcpy(huge, "{\"prompt\":\"");
-    for (int i = 0; i < 3000; i++) strcat(huge, "dog ");
+    for (int i = 0; i < 3000; i++)
+        strcat(huge, "dog ");
     strcat(huge, "\"}");
     static const struct {
         const char *method, *path, *body, *param, *code;
@@ -972,29 +1006,36 @@ START_TEST(malformed_requests_get_400) {
         cJSON *msg = cJSON_GetObjectItem(e, "message"), *ty = cJSON_GetObjectItem(e, "type"),
               *param = cJSON_GetObjectItem(e, "param"), *cd = cJSON_GetObjectItem(e, "code");
         ck_assert_msg(cJSON_IsString(msg) && msg->valuestring[0], "case %zu: no message", i);
-        ck_assert_msg(cJSON_IsString(ty) && !strcmp(ty->valuestring, "invalid_request_error"), "case %zu: type", i);
+        ck_assert_msg(cJSON_IsString(ty) && !strcmp(ty->valuestring, "invalid_request_error"),
+                      "case %zu: type", i);
         const char *pv = cJSON_IsString(param) ? param->valuestring : "";
-        ck_assert_msg(param && !strcmp(pv, cases[i].param), "case %zu: param '%s', want '%s'", i, pv, cases[i].param);
-        ck_assert_msg(cJSON_IsString(cd) && !strcmp(cd->valuestring, cases[i].code), "case %zu: code %s, want %s", i,
-                      cJSON_IsString(cd) ? cd->valuestring : "null", cases[i].code);
+        ck_assert_msg(param && !strcmp(pv, cases[i].param), "case %zu: param '%s', want '%s'", i, pv,
+                      cases[i].param);
+        ck_assert_msg(cJSON_IsString(cd) && !strcmp(cd->valuestring, cases[i].code),
+                      "case %zu: code %s, want %s", i, cJSON_IsString(cd) ? cd->valuestring : "null",
+                      cases[i].code);
         cJSON_Delete(o);
         xfer_free(&x);
     }
     /* Deep nesting: cJSON's depth limit, on a connection thread's stack. */
     static char deep[8192];
     strcpy(deep, "{\"prompt\":");
-    for (int i = 0; i < 990; i++) strcat(deep, "[");
-    for (int i = 0; i < 990; i++) strcat(deep, "]");
+    for (int i = 0; i < 990; i++)
+        strcat(deep, "[");
+    for (int i = 0; i < 990; i++)
+        strcat(deep, "]");
     strcat(deep, "}");
     for (int k = 0; k < 2; k++) {
         xfer x;
-        long code = http(s.port, "POST", "/v1/completions", k ? "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[" : deep, &x);
+        long code = http(s.port, "POST", "/v1/completions",
+                         k ? "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[" : deep, &x);
         ck_assert_msg(code == 400 && strstr(x.buf, "\"error\""), "deeply nested JSON #%d: HTTP %ld", k, code);
         xfer_free(&x);
     }
     /* The server is unharmed: a good request still works. */
     xfer x;
-    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"prompt\":\"The dog\",\"max_tokens\":4}", &x), 200);
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"prompt\":\"The dog\",\"max_tokens\":4}", &x),
+                     200);
     xfer_free(&x);
     ck_assert_msg(scrape(s.port, "duet_http_requests_total", "path=\"/v1/completions\",code=\"400\"") >= 11,
                   "400s are not counted in duet_http_requests_total");
@@ -1024,8 +1065,8 @@ START_TEST(disconnects_free_their_blocks) {
     curl_easy_setopt(xs[N - 1].h, CURLOPT_TIMEOUT_MS, 100L);
     run_multi(xs, N, NULL, NULL);
     for (int i = 0; i < N; i++) {
-        ck_assert_msg(xs[i].res != CURLE_OK, "transfer %d was not cut short (HTTP %ld: %.200s)", i, xs[i].code,
-                      xs[i].buf ? xs[i].buf : "");
+        ck_assert_msg(xs[i].res != CURLE_OK, "transfer %d was not cut short (HTTP %ld: %.200s)", i,
+                      xs[i].code, xs[i].buf ? xs[i].buf : "");
         xfer_free(&xs[i]);
     }
     /* Every sequence ends and its KV blocks return. */
@@ -1066,13 +1107,13 @@ START_TEST(overload_gets_429) {
                           "429 body is not an error object: %s", xs[i].buf);
             cJSON_Delete(o);
         }
-        ck_assert_msg(xs[i].code == 200 || xs[i].code == 429, "request %d: HTTP %ld %s", i, xs[i].code, xs[i].buf);
+        ck_assert_msg(xs[i].code == 200 || xs[i].code == 429, "request %d: HTTP %ld %s", i, xs[i].code,
+                      xs[i].buf);
         xfer_free(&xs[i]);
     }
     /* How many are served depends on timing (the first may still be waiting
      * when the second arrives); some must be served and some refused. */
-    ck_assert_msg(ok >= 1 && busy >= 1 && ok <= N - 1, "%d served and %d refused; want both",
-                  ok, busy);
+    ck_assert_msg(ok >= 1 && busy >= 1 && ok <= N - 1, "%d served and %d refused; want both", ok, busy);
     double rejected = scrape(s.port, "duet_requests_total", "status=\"rejected\"");
     ck_assert_msg(rejected == busy, "duet_requests_total{status=rejected} %g, want %d", rejected, busy);
     ck_assert_int_eq(server_stop(&s, 60), 0);
@@ -1084,8 +1125,11 @@ START_TEST(metrics_are_prometheus_text) {
     const char *args[] = {"--served-model-name", "tiny-stories", NULL};
     server_start(&s, "metrics", args);
     xfer x;
-    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"prompt\":\"The sun\",\"max_tokens\":12,\"temperature\":0,"
-                                                            "\"ignore_eos\":true,\"priority\":\"batch\"}", &x), 200);
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions",
+                          "{\"prompt\":\"The sun\",\"max_tokens\":12,\"temperature\":0,"
+                          "\"ignore_eos\":true,\"priority\":\"batch\"}",
+                          &x),
+                     200);
     xfer_free(&x);
     ck_assert_int_eq(http(s.port, "GET", "/metrics", NULL, &x), 200);
     ck_assert_msg(strstr(x.content_type, "text/plain") && strstr(x.content_type, "version=0.0.4"),
@@ -1093,12 +1137,22 @@ START_TEST(metrics_are_prometheus_text) {
     prom_doc d;
     char err[256];
     ck_assert_msg(prom_parse(x.buf, &d, err, sizeof err), "/metrics breaks the format: %s", err);
-    static const char *const families[] = {
-        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-        "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
-        "vllm:request_queue_time_seconds", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-        "vllm:request_success_total", "duet_batch_size", "duet_batch_tokens", "duet_device_busy_ratio",
-        "duet_requests_waiting", "duet_max_batch_seqs", "duet_http_requests_total"};
+    static const char *const families[] = {"vllm:num_requests_running",
+                                           "vllm:num_requests_waiting",
+                                           "vllm:kv_cache_usage_perc",
+                                           "vllm:time_to_first_token_seconds",
+                                           "vllm:inter_token_latency_seconds",
+                                           "vllm:e2e_request_latency_seconds",
+                                           "vllm:request_queue_time_seconds",
+                                           "vllm:prompt_tokens_total",
+                                           "vllm:generation_tokens_total",
+                                           "vllm:request_success_total",
+                                           "duet_batch_size",
+                                           "duet_batch_tokens",
+                                           "duet_device_busy_ratio",
+                                           "duet_requests_waiting",
+                                           "duet_max_batch_seqs",
+                                           "duet_http_requests_total"};
     for (size_t i = 0; i < sizeof families / sizeof *families; i++)
         ck_assert_msg(prom_type(&d, families[i])[0], "/metrics lacks the family %s", families[i]);
     double v;
@@ -1162,7 +1216,8 @@ static int run_serve(const char *const *args, char *out, size_t size) {
     snprintf(log, sizeof log, "%s/test_server_opts_%d.log", DUET_BINARY_DIR, (int)getpid());
     const char *argv[32] = {duet_binary(), "serve"};
     int argc = 2;
-    for (int i = 0; args[i]; i++) argv[argc++] = args[i];
+    for (int i = 0; args[i]; i++)
+        argv[argc++] = args[i];
     argv[argc] = NULL;
     pid_t pid = fork();
     if (pid == 0) {
@@ -1193,12 +1248,15 @@ START_TEST(config_file_and_command_line_knobs) {
     server s;
     const char *args[] = {"--config", cfg, "--max-batch-seqs", "3", NULL};
     server_start(&s, "config", args);
-    ck_assert_msg(scrape(s.port, "duet_max_batch_seqs", "") == 3, "the command line must override the config file");
+    ck_assert_msg(scrape(s.port, "duet_max_batch_seqs", "") == 3,
+                  "the command line must override the config file");
     ck_assert_msg(scrape(s.port, "duet_prefill_chunk", "") == 64, "prefill_chunk from the config file");
-    ck_assert_msg(scrape(s.port, "duet_batch_timeout_seconds", "") == 0.005, "batch_timeout_ms from the config file");
+    ck_assert_msg(scrape(s.port, "duet_batch_timeout_seconds", "") == 0.005,
+                  "batch_timeout_ms from the config file");
     xfer x;
-    ck_assert_int_eq(http(s.port, "POST", "/v1/completions", "{\"model\":\"tiny-stories\",\"prompt\":\"x\",\"max_tokens\":2}",
-                          &x), 200);
+    ck_assert_int_eq(http(s.port, "POST", "/v1/completions",
+                          "{\"model\":\"tiny-stories\",\"prompt\":\"x\",\"max_tokens\":2}", &x),
+                     200);
     xfer_free(&x);
     ck_assert_int_eq(server_stop(&s, 60), 0);
 
@@ -1213,7 +1271,8 @@ START_TEST(config_file_and_command_line_knobs) {
     fprintf(f, "{\"max_batch_seqs\": \"many\"}");
     fclose(f);
     ck_assert_msg(run_serve(typo, out, sizeof out) == 2, "a non-numeric knob must be refused: %s", out);
-    const char *bad_flag[] = {"-m", test_shared_path("models/stories260K.gguf"), "--max-batch-seqs", "0", NULL};
+    const char *bad_flag[] = {"-m", test_shared_path("models/stories260K.gguf"), "--max-batch-seqs", "0",
+                              NULL};
     ck_assert_msg(run_serve(bad_flag, out, sizeof out) == 2, "--max-batch-seqs 0 must be refused: %s", out);
     const char *help[] = {"--help", NULL};
     ck_assert_msg(run_serve(help, out, sizeof out) == 0 && strstr(out, "--max-batch-tokens") &&
@@ -1294,7 +1353,8 @@ START_TEST(sigterm_drains_then_exits_0) {
     xfer xs[N];
     for (int i = 0; i < N; i++)
         xfer_init(&xs[i], s.port, "POST", "/v1/completions",
-                  "{\"prompt\":\"One day\",\"max_tokens\":900,\"ignore_eos\":true,\"temperature\":0,\"stream\":true,"
+                  "{\"prompt\":\"One "
+                  "day\",\"max_tokens\":900,\"ignore_eos\":true,\"temperature\":0,\"stream\":true,"
                   "\"stream_options\":{\"include_usage\":true}}");
     drain_state st = {.s = &s, .xs = xs, .n = N, .probe_ready = true, .ready_fd = -1};
     run_multi(xs, N, drain_tick, &st);
@@ -1307,13 +1367,13 @@ START_TEST(sigterm_drains_then_exits_0) {
     ck_assert_msg(!strncmp(st.ready_after, "HTTP/1.1 503", 12) && strstr(st.ready_after, "\"draining\""),
                   "/ready during the drain: %s", st.ready_after);
     for (int i = 0; i < N; i++) {
-        ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "stream %d: curl %d HTTP %ld", i, (int)xs[i].res,
-                      xs[i].code);
+        ck_assert_msg(xs[i].res == CURLE_OK && xs[i].code == 200, "stream %d: curl %d HTTP %ld", i,
+                      (int)xs[i].res, xs[i].code);
         stream_result r;
         parse_stream(xs[i].buf, false, &r);
         ck_assert_msg(r.done_marker && !strcmp(r.finish[0], "length") && r.usage_completion == 900,
-                      "stream %d cut by SIGTERM: done=%d finish='%s' tokens=%d", i, r.done_marker, r.finish[0],
-                      r.usage_completion);
+                      "stream %d cut by SIGTERM: done=%d finish='%s' tokens=%d", i, r.done_marker,
+                      r.finish[0], r.usage_completion);
         xfer_free(&xs[i]);
     }
     /* New work was refused while draining: no connection, or 503. */
@@ -1324,7 +1384,8 @@ START_TEST(sigterm_drains_then_exits_0) {
     for (double t0 = now_s(); now_s() - t0 < 30; sleep_ms(20))
         if (waitpid(s.pid, &status, WNOHANG) == s.pid) break;
     char *log = read_log(&s);
-    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0, "duet serve did not exit 0 after draining:\n%s", log);
+    ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+                  "duet serve did not exit 0 after draining:\n%s", log);
     ck_assert_msg(strstr(log, "duet: loaded in ") && strstr(log, "duet: ready in "),
                   "start-up did not report its progress:\n%s", log);
     free(log);
@@ -1608,7 +1669,8 @@ START_TEST(idle_connections_time_out) {
                           test_shared_path("models/smollm2-135m-instruct-q4_k_m.gguf"),
                           NULL};
     server_start(&s, "idle-queued", slow);
-    const char *stream = "{\"prompt\":\"Once upon a time\",\"max_tokens\":60,\"ignore_eos\":true,\"stream\":true}";
+    const char *stream =
+        "{\"prompt\":\"Once upon a time\",\"max_tokens\":60,\"ignore_eos\":true,\"stream\":true}";
     const char *plain = "{\"prompt\":\"Once upon a time\",\"max_tokens\":60,\"ignore_eos\":true}";
     static xfer xs[3];
     const char *bodies[3] = {stream, stream, plain};
@@ -1623,8 +1685,8 @@ START_TEST(idle_connections_time_out) {
         if (bodies[i] == stream) {
             stream_result r;
             parse_stream(xs[i].buf, false, &r);
-            ck_assert_msg(r.done_marker && !strcmp(r.finish[0], "length"), "queued stream %d: done %d finish '%s'",
-                          i, r.done_marker, r.finish[0]);
+            ck_assert_msg(r.done_marker && !strcmp(r.finish[0], "length"),
+                          "queued stream %d: done %d finish '%s'", i, r.done_marker, r.finish[0]);
         } else {
             ck_assert_msg(strstr(xs[i].buf, "\"finish_reason\":\"length\""), "queued answer: %s", xs[i].buf);
         }

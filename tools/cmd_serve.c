@@ -244,33 +244,61 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
     float f;
     int i;
     switch (key) {
-    case 'm': o->model = v; return true;
-    case O_HOST: o->srv.host = v; return true;
-    case O_PORT: return cli_int("--port", v, 0, 65535, &o->srv.port);
-    case O_NAME: o->srv.model_name = v; return true;
-    case O_TEMPLATE: o->srv.chat_template = v; return true;
-    case O_BACKEND: ep->open.backend = v; return true;
-    case O_DEVICE: return cli_int("--device", v, 0, 1024, &ep->open.device);
-    case 't': return cli_int("--threads", v, 0, 1024, &ep->open.n_threads);
-    case 'c': return cli_int("--ctx", v, 1, 1 << 20, &ep->open.n_ctx);
-    case O_KV: ep->open.kv_type = v; return true;
-    case O_MAX_SEQS: return cli_int("--max-batch-seqs", v, 1, 4096, &ep->max_batch_seqs);
-    case O_MAX_TOKENS: return cli_int("--max-batch-tokens", v, 1, 1 << 20, &ep->max_batch_tokens);
+    case 'm':
+        o->model = v;
+        return true;
+    case O_HOST:
+        o->srv.host = v;
+        return true;
+    case O_PORT:
+        return cli_int("--port", v, 0, 65535, &o->srv.port);
+    case O_NAME:
+        o->srv.model_name = v;
+        return true;
+    case O_TEMPLATE:
+        o->srv.chat_template = v;
+        return true;
+    case O_BACKEND:
+        ep->open.backend = v;
+        return true;
+    case O_DEVICE:
+        return cli_int("--device", v, 0, 1024, &ep->open.device);
+    case 't':
+        return cli_int("--threads", v, 0, 1024, &ep->open.n_threads);
+    case 'c':
+        return cli_int("--ctx", v, 1, 1 << 20, &ep->open.n_ctx);
+    case O_KV:
+        ep->open.kv_type = v;
+        return true;
+    case O_MAX_SEQS:
+        return cli_int("--max-batch-seqs", v, 1, 4096, &ep->max_batch_seqs);
+    case O_MAX_TOKENS:
+        return cli_int("--max-batch-tokens", v, 1, 1 << 20, &ep->max_batch_tokens);
     case O_TIMEOUT:
         if (!cli_float("--batch-timeout-ms", v, 0, 60000, &f)) return false;
         ep->batch_timeout_ms = f;
         return true;
-    case O_CHUNK: return cli_int("--prefill-chunk", v, 1, 1 << 20, &ep->prefill_chunk);
-    case O_MAX_WAITING: return cli_int("--max-waiting", v, 1, 1 << 20, &ep->max_waiting);
-    case O_KV_BLOCKS: return cli_int("--kv-blocks", v, 1, 1 << 24, &ep->kv_blocks);
-    case O_KV_BLOCK_SIZE: return cli_int("--kv-block-size", v, 1, 4096, &ep->kv_block_size);
+    case O_CHUNK:
+        return cli_int("--prefill-chunk", v, 1, 1 << 20, &ep->prefill_chunk);
+    case O_MAX_WAITING:
+        return cli_int("--max-waiting", v, 1, 1 << 20, &ep->max_waiting);
+    case O_KV_BLOCKS:
+        return cli_int("--kv-blocks", v, 1, 1 << 24, &ep->kv_blocks);
+    case O_KV_BLOCK_SIZE:
+        return cli_int("--kv-block-size", v, 1, 4096, &ep->kv_block_size);
     case O_NO_PREFIX_CACHE:
         ep->no_prefix_cache = true;
         return true;
-    case O_SPEC: ep->open.spec = v; return true;
-    case O_SPEC_K: return cli_int("--spec-k", v, 1, 16, &ep->open.spec_k);
-    case O_SPEC_MAX_BATCH: return cli_int("--spec-max-batch", v, -1, 4096, &ep->spec_max_batch);
-    case O_DRAFT: ep->open.draft = v; return true;
+    case O_SPEC:
+        ep->open.spec = v;
+        return true;
+    case O_SPEC_K:
+        return cli_int("--spec-k", v, 1, 16, &ep->open.spec_k);
+    case O_SPEC_MAX_BATCH:
+        return cli_int("--spec-max-batch", v, -1, 4096, &ep->spec_max_batch);
+    case O_DRAFT:
+        ep->open.draft = v;
+        return true;
     case O_SLO_TTFT:
         return parse_slo("--slo-ttft-ms", v, ep->slo_ttft_ms);
     case O_SLO_ITL:
@@ -285,7 +313,9 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         if (!cli_float("--step-budget-share", v, 0.25f, 1, &f)) return false;
         ep->step_budget_share = f;
         return true;
-    case O_CONFIG: o->config = v; return true;
+    case O_CONFIG:
+        o->config = v;
+        return true;
     case O_DRAIN:
         if (!cli_float("--drain-timeout", v, 0, 86400, &f)) return false;
         o->drain_timeout_s = f;
@@ -294,8 +324,10 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         if (!cli_int("--max-connections", v, 1, 65536, &i)) return false;
         o->srv.max_connections = i;
         return true;
-    case O_IDLE: return cli_int("--idle-timeout", v, 1, 86400, &o->srv.idle_timeout_s);
-    case O_READ_TIMEOUT: return cli_int("--read-timeout", v, 1, 86400, &o->srv.read_timeout_s);
+    case O_IDLE:
+        return cli_int("--idle-timeout", v, 1, 86400, &o->srv.idle_timeout_s);
+    case O_READ_TIMEOUT:
+        return cli_int("--read-timeout", v, 1, 86400, &o->srv.read_timeout_s);
     case O_REQUEST_TIMEOUT:
         if (!cli_float("--request-timeout", v, 0, 86400 * 7, &f)) return false;
         o->srv.request_timeout_s = f;
@@ -304,8 +336,12 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         if (!*v) return fprintf(stderr, "duet: --api-key must not be empty\n"), false;
         o->srv.api_key = v;
         return true;
-    case O_METRICS_PUBLIC: o->srv.metrics_public = true; return true;
-    case O_ORIGINS: o->srv.allowed_origins = v; return true;
+    case O_METRICS_PUBLIC:
+        o->srv.metrics_public = true;
+        return true;
+    case O_ORIGINS:
+        o->srv.allowed_origins = v;
+        return true;
     case O_INSTANCE:
         if (o->n_instances == MAX_INSTANCES)
             return fprintf(stderr, "duet: at most %d --instance options\n", MAX_INSTANCES), false;
@@ -322,8 +358,11 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
     case O_TIER_BLIND:
         o->fleet.tier_blind = true;
         return true;
-    case 'v': o->srv.verbose = true; return true;
-    default: return false;
+    case 'v':
+        o->srv.verbose = true;
+        return true;
+    default:
+        return false;
     }
 }
 
@@ -570,7 +609,8 @@ int cmd_serve(int argc, char **argv) {
         usage(stderr);
         goto out;
     }
-    if (!o.srv.api_key && getenv("DUET_API_KEY") && *getenv("DUET_API_KEY")) o.srv.api_key = getenv("DUET_API_KEY");
+    if (!o.srv.api_key && getenv("DUET_API_KEY") && *getenv("DUET_API_KEY"))
+        o.srv.api_key = getenv("DUET_API_KEY");
     duet_step_cost step_cost;
     if (o.step_cost) {
         if (duet_step_cost_load(o.step_cost, &step_cost)) {

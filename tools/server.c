@@ -115,7 +115,7 @@ struct srv {
     size_t fit_bytes; /* prompts longer than this may be refused early (prompt_may_fit) */
     duet_chat_template *chat;
     duet_tool_syntax tool_syntax; /* how the chat template writes tool calls */
-    int32_t bos; /* -1 when the model has none */
+    int32_t bos;                  /* -1 when the model has none */
     bool verbose;
     long started;
     uint64_t salt;
@@ -192,7 +192,7 @@ struct job {
     bool cancelled;
     bool timed_out; /* cancelled by its deadline */
     bool peer_eof;  /* the client half-closed (or closed: writes will tell) */
-    sse_ev *ev; /* appended by the engine thread */
+    sse_ev *ev;     /* appended by the engine thread */
     int n_ev, cap_ev;
 
     /* The connection's side (its own thread only). */
@@ -231,7 +231,9 @@ static uint64_t splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-static uint64_t fresh_u64(srv *s) { return splitmix64(s->salt ^ atomic_fetch_add(&s->counter, 1)); }
+static uint64_t fresh_u64(srv *s) {
+    return splitmix64(s->salt ^ atomic_fetch_add(&s->counter, 1));
+}
 
 /* ---- jobs --------------------------------------------------------------- */
 
@@ -323,7 +325,8 @@ static void on_event(const duet_event *ev, void *user) {
         sl->tokens = ev->generated_tokens;
         sl->prompt_tokens = ev->prompt_tokens;
         if (ev->finish == DUET_FINISH_ERROR && !sl->error[0])
-            snprintf(sl->error, sizeof sl->error, "%s", ev->message && ev->message[0] ? ev->message : "engine error");
+            snprintf(sl->error, sizeof sl->error, "%s",
+                     ev->message && ev->message[0] ? ev->message : "engine error");
         push_event(j, sl->index, sl->text.len, true);
         last = --j->refs == 0;
     }
@@ -393,16 +396,21 @@ static bool check_client(job *j) {
 
 static const char *finish_name(duet_finish f) {
     switch (f) {
-    case DUET_FINISH_LENGTH: return "length";
-    case DUET_FINISH_CANCELLED: return "abort";
-    case DUET_FINISH_ERROR: return "error";
-    default: return "stop";
+    case DUET_FINISH_LENGTH:
+        return "length";
+    case DUET_FINISH_CANCELLED:
+        return "abort";
+    case DUET_FINISH_ERROR:
+        return "error";
+    default:
+        return "stop";
     }
 }
 
 static srv_usage job_usage(job *j) {
     srv_usage u = {j->prompt_tokens, 0};
-    for (int i = 0; i < j->n_slots; i++) u.completion_tokens += j->slots[i].tokens;
+    for (int i = 0; i < j->n_slots; i++)
+        u.completion_tokens += j->slots[i].tokens;
     return u;
 }
 
@@ -436,7 +444,8 @@ static void add_cors(srv *s, struct MHD_Connection *c, struct MHD_Response *r) {
 static enum MHD_Result send_body(srv *s, conn *cn, struct MHD_Connection *c, int code, const char *ctype,
                                  char *body, const char *retry_after) {
     if (!body) {
-        body = strdup("{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":null,\"code\":null}}");
+        body = strdup("{\"error\":{\"message\":\"out of "
+                      "memory\",\"type\":\"server_error\",\"param\":null,\"code\":null}}");
         code = 500;
         if (!body) return MHD_NO;
     }
@@ -531,16 +540,20 @@ static enum MHD_Result get_metrics(srv *s, conn *cn, struct MHD_Connection *c) {
     bool ok = srv_text_append(&t, engine, strlen(engine));
     free(engine);
     /* The server's own numbers: responses by endpoint and status code. */
-    ok = ok && srv_text_printf(&t, "# HELP duet_http_requests_total HTTP responses by endpoint and status code.\n"
-                                   "# TYPE duet_http_requests_total counter\n");
+    ok = ok &&
+         srv_text_printf(&t, "# HELP duet_http_requests_total HTTP responses by endpoint and status code.\n"
+                             "# TYPE duet_http_requests_total counter\n");
     pthread_mutex_lock(&s->mu);
     for (int r = 0; r < N_ROUTES; r++)
         for (int k = 0; k < N_CODES; k++) {
             char code[8];
-            if (k == N_CODES - 1) snprintf(code, sizeof code, "other");
-            else snprintf(code, sizeof code, "%d", tracked_codes[k]);
-            ok = ok && srv_text_printf(&t, "duet_http_requests_total{model_name=\"%s\",path=\"%s\",code=\"%s\"} %llu\n",
-                                       s->name_label, route_paths[r], code, (unsigned long long)s->stats[r][k]);
+            if (k == N_CODES - 1)
+                snprintf(code, sizeof code, "other");
+            else
+                snprintf(code, sizeof code, "%d", tracked_codes[k]);
+            ok = ok && srv_text_printf(
+                           &t, "duet_http_requests_total{model_name=\"%s\",path=\"%s\",code=\"%s\"} %llu\n",
+                           s->name_label, route_paths[r], code, (unsigned long long)s->stats[r][k]);
         }
     /* The accounting identity: once idle, received = the sum of finished. */
     ok = ok && srv_text_printf(
@@ -796,8 +809,9 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
         if (text) {
             int n = tokenize(s->model, text, strlen(text), &ids[p]);
             srv_text_free(&chat);
-            if (n < 0) return srv_bad(err, r->kind == SRV_CHAT ? "messages" : "prompt", NULL, "cannot tokenize: %s",
-                                      duet_last_error()[0] ? duet_last_error() : duet_status_str((duet_status)n));
+            if (n < 0)
+                return srv_bad(err, r->kind == SRV_CHAT ? "messages" : "prompt", NULL, "cannot tokenize: %s",
+                               duet_last_error()[0] ? duet_last_error() : duet_status_str((duet_status)n));
             /* A template that writes the BOS text itself gets it once. */
             if (r->kind == SRV_CHAT && n >= 2 && ids[p][0] == s->bos && ids[p][1] == s->bos)
                 memmove(ids[p], ids[p] + 1, (size_t)--n * sizeof **ids);
@@ -809,16 +823,18 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
             memcpy(ids[p], r->prompts[p].ids, (size_t)n_ids[p] * sizeof **ids);
         }
         const char *param = r->kind == SRV_CHAT ? "messages" : "prompt";
-        if (n_ids[p] == 0) return srv_bad(err, param, "invalid_value", "the prompt is empty (and the model adds no BOS)");
+        if (n_ids[p] == 0)
+            return srv_bad(err, param, "invalid_value", "the prompt is empty (and the model adds no BOS)");
         if (n_ids[p] >= s->n_ctx)
             return srv_bad(err, param, "context_length_exceeded",
-                           "This model's maximum context length is %d tokens; the prompt has %d tokens", s->n_ctx,
-                           n_ids[p]);
+                           "This model's maximum context length is %d tokens; the prompt has %d tokens",
+                           s->n_ctx, n_ids[p]);
         if (r->max_tokens > 0 && n_ids[p] + r->max_tokens > s->n_ctx)
-            return srv_bad(err, "max_tokens", "context_length_exceeded",
-                           "This model's maximum context length is %d tokens. However, you requested %d tokens (%d in "
-                           "the prompt, %d for the completion). Reduce the prompt or max_tokens.",
-                           s->n_ctx, n_ids[p] + r->max_tokens, n_ids[p], r->max_tokens);
+            return srv_bad(
+                err, "max_tokens", "context_length_exceeded",
+                "This model's maximum context length is %d tokens. However, you requested %d tokens (%d in "
+                "the prompt, %d for the completion). Reduce the prompt or max_tokens.",
+                s->n_ctx, n_ids[p] + r->max_tokens, n_ids[p], r->max_tokens);
         j->prompt_tokens += n_ids[p];
     }
     j->n_slots = n_prompts * r->n;
@@ -851,7 +867,8 @@ static bool job_prepare(srv *s, job *j, int32_t **ids, int *n_ids, srv_error *er
         if (!ok) return *err = server_error(500, "server_error", NULL, "out of memory"), false;
     }
     /* Stop strings: the request's, then the template's end-of-turn markers. */
-    for (int i = 0; i < r->n_stop; i++) j->stops[j->n_stops++] = r->stop[i];
+    for (int i = 0; i < r->n_stop; i++)
+        j->stops[j->n_stops++] = r->stop[i];
     if (r->kind == SRV_CHAT)
         for (const char *const *t = duet_chat_template_stops(s->chat); *t; t++)
             j->stops[j->n_stops++] = (char *)*t;
@@ -878,7 +895,9 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
         /* Default length: OpenAI's 16 for completions, the rest of the
          * context for chat. */
         int room = s->n_ctx - n_ids[p];
-        q.max_tokens = r->max_tokens > 0 ? r->max_tokens : r->kind == SRV_COMPLETION ? (room < 16 ? room : 16) : room;
+        q.max_tokens = r->max_tokens > 0           ? r->max_tokens
+                       : r->kind == SRV_COMPLETION ? (room < 16 ? room : 16)
+                                                   : room;
         /* n choices with one seed must still differ: seed + choice. */
         q.sampling.seed = r->seed_set ? r->sampling.seed + (uint64_t)(i % r->n) : fresh_u64(s);
         pthread_mutex_lock(&j->mu);
@@ -889,10 +908,14 @@ static bool job_submit(srv *s, job *j, int32_t **ids, const int *n_ids, srv_erro
         if (st) {
             job_release(j); /* the reference the engine did not take */
             const char *msg = duet_last_error()[0] ? duet_last_error() : duet_status_str(st);
-            if (st == DUET_QUEUE_FULL) *err = server_error(429, "rate_limit_error", "queue_full", msg);
-            else if (st == DUET_CONTEXT_FULL) srv_bad(err, "max_tokens", "context_length_exceeded", "%s", msg);
-            else if (st == DUET_BAD_REQUEST || st == DUET_INVALID_ARGUMENT) srv_bad(err, NULL, "invalid_value", "%s", msg);
-            else *err = server_error(503, "server_error", NULL, msg);
+            if (st == DUET_QUEUE_FULL)
+                *err = server_error(429, "rate_limit_error", "queue_full", msg);
+            else if (st == DUET_CONTEXT_FULL)
+                srv_bad(err, "max_tokens", "context_length_exceeded", "%s", msg);
+            else if (st == DUET_BAD_REQUEST || st == DUET_INVALID_ARGUMENT)
+                srv_bad(err, NULL, "invalid_value", "%s", msg);
+            else
+                *err = server_error(503, "server_error", NULL, msg);
             job_cancel(j);
             return false;
         }
@@ -968,7 +991,8 @@ static void stream_fill(job *j) {
         j->role_sent = true;
         if (r->kind == SRV_CHAT)
             for (int i = 0; i < j->n_slots; i++)
-                srv_chunk_sse(&j->out, r->kind, j->id, j->created, s->name, i, NULL, 0, NULL, true, usage_null);
+                srv_chunk_sse(&j->out, r->kind, j->id, j->created, s->name, i, NULL, 0, NULL, true,
+                              usage_null);
         if (j->out.len) return;
     }
     pthread_mutex_lock(&j->mu);
@@ -1096,7 +1120,9 @@ static ssize_t stream_read(void *cls, uint64_t pos, char *buf, size_t max) {
     }
 }
 
-static void stream_free(void *cls) { job_release(cls); }
+static void stream_free(void *cls) {
+    job_release(cls);
+}
 
 /* The finished job's answer: *code and a malloc'd JSON body. Call when
  * every slot is done (the engine is done with them: no lock needed). */
@@ -1241,7 +1267,8 @@ static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
         return send_error(s, cn, c, &err);
     }
     if (cn->too_big) {
-        err = server_error(413, "invalid_request_error", "request_too_large", "the request body is too large");
+        err =
+            server_error(413, "invalid_request_error", "request_too_large", "the request body is too large");
         return send_error(s, cn, c, &err);
     }
     /* X-Duet-Instance: NAME pins the request to that instance. */
@@ -1293,7 +1320,8 @@ static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
     int32_t *ids[SRV_MAX_PROMPTS] = {0};
     int n_ids[SRV_MAX_PROMPTS] = {0};
     bool ok = job_prepare(s, j, ids, n_ids, &err) && job_submit(s, j, ids, n_ids, &err);
-    for (int p = 0; p < SRV_MAX_PROMPTS; p++) free(ids[p]);
+    for (int p = 0; p < SRV_MAX_PROMPTS; p++)
+        free(ids[p]);
     if (!ok) return send_error(s, cn, c, &err);
     /* A request in work is not idle: one queued behind a long backlog can
      * wait past --idle-timeout before its first byte, and libmicrohttpd
@@ -1307,7 +1335,8 @@ static enum MHD_Result generate(srv *s, conn *cn, struct MHD_Connection *c) {
     pthread_mutex_lock(&j->mu);
     j->refs++; /* the response's */
     pthread_mutex_unlock(&j->mu);
-    struct MHD_Response *r = MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_read, j, stream_free);
+    struct MHD_Response *r =
+        MHD_create_response_from_callback(MHD_SIZE_UNKNOWN, STREAM_BLOCK, stream_read, j, stream_free);
     if (!r) {
         job_release(j);
         return MHD_NO;
@@ -1540,8 +1569,10 @@ static enum MHD_Result handle(void *cls, struct MHD_Connection *c, const char *u
         return MHD_YES;
     }
     if (*upload_size) {
-        if (cn->body.len + *upload_size > MAX_BODY) cn->too_big = true;
-        else if (!srv_text_append(&cn->body, upload, *upload_size)) return MHD_NO;
+        if (cn->body.len + *upload_size > MAX_BODY)
+            cn->too_big = true;
+        else if (!srv_text_append(&cn->body, upload, *upload_size))
+            return MHD_NO;
         *upload_size = 0;
         return MHD_YES;
     }
@@ -1625,7 +1656,8 @@ static int job_outcome(job *j) {
     return out;
 }
 
-static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum MHD_RequestTerminationCode toe) {
+static void completed(void *cls, struct MHD_Connection *c, void **con_cls,
+                      enum MHD_RequestTerminationCode toe) {
     (void)toe;
     srv *s = cls;
     conn_rec *rec = rec_of(c);
@@ -1654,9 +1686,9 @@ static void completed(void *cls, struct MHD_Connection *c, void **con_cls, enum 
             pthread_mutex_lock(&cn->j->mu);
             srv_usage u = job_usage(cn->j);
             pthread_mutex_unlock(&cn->j->mu);
-            fprintf(stderr, "duet: %s %d %s choices=%d prompt=%d generated=%d %.3fs%s\n", route_paths[cn->route],
-                    cn->code, cn->j->id, cn->j->n_slots, u.prompt_tokens, u.completion_tokens, mono_now() - cn->j->t0,
-                    unfinished ? " (cancelled)" : "");
+            fprintf(stderr, "duet: %s %d %s choices=%d prompt=%d generated=%d %.3fs%s\n",
+                    route_paths[cn->route], cn->code, cn->j->id, cn->j->n_slots, u.prompt_tokens,
+                    u.completion_tokens, mono_now() - cn->j->t0, unfinished ? " (cancelled)" : "");
         }
         job_release(cn->j);
     }
@@ -1687,9 +1719,12 @@ static char *escape_label(const char *v) {
     srv_text t = {0};
     srv_text_append(&t, "", 0);
     for (const char *p = v; *p; p++) {
-        if (*p == '\\' || *p == '"') srv_text_printf(&t, "\\%c", *p);
-        else if (*p == '\n') srv_text_printf(&t, "\\n");
-        else srv_text_append(&t, p, 1);
+        if (*p == '\\' || *p == '"')
+            srv_text_printf(&t, "\\%c", *p);
+        else if (*p == '\n')
+            srv_text_printf(&t, "\\n");
+        else
+            srv_text_append(&t, p, 1);
     }
     return t.p;
 }
@@ -1789,7 +1824,8 @@ int srv_start(duet_fleet *f, const srv_config *cfg, srv **out) {
         if (n > longest) longest = n;
     }
     s->fit_bytes = (size_t)s->n_ctx * ((size_t)longest + 64);
-    s->lim = (srv_limits){.model_name = s->name, .model_alias = s->path[0] ? s->path : NULL, .n_vocab = d.n_vocab};
+    s->lim =
+        (srv_limits){.model_name = s->name, .model_alias = s->path[0] ? s->path : NULL, .n_vocab = d.n_vocab};
     s->verbose = cfg->verbose;
     s->read_timeout_s = cfg->read_timeout_s > 0 ? cfg->read_timeout_s : SRV_DEFAULT_READ_TIMEOUT_S;
     s->request_timeout_s = cfg->request_timeout_s > 0 ? cfg->request_timeout_s : 0;
@@ -1819,10 +1855,12 @@ int srv_start(duet_fleet *f, const srv_config *cfg, srv **out) {
     /* Resolve the listen address. */
     char port[16];
     snprintf(port, sizeof port, "%d", cfg->port);
-    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE}, *ai = NULL;
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE},
+                    *ai = NULL;
     int gai = getaddrinfo(cfg->host && *cfg->host ? cfg->host : NULL, port, &hints, &ai);
     if (gai) {
-        fprintf(stderr, "duet: cannot resolve --host %s: %s\n", cfg->host ? cfg->host : "", gai_strerror(gai));
+        fprintf(stderr, "duet: cannot resolve --host %s: %s\n", cfg->host ? cfg->host : "",
+                gai_strerror(gai));
         srv_free(s);
         return -1;
     }
@@ -1870,7 +1908,9 @@ int srv_start(duet_fleet *f, const srv_config *cfg, srv **out) {
     return 0;
 }
 
-int srv_port(const srv *s) { return s->port; }
+int srv_port(const srv *s) {
+    return s->port;
+}
 
 const char *srv_chat_template_in_use(const srv *s) {
     return duet_chat_template_name(s->chat);
@@ -1895,13 +1935,16 @@ bool srv_wait_idle(srv *s, double timeout_s) {
     ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
     pthread_mutex_lock(&s->mu);
     int rc = 0;
-    while (s->in_flight > 0 && rc != ETIMEDOUT) rc = pthread_cond_timedwait(&s->idle, &s->mu, &ts);
+    while (s->in_flight > 0 && rc != ETIMEDOUT)
+        rc = pthread_cond_timedwait(&s->idle, &s->mu, &ts);
     bool idle = s->in_flight == 0;
     pthread_mutex_unlock(&s->mu);
     return idle;
 }
 
-void srv_cancel_all(srv *s) { atomic_store(&s->cancel_all, true); }
+void srv_cancel_all(srv *s) {
+    atomic_store(&s->cancel_all, true);
+}
 
 void srv_stop(srv *s) {
     if (!s) return;
