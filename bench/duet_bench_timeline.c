@@ -58,15 +58,10 @@ static void vals_add(vals *x, double v) {
     x->v[x->n++] = v;
 }
 
-static int cmp_d(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static double vals_p99(vals *x) {
-    if (!x->n) return NAN;
-    qsort(x->v, (size_t)x->n, sizeof *x->v, cmp_d);
-    return db_percentile_sorted(x->v, (size_t)x->n, 99);
+static double vals_p99(const vals *x) {
+    const double p = 99;
+    db_summary sm;
+    return db_summarize(x->v, (size_t)x->n, &p, 1, &sm) ? sm.pct[0] : NAN;
 }
 
 typedef struct window {
