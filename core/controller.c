@@ -17,7 +17,6 @@
 #define CUT_MAX 0.92       /* shallowest cut */
 #define CUT_AIM 0.8        /* a cut aims at this ratio */
 #define TIMEOUT_SHARE 0.02 /* batch_timeout at most this share of the TTFT target */
-#define TIMEOUT_STEP_NS 50000
 
 duet_status duet__ctl_init(duet_ctl *c, const duet_ctl_config *cfg) {
     memset(c, 0, sizeof *c);
@@ -102,8 +101,8 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
     for (int p = 0; p < 2; p++)
         if (g->ttft_target_s[p] > 0 && (tightest == 0 || g->ttft_target_s[p] < tightest))
             tightest = g->ttft_target_s[p];
-    int64_t timeout_cap = tightest > 0 ? (int64_t)(tightest * TIMEOUT_SHARE * 1e9) : g->timeout_max_ns;
-    timeout_cap = clamp_i64(timeout_cap, g->timeout_min_ns, g->timeout_max_ns);
+    int64_t timeout_cap =
+        clamp_i64((int64_t)(tightest * TIMEOUT_SHARE * 1e9), g->timeout_min_ns, g->timeout_max_ns);
 
     double itl = c->itl_ratio, ttft = c->ttft_ratio;
     bool backlog = w->waiting > 0 && w->running >= seqs;
@@ -133,7 +132,6 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
         }
     } else if (ttft > TTFT_HIGH || backlog) {
         a = DUET_CTL_CATCH_UP;
-        timeout = clamp_i64(timeout / 2, g->timeout_min_ns, g->timeout_max_ns);
         if (itl < ITL_HEADROOM) {
             if (timed)
                 share = clamp_d(share * GROW, g->share_min, g->share_max);
@@ -143,13 +141,27 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
         }
     } else if (ttft < TTFT_QUIET && w->waiting == 0) { /* -1: no samples, quiet */
         a = DUET_CTL_RELAX;
-        int64_t grown = (int64_t)((double)timeout * GROW);
-        if (grown < timeout + TIMEOUT_STEP_NS) grown = timeout + TIMEOUT_STEP_NS;
-        if (timeout < timeout_cap) timeout = grown < timeout_cap ? grown : timeout_cap;
         if (itl < ITL_QUIET && timed)
             share = clamp_d(share * GROW, g->share_min, g->share_max);
         else if (itl < ITL_QUIET)
             tokens = clamp_int(scale(tokens, GROW), g->tokens_min, g->tokens_max);
+    }
+    /* The timeout follows the TTFT headroom, not the branch: all of its cap
+     * while p99 TTFT is under TTFT_QUIET of its target (or unmeasured),
+     * nothing at the target, linear between. A set point of the smoothed
+     * ratio rather than 8% steps: at constant load it stays put (growing 8%
+     * a 2 s window took 70 s to reach its cap and moved 3x per 30 s at a
+     * steady quiet load: the load ramp of
+     * bench/results/ramp-smollm2-xeon-2c.md). It costs at most 2% of the
+     * TTFT target, so it hardly feeds back on the ratio. A backlog does not
+     * move it: the timeout only delays a step when nothing runs, and
+     * halving it on each window that sampled a queue made it saw-tooth
+     * between its cap and half near capacity. Without a TTFT target it
+     * stays as configured. */
+    if (tightest > 0) {
+        double room = ttft < 0 ? 1 : clamp_d((TTFT_HIGH - ttft) / (TTFT_HIGH - TTFT_QUIET), 0, 1);
+        int64_t set = g->timeout_min_ns + (int64_t)(room * (double)(timeout_cap - g->timeout_min_ns));
+        timeout = clamp_i64(set, g->timeout_min_ns, timeout_cap);
     }
     /* Every running sequence decodes each step: the budget covers the batch. */
     if (tokens < seqs) tokens = clamp_int(seqs, g->tokens_min, g->tokens_max);

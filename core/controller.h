@@ -23,14 +23,16 @@
  *   once the budget is down to its floor (the batch size for tokens,
  *   share_min for a time budget), cut max_batch_seqs the same way.
  * - Else TTFT over its target, or requests waiting while every slot is
- *   full: requests wait too long. Halve batch_timeout; while ITL has clear
- *   headroom (ratio < 0.65) grow the budget, and with a full batch and a
- *   queue, max_batch_seqs, by 8%.
- * - Else a quiet window (TTFT ratio < 0.5, nobody waiting): lengthen
- *   batch_timeout by 8% (at least 0.05 ms) up to 2% of the tightest TTFT
- *   target, so an idle engine gathers a batch; with ITL ratio < 0.5 also
- *   grow the budget by 8%, using the headroom for faster prefill.
+ *   full: requests wait too long. While ITL has clear headroom (ratio <
+ *   0.65) grow the budget, and with a full batch and a queue,
+ *   max_batch_seqs, by 8%.
+ * - Else a quiet window (TTFT ratio < 0.5, nobody waiting): with ITL ratio
+ *   < 0.5 grow the budget by 8%, using the headroom for faster prefill.
  * - Else hold.
+ * - batch_timeout, whatever the branch, is set from the smoothed TTFT
+ *   ratio: 2% of the tightest TTFT target (its cap) at a ratio under 0.5
+ *   or with no samples, so an idle engine gathers a batch; the minimum at
+ *   1 and over; linear between.
  * The bands between the thresholds are wider than one window's step (8%
  * up from below 0.65 or 0.5; cuts land near 0.8), so at constant load the
  * knobs settle and stay (no limit cycle between cutting and growing).
