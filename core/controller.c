@@ -95,6 +95,7 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
     int64_t timeout = clamp_i64(cur->batch_timeout_ns, g->timeout_min_ns, g->timeout_max_ns);
     /* The step budget: a share of the ITL targets (timed), or tokens. */
     const bool timed = g->share_max > 0;
+    const bool binds = w->budget_cut > 0; /* a time budget that shortened a chunk: growing it helps */
     double share = timed ? clamp_d(cur->budget_share, g->share_min, g->share_max) : cur->budget_share;
     /* The longest timeout that TTFT targets allow. */
     double tightest = 0;
@@ -133,18 +134,18 @@ duet_ctl_action duet__ctl_update(duet_ctl *c, const duet_ctl_window *w, const du
     } else if (ttft > TTFT_HIGH || backlog) {
         a = DUET_CTL_CATCH_UP;
         if (itl < ITL_HEADROOM) {
-            if (timed)
-                share = clamp_d(share * GROW, g->share_min, g->share_max);
-            else
+            if (!timed)
                 tokens = clamp_int(scale(tokens, GROW), g->tokens_min, g->tokens_max);
+            else if (binds)
+                share = clamp_d(share * GROW, g->share_min, g->share_max);
             if (backlog) seqs = clamp_int(scale(seqs, GROW), g->seqs_min, g->seqs_max);
         }
     } else if (ttft < TTFT_QUIET && w->waiting == 0) { /* -1: no samples, quiet */
         a = DUET_CTL_RELAX;
-        if (itl < ITL_QUIET && timed)
-            share = clamp_d(share * GROW, g->share_min, g->share_max);
-        else if (itl < ITL_QUIET)
+        if (itl < ITL_QUIET && !timed)
             tokens = clamp_int(scale(tokens, GROW), g->tokens_min, g->tokens_max);
+        else if (itl < ITL_QUIET && binds)
+            share = clamp_d(share * GROW, g->share_min, g->share_max);
     }
     /* The timeout follows the TTFT headroom, not the branch: all of its cap
      * while p99 TTFT is under TTFT_QUIET of its target (or unmeasured),

@@ -28,6 +28,10 @@
  *   max_batch_seqs, by 8%.
  * - Else a quiet window (TTFT ratio < 0.5, nobody waiting): with ITL ratio
  *   < 0.5 grow the budget by 8%, using the headroom for faster prefill.
+ * - A time budget grows only in a window where it shortened a prompt chunk
+ *   (budget_cut): where it never binds, growing it buys nothing, and it
+ *   climbed to its ceiling in quiet windows until one step ran over the
+ *   target and was cut (a saw-tooth at constant load).
  * - Else hold.
  * - batch_timeout, whatever the branch, is set from the smoothed TTFT
  *   ratio: 2% of the tightest TTFT target (its cap) at a ratio under 0.5
@@ -67,6 +71,7 @@ typedef struct duet_ctl_window {
     int ttft_n[2];
     double itl_p99_s[2]; /* per class; ignored where itl_n is 0 */
     int itl_n[2];
+    int budget_cut; /* steps whose prompt chunks the time budget shortened */
 } duet_ctl_window;
 
 typedef struct duet_ctl_knobs {
@@ -89,6 +94,7 @@ typedef struct duet_ctl {
     double itl_ratio, ttft_ratio; /* smoothed; < 0 until the first sample */
     uint64_t windows, actions[DUET_CTL_N_ACTIONS];
     duet_ctl_action last;
+    uint64_t budget_cut_seen; /* the caller's: the scheduler's budget_cut count at the last window */
 } duet_ctl;
 
 /* Checks cfg (bounds ordered and positive, targets >= 0) and resets c.

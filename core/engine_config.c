@@ -111,6 +111,8 @@ duet_ctl_action duet__engine_ctl_tick(duet_ctl *c, duet_ctl_window *w, duet_sche
     duet__sched_stats(s, &st);
     w->waiting = st.waiting[0] + st.waiting[1];
     w->running = st.running[0] + st.running[1];
+    w->budget_cut = (int)(st.budget_cut - c->budget_cut_seen);
+    c->budget_cut_seen = st.budget_cut;
     duet_sched_knobs k = duet__sched_knobs(s);
     duet_ctl_knobs cur = {k.max_batch_seqs, k.max_batch_tokens, k.batch_timeout_ns, *share}, next;
     duet_ctl_action a = duet__ctl_update(c, w, &cur, &next);

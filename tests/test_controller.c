@@ -136,11 +136,16 @@ START_TEST(test_law_time_budget) {
     ck_assert_int_eq(duet__ctl_update(&c, &w, &k, &n), DUET_CTL_PROTECT);
     ck_assert_msg(n.budget_share == 0.25 && n.max_batch_seqs < 16, "share %g seqs %d", n.budget_share,
                   n.max_batch_seqs);
-    /* Quiet: the share grows to its ceiling, the token budget stays. */
+    /* Quiet, and the budget never shortened a chunk: growing it buys nothing. */
     ck_assert_int_eq(duet__ctl_init(&c, &g), DUET_OK);
     k = (duet_ctl_knobs){
         .max_batch_seqs = 16, .max_batch_tokens = 128, .batch_timeout_ns = 2 * MS, .budget_share = 0.5};
     w = window(0.003, 0.05, 0, 1);
+    ck_assert(duet__ctl_update(&c, &w, &k, &n) != DUET_CTL_PROTECT);
+    ck_assert_msg(n.budget_share == 0.5 && n.max_batch_tokens == 128, "share %g tokens %d", n.budget_share,
+                  n.max_batch_tokens);
+    /* Quiet, and it did: the share grows to its ceiling, the token budget stays. */
+    w.budget_cut = 3;
     for (int i = 0; i < 100; i++) {
         duet_ctl_action a = duet__ctl_update(&c, &w, &k, &n);
         ck_assert(a == DUET_CTL_RELAX || a == DUET_CTL_HOLD);
@@ -311,8 +316,11 @@ static void run_loop(int n_windows, rate_fn rate, int (*burst)(int w), bool use_
             wr->rate = rate(w);
             wr->knobs = (duet_ctl_knobs){kn.max_batch_seqs, kn.max_batch_tokens, kn.batch_timeout_ns, share};
             wr->waiting = st.waiting[0] + st.waiting[1];
-            duet_ctl_window cw = {
-                .arrival_rate = wr->rate, .waiting = wr->waiting, .running = st.running[0] + st.running[1]};
+            duet_ctl_window cw = {.arrival_rate = wr->rate,
+                                  .waiting = wr->waiting,
+                                  .running = st.running[0] + st.running[1],
+                                  .budget_cut = (int)(st.budget_cut - ctl.budget_cut_seen)};
+            ctl.budget_cut_seen = st.budget_cut;
             for (int p = 0; p < 2; p++) {
                 cw.itl_n[p] = sm.n[0][p], cw.ttft_n[p] = sm.n[1][p];
                 cw.itl_p99_s[p] = wr->itl_p99[p] = p99(sm.v[0][p], sm.n[0][p]);
