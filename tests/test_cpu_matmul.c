@@ -1,5 +1,5 @@
 /* test_cpu_matmul.c — the cpu backend's q8_0 matmul and quantiser, the
- * block types' batch invariance and Q4_0's and F16's repacked layouts.
+ * block types' batch invariance and Q4_0's, Q5_0's and F16's repacked layouts.
  *
  * - duet__cpu_quantize_q8_0 on every SIMD path this machine has must give
  *   the bytes of duet_quantize_row_q8_0: ties, clamps, NaN/inf, subnormal
@@ -335,7 +335,7 @@ START_TEST(matmul_blocks_batch_invariant) {
 }
 END_TEST
 
-/* ---- Q4_0's repacked layout --------------------------------------------- */
+/* ---- Q4_0's and Q5_0's repacked layout ------------------------------------ */
 
 /* One op in a step of its own, through the HAL (where the cpu backend
  * repacks and restores weights). */
@@ -347,18 +347,19 @@ static void hal_op(duet_backend *be, const duet_op *op) {
     ck_assert_int_eq(duet_step_wait(be), DUET_OK);
 }
 
-/* A matmul of the Q4_0 matrix at `off` in wbuf: n_out rows, T tokens (x_q8
- * when q8), bias and accumulate. Through the HAL it must give the bits the
- * plain kernels (duet__cpu_matmul on the host bytes w) give, and leave the
- * buffer repacked as `rp_rows` says. */
-static void rp_matmul(duet_backend *be, duet_buffer *wbuf, size_t off, const uint8_t *w, int n_out, int n_in,
-                      int T, bool q8, int64_t rp_rows, const char *what) {
+/* A matmul of the `dt` (Q4_0 or Q5_0) matrix at `off` in wbuf: n_out
+ * rows, T tokens (x_q8 when q8; every x is x_const unless that is 0), bias
+ * and accumulate. Through the HAL it must give the bits the plain kernels
+ * (duet__cpu_matmul on the host bytes w) give, and leave the buffer
+ * repacked as `rp_rows` says. */
+static void rp_matmul(duet_backend *be, duet_dtype dt, duet_buffer *wbuf, size_t off, const uint8_t *w,
+                      int n_out, int n_in, int T, bool q8, float x_const, int64_t rp_rows, const char *what) {
     const int nb = n_in / 32;
     float *x = malloc(sizeof(float) * T * n_in), *bias = malloc(sizeof(float) * n_out);
     float *want = malloc(sizeof(float) * T * n_out), *got = malloc(sizeof(float) * T * n_out);
     duet_block_q8_0 *xq = malloc(sizeof *xq * T * nb);
     for (int i = 0; i < T * n_in; i++)
-        x[i] = rng_uniform(-2.0f, 2.0f);
+        x[i] = x_const != 0.0f ? x_const : rng_uniform(-2.0f, 2.0f);
     for (int t = 0; t < T; t++)
         duet_quantize_row_q8_0(x + t * n_in, xq + t * nb, n_in);
     for (int o = 0; o < n_out; o++)
@@ -366,7 +367,7 @@ static void rp_matmul(duet_backend *be, duet_buffer *wbuf, size_t off, const uin
     for (int i = 0; i < T * n_out; i++)
         want[i] = got[i] = rng_uniform(-1.0f, 1.0f); /* accumulated onto */
     duet_op op = {.kind = DUET_OP_MATMUL, .n_tokens = T};
-    op.matmul.dtype = DUET_DTYPE_Q4_0;
+    op.matmul.dtype = dt;
     op.matmul.n_in = n_in;
     op.matmul.n_out = n_out;
     op.matmul.accumulate = true;
@@ -399,28 +400,34 @@ static void rp_matmul(duet_backend *be, duet_buffer *wbuf, size_t off, const uin
     free(x), free(bias), free(want), free(got), free(xq);
 }
 
-/* Q4_0 weights through the HAL on every path and thread count: the
+/* Q4_0 and Q5_0 weights through the HAL on every path and thread count: the
  * repacked kernels give the plain kernels' bits (decode, 2-7 tokens, the
  * 8-token passes and their tails; row counts with 1 to 15 plain tail rows
  * and below one group), x or x_q8; embedding lookups read the layout; a
  * download gives the uploaded bytes back; an upload, another shape or
- * $DUET_CPU_REPACK=0 leave or make the plain layout, with the same results. */
-START_TEST(matmul_q4_0_repacked) {
+ * $DUET_CPU_REPACK=0 leave or make the plain layout, with the same results.
+ * The last case has the largest integer dots (q 15 or 31 against x 127:
+ * the avx2 kernels' 16-bit sums must not wrap). */
+static void blocks_repacked(duet_dtype dt) {
     static const struct {
         int n_out, n_in, T;
-    } cases[] = {{37, 544, 1}, {37, 544, 11}, {53, 96, 19}, {16, 64, 2}, {15, 64, 3}, {100, 256, 9}};
+    } cases[] = {{37, 544, 1}, {37, 544, 11}, {53, 96, 19}, {16, 64, 2},
+                 {15, 64, 3},  {100, 256, 9}, {32, 128, 3}};
     const size_t off = 96; /* the matrix need not start the buffer */
     for (int isa = 0; isa < n_isas(); isa++)
         for (int th = 1; th <= 3; th += 2)
             for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
                 const int n_out = cases[k].n_out, n_in = cases[k].n_in, T = cases[k].T;
-                const size_t ws = duet_dtype_row_bytes(DUET_DTYPE_Q4_0, n_in), bytes = ws * n_out;
+                const size_t ws = duet_dtype_row_bytes(dt, n_in), bytes = ws * n_out;
                 uint8_t *w = malloc(bytes), *back = malloc(bytes);
                 float *wf = malloc(sizeof(float) * n_in), *row = malloc(sizeof(float) * n_in);
+                const bool big = k == 6;
+                const float xc = big ? 2.0f : 0.0f;
                 for (int o = 0; o < n_out; o++) {
+                    /* big: -1 sets the scale (q 0), the rest q's largest. */
                     for (int i = 0; i < n_in; i++)
-                        wf[i] = rng_uniform(-1.0f, 1.0f);
-                    duet_convert_row(DUET_DTYPE_Q4_0, wf, w + o * ws, n_in);
+                        wf[i] = !big ? rng_uniform(-1.0f, 1.0f) : i % 32 == 0 ? -1.0f : 0.9375f;
+                    duet_convert_row(dt, wf, w + o * ws, n_in);
                 }
                 setenv("DUET_CPU_ISA", ISA_NAMES[isa], 1);
                 if (k == 5) setenv("DUET_CPU_REPACK", "0", 1);
@@ -431,12 +438,12 @@ START_TEST(matmul_q4_0_repacked) {
                 unsetenv("DUET_CPU_REPACK");
                 const int64_t groups = isa > 0 && k != 5 ? n_out / CPU_RP_ROWS * CPU_RP_ROWS : 0;
                 char what[64];
-                snprintf(what, sizeof what, "%s/%d threads", ISA_NAMES[isa], th);
+                snprintf(what, sizeof what, "%s %s/%d threads", duet_dtype_name(dt), ISA_NAMES[isa], th);
                 duet_buffer *wb;
                 ck_assert_int_eq(duet_buffer_alloc(be, off + bytes + 40, &wb), DUET_OK);
                 ck_assert_int_eq(duet_buffer_upload(be, wb, off, w, bytes), DUET_OK);
-                rp_matmul(be, wb, off, w, n_out, n_in, T, k % 2 == 1, groups, what);
-                rp_matmul(be, wb, off, w, n_out, n_in, 1, k % 2 == 0, groups, what);
+                rp_matmul(be, dt, wb, off, w, n_out, n_in, T, k % 2 == 1, xc, groups, what);
+                rp_matmul(be, dt, wb, off, w, n_out, n_in, 1, k % 2 == 0, xc, groups, what);
 
                 /* Embedding lookups of group rows and tail rows. */
                 int32_t toks[5] = {0, n_out - 1, n_out / 2, 15 % n_out, rng_int(n_out)};
@@ -447,7 +454,7 @@ START_TEST(matmul_q4_0_repacked) {
                 duet_op eo = {.kind = DUET_OP_EMBED, .n_tokens = 5};
                 eo.embed.tokens = (duet_view){tb, 0};
                 eo.embed.table = (duet_view){wb, off};
-                eo.embed.dtype = DUET_DTYPE_Q4_0;
+                eo.embed.dtype = dt;
                 eo.embed.dim = n_in;
                 eo.embed.out = (duet_view){eb, 0};
                 hal_op(be, &eo);
@@ -455,7 +462,7 @@ START_TEST(matmul_q4_0_repacked) {
                 float *emb = malloc(sizeof(float) * 5 * n_in);
                 ck_assert_int_eq(duet_buffer_download(be, eb, 0, emb, sizeof(float) * 5 * n_in), DUET_OK);
                 for (int t = 0; t < 5; t++) {
-                    duet_dequantize_row(DUET_DTYPE_Q4_0, w + toks[t] * ws, row, n_in);
+                    duet_dequantize_row(dt, w + toks[t] * ws, row, n_in);
                     ck_assert_msg(memcmp(row, emb + t * n_in, sizeof(float) * n_in) == 0,
                                   "%s: embedding row %d differs from the plain row", what, toks[t]);
                 }
@@ -465,27 +472,36 @@ START_TEST(matmul_q4_0_repacked) {
                 ck_assert_int_eq(duet_buffer_download(be, wb, off, back, bytes), DUET_OK);
                 ck_assert_msg(memcmp(back, w, bytes) == 0, "%s: download differs from the upload", what);
                 ck_assert_int_eq((int)wb->rp_rows, 0);
-                rp_matmul(be, wb, off, w, n_out, n_in, T, false, groups, what);
+                rp_matmul(be, dt, wb, off, w, n_out, n_in, T, false, xc, groups, what);
 
                 /* A partial upload (row 1 anew) lands on the plain layout. */
                 for (int i = 0; i < n_in; i++)
                     wf[i] = rng_uniform(-1.0f, 1.0f);
-                duet_convert_row(DUET_DTYPE_Q4_0, wf, w + ws, n_in);
+                duet_convert_row(dt, wf, w + ws, n_in);
                 ck_assert_int_eq(duet_buffer_upload(be, wb, off + ws, w + ws, ws), DUET_OK);
-                rp_matmul(be, wb, off, w, n_out, n_in, T, true, groups, what);
+                rp_matmul(be, dt, wb, off, w, n_out, n_in, T, true, xc, groups, what);
 
                 /* The same bytes as a 17-row matrix (another shape where
                  * that is not the same whole groups): restored, and plain
                  * from then on for both shapes (no conversions back and forth). */
                 const int m = n_out < 17 ? n_out : 17;
                 const bool other = groups && m / 16 * 16 != groups;
-                rp_matmul(be, wb, off, w, m, n_in, T, false, other ? 0 : groups, what);
-                rp_matmul(be, wb, off, w, n_out, n_in, 1, true, other ? 0 : groups, what);
+                rp_matmul(be, dt, wb, off, w, m, n_in, T, false, xc, other ? 0 : groups, what);
+                rp_matmul(be, dt, wb, off, w, n_out, n_in, 1, true, xc, other ? 0 : groups, what);
 
                 duet_buffer_free(be, tb), duet_buffer_free(be, eb), duet_buffer_free(be, wb);
                 duet_backend_close(be);
                 free(w), free(back), free(wf), free(row);
             }
+}
+
+START_TEST(matmul_q4_0_repacked) {
+    blocks_repacked(DUET_DTYPE_Q4_0);
+}
+END_TEST
+
+START_TEST(matmul_q5_0_repacked) {
+    blocks_repacked(DUET_DTYPE_Q5_0);
 }
 END_TEST
 
@@ -669,6 +685,7 @@ int main(void) {
     tcase_add_test(tc, matmul_q8_random);
     tcase_add_test(tc, matmul_blocks_batch_invariant);
     tcase_add_test(tc, matmul_q4_0_repacked);
+    tcase_add_test(tc, matmul_q5_0_repacked);
     tcase_add_test(tc, matmul_f16_repacked);
     tcase_add_test(tc, matmul_x_q8_needs_q8_weights);
     suite_add_tcase(s, tc);

@@ -515,7 +515,7 @@ static bool cpu_supports_op(int index, const duet_op *op) {
 }
 
 /* The op under the device's layout lock: for reading, or for writing when
- * a weight's layout must change first (rare: a Q4_0 or F16 matrix's first matmul). */
+ * a weight's layout must change first (rare: a Q4_0, Q5_0 or F16 matrix's first matmul). */
 static duet_status cpu_run_op_locked(cpu_backend *be, const duet_op *op) {
     bool stale;
     pthread_rwlock_rdlock(&be->dev->layout);

@@ -4,8 +4,8 @@
  * cpu_threadpool.c the persistent worker pool (the caller is worker 0)
  * cpu_matmul.c    MATMUL for f32/f16/bf16/q8_0 weights
  * cpu_matmul_blocks.c MATMUL for the other block-quantised weight types, and
- *                 Q4_0's repacked layout (repacking Q4_0 and F16, kernels,
- *                 embedding rows; F16's kernels are in cpu_matmul.c)
+ *                 Q4_0's and Q5_0's repacked layout (repacking them and F16,
+ *                 kernels, embedding rows; F16's kernels are in cpu_matmul.c)
  * cpu_ops.c       the other ops and the small vector kernels they use
  *
  * Kernels come in three paths chosen at run time from the CPU's features
@@ -95,7 +95,7 @@ static inline void cpu_split(int64_t n, int ith, int nth, int64_t align, int64_t
 struct duet_buffer {
     duet_buffer_head head; /* first: the registry reads it */
     void *data;            /* 64-byte aligned */
-    /* A Q4_0 or F16 (rp_dtype) matrix of rp_cols columns at byte rp_off
+    /* A Q4_0, Q5_0 or F16 (rp_dtype) matrix of rp_cols columns at byte rp_off
      * whose first rp_rows rows (a multiple of CPU_RP_ROWS) the backend
      * re-laid out for its kernels (cpu_matmul_blocks.c); rp_rows 0: the
      * bytes are as uploaded. */
@@ -122,7 +122,7 @@ typedef struct cpu_device {
      * in turn, whole (two steps' ops interleaved op by op ran slower: each
      * op then waits for a wake-up). */
     pthread_mutex_t step_mu;
-    /* Q4_0 and F16 weights are repacked in place at their first matmul (and
+    /* Q4_0, Q5_0 and F16 weights are repacked in place at their first matmul (and
      * restored for other uses): a layout change takes it for writing, an op
      * and a host access of the bytes for reading, so no stream reads a
      * buffer while another converts it. */
@@ -142,7 +142,7 @@ typedef struct cpu_backend {
     cpu_scratch act;  /* matmul: quantized activations */
     cpu_scratch work; /* per-thread rows: attention tiles, rope tables, q8 rows */
     cpu_scratch attn; /* attention: query tiles and split partials (linear in tokens) */
-    /* Q4_0 and F16 weights are repacked at their first matmul ($DUET_CPU_REPACK=0:
+    /* Q4_0, Q5_0 and F16 weights are repacked at their first matmul ($DUET_CPU_REPACK=0:
      * never, for A/B runs); dev->n_repacked buffers hold the layout now. */
     bool repack;
     /* $DUET_PROFILE: wall time of each op (ops run when recorded). */
@@ -164,7 +164,7 @@ duet_status duet__cpu_matmul(cpu_backend *be, const duet_op *op, const void *w, 
  * cpu_matmul_blocks.c); x or xq as above. */
 duet_status duet__cpu_matmul_blocks(cpu_backend *be, const duet_op *op, const void *w, const float *x,
                                     const duet_block_q8_0 *xq, const float *bias, float *out);
-/* The same for a Q4_0 matrix whose first rp_rows rows are repacked. */
+/* The same for a Q4_0 or Q5_0 matrix whose first rp_rows rows are repacked. */
 duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *w, int64_t rp_rows,
                                 const float *x, const duet_block_q8_0 *xq, const float *bias, float *out);
 /* The same for an F16 matrix whose first rp_rows rows are repacked
@@ -185,8 +185,17 @@ duet_status duet__cpu_matmul_f16_rp(cpu_backend *be, const duet_op *op, const vo
  * past the last whole group stay plain. The float work per row and token
  * is the tiles' and the panel's op for op, so results are the same bits.
  *
+ * A Q5_0 matrix takes the same layout with its fifth bits between the
+ * scales and the nibbles: per 32-block the 16 scales (32 bytes), the 16
+ * rows' qh dwords (64 bytes, row l's at 4l), then the nibbles as Q4_0's
+ * (352 bytes, the plain rows' too). A row's qh is permuted so that byte k
+ * holds in bit c the fifth bit of weight 4c + k and in bit 4 + c that of
+ * weight 16 + 4c + k: for nibble chunk c the low weights' bits are
+ * (qh << (4 - c)) & 0x10 in each byte and the high weights' (qh >> c) &
+ * 0x10, immediate shifts of the lane that holds the row.
+ *
  * The backend cannot see a tensor's type at upload, so the first matmul
- * that reads a buffer as a Q4_0 matrix repacks it in place; any other use
+ * that reads a buffer as a Q4_0 or Q5_0 matrix repacks it in place; any other use
  * of those bytes (a download, an upload, a host pointer, another op or
  * shape) first restores the plain layout, and after another op or shape
  * the buffer stays plain. Embedding lookups read the layout.
@@ -207,7 +216,7 @@ duet_status duet__cpu_rp_prepare(cpu_backend *be, const duet_op *op, bool apply,
 /* Restores buf's plain layout (no-op when it has none); fails only out of
  * memory (16 rows of staging), leaving the layout as it was. */
 duet_status duet__cpu_rp_restore(cpu_backend *be, duet_buffer *buf);
-/* Row `row` of a repacked Q4_0 or F16 table as n floats. */
+/* Row `row` of a repacked Q4_0, Q5_0 or F16 table as n floats. */
 void duet__cpu_rp_dequant_row(const duet_buffer *buf, int64_t row, float *out);
 
 /* Quantises n floats (n % 32 == 0) to q8_0 blocks with the fastest path of

@@ -17,9 +17,9 @@
  * dequantised in memory. The scalar path (no x86 SIMD) dequantises one
  * block at a time on the stack.
  *
- * Q4_0 matrices the backend repacked (16 rows per 32-block side by side,
- * cpu_internal.h) run their own kernels, a row per vector lane, with the
- * same float work per row and token as the tiles and the panel.
+ * Q4_0 and Q5_0 matrices the backend repacked (16 rows per 32-block side
+ * by side, cpu_internal.h) run their own kernels, a row per vector lane,
+ * with the same float work per row and token as the tiles and the panel.
  *
  * As in cpu_matmul.c, a token's result does not depend on the batch around
  * it: each token's sums run in the same order for any tile shape. */
@@ -82,6 +82,17 @@ static inline size_t blk_bytes(duet_dtype t) {
     default:
         return sizeof(duet_block_iq4_xs);
     }
+}
+
+/* Repacked Q4_0 and Q5_0 (cpu_internal.h): the bytes of one 32-block of a
+ * group (288 for Q4_0, 352 for Q5_0), and where its 4 x 64 bytes of
+ * nibbles start (after the scales, and Q5_0's fifth bits). */
+static inline size_t rp_block_bytes(duet_dtype DT) {
+    return CPU_RP_ROWS * blk_bytes(DT);
+}
+
+static inline size_t rp_qs_at(duet_dtype DT) {
+    return DT == DUET_DTYPE_Q5_0 ? 96 : 32;
 }
 
 /* ---- scales (scalar: once per block and row) --------------------------------------------------- */
@@ -744,10 +755,9 @@ static const blk_panel_fn *blk_panels(duet_dtype t) {
     return one;
 }
 
-/* ---- repacked Q4_0 (the layout: cpu_internal.h) ------------------------------------------------- */
+/* ---- repacked Q4_0 and Q5_0 (the layout: cpu_internal.h) -------------------------------------- */
 
-#define RP_BLOCK (CPU_RP_ROWS * sizeof(duet_block_q4_0)) /* one 32-block of a group: 288 bytes */
-#define RP_TOKENS 8                                      /* tokens per pass over a group, at most */
+#define RP_TOKENS 8 /* tokens per pass over a group, at most */
 
 /* NT tokens against one group of 16 rows. */
 typedef struct rp_job {
@@ -765,9 +775,9 @@ typedef struct rp_job {
 /* The next group's block b (a thread's groups are contiguous): decode reads
  * each weight once, and one stream with the hardware prefetcher alone
  * keeps too few lines in flight (as the q8_0 panel, cpu_matmul.c). */
-#define RP_PREFETCH(p, jb)                                                                                   \
+#define RP_PREFETCH(DT, p, jb)                                                                               \
     do {                                                                                                     \
-        for (size_t off_ = 0; off_ < RP_BLOCK; off_ += 64)                                                   \
+        for (size_t off_ = 0; off_ < rp_block_bytes(DT); off_ += 64)                                         \
             _mm_prefetch((const char *)(p) + (jb)->pf + off_, _MM_HINT_T0);                                  \
     } while (0)
 
@@ -778,25 +788,34 @@ static inline int32_t rd32(const int8_t *p) {
 }
 
 /* avx512: a lane per row. Per block and token the float work is the
- * panel's (acc += dot * (s dx) - 8 s xh), so the bits are the same. */
-CPU_AVX512 CPU_INLINE void rp512_body(const int NT, const rp_job *jb) {
+ * panel's (acc += dot * (s dx) - m s xh, m = 8 or 16), so the bits are
+ * the same. Q5_0's fifth bits: chunk c's low nibbles take bit c of each
+ * byte of the row's permuted qh dword, the high ones bit 4 + c, each
+ * shifted to 0x10 in place (cpu_internal.h). */
+CPU_AVX512 CPU_INLINE void rp512_body(duet_dtype DT, const int NT, const rp_job *jb) {
     const blk_act *x = jb->x;
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const bool q5 = DT == DUET_DTYPE_Q5_0;
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m5 = _mm512_set1_epi8(0x10);
     __m512 acc[RP_TOKENS];
 #pragma GCC unroll 8
     for (int j = 0; j < NT; j++)
         acc[j] = _mm512_setzero_ps();
     for (int64_t b = 0; b < jb->nb; b++) {
-        const uint8_t *p = jb->g + (size_t)b * RP_BLOCK;
-        RP_PREFETCH(p, jb);
+        const uint8_t *p = jb->g + (size_t)b * rp_block_bytes(DT);
+        RP_PREFETCH(DT, p, jb);
+        const __m512i qh = q5 ? _mm512_loadu_si512(p + 32) : _mm512_setzero_si512();
         __m512i r[RP_TOKENS];
 #pragma GCC unroll 8
         for (int j = 0; j < NT; j++)
             r[j] = _mm512_setzero_si512();
 #pragma GCC unroll 4
         for (int c = 0; c < 4; c++) {
-            const __m512i v = _mm512_loadu_si512(p + 32 + 64 * c);
-            const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            const __m512i v = _mm512_loadu_si512(p + rp_qs_at(DT) + 64 * c);
+            __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+            if (q5) {
+                lo = _mm512_or_si512(lo, _mm512_and_si512(_mm512_slli_epi32(qh, 4 - c), m5));
+                hi = _mm512_or_si512(hi, _mm512_and_si512(_mm512_srli_epi32(qh, c), m5));
+            }
 #pragma GCC unroll 8
             for (int j = 0; j < NT; j++) {
                 const int8_t *q = x->q + (jb->tok + j) * x->qs + b * 32;
@@ -805,7 +824,7 @@ CPU_AVX512 CPU_INLINE void rp512_body(const int NT, const rp_job *jb) {
             }
         }
         const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
-        const __m512 m = _mm512_mul_ps(s, _mm512_set1_ps(8.0f));
+        const __m512 m = _mm512_mul_ps(s, _mm512_set1_ps(q5 ? 16.0f : 8.0f));
 #pragma GCC unroll 8
         for (int j = 0; j < NT; j++) {
             const int64_t t = jb->tok + j;
@@ -824,30 +843,37 @@ CPU_AVX512 CPU_INLINE void rp512_body(const int NT, const rp_job *jb) {
     }
 }
 
-/* avx2: the group as two halves of 8 rows. maddubs' pair sums (at most
- * 2 * 15 * 128) of a block's 8 dwords add up in 16 bits without overflow
- * (8 * 3840 < 2^15); the tiles' avx2 float work follows. */
-CPU_AVX2 CPU_INLINE void rp256_body(const int NT, const rp_job *jb) {
+/* avx2: the group as two halves of 8 rows. maddubs' pair sums add up in
+ * 16 bits without overflow for a whole Q4_0 block (8 of at most
+ * 2 * 15 * 128: 30720 < 2^15) but only for half a Q5_0 block (4 of at most
+ * 2 * 31 * 128: 31744), which then widens to 32 bits twice per block. The
+ * integer dot is exact either way; the tiles' avx2 float work follows. */
+CPU_AVX2 CPU_INLINE void rp256_body(duet_dtype DT, const int NT, const rp_job *jb) {
     const blk_act *x = jb->x;
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const bool q5 = DT == DUET_DTYPE_Q5_0;
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m5 = _mm256_set1_epi8(0x10), one = _mm256_set1_epi16(1);
     __m256 acc[2][RP_TOKENS];
 #pragma GCC unroll 8
     for (int j = 0; j < NT; j++)
         acc[0][j] = acc[1][j] = _mm256_setzero_ps();
     for (int64_t b = 0; b < jb->nb; b++) {
-        const uint8_t *p = jb->g + (size_t)b * RP_BLOCK;
-        RP_PREFETCH(p, jb);
+        const uint8_t *p = jb->g + (size_t)b * rp_block_bytes(DT);
+        RP_PREFETCH(DT, p, jb);
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) {
-            __m256i r[RP_TOKENS];
+            const __m256i qh = q5 ? _mm256_loadu_si256((const __m256i *)(p + 32 + 32 * h)) : m4;
+            __m256i r[RP_TOKENS], d32[RP_TOKENS];
 #pragma GCC unroll 8
             for (int j = 0; j < NT; j++)
-                r[j] = _mm256_setzero_si256();
+                r[j] = d32[j] = _mm256_setzero_si256();
 #pragma GCC unroll 4
             for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 + 64 * c + 32 * h));
-                const __m256i lo = _mm256_and_si256(v, m4),
-                              hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(p + rp_qs_at(DT) + 64 * c + 32 * h));
+                __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                if (q5) {
+                    lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi32(qh, 4 - c), m5));
+                    hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_srli_epi32(qh, c), m5));
+                }
 #pragma GCC unroll 8
                 for (int j = 0; j < NT; j++) {
                     const int8_t *q = x->q + (jb->tok + j) * x->qs + b * 32;
@@ -855,16 +881,20 @@ CPU_AVX2 CPU_INLINE void rp256_body(const int NT, const rp_job *jb) {
                         _mm256_add_epi16(r[j], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(rd32(q + 4 * c))));
                     r[j] = _mm256_add_epi16(
                         r[j], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(rd32(q + 16 + 4 * c))));
+                    if (q5 && c % 2 == 1) {
+                        d32[j] = _mm256_add_epi32(d32[j], _mm256_madd_epi16(r[j], one));
+                        r[j] = _mm256_setzero_si256();
+                    }
                 }
             }
             const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h)));
-            const __m256 m = _mm256_mul_ps(s, _mm256_set1_ps(8.0f));
+            const __m256 m = _mm256_mul_ps(s, _mm256_set1_ps(q5 ? 16.0f : 8.0f));
 #pragma GCC unroll 8
             for (int j = 0; j < NT; j++) {
                 const int64_t t = jb->tok + j;
                 const __m256 dx = _mm256_broadcast_ss(x->d + t * x->ds + b);
-                const __m256i d32 = _mm256_madd_epi16(r[j], _mm256_set1_epi16(1));
-                acc[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32), _mm256_mul_ps(s, dx), acc[h][j]);
+                if (!q5) d32[j] = _mm256_madd_epi16(r[j], one);
+                acc[h][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d32[j]), _mm256_mul_ps(s, dx), acc[h][j]);
                 acc[h][j] =
                     _mm256_fnmadd_ps(m, _mm256_broadcast_ss(x->xh + t * 3 * x->ds + 3 * b + 2), acc[h][j]);
             }
@@ -884,24 +914,29 @@ CPU_AVX2 CPU_INLINE void rp256_body(const int NT, const rp_job *jb) {
 }
 
 typedef void (*rp_fn)(const rp_job *jb);
-#define RP512(NT)                                                                                            \
-    CPU_AVX512 static void rp512_##NT(const rp_job *jb) {                                                    \
-        rp512_body(NT, jb);                                                                                  \
+#define RP512(T, NT)                                                                                         \
+    CPU_AVX512 static void rp512_##T##_##NT(const rp_job *jb) {                                              \
+        rp512_body(DUET_DTYPE_##T, NT, jb);                                                                  \
     }
-RP512(8)
-RP512(4)
-RP512(2)
-RP512(1)
-#undef RP512
-CPU_AVX2 static void rp256_2(const rp_job *jb) {
-    rp256_body(2, jb);
-}
-CPU_AVX2 static void rp256_1(const rp_job *jb) {
-    rp256_body(1, jb);
-}
+#define RP256(T, NT)                                                                                         \
+    CPU_AVX2 static void rp256_##T##_##NT(const rp_job *jb) {                                                \
+        rp256_body(DUET_DTYPE_##T, NT, jb);                                                                  \
+    }
 /* 8, 4, 2 and 1 tokens per pass (avx2: at most 2, for its 16 registers). */
-static const rp_fn rp512_fns[4] = {rp512_8, rp512_4, rp512_2, rp512_1};
-static const rp_fn rp256_fns[4] = {NULL, NULL, rp256_2, rp256_1};
+#define RP_FNS(T)                                                                                            \
+    RP512(T, 8)                                                                                              \
+    RP512(T, 4)                                                                                              \
+    RP512(T, 2)                                                                                              \
+    RP512(T, 1)                                                                                              \
+    RP256(T, 2)                                                                                              \
+    RP256(T, 1)                                                                                              \
+    static const rp_fn rp512_##T##_fns[4] = {rp512_##T##_8, rp512_##T##_4, rp512_##T##_2, rp512_##T##_1};    \
+    static const rp_fn rp256_##T##_fns[4] = {NULL, NULL, rp256_##T##_2, rp256_##T##_1};
+RP_FNS(Q4_0)
+RP_FNS(Q5_0)
+#undef RP_FNS
+#undef RP256
+#undef RP512
 #endif /* CPU_X86 */
 
 /* ---- driver ------------------------------------------------------------------------------------------ */
@@ -1160,7 +1195,11 @@ duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *
     duet_status st = blk_setup(be, op, w, x, xq, bias, out, false, &t);
     if (st != DUET_OK) return st;
     t.rp_rows = rp_rows;
-    t.rp_fns = be->isa == CPU_ISA_AVX512 ? rp512_fns : rp256_fns;
+    const bool q5 = op->matmul.dtype == DUET_DTYPE_Q5_0;
+    if (be->isa == CPU_ISA_AVX512)
+        t.rp_fns = q5 ? rp512_Q5_0_fns : rp512_Q4_0_fns;
+    else
+        t.rp_fns = q5 ? rp256_Q5_0_fns : rp256_Q4_0_fns;
     blk_run(be, &t, CPU_RP_ROWS, RP_TOKENS, blk_rp_task);
     return DUET_OK;
 #else
@@ -1172,29 +1211,73 @@ duet_status duet__cpu_matmul_rp(cpu_backend *be, const duet_op *op, const void *
 
 /* ---- repacking ------------------------------------------------------------------------------------ */
 
-/* 16 plain Q4_0 rows (ws bytes apart) -> one group at g, and back. */
-static void rp_pack_q4_0(const uint8_t *rows, size_t ws, int64_t cols, uint8_t *g) {
-    for (int64_t b = 0; b < cols / 32; b++, g += CPU_RP_ROWS * sizeof(duet_block_q4_0))
+/* Q5_0's qh as the group stores it: byte k holds in bit c the fifth bit of
+ * weight 4c + k and in bit 4 + c that of weight 16 + 4c + k, so chunk c's
+ * bits are a shift away from 0x10 in each byte (the kernels). Each half is
+ * a 4 x 4 bit transpose (nibble c, bit k -> nibble k, bit c) whose
+ * nibbles then spread to the bytes' low or high halves. */
+static inline uint32_t rp_t4x4(uint32_t x) {
+    uint32_t t = (x ^ (x >> 3)) & 0x0a0au; /* the 2 x 2 blocks' corners */
+    x ^= t ^ (t << 3);
+    t = (x ^ (x >> 6)) & 0x00ccu; /* the off-diagonal 2 x 2 blocks */
+    return x ^ t ^ (t << 6);
+}
+
+static inline uint32_t rp_spread(uint32_t x) { /* nibble k -> the low half of byte k */
+    return (x & 0xfu) | (x & 0xf0u) << 4 | (x & 0xf00u) << 8 | (x & 0xf000u) << 12;
+}
+
+static inline uint32_t rp_gather(uint32_t y) { /* the low half of byte k -> nibble k */
+    return (y & 0xfu) | (y >> 4 & 0xf0u) | (y >> 8 & 0xf00u) | (y >> 12 & 0xf000u);
+}
+
+static uint32_t rp_qh_pack(uint32_t qh) {
+    return rp_spread(rp_t4x4(qh & 0xffffu)) | rp_spread(rp_t4x4(qh >> 16)) << 4;
+}
+
+static uint32_t rp_qh_unpack(uint32_t v) {
+    return rp_t4x4(rp_gather(v & 0x0f0f0f0fu)) | rp_t4x4(rp_gather(v >> 4 & 0x0f0f0f0fu)) << 16;
+}
+
+/* 16 plain Q4_0 or Q5_0 rows (ws bytes apart) -> one group at g, and back:
+ * per 32-block the 16 scales, Q5_0's 16 qh dwords, then the nibbles. */
+static void rp_pack_blocks(duet_dtype dt, const uint8_t *rows, size_t ws, int64_t cols, uint8_t *g) {
+    const size_t bb = blk_bytes(dt), qs = dt == DUET_DTYPE_Q5_0 ? 6 : 2;
+    for (int64_t b = 0; b < cols / 32; b++, g += CPU_RP_ROWS * bb)
         for (int l = 0; l < CPU_RP_ROWS; l++) {
-            const duet_block_q4_0 *blk = (const duet_block_q4_0 *)(rows + (size_t)l * ws) + b;
-            memcpy(g + 2 * l, &blk->d, 2);
+            const uint8_t *blk = rows + (size_t)l * ws + (size_t)b * bb;
+            memcpy(g + 2 * l, blk, 2);
+            if (dt == DUET_DTYPE_Q5_0) {
+                uint32_t qh;
+                memcpy(&qh, blk + 2, 4);
+                qh = rp_qh_pack(qh);
+                memcpy(g + 32 + 4 * l, &qh, 4);
+            }
             for (int c = 0; c < 4; c++)
-                memcpy(g + 32 + 64 * c + 4 * l, blk->qs + 4 * c, 4);
+                memcpy(g + rp_qs_at(dt) + 64 * c + 4 * l, blk + qs + 4 * c, 4);
         }
 }
 
-/* Block b of row l of the group at g. */
-static void rp_block(const uint8_t *g, int64_t b, int l, duet_block_q4_0 *out) {
-    const uint8_t *p = g + (size_t)b * CPU_RP_ROWS * sizeof(duet_block_q4_0);
-    memcpy(&out->d, p + 2 * l, 2);
+/* Block b of row l of the group at g, as the plain block's bytes. */
+static void rp_block(duet_dtype dt, const uint8_t *g, int64_t b, int l, uint8_t *out) {
+    const size_t qs = dt == DUET_DTYPE_Q5_0 ? 6 : 2;
+    const uint8_t *p = g + (size_t)b * rp_block_bytes(dt);
+    memcpy(out, p + 2 * l, 2);
+    if (dt == DUET_DTYPE_Q5_0) {
+        uint32_t qh;
+        memcpy(&qh, p + 32 + 4 * l, 4);
+        qh = rp_qh_unpack(qh);
+        memcpy(out + 2, &qh, 4);
+    }
     for (int c = 0; c < 4; c++)
-        memcpy(out->qs + 4 * c, p + 32 + 64 * c + 4 * l, 4);
+        memcpy(out + qs + 4 * c, p + rp_qs_at(dt) + 64 * c + 4 * l, 4);
 }
 
-static void rp_unpack_q4_0(const uint8_t *g, size_t ws, int64_t cols, uint8_t *rows) {
+static void rp_unpack_blocks(duet_dtype dt, const uint8_t *g, size_t ws, int64_t cols, uint8_t *rows) {
+    const size_t bb = blk_bytes(dt);
     for (int l = 0; l < CPU_RP_ROWS; l++)
         for (int64_t b = 0; b < cols / 32; b++)
-            rp_block(g, b, l, (duet_block_q4_0 *)(rows + (size_t)l * ws) + b);
+            rp_block(dt, g, b, l, rows + (size_t)l * ws + (size_t)b * bb);
 }
 
 /* 16 plain F16 rows -> one group (column k's 16 halves at g + 32k), and back. */
@@ -1322,10 +1405,12 @@ static void rp_pack_task(void *p, int chunk, int n_chunks, int worker) {
     for (int64_t g = lo; g < hi; g++) {
         uint8_t *at = c->base + (size_t)g * gb;
         memcpy(tmp, at, gb);
-        if (c->pack)
-            (f16 ? c->pack_f16 : rp_pack_q4_0)(tmp, c->ws, c->cols, at);
+        if (f16)
+            (c->pack ? c->pack_f16 : rp_unpack_f16)(tmp, c->ws, c->cols, at);
+        else if (c->pack)
+            rp_pack_blocks(c->dtype, tmp, c->ws, c->cols, at);
         else
-            (f16 ? rp_unpack_f16 : rp_unpack_q4_0)(tmp, c->ws, c->cols, at);
+            rp_unpack_blocks(c->dtype, tmp, c->ws, c->cols, at);
     }
 }
 
@@ -1377,18 +1462,18 @@ void duet__cpu_rp_dequant_row(const duet_buffer *buf, int64_t row, float *out) {
         return;
     }
     for (int64_t b = 0; b < buf->rp_cols / 32; b++) {
-        duet_block_q4_0 blk;
-        rp_block(g, b, l, &blk);
-        duet_dequantize_row(DUET_DTYPE_Q4_0, &blk, out + 32 * b, 32);
+        uint8_t blk[sizeof(duet_block_q5_0)];
+        rp_block(buf->rp_dtype, g, b, l, blk);
+        duet_dequantize_row(buf->rp_dtype, blk, out + 32 * b, 32);
     }
 }
 
-/* Whether be has kernels for a repacked `dtype` matrix: Q4_0 on the avx2
- * and avx512 paths (f32 or q8_0 activations), F16 on avx512 with f32
+/* Whether be has kernels for a repacked `dtype` matrix: Q4_0 and Q5_0 on
+ * the avx2 and avx512 paths (f32 or q8_0 activations), F16 on avx512 with f32
  * activations (q8_0 ones never meet F16 weights). ($DUET_CPU_REPACK=0
  * only stops new repacking.) */
 static bool rp_serves(const cpu_backend *be, duet_dtype dtype, bool x_q8) {
-    if (dtype == DUET_DTYPE_Q4_0) return be->isa >= CPU_ISA_AVX2;
+    if (dtype == DUET_DTYPE_Q4_0 || dtype == DUET_DTYPE_Q5_0) return be->isa >= CPU_ISA_AVX2;
     if (dtype == DUET_DTYPE_F16) return be->isa == CPU_ISA_AVX512 && !x_q8;
     return false;
 }
