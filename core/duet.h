@@ -643,8 +643,10 @@ duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prio
  * (the middle decode batch with every chunk). Each shape runs once untimed
  * (first-use costs), then the grid runs `repeats` times in rounds (so a
  * slow moment of the machine touches one run of each shape, not every run
- * of one); the fit uses each shape's median. Sizes are capped by the
- * model's context. */
+ * of one), by step size, each timed step after untimed ones of its own
+ * shape (a step in the wake of a bigger one costs more than in a server's
+ * run of similar steps); the fit uses each shape's median. Sizes are
+ * capped by the model's context. */
 typedef struct duet_profile_params {
     duet_open_params open;   /* backend, device, threads, n_ctx, kv_type */
     const int *decode_batch; /* decode batch sizes; NULL = 1, 2, 4, 8, 16 */

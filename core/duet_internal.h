@@ -114,6 +114,10 @@ void duet__run_free(duet_model *m, duet_run *run);
  * device_mu); the logits land in `logits` (b->n_out rows of n_vocab;
  * run->logits fits max_out). */
 duet_status duet__run_forward(duet_model *m, duet_run *run, const duet_batch *b, float *logits);
+/* Tests: when set, duet_profile_run passes each step it runs (its shape
+ * and measured seconds) through this hook, which may replace the seconds:
+ * a device whose step times depend on what ran before. */
+extern void (*duet__profile_step_hook)(const duet_step_shape *shape, double *seconds);
 /* Makes m->run at first use (duet_eval, duet_quality_eval). */
 duet_status duet__model_own_run(duet_model *m);
 

@@ -3,11 +3,14 @@
  * closely with it, never negative), the online fit converges, keeps a
  * prior's terms that its steps do not exercise and follows a change, the
  * JSON file round-trips and bad files are refused with a message that says
- * what is wrong; the engine fits its own steps and exports them. */
+ * what is wrong; the engine fits its own steps and exports them; `duet
+ * profile` times each shape in a run of its own shape, not in the wake of
+ * a bigger step. */
 #include <check.h>
 #include <math.h>
 #include <pthread.h>
 
+#include "duet_internal.h"
 #include "prom_check.h"
 #include "step_cost.h"
 #include "test_util.h"
@@ -392,6 +395,57 @@ START_TEST(engine_fits_and_exports_its_steps) {
 }
 END_TEST
 
+/* A device on which a step costs 1 ms + 0.05 ms a token, and half as much
+ * again within 20 ms (its own clock) after a step of more tokens ended:
+ * what the 2-core Xeon does after a prompt chunk, made exact. The profile
+ * must measure the steady cost of every shape, whatever the grid's order. */
+enum { WAKE_HISTORY = 64 }; /* steps of 1 ms or more: at most 20 in the window */
+static double wake_clock, wake_end[WAKE_HISTORY];
+static int wake_tokens[WAKE_HISTORY], wake_n;
+
+static void wake_device(const duet_step_shape *s, double *seconds) {
+    const int tokens = s->n_decode + s->n_prefill;
+    double t = 1e-3 + 5e-5 * tokens;
+    for (int i = 0; i < wake_n && i < WAKE_HISTORY; i++)
+        if (wake_tokens[i] > tokens && wake_clock - wake_end[i] < 0.020) {
+            t *= 1.5;
+            break;
+        }
+    wake_clock += t;
+    wake_end[wake_n % WAKE_HISTORY] = wake_clock;
+    wake_tokens[wake_n % WAKE_HISTORY] = tokens;
+    wake_n++;
+    *seconds = t;
+}
+
+START_TEST(profile_times_steps_in_a_run_of_their_shape) {
+    duet_profile_params p = duet_profile_params_default();
+    p.open.backend = "cpu";
+    p.open.n_threads = 1;
+    static const int dec[] = {1, 2, 4}, chk[] = {16, 64}, ctx[] = {16, 32};
+    p.decode_batch = dec, p.n_decode_batch = 3;
+    p.chunk = chk, p.n_chunk = 2;
+    p.context = ctx, p.n_context = 2;
+    p.repeats = 3;
+    wake_clock = 0, wake_n = 0;
+    duet__profile_step_hook = wake_device;
+    duet_step_sample *smp = NULL;
+    int n = 0;
+    duet_step_cost fit;
+    duet_status st = duet_profile_run(test_shared_path("models/stories260K.gguf"), &p, &smp, &n, &fit);
+    duet__profile_step_hook = NULL;
+    ck_assert_msg(st == DUET_OK, "profile: %s", duet_last_error());
+    ck_assert_int_eq(n, 3 * 2 + 2 * 3 + 2); /* decodes, chunks at 0 and each context, mixed */
+    for (int i = 0; i < n; i++) {
+        const int tokens = smp[i].shape.n_decode + smp[i].shape.n_prefill;
+        ck_assert_msg(fabs(smp[i].seconds - (1e-3 + 5e-5 * tokens)) < 1e-12,
+                      "shape %d (%d decodes, %d prompt tokens): %g s, steady %g s", i, smp[i].shape.n_decode,
+                      smp[i].shape.n_prefill, smp[i].seconds, 1e-3 + 5e-5 * tokens);
+    }
+    free(smp);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("step_cost");
     TCase *model = tcase_create("model");
@@ -405,6 +459,7 @@ int main(void) {
     TCase *eng = tcase_create("engine");
     tcase_set_timeout(eng, 120);
     tcase_add_test(eng, engine_fits_and_exports_its_steps);
+    tcase_add_test(eng, profile_times_steps_in_a_run_of_their_shape);
     suite_add_tcase(s, eng);
     return test_run_suite(s);
 }
