@@ -49,6 +49,8 @@ static const char usage[] =
     "instances.png\n"
     "  --sim-ctx N                --simulate: context per sequence (default: the profile's)\n"
     "  --sim-latency-ms X         --simulate: added to every token's time (the client-server path)\n"
+    "  --sim-step-noise on|off    --simulate: each step's cost times a draw from the profile's measured\n"
+    "                             dispersion (seeded by --seed; default on when the profile has one)\n"
     "  --sim-slo-ttft-ms T --sim-slo-itl-ms T   --simulate: the simulated servers' latency targets, as\n"
     "                             duet serve --slo-ttft-ms/--slo-itl-ms take them (MS, or\n"
     "                             interactive=MS,batch=MS): the adaptive controller and the stall-free step\n"
@@ -645,6 +647,11 @@ int main(int argc, char **argv) {
         } else if (!strcmp(a, "--sim-latency-ms")) {
             NEED_ARG();
             ok = parse_double(a, v, 0, 1e6, false, &c.sim_latency_ms);
+        } else if (!strcmp(a, "--sim-step-noise")) {
+            NEED_ARG();
+            ok = !strcmp(v, "on") || !strcmp(v, "off");
+            if (!ok) fprintf(stderr, "duet-bench: --sim-step-noise takes on or off, not '%s'\n", v);
+            c.sim_no_step_noise = !strcmp(v, "off");
         } else if (!strcmp(a, "--sim-slo-ttft-ms") || !strcmp(a, "--sim-slo-itl-ms")) {
             NEED_ARG();
             ok = parse_class_ms(a, v, a[10] == 't' ? c.sim_slo_ttft_ms : c.sim_slo_itl_ms);
@@ -690,10 +697,10 @@ int main(int argc, char **argv) {
     bool sim_slo =
         c.sim_slo_ttft_ms[0] + c.sim_slo_ttft_ms[1] + c.sim_slo_itl_ms[0] + c.sim_slo_itl_ms[1] > 0;
     if (!c.simulate && (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms ||
-                        c.trace_path || sim_slo || c.sim_static_knobs)) {
-        fprintf(stderr,
-                "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, --sim-slo-*-ms, "
-                "--sim-static-knobs and --trace belong to --simulate\n");
+                        c.sim_no_step_noise || c.trace_path || sim_slo || c.sim_static_knobs)) {
+        fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, "
+                        "--sim-step-noise, --sim-slo-*-ms, "
+                        "--sim-static-knobs and --trace belong to --simulate\n");
         return 2;
     }
     if (c.simulate) {

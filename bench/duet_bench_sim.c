@@ -101,6 +101,9 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
                           .engine = duet_engine_params_default(),
                           .n_ctx = cfg->sim_n_ctx,
                           .cost = cfg->sim_cost,
+                          .step_noise = !cfg->sim_no_step_noise,
+                          /* The point's workload seed: its own draws, the same on a rerun. */
+                          .noise_seed = load->seed ^ UINT64_C(0x5DEECE66D),
                           .on_token = on_token};
     memcpy(sp.engine.slo_ttft_ms, cfg->sim_slo_ttft_ms, sizeof sp.engine.slo_ttft_ms);
     memcpy(sp.engine.slo_itl_ms, cfg->sim_slo_itl_ms, sizeof sp.engine.slo_itl_ms);

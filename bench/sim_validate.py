@@ -28,6 +28,7 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = ("profile", "no_noise", "online")  # the simulated models, in the table's order
 
 
 def sh(cmd, log=None, timeout=1800):
@@ -154,7 +155,12 @@ def main():
                           "mean_rel_err": online0.get("relative_error", 0)}
             with open(prof_online, "w") as fh:
                 json.dump(doc, fh, indent=1)
-            models = {"profile": prof, "online": prof_online}
+            # The profile's model with its measured step-time dispersion
+            # (duet-bench's default when the profile has one), the same
+            # without it (the predicted costs), and the online fit (with
+            # the profile's dispersion: it copies the file).
+            models = {"profile": (prof, []), "no_noise": (prof, ["--sim-step-noise", "off"]),
+                      "online": (prof_online, [])}
             rows = []
             for li, f in enumerate(loads):
                 rate = round(f * capacity, 4)
@@ -168,10 +174,10 @@ def main():
                     sh([bench, "--base-url", base, "--request-rate", str(rate), "--seed", str(seed), "--warmup", "0",
                         "--output-dir", d, *wl], cmds)
                     real.append(point(d))
-                    for name, path in models.items():
+                    for name, (path, extra) in models.items():
                         d = os.path.join(out, f"sim-{name}-{backend}-{f}-{seed}")
                         sh([bench, "--simulate", path, "--request-rate", str(rate), "--seed", str(seed),
-                            "--output-dir", d, "--sim-latency-ms", str(a.sim_latency_ms), *wl], cmds)
+                            "--output-dir", d, "--sim-latency-ms", str(a.sim_latency_ms), *extra, *wl], cmds)
                         sim[name].append(point(d))
                 row = {"load": f, "rate": rate, "real": real, "sim": sim, "checks": {}}
                 for k, tol in (("ttft_p50", 0.15), ("itl_p50", 0.15), ("ttft_p99", 0.25), ("itl_p99", 0.25)):
@@ -205,11 +211,14 @@ def main():
              f"({a.input_len} prompt tokens, {a.output_len} output tokens, Poisson arrivals), {a.runs} real and "
              f"{a.runs} simulated runs per load (seeds 101.., 201.., 301.. by load: the same prompts and arrival times in both; no prompt twice, so the server's prefix cache, which the simulator does not model, never hits). "
              "Measured: median over the real runs (min..max); predicted: median over the simulated runs. "
-             "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Two step-cost models: "
-             "`duet profile`'s (measured before the server started) and the engine's own online fit, read from "
-             "/metrics after the capacity run (the server's steps under the real load).", ""]
-    total = passed = 0
-    passed_online = [0]
+             "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Three simulations: "
+             "`duet profile`'s (measured before the server started; each simulated step's cost times a draw from "
+             "the profile's measured dispersion, `step_noise`, seeded by the run's seed; and the same without it, "
+             "`--sim-step-noise off`) and the engine's own online fit, read from "
+             "/metrics after the capacity run (the server's steps under the real load; with the profile's "
+             "dispersion).", ""]
+    total = 0
+    passed = {n: 0 for n in NAMES}
     for backend, b in report["backends"].items():
         prof = b["profile"]
         lines += [f"## {backend}: {prof.get('device', '')}", "",
@@ -219,17 +228,20 @@ def main():
                   + ", ".join(f"{k} {v:.4g}" for k, v in prof["terms"].items())
                   + (f". The engine's online fit after the runs: "
                      + ", ".join(f"{k} {v:.4g}" for k, v in b["online_step_cost"].items()) if b["online_step_cost"] else "")
-                  + ".", "",
-                  "| load | rate req/s | metric | measured median (min..max) ms | predicted: profile | error | pass "
-                  "| predicted: online fit | error | pass |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  + ".", ""]
+        if prof.get("step_noise"):
+            lines += ["Step-time dispersion (measured / predicted over every timed repeat of the profile): "
+                      + ", ".join(f"p{100 * l:g} {r:.3f}" for l, r in prof["step_noise"]) + ".", ""]
+        lines += ["| load | rate req/s | metric | measured median (min..max) ms | predicted: profile | error | pass "
+                  "| profile, no noise | error | pass | predicted: online fit | error | pass |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in b["rows"]:
             for k, c in r["checks"].items():
                 total += 1
-                passed += c["profile"]["ok"]
-                passed_online[0] += c["online"]["ok"]
+                for n in NAMES:
+                    passed[n] += c[n]["ok"]
                 cells = "".join(f" {c[n]['predicted']:.1f} | {100 * c[n]['error']:+.0f}% | "
-                                f"{'yes' if c[n]['ok'] else 'NO'} |" for n in ("profile", "online"))
+                                f"{'yes' if c[n]['ok'] else 'NO'} |" for n in NAMES)
                 lines.append(f"| {int(100 * r['load'])}% | {r['rate']:.3g} | {k.replace('_', ' ')} | "
                              f"{c['measured_median']:.1f} ({c['measured_min']:.1f}..{c['measured_max']:.1f}) |"
                              + cells)
@@ -240,8 +252,9 @@ def main():
                           "other: it is the client's view)."]
         lines += ["", "Commands:", "", "```"] + b["commands"][:4] + [f"... ({len(b['commands'])} commands in all, "
                                                                      "every one in validation.json)", "```", ""]
-    lines.insert(2, f"**{passed} of {total} checks pass with the profile's model ({passed_online[0]} of {total} "
-                    "with the engine's online fit).**\n")
+    lines.insert(2, f"**{passed['profile']} of {total} checks pass with the profile's model and its step-time "
+                    f"dispersion ({passed['no_noise']} of {total} without the dispersion, {passed['online']} of "
+                    f"{total} with the engine's online fit).**\n")
     with open(os.path.join(out, "validation.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -579,6 +579,7 @@ typedef struct duet_step_sample {
 } duet_step_sample;
 
 #define DUET_STEP_COST_KNOTS 32
+#define DUET_STEP_COST_NOISE_Q 16
 
 typedef struct duet_step_cost {
     double coef[DUET_STEP_COST_TERMS]; /* seconds per unit of each term, >= 0 */
@@ -594,6 +595,15 @@ typedef struct duet_step_cost {
     int n_knots;
     int knot_tokens[DUET_STEP_COST_KNOTS];
     double knot_s[DUET_STEP_COST_KNOTS];
+    /* The dispersion of a step's time around the model: quantiles of
+     * measured / predicted over every timed repeat of the profile
+     * (noise_level[k] ascending in [0, 1], noise_ratio[k] the ratio at that
+     * level). A server's step times vary (clock, cache, the OS), and
+     * queueing near capacity grows with that variance (Pollaczek-Khinchine:
+     * waiting ~ 1 + CV^2); duet_simulate can draw each step's cost from it.
+     * n_noise 0: unknown (older profiles). */
+    int n_noise;
+    double noise_level[DUET_STEP_COST_NOISE_Q], noise_ratio[DUET_STEP_COST_NOISE_Q];
     /* Fit quality over the samples it came from (0 when unknown). */
     int n_samples;
     double rmse_s;       /* root mean square error, seconds */
@@ -619,6 +629,12 @@ const char *duet_step_cost_term(int i);
  * n < 1 or a sample is not finite or negative. Terms no sample exercises
  * get 0. */
 duet_status duet_step_cost_fit(const duet_step_sample *samples, int n, duet_step_cost *out);
+/* Sets m's dispersion (n_noise, noise_level, noise_ratio) from n timed
+ * steps: the quantiles of seconds / duet_step_cost_predict over them. */
+void duet_step_cost_fit_noise(duet_step_cost *m, const duet_step_sample *steps, int n);
+/* The inverse of m's dispersion at u in [0, 1) (piecewise linear between
+ * its quantiles): a step-cost multiplier; 1 when m has none. */
+double duet_step_cost_noise_at(const duet_step_cost *m, double u);
 /* Writes the model as JSON (with the samples, when given, for refitting);
  * DUET_IO with the path and reason on failure. */
 duet_status duet_step_cost_save(const duet_step_cost *m, const duet_step_sample *samples, int n_samples,
@@ -694,6 +710,11 @@ typedef struct duet_sim_params {
     duet_engine_params engine; /* every instance's knobs, as duet_engine_start takes them (0 = default) */
     int n_ctx;                 /* context per sequence; 0 = the cost model's, else 2048 */
     duet_step_cost cost;
+    /* Each step's cost times a draw from the cost model's dispersion
+     * (duet_step_cost_noise_at, n_noise > 0), from a generator seeded with
+     * noise_seed (the same seed, the same run); false: the predicted costs. */
+    bool step_noise;
+    uint64_t noise_seed;
     /* Called for every generated token in time order (may be NULL): the
      * request's index, the token's index in its output, its time. */
     void (*on_token)(int request, int index, double t, void *user);

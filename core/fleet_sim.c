@@ -25,6 +25,13 @@
  * p99 TTFT (requests finished in it) and p99 ITL (gaps ending in it) per
  * class, kept in rings as the metrics keep them.
  *
+ * With step_noise, each step's time is the model's times a draw from its
+ * measured dispersion (measured / predicted over the profile's repeats),
+ * from a generator of the simulation's own (splitmix64, seeded: the same
+ * seed, the same run): queueing near capacity grows with the variance of
+ * the service time, which a deterministic cost leaves out. The scheduler
+ * still sizes steps with the model's prediction, as the engine does.
+ *
  * Pure: no clock, no thread; it allocates its tables at the start and
  * nothing per event.
  */
@@ -112,7 +119,18 @@ typedef struct sim {
     duet_engine_setup su;
     bool ctl_on;
     double *scratch; /* the rings' p99s */
+    bool noise;      /* step costs drawn from the model's dispersion */
+    uint64_t rng;    /* splitmix64 state */
 } sim;
+
+/* A uniform in [0, 1) (splitmix64). */
+static double sim_uniform(sim *f) {
+    uint64_t z = (f->rng += UINT64_C(0x9E3779B97F4A7C15));
+    z = (z ^ (z >> 30)) * UINT64_C(0xBF58476D1CE4E5B9);
+    z = (z ^ (z >> 27)) * UINT64_C(0x94D049BB133111EB);
+    z ^= z >> 31;
+    return (double)(z >> 11) * 0x1.0p-53;
+}
 
 /* One controller window of instance k at `now`, as the engine's
  * controller_tick (engine_config.h does the rest). */
@@ -158,6 +176,7 @@ static void plan_at(sim *f, int k, int64_t now) {
     in->n_seqs = plan.n_seqs;
     in->n_tokens = plan.n_tokens;
     double cost = duet_step_cost_predict(&f->p->cost, &sh);
+    if (f->noise) cost *= duet_step_cost_noise_at(&f->p->cost, sim_uniform(f));
     int64_t dt = cost > 0 ? (int64_t)llround(cost * NS) : 0;
     if (dt < 1) dt = 1; /* time always moves: a zero model still finishes */
     in->stepping = true;
@@ -214,6 +233,11 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
         if (!(isfinite(p->cost.coef[j]) && p->cost.coef[j] >= 0))
             return duet__error(DUET_INVALID_ARGUMENT, "simulate: step-cost term %s is %g",
                                duet_step_cost_term(j), p->cost.coef[j]);
+    for (int k = 0; p->step_noise && k < p->cost.n_noise; k++)
+        if (p->cost.n_noise > DUET_STEP_COST_NOISE_Q ||
+            !(isfinite(p->cost.noise_ratio[k]) && p->cost.noise_ratio[k] > 0))
+            return duet__error(DUET_INVALID_ARGUMENT, "simulate: step-cost dispersion quantile %d is %g", k,
+                               p->cost.noise_ratio[k < DUET_STEP_COST_NOISE_Q ? k : 0]);
     for (int i = 0; i < n; i++)
         if (!isfinite(reqs[i].arrival) || reqs[i].arrival < 0 ||
             (i && reqs[i].arrival < reqs[i - 1].arrival) || reqs[i].arrival > 1e9)
@@ -228,7 +252,12 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
     if (st) return st;
     int n_ctx = p->n_ctx > 0 ? p->n_ctx : p->cost.n_ctx > 0 ? p->cost.n_ctx : 2048;
     int blocks_per_seq = (n_ctx + e.kv_block_size - 1) / e.kv_block_size;
-    sim f = {.p = p, .reqs = reqs, .out = out, .n_inst = p->n_instances};
+    sim f = {.p = p,
+             .reqs = reqs,
+             .out = out,
+             .n_inst = p->n_instances,
+             .noise = p->step_noise && p->cost.n_noise > 0,
+             .rng = p->noise_seed};
     duet__engine_setup(&e, n_ctx, e.kv_blocks > 0 ? e.kv_blocks : e.max_batch_seqs * blocks_per_seq, 0,
                        &f.su);
     const duet_sched_config sc = f.su.sched;

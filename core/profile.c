@@ -275,8 +275,10 @@ duet_status duet_profile_run(const char *model_path, const duet_profile_params *
     pr.tables = malloc((size_t)op.n_seqs * pr.max_blocks * sizeof(int32_t));
     duet_step_sample *out = calloc((size_t)cap, sizeof *out);
     double *times = malloc((size_t)cap * (size_t)p.repeats * sizeof *times);
+    /* Every timed repeat, for the dispersion. */
+    duet_step_sample *all = malloc(((size_t)cap * (size_t)p.repeats + 1) * sizeof *all);
     int *order = malloc((size_t)cap * sizeof *order);
-    if (!grid || !order || !pr.tok || !pr.pos || !pr.seq || !pr.out || !pr.tables || !out || !times) {
+    if (!grid || !order || !pr.tok || !pr.pos || !pr.seq || !pr.out || !pr.tables || !out || !times || !all) {
         st = duet__error(DUET_OUT_OF_MEMORY, "profile: out of memory");
         goto done;
     }
@@ -325,7 +327,7 @@ duet_status duet_profile_run(const char *model_path, const duet_profile_params *
         if (p.progress) p.progress(rounds * warmed / p.repeats, n, p.user);
     }
     /* The samples in the grid's order (decodes, chunks, mixed). */
-    int done = 0;
+    int done = 0, n_all = 0;
     for (int i = 0; i < n && !st && rounds > 0; i++) {
         bool ran = false;
         for (int k = 0; k < warmed && !ran; k++)
@@ -336,12 +338,17 @@ duet_status duet_profile_run(const char *model_path, const duet_profile_params *
         duet_step_sample *s = &out[done++];
         s->seconds = rounds % 2 ? ti[rounds / 2] : (ti[rounds / 2 - 1] + ti[rounds / 2]) / 2;
         shape_of(&grid[i], &s->shape);
+        for (int r = 0; r < rounds; r++)
+            all[n_all++] = (duet_step_sample){.shape = s->shape, .seconds = ti[r]};
     }
     if (p.progress && done) p.progress(n, n, p.user);
     if (!st && done < 2)
         st = duet__error(DUET_INVALID_ARGUMENT, "profile: only %d shape(s) ran within the %g s budget", done,
                          p.budget_s);
     if (!st) st = duet_step_cost_fit(out, done, fit);
+    /* The dispersion: every timed repeat against the fit (the fit used
+     * each shape's median; a server meets the whole spread). */
+    if (!st) duet_step_cost_fit_noise(fit, all, n_all);
     if (!st) {
         duet_model_desc d;
         duet_model_describe(m, &d);
@@ -359,6 +366,7 @@ done:
     free(order);
     free(pr.tok), free(pr.pos), free(pr.seq), free(pr.out), free(pr.tables);
     free(out);
+    free(all);
     free(times);
     duet_model_close(m);
     return st;

@@ -249,6 +249,48 @@ duet_status duet_step_cost_fit(const duet_step_sample *samples, int n, duet_step
     return DUET_OK;
 }
 
+/* ---- dispersion ------------------------------------------------------------ */
+
+/* Dense in the upper tail, where queueing feels it. */
+static const double noise_levels[] = {0,   0.01, 0.05, 0.1, 0.2,  0.3,  0.4, 0.5,
+                                      0.6, 0.7,  0.8,  0.9, 0.95, 0.99, 1};
+#define N_NOISE_LEVELS ((int)(sizeof noise_levels / sizeof noise_levels[0]))
+_Static_assert(N_NOISE_LEVELS <= DUET_STEP_COST_NOISE_Q, "noise quantiles");
+
+void duet_step_cost_fit_noise(duet_step_cost *m, const duet_step_sample *steps, int n) {
+    m->n_noise = 0;
+    double *r = n > 0 ? malloc((size_t)n * sizeof *r) : NULL;
+    int k = 0;
+    for (int i = 0; r && i < n; i++) {
+        double pred = duet_step_cost_predict(m, &steps[i].shape);
+        if (sample_ok(&steps[i]) && steps[i].seconds > 0 && pred > 0) r[k++] = steps[i].seconds / pred;
+    }
+    if (k >= 2) {
+        qsort(r, (size_t)k, sizeof *r, cmp_double);
+        for (int q = 0; q < N_NOISE_LEVELS; q++) {
+            double at = noise_levels[q] * (k - 1);
+            int lo = (int)at;
+            double f = at - lo;
+            m->noise_level[q] = noise_levels[q];
+            m->noise_ratio[q] = lo + 1 < k ? r[lo] + f * (r[lo + 1] - r[lo]) : r[k - 1];
+        }
+        m->n_noise = N_NOISE_LEVELS;
+    }
+    free(r);
+}
+
+double duet_step_cost_noise_at(const duet_step_cost *m, double u) {
+    int n = m->n_noise < DUET_STEP_COST_NOISE_Q ? m->n_noise : DUET_STEP_COST_NOISE_Q;
+    if (n <= 0) return 1;
+    if (u <= m->noise_level[0]) return m->noise_ratio[0];
+    for (int k = 1; k < n; k++)
+        if (u <= m->noise_level[k]) {
+            double a = m->noise_level[k - 1], b = m->noise_level[k], f = b > a ? (u - a) / (b - a) : 1;
+            return m->noise_ratio[k - 1] + f * (m->noise_ratio[k] - m->noise_ratio[k - 1]);
+        }
+    return m->noise_ratio[n - 1];
+}
+
 /* ---- online ---------------------------------------------------------------- */
 
 #define ONLINE_REFIT_EVERY 8
@@ -350,6 +392,16 @@ duet_status duet_step_cost_save(const duet_step_cost *m, const duet_step_sample 
             cJSON_AddItemToArray(kn, pair);
         }
     }
+    if (m->n_noise > 0) {
+        /* [[level, ratio], ...]: quantiles of measured / predicted. */
+        cJSON *nq = cJSON_AddArrayToObject(root, "step_noise");
+        for (int k = 0; k < m->n_noise && k < DUET_STEP_COST_NOISE_Q; k++) {
+            cJSON *pair = cJSON_CreateArray();
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(m->noise_level[k]));
+            cJSON_AddItemToArray(pair, cJSON_CreateNumber(m->noise_ratio[k]));
+            cJSON_AddItemToArray(nq, pair);
+        }
+    }
     if (samples && n_samples > 0) {
         cJSON *arr = cJSON_AddArrayToObject(root, "samples");
         for (int i = 0; i < n_samples; i++) {
@@ -407,6 +459,36 @@ static duet_status load_curve(const cJSON *root, const char *path, duet_step_cos
         out->knot_s[k] = v->valuedouble;
     }
     out->n_knots = n;
+    return DUET_OK;
+}
+
+/* The optional "step_noise": [[level, ratio], ...], at least two, levels
+ * ascending in [0, 1], ratios positive, finite and non-decreasing (a
+ * quantile function). Older files have none: no dispersion. */
+static duet_status load_noise(const cJSON *root, const char *path, duet_step_cost *out) {
+    const cJSON *nq = cJSON_GetObjectItemCaseSensitive(root, "step_noise");
+    if (!nq) return DUET_OK;
+    int n = cJSON_IsArray(nq) ? cJSON_GetArraySize(nq) : -1;
+    if (n < 2 || n > DUET_STEP_COST_NOISE_Q)
+        return duet__error(DUET_INVALID_ARGUMENT, "%s: \"step_noise\" must be an array of 2 to %d pairs",
+                           path, DUET_STEP_COST_NOISE_Q);
+    for (int k = 0; k < n; k++) {
+        const cJSON *pair = cJSON_GetArrayItem(nq, k);
+        const cJSON *l = cJSON_GetArrayItem(pair, 0), *v = cJSON_GetArrayItem(pair, 1);
+        if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 || !cJSON_IsNumber(l) ||
+            !cJSON_IsNumber(v) || !(l->valuedouble >= 0 && l->valuedouble <= 1) ||
+            (k && l->valuedouble <= out->noise_level[k - 1]) ||
+            !(isfinite(v->valuedouble) && v->valuedouble > 0) ||
+            (k && v->valuedouble < out->noise_ratio[k - 1]))
+            return duet__error(
+                DUET_INVALID_ARGUMENT,
+                "%s: \"step_noise\" entry %d must be [level, ratio]: levels ascending in [0, 1], "
+                "ratios positive, finite and non-decreasing",
+                path, k);
+        out->noise_level[k] = l->valuedouble;
+        out->noise_ratio[k] = v->valuedouble;
+    }
+    out->n_noise = n;
     return DUET_OK;
 }
 
@@ -489,6 +571,7 @@ duet_status duet_step_cost_load(const char *path, duet_step_cost *out) {
             out->mean_rel_err = v->valuedouble;
         if ((v = cJSON_GetObjectItemCaseSensitive(fit, "r2")) && cJSON_IsNumber(v)) out->r2 = v->valuedouble;
         st = load_curve(root, path, out);
+        if (!st) st = load_noise(root, path, out);
     }
     if (st) memset(out, 0, sizeof *out);
     cJSON_Delete(root);

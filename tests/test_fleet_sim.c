@@ -4,7 +4,8 @@
  * batch_timeout, prefill cost, queue-full refusals, the context clamp, the
  * router spreading work), then a long Poisson run: every request served,
  * time order, determinism, and an hour of traffic in well under a second
- * per simulated instance-hour. */
+ * per simulated instance-hour; step costs drawn from a dispersion: seeded,
+ * and queueing that grows with it. */
 #include <check.h>
 #include <math.h>
 #include <time.h>
@@ -280,6 +281,82 @@ START_TEST(long_poisson_run) {
 }
 END_TEST
 
+/* Poisson arrivals at `rate`, one-token prompts and outputs. */
+static duet_sim_request *poisson(int n, double rate, uint64_t seed) {
+    duet_sim_request *r = calloc((size_t)n, sizeof *r);
+    double t = 0;
+    for (int i = 0; i < n; i++) {
+        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+        t += -log(((double)(seed >> 11) + 0.5) * 0x1.0p-53) / rate;
+        r[i] = (duet_sim_request){.arrival = t, .n_prompt = 1, .n_output = 1};
+    }
+    return r;
+}
+
+/* Step costs times a uniform in [1 - a, 1 + a] (mean 1: the same
+ * utilisation), as two quantiles. */
+static void uniform_noise(duet_sim_params *p, double a) {
+    p->cost.n_noise = 2;
+    p->cost.noise_level[0] = 0, p->cost.noise_level[1] = 1;
+    p->cost.noise_ratio[0] = 1 - a, p->cost.noise_ratio[1] = 1 + a;
+}
+
+static double mean_ttft(const duet_sim_request *r, const duet_sim_outcome *o, int n) {
+    double s = 0;
+    for (int i = 0; i < n; i++) {
+        ck_assert_int_eq(o[i].status, DUET_OK);
+        s += (o[i].first_token - r[i].arrival) / n;
+    }
+    return s;
+}
+
+START_TEST(step_noise_is_seeded_and_grows_queueing) {
+    /* 10 ms a prompt token and nothing else (a batch saves nothing), one
+     * token in and out, Poisson at 85% of the 100 req/s this serves. */
+    enum { n = 20000 };
+    duet_sim_params p = params(0);
+    p.cost.coef[2] = 10 * MS;
+    duet_sim_request *r = poisson(n, 85, 7);
+    duet_sim_outcome *o = calloc(n, sizeof *o), *o2 = calloc(n, sizeof *o2);
+    duet_sim_stats st, st2;
+    /* Off, or a profile without a dispersion: the model's costs. */
+    ck_assert_int_eq(duet_simulate(&p, r, n, o, &st), DUET_OK);
+    double t_det = mean_ttft(r, o, n), busy_det = st.busy_s;
+    p.step_noise = true;
+    p.noise_seed = 42;
+    ck_assert_int_eq(duet_simulate(&p, r, n, o2, &st2), DUET_OK);
+    ck_assert(st.end == st2.end && mean_ttft(r, o2, n) == t_det);
+    /* With one: the same seed, the same run; another seed, another. */
+    uniform_noise(&p, 0.5);
+    ck_assert_int_eq(duet_simulate(&p, r, n, o, &st), DUET_OK);
+    ck_assert_int_eq(duet_simulate(&p, r, n, o2, &st2), DUET_OK);
+    ck_assert(st.steps == st2.steps && st.end == st2.end);
+    for (int i = 0; i < n; i++)
+        ck_assert(o[i].first_token == o2[i].first_token && o[i].done == o2[i].done);
+    double t_half = mean_ttft(r, o, n), busy_half = st.busy_s;
+    p.noise_seed = 43;
+    ck_assert_int_eq(duet_simulate(&p, r, n, o2, &st2), DUET_OK);
+    ck_assert(st.end != st2.end || mean_ttft(r, o2, n) != t_half);
+    /* Queueing grows with the dispersion at the same utilisation
+     * (Pollaczek-Khinchine: waiting ~ 1 + CV^2; a uniform +-a has CV^2
+     * a^2/3). */
+    p.noise_seed = 42;
+    uniform_noise(&p, 0.95);
+    ck_assert_int_eq(duet_simulate(&p, r, n, o, &st), DUET_OK);
+    double t_wide = mean_ttft(r, o, n), busy_wide = st.busy_s;
+    fprintf(stderr, "mean TTFT at 85%% load: %.1f ms deterministic, %.1f ms +-50%%, %.1f ms +-95%%\n",
+            t_det / MS, t_half / MS, t_wide / MS);
+    ck_assert(fabs(busy_half / busy_det - 1) < 0.03 && fabs(busy_wide / busy_det - 1) < 0.03);
+    ck_assert_msg(t_half > 1.03 * t_det && t_wide > 1.1 * t_half, "mean TTFT %g, %g, %g s", t_det, t_half,
+                  t_wide);
+    /* Off again: as deterministic as before, whatever the dispersion. */
+    p.step_noise = false;
+    ck_assert_int_eq(duet_simulate(&p, r, n, o, &st), DUET_OK);
+    ck_assert(mean_ttft(r, o, n) == t_det);
+    free(r), free(o), free(o2);
+}
+END_TEST
+
 int main(void) {
     Suite *s = suite_create("fleet_sim");
     TCase *tc = tcase_create("fleet_sim");
@@ -290,6 +367,7 @@ int main(void) {
     tcase_add_test(tc, refusals_and_context_clamp);
     tcase_add_test(tc, router_spreads_work);
     tcase_add_test(tc, long_poisson_run);
+    tcase_add_test(tc, step_noise_is_seeded_and_grows_queueing);
     suite_add_tcase(s, tc);
     return test_run_suite(s);
 }

@@ -72,6 +72,12 @@ class Profile(unittest.TestCase):
                                                                               x["decode_ctx"], x["prefill_ctx"]]))
             chunks = sorted((x for x in s if x["n_decode"] == 0), key=lambda x: (x["prefill_ctx"]))
             self.assertLessEqual(pred(chunks[0]), pred(chunks[-1]))
+            # The dispersion of every timed repeat around the fit: quantiles
+            # of measured / predicted, levels 0..1, ratios non-decreasing.
+            q = doc["step_noise"]
+            self.assertEqual((q[0][0], q[-1][0]), (0, 1))
+            self.assertEqual([r for _, r in q], sorted(r for _, r in q))
+            self.assertTrue(0 < q[0][1] <= 1 <= q[-1][1] < 100, q)
 
     def test_profile_errors(self):
         p = run([DUET, "profile", "-m", MODEL], check=False)
@@ -139,6 +145,34 @@ class Simulate(unittest.TestCase):
         self.assertLess(thr[2], 200 * 0.5)
         self.assertLess(ttft[0], ttft[2])
         self.assertEqual(int(pa[2]["completed"]) + int(pa[2]["failed"]), 300)
+
+    def test_step_noise(self):
+        """A profile's dispersion: on by default, the same run for a seed,
+        off on request; a profile without one simulates as before."""
+        noisy = os.path.join(self.dir, "noisy.json")
+        with open(self.prof) as fh:
+            doc = json.load(fh)
+        doc["step_noise"] = [[0, 0.5], [0.9, 1.0], [1, 3.0]]
+        with open(noisy, "w") as fh:
+            json.dump(doc, fh)
+        args = ["--request-rate", "40", "--num-prompts", "200", "--random-input-len", "32", "--random-output-len",
+                "16", "--no-plots", "-m", MODEL]
+        got = {}
+        for name, extra in (("on", ["--simulate", noisy, "--seed", "3"]), ("again", ["--simulate", noisy, "--seed", "3"]),
+                            ("seed", ["--simulate", noisy, "--seed", "4"]),
+                            ("off", ["--simulate", noisy, "--seed", "3", "--sim-step-noise", "off"]),
+                            ("plain", ["--simulate", self.prof, "--seed", "3"])):
+            out = os.path.join(self.dir, name)
+            bench(*extra, *args, "--output-dir", out)
+            got[name] = self.points(out)[0]
+        keys = ("ttft_median_ms", "ttft_p99_ms", "itl_median_ms", "itl_p99_ms")
+        self.assertEqual([got["on"][k] for k in keys], [got["again"][k] for k in keys])
+        self.assertEqual([got["off"][k] for k in keys], [got["plain"][k] for k in keys])
+        self.assertNotEqual([got["on"][k] for k in keys], [got["off"][k] for k in keys])
+        self.assertNotEqual([got["on"][k] for k in keys], [got["seed"][k] for k in keys])
+        p = bench("--simulate", noisy, "--sim-step-noise", "maybe", "--no-plots", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("on or off", p.stderr)
 
     def test_trace(self):
         trace = os.path.join(self.dir, "t.csv")

@@ -280,6 +280,19 @@ START_TEST(file_round_trip_and_bad_files) {
         ck_assert(r.knot_tokens[k] == m.knot_tokens[k] && r.knot_s[k] == m.knot_s[k]);
     unlink(tmp_path);
 
+    /* The dispersion round-trips; a file without it (older profiles) has none. */
+    ck_assert_int_eq(r.n_noise, 0);
+    m.n_noise = 3;
+    memcpy(m.noise_level, (double[]){0, 0.5, 1}, 3 * sizeof(double));
+    memcpy(m.noise_ratio, (double[]){0.875, 1, 1.625}, 3 * sizeof(double));
+    ck_assert_int_eq(duet_step_cost_save(&m, NULL, 0, tmp_path), DUET_OK);
+    ck_assert_int_eq(duet_step_cost_load(tmp_path, &r), DUET_OK);
+    ck_assert_int_eq(r.n_noise, 3);
+    for (int k = 0; k < 3; k++)
+        ck_assert(r.noise_level[k] == m.noise_level[k] && r.noise_ratio[k] == m.noise_ratio[k]);
+    ck_assert(duet_step_cost_noise_at(&r, 0.25) == 0.9375 && duet_step_cost_noise_at(&r, 0.75) == 1.3125);
+    unlink(tmp_path);
+
     /* Unwritable and unreadable paths. */
     ck_assert_int_eq(duet_step_cost_save(&m, NULL, 0, "/nonexistent-dir/x.json"), DUET_IO);
     ck_assert(strstr(duet_last_error(), "/nonexistent-dir/x.json"));
@@ -315,6 +328,46 @@ START_TEST(file_round_trip_and_bad_files) {
     snprintf(buf, sizeof buf, "{\"format\": \"duet-step-cost\", \"version\": 1, %s, \"token_curve\": {}}",
              ok_terms);
     expect_bad(buf, DUET_INVALID_ARGUMENT, "\"token_curve\" must be an array");
+    snprintf(buf, sizeof buf,
+             "{\"format\": \"duet-step-cost\", \"version\": 1, %s, \"step_noise\": [[0, 1.1], [1, 0.9]]}",
+             ok_terms);
+    expect_bad(buf, DUET_INVALID_ARGUMENT, "\"step_noise\" entry 1");
+    snprintf(buf, sizeof buf,
+             "{\"format\": \"duet-step-cost\", \"version\": 1, %s, \"step_noise\": [[0, 0], [1, 2]]}",
+             ok_terms);
+    expect_bad(buf, DUET_INVALID_ARGUMENT, "\"step_noise\" entry 0");
+    snprintf(buf, sizeof buf,
+             "{\"format\": \"duet-step-cost\", \"version\": 1, %s, \"step_noise\": [[0, 1]]}", ok_terms);
+    expect_bad(buf, DUET_INVALID_ARGUMENT, "\"step_noise\" must be an array of 2");
+}
+END_TEST
+
+START_TEST(dispersion_quantiles) {
+    /* Steps of a known model, each shape timed at 0.8, 1, 1, 1.2 and 2
+     * times its cost: the quantiles are those of the ratios. */
+    duet_step_cost m = {.coef = {1e-3, 1e-4}};
+    static const double f[5] = {0.8, 1, 1, 1.2, 2};
+    duet_step_sample smp[40];
+    for (int i = 0; i < 40; i++) {
+        smp[i].shape = (duet_step_shape){.n_decode = 1 + i / 5};
+        smp[i].seconds = f[i % 5] * duet_step_cost_predict(&m, &smp[i].shape);
+    }
+    duet_step_cost_fit_noise(&m, smp, 40);
+    ck_assert_int_gt(m.n_noise, 4);
+    ck_assert(m.noise_level[0] == 0 && m.noise_level[m.n_noise - 1] == 1);
+    ck_assert(fabs(m.noise_ratio[0] - 0.8) < 1e-12 && fabs(m.noise_ratio[m.n_noise - 1] - 2) < 1e-12);
+    ck_assert(fabs(duet_step_cost_noise_at(&m, 0.5) - 1) < 1e-12);
+    for (int k = 1; k < m.n_noise; k++)
+        ck_assert(m.noise_ratio[k] >= m.noise_ratio[k - 1] && m.noise_level[k] > m.noise_level[k - 1]);
+    /* The draw's mean is the ratios' (1.2), within the interpolation's error. */
+    double mean = 0;
+    for (int i = 0; i < 100000; i++)
+        mean += duet_step_cost_noise_at(&m, (i + 0.5) / 100000) / 100000;
+    ck_assert_msg(fabs(mean - 1.2) < 0.03, "mean draw %g", mean);
+    /* Too few steps: none. */
+    duet_step_cost_fit_noise(&m, smp, 1);
+    ck_assert_int_eq(m.n_noise, 0);
+    ck_assert(duet_step_cost_noise_at(&m, 0.99) == 1);
 }
 END_TEST
 
@@ -442,6 +495,10 @@ START_TEST(profile_times_steps_in_a_run_of_their_shape) {
                       "shape %d (%d decodes, %d prompt tokens): %g s, steady %g s", i, smp[i].shape.n_decode,
                       smp[i].shape.n_prefill, smp[i].seconds, 1e-3 + 5e-5 * tokens);
     }
+    /* Steady steps, an exact fit: no dispersion to speak of. */
+    ck_assert_int_gt(fit.n_noise, 1);
+    ck_assert_msg(fabs(fit.noise_ratio[0] - 1) < 1e-6 && fabs(fit.noise_ratio[fit.n_noise - 1] - 1) < 1e-6,
+                  "dispersion %g..%g", fit.noise_ratio[0], fit.noise_ratio[fit.n_noise - 1]);
     free(smp);
 }
 END_TEST
@@ -455,6 +512,7 @@ int main(void) {
     tcase_add_test(model, fit_follows_a_token_count_cliff);
     tcase_add_test(model, online_converges_keeps_prior_and_follows_change);
     tcase_add_test(model, file_round_trip_and_bad_files);
+    tcase_add_test(model, dispersion_quantiles);
     suite_add_tcase(s, model);
     TCase *eng = tcase_create("engine");
     tcase_set_timeout(eng, 120);
