@@ -51,6 +51,8 @@ static const char usage[] =
     "  --sim-latency-ms X         --simulate: added to every token's time (the client-server path)\n"
     "  --sim-step-noise on|off    --simulate: each step's cost times a draw from the profile's measured\n"
     "                             dispersion (seeded by --seed; default on when the profile has one)\n"
+    "  --sim-noise-seed N         --simulate: other draws of the dispersion for the same workload (default "
+    "0)\n"
     "  --sim-slo-ttft-ms T --sim-slo-itl-ms T   --simulate: the simulated servers' latency targets, as\n"
     "                             duet serve --slo-ttft-ms/--slo-itl-ms take them (MS, or\n"
     "                             interactive=MS,batch=MS): the adaptive controller and the stall-free step\n"
@@ -652,6 +654,11 @@ int main(int argc, char **argv) {
             ok = !strcmp(v, "on") || !strcmp(v, "off");
             if (!ok) fprintf(stderr, "duet-bench: --sim-step-noise takes on or off, not '%s'\n", v);
             c.sim_no_step_noise = !strcmp(v, "off");
+        } else if (!strcmp(a, "--sim-noise-seed")) {
+            NEED_ARG();
+            int ns;
+            ok = parse_int(a, v, 0, 2147483647L, &ns);
+            c.sim_noise_seed = (uint64_t)ns;
         } else if (!strcmp(a, "--sim-slo-ttft-ms") || !strcmp(a, "--sim-slo-itl-ms")) {
             NEED_ARG();
             ok = parse_class_ms(a, v, a[10] == 't' ? c.sim_slo_ttft_ms : c.sim_slo_itl_ms);
@@ -699,7 +706,7 @@ int main(int argc, char **argv) {
     if (!c.simulate && (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms ||
                         c.sim_no_step_noise || c.trace_path || sim_slo || c.sim_static_knobs)) {
         fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, "
-                        "--sim-step-noise, --sim-slo-*-ms, "
+                        "--sim-step-noise, --sim-noise-seed, --sim-slo-*-ms, "
                         "--sim-static-knobs and --trace belong to --simulate\n");
         return 2;
     }

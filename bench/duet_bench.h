@@ -458,6 +458,8 @@ typedef struct db_config {
     int sim_n_ctx;           /* context per sequence; 0 = the profile's */
     double sim_latency_ms;   /* added to every token's time: the client-server path */
     bool sim_no_step_noise;  /* steps cost the model's prediction, not a draw from its dispersion */
+    uint64_t
+        sim_noise_seed; /* mixed into each point's dispersion draws (default 0: the point's seed alone) */
     /* The simulated servers' latency targets per duet_priority (ms, 0 =
      * none), as duet serve --slo-ttft-ms / --slo-itl-ms take them: with one
      * set, the adaptive controller and the stall-free step budget run in

@@ -103,7 +103,8 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
                           .cost = cfg->sim_cost,
                           .step_noise = !cfg->sim_no_step_noise,
                           /* The point's workload seed: its own draws, the same on a rerun. */
-                          .noise_seed = load->seed ^ UINT64_C(0x5DEECE66D),
+                          .noise_seed = load->seed ^ UINT64_C(0x5DEECE66D) ^
+                                        cfg->sim_noise_seed * UINT64_C(0x9E3779B97F4A7C15),
                           .on_token = on_token};
     memcpy(sp.engine.slo_ttft_ms, cfg->sim_slo_ttft_ms, sizeof sp.engine.slo_ttft_ms);
     memcpy(sp.engine.slo_itl_ms, cfg->sim_slo_itl_ms, sizeof sp.engine.slo_itl_ms);

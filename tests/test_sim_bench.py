@@ -160,6 +160,7 @@ class Simulate(unittest.TestCase):
         got = {}
         for name, extra in (("on", ["--simulate", noisy, "--seed", "3"]), ("again", ["--simulate", noisy, "--seed", "3"]),
                             ("seed", ["--simulate", noisy, "--seed", "4"]),
+                            ("draws", ["--simulate", noisy, "--seed", "3", "--sim-noise-seed", "1"]),
                             ("off", ["--simulate", noisy, "--seed", "3", "--sim-step-noise", "off"]),
                             ("plain", ["--simulate", self.prof, "--seed", "3"])):
             out = os.path.join(self.dir, name)
@@ -170,6 +171,7 @@ class Simulate(unittest.TestCase):
         self.assertEqual([got["off"][k] for k in keys], [got["plain"][k] for k in keys])
         self.assertNotEqual([got["on"][k] for k in keys], [got["off"][k] for k in keys])
         self.assertNotEqual([got["on"][k] for k in keys], [got["seed"][k] for k in keys])
+        self.assertNotEqual([got["on"][k] for k in keys], [got["draws"][k] for k in keys])
         p = bench("--simulate", noisy, "--sim-step-noise", "maybe", "--no-plots", check=False)
         self.assertEqual(p.returncode, 2)
         self.assertIn("on or off", p.stderr)
