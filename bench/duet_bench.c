@@ -51,8 +51,7 @@ static const char usage[] =
     "  --sim-latency-ms X         --simulate: added to every token's time (the client-server path)\n"
     "  --sim-step-noise on|off    --simulate: each step's cost times a draw from the profile's measured\n"
     "                             dispersion (seeded by --seed; default on when the profile has one)\n"
-    "  --sim-noise-seed N         --simulate: other draws of the dispersion for the same workload (default "
-    "0)\n"
+    "  --sim-noise-seed N         --simulate: other draws of the dispersion, the same workload (default 0)\n"
     "  --sim-slo-ttft-ms T --sim-slo-itl-ms T   --simulate: the simulated servers' latency targets, as\n"
     "                             duet serve --slo-ttft-ms/--slo-itl-ms take them (MS, or\n"
     "                             interactive=MS,batch=MS): the adaptive controller and the stall-free step\n"
@@ -703,8 +702,9 @@ int main(int argc, char **argv) {
     }
     bool sim_slo =
         c.sim_slo_ttft_ms[0] + c.sim_slo_ttft_ms[1] + c.sim_slo_itl_ms[0] + c.sim_slo_itl_ms[1] > 0;
-    if (!c.simulate && (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms ||
-                        c.sim_no_step_noise || c.trace_path || sim_slo || c.sim_static_knobs)) {
+    if (!c.simulate &&
+        (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.sim_no_step_noise ||
+         c.sim_noise_seed || c.trace_path || sim_slo || c.sim_static_knobs)) {
         fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, "
                         "--sim-step-noise, --sim-noise-seed, --sim-slo-*-ms, "
                         "--sim-static-knobs and --trace belong to --simulate\n");
