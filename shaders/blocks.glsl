@@ -187,38 +187,21 @@ void blk_head(usamplerBuffer W, uint dt, int tex, uint ph, out uint hw[5]) {
     }
 }
 
-// Chunk c of the block at (tex, ph) (hw: its blk_head). The scales are
-// formed in the order of quants.c's dequantizers (d * sub-block scale
-// first), so s * q - m is the reference value exactly: every product
-// there is exact in f32.
-// Chunk offsets inside a block that depend on c are whole texels (added to
-// tex), so a constant ph stays constant.
-//
-// uq: q unsigned (0..63) wherever the type has a fixed offset (the codes
-// less blk_offset are the signed ones; m stays 0), and IQ4's q the nibbles
-// (0..15), not their levels (see blk_iq4f). The tile float path takes it
-// and subtracts the offset from its exact integer sums: folding the offset
-// into m (m = offset * s) instead rounds differently, and SmolLM2 Q4_K_M
-// on lavapipe lost its greedy match with llama.cpp that way.
-void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, bool uq, out uint q[8], out vec2 s,
-                 out vec2 m) {
+// A 32-value block (Q4_0 ... IQ4_NL) from its first 24 bytes, o[k] the 32
+// bits at byte 4k of the block (bytes past the block ignored): q, s, m and
+// uq as blk_chunk_x gives them.
+void blk_decode32(uint dt, uint o[6], bool uq, out uint q[8], out vec2 s, out vec2 m) {
     m = vec2(0.0);
+    s = vec2(f16_bits(o[0] & 0xffffu));
     if (dt == DT_Q4_0 || dt == DT_IQ4_NL) {
-        uint o[5], w[4];
-        blk_ld2x5(W, tex, ph, o);
-        s = vec2(f16_bits(o[0] & 0xffffu));
+        uint w[4];
         [[unroll]] for (int k = 0; k < 4; k++) w[k] = (o[k] >> 16) | (o[k + 1] << 16);
         blk_nibbles(w, dt == DT_IQ4_NL && !uq, uq ? 0u : 8u, q);
     } else if (dt == DT_Q4_1) {
-        uint o[6];
-        blk_ld3x6(W, tex, ph, o);
-        s = vec2(f16_bits(o[0] & 0xffffu));
         m = vec2(-f16_bits(o[0] >> 16));
         blk_nibbles(uint[4](o[1], o[2], o[3], o[4]), false, 0u, q);
-    } else if (dt == DT_Q5_0 || dt == DT_Q5_1) {
-        uint o[6], w[4], qh;
-        blk_ld3x6(W, tex, ph, o);
-        s = vec2(f16_bits(o[0] & 0xffffu));
+    } else { // Q5_0, Q5_1
+        uint w[4], qh;
         if (dt == DT_Q5_0) {
             qh = (o[0] >> 16) | (o[1] << 16);
             [[unroll]] for (int k = 0; k < 4; k++) w[k] = (o[k + 1] >> 16) | (o[k + 2] << 16);
@@ -234,6 +217,38 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
             q[k] = blk_sub_bytes(lo, sub);
             q[k + 4] = blk_sub_bytes(hi, sub);
         }
+    }
+}
+
+// Chunk c of the block at (tex, ph) (hw: its blk_head). The scales are
+// formed in the order of quants.c's dequantizers (d * sub-block scale
+// first), so s * q - m is the reference value exactly: every product
+// there is exact in f32.
+// Chunk offsets inside a block that depend on c are whole texels (added to
+// tex), so a constant ph stays constant.
+//
+// uq: q unsigned (0..63) wherever the type has a fixed offset (the codes
+// less blk_offset are the signed ones; m stays 0), and IQ4's q the nibbles
+// (0..15), not their levels (see blk_iq4f). The tile float path takes it
+// and subtracts the offset from its exact integer sums: folding the offset
+// into m (m = offset * s) instead rounds differently, and SmolLM2 Q4_K_M
+// on lavapipe lost its greedy match with llama.cpp that way.
+//
+// blk_chunk_xh: the same, Q3_K's hmask (32 bytes at the block's start, the
+// same for every chunk) given as hm (blk_hmask), not read again per chunk.
+void blk_chunk_xh(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint hm[8], uint c, bool uq, out uint q[8],
+                  out vec2 s, out vec2 m) {
+    m = vec2(0.0);
+    if (blk_chunks(dt) == 1u) {
+        uint o[6];
+        if (dt == DT_Q4_0 || dt == DT_IQ4_NL) {
+            uint o5[5];
+            blk_ld2x5(W, tex, ph, o5);
+            o = uint[6](o5[0], o5[1], o5[2], o5[3], o5[4], 0u);
+        } else {
+            blk_ld3x6(W, tex, ph, o);
+        }
+        blk_decode32(dt, o, uq, q, s, m);
     } else if (dt == DT_Q2_K) {
         // hw: scales[16] in 0..3, d | dmin << 16 in 4.
         uint o[8], sh = 2u * (c & 3u);
@@ -246,9 +261,8 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
         m = vec2(dmin * float(sc0 >> 4), dmin * float(sc1 >> 4));
     } else if (dt == DT_Q3_K) {
         // hw: scales[12] in bytes 0..11, d in bytes 12..13.
-        uint o[8], hm[8], sh = 2u * (c & 3u);
+        uint o[8], sh = 2u * (c & 3u);
         blk_ld3x8(W, tex + 2 * int(c >> 2), ph + 32u, o);
-        blk_ld3x8(W, tex, ph, hm);
         [[unroll]] for (int k = 0; k < 8; k++)
             q[k] = blk_sub_bytes(((o[k] >> sh) & 0x03030303u) | (((hm[k] >> c) & 0x01010101u) << 2), uq ? 0u : 4u);
         float d = f16_bits(hw[3] & 0xffffu);
@@ -308,6 +322,19 @@ void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c
     }
 }
 
+// Q3_K's hmask: what blk_chunk_xh takes as hm (zeros for the other types).
+void blk_hmask(usamplerBuffer W, uint dt, int tex, uint ph, out uint hm[8]) {
+    hm = uint[8](0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u);
+    if (dt == DT_Q3_K) blk_ld3x8(W, tex, ph, hm);
+}
+
+void blk_chunk_x(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, bool uq, out uint q[8], out vec2 s,
+                 out vec2 m) {
+    uint hm[8];
+    blk_hmask(W, dt, tex, ph, hm);
+    blk_chunk_xh(W, dt, tex, ph, hw, hm, c, uq, q, s, m);
+}
+
 void blk_chunk(usamplerBuffer W, uint dt, int tex, uint ph, uint hw[5], uint c, out uint q[8], out vec2 s, out vec2 m) {
     blk_chunk_x(W, dt, tex, ph, hw, c, false, q, s, m);
 }
@@ -316,13 +343,20 @@ bool blk_signed(uint dt) {
     return dt == DT_IQ4_NL || dt == DT_IQ4_XS;
 }
 
-// The IQ4 levels of nibbles n (as floats 0..15), as floats: a quartic that
-// is within 0.477 of every level, rounded (exact in f32, fused or not; 7
-// operations a weight instead of a table's selects on CPU devices).
-vec4 blk_iq4f(vec4 n) {
-    vec4 a = 0.0013247201714693974 * n + 0.041216824111560954;
-    a = a * n - 1.5001835754544732;
-    a = a * n + 24.74324574634172;
+// The IQ4 levels of the four nibbles of q (one a byte, unsigned), as
+// floats: a quartic that is within 0.477 of every level, rounded (exact in
+// f32, fused or not; CPU devices would gather a table). Byte k converts as
+// n * 2^(8k) (blk_codesf's mask and conversion, no shift) and the
+// coefficient of n^j carries 2^(-8kj) instead: every intermediate is the
+// unscaled one times a power of two (all normal), so the rounding is the
+// same.
+vec4 blk_iq4f(uint q) {
+    const vec4 S1 = vec4(1.0, 1.0 / 256.0, 1.0 / 65536.0, 1.0 / 16777216.0), S2 = S1 * S1, S3 = S2 * S1,
+               S4 = S2 * S2;
+    vec4 n = vec4(ivec4(uvec4(q & 0xfu, q & 0xf00u, q & 0xf0000u, q & 0xf000000u)));
+    vec4 a = (0.0013247201714693974 * S4) * n + 0.041216824111560954 * S3;
+    a = a * n - 1.5001835754544732 * S2;
+    a = a * n + 24.74324574634172 * S1;
     return roundEven(a * n - 127.04360165118679);
 }
 
@@ -337,9 +371,4 @@ uint blk_offset(uint dt) {
 // takes a shift more (exact: at most 7 significant bits).
 vec4 blk_codesf(uint q) {
     return vec4(ivec4(uvec4(q & 0xffu, q & 0xff00u, q & 0xff0000u, q & 0xff000000u)));
-}
-
-// Four unsigned bytes as floats (lowest byte first).
-vec4 blk_u8x4(uint q) {
-    return vec4(uvec4(q, q >> 8, q >> 16, q >> 24) & 0xffu);
 }

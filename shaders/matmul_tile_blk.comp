@@ -61,20 +61,88 @@ int sdot_acc_sat(uint a, uint b, int acc, spirv_literal int fmt);
 #endif
 #endif
 
+// A token's q8_0 activation block, as the inner products take it.
+struct xblk {
+    float d; // its scale
+    vec2 m;  // d times the two 16-sums (for the types' mins)
+#ifdef USE_INT_DOT
+    uint q[8];
+#else
+    vec2 s;    // the two 16-sums (for the codes' fixed offset)
+    vec4 f[8]; // the int8 values as floats, times XS (blk_codesf's byte weights undone)
+#endif
+};
+
+xblk load_x(uint byte, vec4 XS) {
+    xblk x;
+#ifdef USE_INT_DOT
+    load_q8_block(XQ, byte, x.d, x.q);
+    int s0 = 0, s1 = 0;
+    [[unroll]] for (int k = 0; k < 4; k++) {
+        s0 = DOT4(x.q[k], 0x01010101u, s0);
+        s1 = DOT4(x.q[k + 4], 0x01010101u, s1);
+    }
+    x.m = x.d * vec2(float(s0), float(s1));
+#else
+    uint xq[8];
+    load_q8_block(XQ, byte, x.d, xq);
+    vec4 s4 = vec4(0.0), h4 = vec4(0.0);
+    [[unroll]] for (int k = 0; k < 4; k++) {
+        vec4 a = i8x4(xq[k]), b = i8x4(xq[k + 4]);
+        s4 += a;
+        h4 += b;
+        x.f[k] = a * XS;
+        x.f[k + 4] = b * XS;
+    }
+    x.s = vec2(dot(s4, vec4(1.0)), dot(h4, vec4(1.0)));
+    x.m = x.d * x.s;
+#endif
+    return x;
+}
+
+// acc += a chunk's q, s, m (blk_chunk, or blk_chunk_x's unsigned codes on
+// the float path) against activation block x.
+void chunk_acc(inout float acc, xblk x, uint q[8], vec2 s, vec2 m, float OFF) {
+#ifdef USE_INT_DOT
+    int lo = 0, hi = 0;
+    [[unroll]] for (int k = 0; k < 4; k++) {
+        lo = DOT4(q[k], x.q[k], lo);
+        hi = DOT4(q[k + 4], x.q[k + 4], hi);
+    }
+    acc += x.d * (s.x * float(lo) + s.y * float(hi));
+#else
+    float lo = 0.0, hi = 0.0;
+    [[unroll]] for (int k = 0; k < 4; k++) {
+        lo += dot(blk_signed(BT) ? blk_iq4f(q[k]) : blk_codesf(q[k]), x.f[k]);
+        hi += dot(blk_signed(BT) ? blk_iq4f(q[k + 4]) : blk_codesf(q[k + 4]), x.f[k + 4]);
+    }
+    // The signed codes' sums: every term an integer below 2^24, so exact,
+    // and the same as summing signed codes.
+    lo -= OFF * x.s.x;
+    hi -= OFF * x.s.y;
+    acc += x.d * (s.x * lo + s.y * hi);
+#endif
+    if (blk_has_min(BT)) acc -= dot(m, x.m);
+}
+
 void main() {
     int r0 = int(gl_GlobalInvocationID.x) * R;
     blk_last = textureSize(W) - 1;
     int t0 = int(gl_WorkGroupID.y) * T;
     if (r0 >= int(p.n_rows)) return;
     uint CPB = blk_chunks(BT), BB = blk_bytes(BT);
-    bool MIN = blk_has_min(BT);
-#ifndef USE_INT_DOT
     // The float path takes unsigned codes as blk_codesf gives them (code k
     // of a word times 2^(8k)), so activation k of a word is scaled by
     // 2^(-8k); the codes' fixed offset OFF comes off the sums. IQ4's levels
-    // are floats already (XS = 1, OFF = 0).
+    // are floats already (XS = 1, OFF = 0). Unsigned codes: UQ.
+#ifdef USE_INT_DOT
+    const vec4 XS = vec4(1.0);
+    const float OFF = 0.0;
+    const bool UQ = false;
+#else
     const vec4 XS = blk_signed(BT) ? vec4(1.0) : vec4(1.0, 1.0 / 256.0, 1.0 / 65536.0, 1.0 / 16777216.0);
     const float OFF = float(blk_offset(BT));
+    const bool UQ = true;
 #endif
     uint wrow[R];
     [[unroll]] for (int i = 0; i < R; i++) wrow[i] = p.w_off + uint(min(r0 + i, int(p.n_rows) - 1)) * p.row_bytes;
@@ -84,99 +152,82 @@ void main() {
     float acc[R][T];
     [[unroll]] for (int i = 0; i < R; i++) [[unroll]] for (int j = 0; j < T; j++) acc[i][j] = 0.0;
 
-    uint nblk = p.nb / CPB, G = ALIGNED ? blk_group(BT) : 1u, GT = G * BB / 16u;
-    for (uint b0 = 0u; b0 < nblk; b0 += G) {
-        [[unroll]] for (uint jb = 0u; jb < 8u; jb++) {
-            if (jb >= G) break;
-            uint b = b0 + jb;
-            int wtex[R];
-            uint wph[R];
+    uint nblk = p.nb / CPB;
+    if (ALIGNED && CPB == 1u) {
+        // The 32-value blocks in texel-aligned rows: a group of G blocks is
+        // GT whole texels (ALIGNED rows are whole groups), fetched once per
+        // row (a fetch is a call on CPU devices; per block it took two)
+        // and cut into blocks at constant byte offsets, as
+        // matmul_tile_q8.comp walks its rows; the G activation blocks are
+        // read once per group.
+        uint G = blk_group(BT), GT = G * BB / 16u;
+        for (uint b0 = 0u; b0 < nblk; b0 += G) {
+            xblk xa[8][T];
+            [[unroll]] for (uint jb = 0u; jb < 8u; jb++)
+                if (jb < G) [[unroll]] for (int j = 0; j < T; j++) xa[jb][j] = load_x(xrow[j] + (b0 + jb) * 34u, XS);
+            int gt = int((b0 / G) * GT);
             [[unroll]] for (int i = 0; i < R; i++) {
-                if (ALIGNED) {
-                    wtex[i] = int(wrow[i] >> 4) + int((b0 / G) * GT + (jb * BB >> 4));
-                    wph[i] = (jb * BB) & 15u;
-                } else {
-                    uint byte = wrow[i] + b * BB;
-                    wtex[i] = int(byte >> 4);
-                    wph[i] = byte & 15u;
+                uint u[46]; // the group's words (GT <= 11 texels), zeros past them
+                [[unroll]] for (int t = 0; t < 11; t++) {
+                    uvec4 v = uint(t) < GT ? texelFetch(W, int(wrow[i] >> 4) + gt + t) : uvec4(0u);
+                    u[4 * t] = v.x;
+                    u[4 * t + 1] = v.y;
+                    u[4 * t + 2] = v.z;
+                    u[4 * t + 3] = v.w;
                 }
-            }
-            uint hw[R][5];
-            [[unroll]] for (int i = 0; i < R; i++) blk_head(W, BT, wtex[i], wph[i], hw[i]);
-            for (uint c = 0u; c < CPB; c++) {
-                uint g = b * CPB + c;
-                float xd[T];
-                vec2 xm[T];
-#ifdef USE_INT_DOT
-                uint xq[T][8];
-                [[unroll]] for (int j = 0; j < T; j++) {
-                    load_q8_block(XQ, xrow[j] + g * 34u, xd[j], xq[j]);
-                    int s0 = 0, s1 = 0;
-                    [[unroll]] for (int k = 0; k < 4; k++) {
-                        s0 = DOT4(xq[j][k], 0x01010101u, s0);
-                        s1 = DOT4(xq[j][k + 4], 0x01010101u, s1);
+                u[44] = 0u;
+                u[45] = 0u;
+                [[unroll]] for (uint jb = 0u; jb < 8u; jb++) {
+                    if (jb >= G) continue;
+                    uint o[6];
+                    [[unroll]] for (uint k = 0u; k < 6u; k++) {
+                        uint at = jb * BB + 4u * k, w = at >> 2; // blocks start at even bytes
+                        o[k] = (at & 2u) != 0u ? (u[w] >> 16) | (u[w + 1u] << 16) : u[w];
                     }
-                    xm[j] = xd[j] * vec2(float(s0), float(s1));
-                }
-#else
-                // The int8 activations as floats, unpacked once and used by R
-                // rows, times XS (blk_codesf's byte weights undone), and
-                // their two 16-sums xs (for the codes' offsets).
-                vec4 xf[T][8];
-                vec2 xs[T];
-                [[unroll]] for (int j = 0; j < T; j++) {
-                    uint xq[8];
-                    load_q8_block(XQ, xrow[j] + g * 34u, xd[j], xq);
-                    vec4 s4 = vec4(0.0), h4 = vec4(0.0);
-                    [[unroll]] for (int k = 0; k < 4; k++) {
-                        vec4 a = i8x4(xq[k]), b = i8x4(xq[k + 4]);
-                        s4 += a;
-                        h4 += b;
-                        xf[j][k] = a * XS;
-                        xf[j][k + 4] = b * XS;
-                    }
-                    xs[j] = vec2(dot(s4, vec4(1.0)), dot(h4, vec4(1.0)));
-                    xm[j] = xd[j] * xs[j];
-                }
-#endif
-                [[unroll]] for (int i = 0; i < R; i++) {
                     uint q[8];
                     vec2 s, m;
-#ifdef USE_INT_DOT
-                    blk_chunk(W, BT, wtex[i], wph[i], hw[i], c, q, s, m);
-#else
-                    // Unsigned codes (IQ4: the nibbles, for blk_iq4f); m is
-                    // used only for the types with a real min.
-                    blk_chunk_x(W, BT, wtex[i], wph[i], hw[i], c, true, q, s, m);
-#endif
-#ifdef USE_INT_DOT
-                    [[unroll]] for (int j = 0; j < T; j++) {
-                        int lo = 0, hi = 0;
-                        [[unroll]] for (int k = 0; k < 4; k++) {
-                            lo = DOT4(q[k], xq[j][k], lo);
-                            hi = DOT4(q[k + 4], xq[j][k + 4], hi);
-                        }
-                        acc[i][j] += xd[j] * (s.x * float(lo) + s.y * float(hi));
-                        if (MIN) acc[i][j] -= dot(m, xm[j]);
+                    blk_decode32(BT, o, UQ, q, s, m);
+                    [[unroll]] for (int j = 0; j < T; j++) chunk_acc(acc[i][j], xa[jb][j], q, s, m, OFF);
+                }
+            }
+        }
+    } else {
+        // Any other row: blocks at any even byte, a super-block's scales
+        // once per 8 chunks; where rows start on a texel (ALIGNED), in runs
+        // of blk_group whole texels, so that every block's phase is a
+        // constant.
+        uint G = ALIGNED ? blk_group(BT) : 1u, GT = G * BB / 16u;
+        for (uint b0 = 0u; b0 < nblk; b0 += G) {
+            [[unroll]] for (uint jb = 0u; jb < 8u; jb++) {
+                if (jb >= G) break;
+                uint b = b0 + jb;
+                int wtex[R];
+                uint wph[R];
+                [[unroll]] for (int i = 0; i < R; i++) {
+                    if (ALIGNED) {
+                        wtex[i] = int(wrow[i] >> 4) + int((b0 / G) * GT + (jb * BB >> 4));
+                        wph[i] = (jb * BB) & 15u;
+                    } else {
+                        uint byte = wrow[i] + b * BB;
+                        wtex[i] = int(byte >> 4);
+                        wph[i] = byte & 15u;
                     }
-#else
-                    vec4 wf[8];
-                    [[unroll]] for (int k = 0; k < 8; k++)
-                        wf[k] = blk_signed(BT) ? blk_iq4f(blk_u8x4(q[k])) : blk_codesf(q[k]);
-                    [[unroll]] for (int j = 0; j < T; j++) {
-                        float lo = 0.0, hi = 0.0;
-                        [[unroll]] for (int k = 0; k < 4; k++) {
-                            lo += dot(wf[k], xf[j][k]);
-                            hi += dot(wf[k + 4], xf[j][k + 4]);
-                        }
-                        // The signed codes' sums: every term an integer below
-                        // 2^24, so exact, and the same as summing signed codes.
-                        lo -= OFF * xs[j].x;
-                        hi -= OFF * xs[j].y;
-                        acc[i][j] += xd[j] * (s.x * lo + s.y * hi);
-                        if (MIN) acc[i][j] -= dot(m, xm[j]);
+                }
+                uint hw[R][5], hm[R][8];
+                [[unroll]] for (int i = 0; i < R; i++) {
+                    blk_head(W, BT, wtex[i], wph[i], hw[i]);
+                    blk_hmask(W, BT, wtex[i], wph[i], hm[i]);
+                }
+                for (uint c = 0u; c < CPB; c++) {
+                    uint g = b * CPB + c;
+                    xblk xa[T];
+                    [[unroll]] for (int j = 0; j < T; j++) xa[j] = load_x(xrow[j] + g * 34u, XS);
+                    [[unroll]] for (int i = 0; i < R; i++) {
+                        uint q[8];
+                        vec2 s, m;
+                        blk_chunk_xh(W, BT, wtex[i], wph[i], hw[i], hm[i], c, UQ, q, s, m);
+                        [[unroll]] for (int j = 0; j < T; j++) chunk_acc(acc[i][j], xa[j], q, s, m, OFF);
                     }
-#endif
                 }
             }
         }
