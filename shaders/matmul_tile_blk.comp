@@ -191,6 +191,41 @@ void main() {
                 }
             }
         }
+    } else if (ALIGNED && BT == DT_IQ4_XS) {
+        // IQ4_XS in texel-aligned rows: a block (136 bytes) starts at byte 0
+        // or 8 of a texel and lies in 9 texels, fetched once per row (per
+        // chunk it took two, and the head two more), its 8 chunks cut out
+        // at constant offsets, the phase a select of the words.
+        for (uint b = 0u; b < nblk; b++) {
+            xblk xa[8][T];
+            [[unroll]] for (uint c = 0u; c < 8u; c++)
+                [[unroll]] for (int j = 0; j < T; j++) xa[c][j] = load_x(xrow[j] + (b * 8u + c) * 34u, XS);
+            uint bt = b * 136u;
+            bool odd = (bt & 8u) != 0u;
+            [[unroll]] for (int i = 0; i < R; i++) {
+                uint u[38];
+                [[unroll]] for (int t = 0; t < 9; t++) {
+                    uvec4 v = texelFetch(W, int((wrow[i] + bt) >> 4) + t);
+                    u[4 * t] = v.x;
+                    u[4 * t + 1] = v.y;
+                    u[4 * t + 2] = v.z;
+                    u[4 * t + 3] = v.w;
+                }
+                u[36] = 0u;
+                u[37] = 0u;
+                uint w[34]; // the block's words
+                [[unroll]] for (int k = 0; k < 34; k++) w[k] = odd ? u[k + 2] : u[k];
+                // d | scales_h << 16 in w[0], scales_l[4] in w[1] (blk_chunk_xh).
+                float d = f16_bits(w[0] & 0xffffu);
+                [[unroll]] for (uint c = 0u; c < 8u; c++) {
+                    uint q[8];
+                    blk_nibbles(uint[4](w[2u + 4u * c], w[3u + 4u * c], w[4u + 4u * c], w[5u + 4u * c]), !UQ, 0u, q);
+                    uint ls = ((w[1] >> (4u * c)) & 15u) | ((w[0] >> (16u + 2u * c)) & 3u) << 4;
+                    vec2 s = vec2(d * float(int(ls) - 32));
+                    [[unroll]] for (int j = 0; j < T; j++) chunk_acc(acc[i][j], xa[c][j], q, s, vec2(0.0), OFF);
+                }
+            }
+        }
     } else {
         // Any other row: blocks at any even byte, a super-block's scales
         // once per 8 chunks; where rows start on a texel (ALIGNED), in runs
