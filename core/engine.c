@@ -155,6 +155,9 @@ struct duet_engine {
     bool spec;
     int spec_k;
     duet_spec_verifier *verifier;
+    /* Acceptance over every sequence's drafts (engine thread): the prior of
+     * a sequence that has not drafted yet, instead of 0.5. */
+    duet_spec_adapt spec_pool;
     /* A draft model (open.draft; one reference held) on the model's device,
      * with a run state of the same KV geometry: a sequence's block table
      * addresses its blocks in both pools, so the scheduler's allocation
@@ -718,6 +721,12 @@ static void offer_drafts(duet_engine *e) {
          * kept every draft) whole and a longer backlog (after steps
          * without drafts) by the share of it this step serves. */
         int catchup = len - r->dlen < 1 ? 1 : len - r->dlen;
+        /* Until its first verified draft a sequence's acceptance is the
+         * population's: from 0.5 the decision refused a good draft pair's
+         * first offers at 4 streams, and each refused step grew the draft's
+         * backlog, which then made drafting look dear (0.90x on/off where
+         * verifying every draft gave 1.11x: bench/results/spec-draft-smollm2-xeon-2c.md). */
+        if (r->spec_steps == 0) r->adapt.alpha = e->spec_pool.alpha;
         if (n > 0) duet__sched_set_draft(e->sched, r->id, n, r->adapt.alpha, catchup);
     }
 }
@@ -968,6 +977,7 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
             draft_mark(e, r, e->tables + (size_t)s->slot * e->max_blocks);
         }
         duet__spec_adapt_update(&r->adapt, s->n_draft, r->spec_kept, e->spec_k);
+        duet__spec_adapt_update(&e->spec_pool, s->n_draft, r->spec_kept, e->spec_k);
         duet__metrics_spec(e->metrics, s->n_draft, r->spec_kept);
     }
     return DUET_OK;
@@ -1288,6 +1298,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     e->err = calloc(1, ENGINE_ERR_SIZE);
     e->spec = spec;
     e->spec_k = spec_k;
+    duet__spec_adapt_init(&e->spec_pool, spec_k);
     if (spec && (st = duet__spec_verifier_new(m->hp.n_vocab, &e->verifier))) goto fail;
     if (spec_mode == DUET_SPEC_DRAFT && (st = draft_start(e, &p, kv_blocks, spec_max_batch))) goto fail;
     duet__step_cost_online_init(&e->dcost, NULL, 0, 0);
