@@ -601,6 +601,8 @@ typedef struct duet_step_cost {
      * level). A server's step times vary (clock, cache, the OS), and
      * queueing near capacity grows with that variance (Pollaczek-Khinchine:
      * waiting ~ 1 + CV^2); duet_simulate can draw each step's cost from it.
+     * (Measured so far it is narrow, CV about 4% on cpu and PoCL, since the
+     * profile times settled steps: bench/results/sim-validation.md.)
      * n_noise 0: unknown (older profiles). */
     int n_noise;
     double noise_level[DUET_STEP_COST_NOISE_Q], noise_ratio[DUET_STEP_COST_NOISE_Q];

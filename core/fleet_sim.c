@@ -233,11 +233,13 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
         if (!(isfinite(p->cost.coef[j]) && p->cost.coef[j] >= 0))
             return duet__error(DUET_INVALID_ARGUMENT, "simulate: step-cost term %s is %g",
                                duet_step_cost_term(j), p->cost.coef[j]);
+    if (p->step_noise && p->cost.n_noise > DUET_STEP_COST_NOISE_Q)
+        return duet__error(DUET_INVALID_ARGUMENT, "simulate: %d step-cost dispersion quantiles (at most %d)",
+                           p->cost.n_noise, DUET_STEP_COST_NOISE_Q);
     for (int k = 0; p->step_noise && k < p->cost.n_noise; k++)
-        if (p->cost.n_noise > DUET_STEP_COST_NOISE_Q ||
-            !(isfinite(p->cost.noise_ratio[k]) && p->cost.noise_ratio[k] > 0))
+        if (!(isfinite(p->cost.noise_ratio[k]) && p->cost.noise_ratio[k] > 0))
             return duet__error(DUET_INVALID_ARGUMENT, "simulate: step-cost dispersion quantile %d is %g", k,
-                               p->cost.noise_ratio[k < DUET_STEP_COST_NOISE_Q ? k : 0]);
+                               p->cost.noise_ratio[k]);
     for (int i = 0; i < n; i++)
         if (!isfinite(reqs[i].arrival) || reqs[i].arrival < 0 ||
             (i && reqs[i].arrival < reqs[i - 1].arrival) || reqs[i].arrival > 1e9)

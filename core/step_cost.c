@@ -361,6 +361,14 @@ const duet_step_cost *duet__step_cost_online_get(duet_step_cost_online *o) {
 
 /* ---- the file ---------------------------------------------------------------- */
 
+/* [a, b] as a JSON array of two numbers. */
+static cJSON *num_pair(double a, double b) {
+    cJSON *pair = cJSON_CreateArray();
+    cJSON_AddItemToArray(pair, cJSON_CreateNumber(a));
+    cJSON_AddItemToArray(pair, cJSON_CreateNumber(b));
+    return pair;
+}
+
 duet_status duet_step_cost_save(const duet_step_cost *m, const duet_step_sample *samples, int n_samples,
                                 const char *path) {
     if (!m || !path) return duet__error(DUET_INVALID_ARGUMENT, "step-cost save: NULL argument");
@@ -385,22 +393,14 @@ duet_status duet_step_cost_save(const duet_step_cost *m, const duet_step_sample 
     if (m->n_knots > 0) {
         /* [[tokens, seconds], ...]: the token-count correction. */
         cJSON *kn = cJSON_AddArrayToObject(root, "token_curve");
-        for (int k = 0; k < m->n_knots && k < DUET_STEP_COST_KNOTS; k++) {
-            cJSON *pair = cJSON_CreateArray();
-            cJSON_AddItemToArray(pair, cJSON_CreateNumber(m->knot_tokens[k]));
-            cJSON_AddItemToArray(pair, cJSON_CreateNumber(m->knot_s[k]));
-            cJSON_AddItemToArray(kn, pair);
-        }
+        for (int k = 0; k < m->n_knots && k < DUET_STEP_COST_KNOTS; k++)
+            cJSON_AddItemToArray(kn, num_pair(m->knot_tokens[k], m->knot_s[k]));
     }
     if (m->n_noise > 0) {
         /* [[level, ratio], ...]: quantiles of measured / predicted. */
         cJSON *nq = cJSON_AddArrayToObject(root, "step_noise");
-        for (int k = 0; k < m->n_noise && k < DUET_STEP_COST_NOISE_Q; k++) {
-            cJSON *pair = cJSON_CreateArray();
-            cJSON_AddItemToArray(pair, cJSON_CreateNumber(m->noise_level[k]));
-            cJSON_AddItemToArray(pair, cJSON_CreateNumber(m->noise_ratio[k]));
-            cJSON_AddItemToArray(nq, pair);
-        }
+        for (int k = 0; k < m->n_noise && k < DUET_STEP_COST_NOISE_Q; k++)
+            cJSON_AddItemToArray(nq, num_pair(m->noise_level[k], m->noise_ratio[k]));
     }
     if (samples && n_samples > 0) {
         cJSON *arr = cJSON_AddArrayToObject(root, "samples");
@@ -435,6 +435,16 @@ static void copy_str(const cJSON *root, const char *key, char *dst, size_t size)
     snprintf(dst, size, "%s", cJSON_IsString(v) ? v->valuestring : "");
 }
 
+/* Entry k of arr as a pair of numbers [a, b]; false when it is not one. */
+static bool pair_at(const cJSON *arr, int k, double *a, double *b) {
+    const cJSON *pair = cJSON_GetArrayItem(arr, k);
+    const cJSON *x = cJSON_GetArrayItem(pair, 0), *y = cJSON_GetArrayItem(pair, 1);
+    if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 || !cJSON_IsNumber(x) || !cJSON_IsNumber(y))
+        return false;
+    *a = x->valuedouble, *b = y->valuedouble;
+    return true;
+}
+
 /* The optional "token_curve": [[tokens, seconds], ...], tokens ascending
  * and positive, seconds finite. */
 static duet_status load_curve(const cJSON *root, const char *path, duet_step_cost *out) {
@@ -445,18 +455,15 @@ static duet_status load_curve(const cJSON *root, const char *path, duet_step_cos
         return duet__error(DUET_INVALID_ARGUMENT, "%s: \"token_curve\" must be an array of at most %d pairs",
                            path, DUET_STEP_COST_KNOTS);
     for (int k = 0; k < n; k++) {
-        const cJSON *pair = cJSON_GetArrayItem(kn, k);
-        const cJSON *t = cJSON_GetArrayItem(pair, 0), *v = cJSON_GetArrayItem(pair, 1);
-        if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 || !cJSON_IsNumber(t) ||
-            !cJSON_IsNumber(v) ||
-            !(t->valuedouble >= 1 && t->valuedouble <= 1e6 && t->valuedouble == (int)t->valuedouble) ||
-            (k && t->valuedouble <= out->knot_tokens[k - 1]) || !isfinite(v->valuedouble))
+        double t, v;
+        if (!pair_at(kn, k, &t, &v) || !(t >= 1 && t <= 1e6 && t == (int)t) ||
+            (k && t <= out->knot_tokens[k - 1]) || !isfinite(v))
             return duet__error(DUET_INVALID_ARGUMENT,
                                "%s: \"token_curve\" entry %d must be [tokens, seconds]: whole tokens >= 1, "
                                "ascending, and finite seconds",
                                path, k);
-        out->knot_tokens[k] = (int)t->valuedouble;
-        out->knot_s[k] = v->valuedouble;
+        out->knot_tokens[k] = (int)t;
+        out->knot_s[k] = v;
     }
     out->n_knots = n;
     return DUET_OK;
@@ -473,20 +480,16 @@ static duet_status load_noise(const cJSON *root, const char *path, duet_step_cos
         return duet__error(DUET_INVALID_ARGUMENT, "%s: \"step_noise\" must be an array of 2 to %d pairs",
                            path, DUET_STEP_COST_NOISE_Q);
     for (int k = 0; k < n; k++) {
-        const cJSON *pair = cJSON_GetArrayItem(nq, k);
-        const cJSON *l = cJSON_GetArrayItem(pair, 0), *v = cJSON_GetArrayItem(pair, 1);
-        if (!cJSON_IsArray(pair) || cJSON_GetArraySize(pair) != 2 || !cJSON_IsNumber(l) ||
-            !cJSON_IsNumber(v) || !(l->valuedouble >= 0 && l->valuedouble <= 1) ||
-            (k && l->valuedouble <= out->noise_level[k - 1]) ||
-            !(isfinite(v->valuedouble) && v->valuedouble > 0) ||
-            (k && v->valuedouble < out->noise_ratio[k - 1]))
+        double l, v;
+        if (!pair_at(nq, k, &l, &v) || !(l >= 0 && l <= 1) || (k && l <= out->noise_level[k - 1]) ||
+            !(isfinite(v) && v > 0) || (k && v < out->noise_ratio[k - 1]))
             return duet__error(
                 DUET_INVALID_ARGUMENT,
                 "%s: \"step_noise\" entry %d must be [level, ratio]: levels ascending in [0, 1], "
                 "ratios positive, finite and non-decreasing",
                 path, k);
-        out->noise_level[k] = l->valuedouble;
-        out->noise_ratio[k] = v->valuedouble;
+        out->noise_level[k] = l;
+        out->noise_ratio[k] = v;
     }
     out->n_noise = n;
     return DUET_OK;
