@@ -725,8 +725,14 @@ static void offer_drafts(duet_engine *e) {
          * population's: from 0.5 the decision refused a good draft pair's
          * first offers at 4 streams, and each refused step grew the draft's
          * backlog, which then made drafting look dear (0.90x on/off where
-         * verifying every draft gave 1.11x: bench/results/spec-draft-smollm2-xeon-2c.md). */
-        if (r->spec_steps == 0) r->adapt.alpha = e->spec_pool.alpha;
+         * verifying every draft gave 1.11x: bench/results/spec-draft-smollm2-xeon-2c.md).
+         * Only for the decision (without it the prior would steer k, and a
+         * seeded request's tokens would depend on the requests before it),
+         * and once the pool has seen a draft; weighed as the pool's own
+         * trials, at most DUET_SPEC_PRIOR_TRIALS. */
+        if (k_offer_max && r->spec_steps == 0 && e->spec_pool.trials > 1)
+            duet__spec_adapt_prior(&r->adapt, e->spec_pool.alpha,
+                                   fminf(e->spec_pool.trials, DUET_SPEC_PRIOR_TRIALS));
         if (n > 0) duet__sched_set_draft(e->sched, r->id, n, r->adapt.alpha, catchup);
     }
 }
@@ -1299,6 +1305,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     e->spec = spec;
     e->spec_k = spec_k;
     duet__spec_adapt_init(&e->spec_pool, spec_k);
+    e->spec_pool.decay = DUET_SPEC_POOL_DECAY;
     if (spec && (st = duet__spec_verifier_new(m->hp.n_vocab, &e->verifier))) goto fail;
     if (spec_mode == DUET_SPEC_DRAFT && (st = draft_start(e, &p, kv_blocks, spec_max_batch))) goto fail;
     duet__step_cost_online_init(&e->dcost, NULL, 0, 0);

@@ -203,25 +203,9 @@ int32_t duet__spec_verify(duet_spec_verifier *v, duet_sampler *smp, float *logit
 
 /* ---- adaptive k ----------------------------------------------------------------- */
 
-void duet__spec_adapt_init(duet_spec_adapt *a, int k_max) {
-    a->alpha = 0.5f;
-    a->k = k_max < 1 ? 1 : k_max;
-}
-
-void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, int k_max) {
+/* The k whose last token is still reached and kept with a chance >= DUET_SPEC_ADAPT_MIN_GAIN. */
+static void adapt_pick_k(duet_spec_adapt *a, int k_max) {
     if (k_max < 1) k_max = 1;
-    if (n_draft > 0) {
-        /* A run of n_accepted keeps, then one rejection unless all were kept:
-         * each is a trial, and each trial moves the average by its weight
-         * 0.3 (as many single-trial updates would), so a step that kept 8
-         * drafts says more than one that kept 1. */
-        int trials = n_accepted + (n_accepted < n_draft ? 1 : 0);
-        if (trials > 0) {
-            float est = (float)n_accepted / (float)trials;
-            float w = 1.0f - powf(0.7f, (float)trials);
-            a->alpha = (1.0f - w) * a->alpha + w * est;
-        }
-    }
     int k;
     if (a->alpha >= 0.999f)
         k = k_max;
@@ -230,6 +214,29 @@ void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, in
     else
         k = (int)floorf(logf(DUET_SPEC_ADAPT_MIN_GAIN) / logf(a->alpha));
     a->k = k < 1 ? 1 : k > k_max ? k_max : k;
+}
+
+void duet__spec_adapt_prior(duet_spec_adapt *a, float alpha, float trials) {
+    a->alpha = alpha > 1 ? 1 : alpha > 0 ? alpha : 0;
+    a->trials = trials > 0 ? trials : 1;
+    a->kept = a->alpha * a->trials;
+}
+
+void duet__spec_adapt_init(duet_spec_adapt *a, int k_max) {
+    duet__spec_adapt_prior(a, 0.5f, 1);
+    a->decay = DUET_SPEC_ADAPT_DECAY;
+    a->k = k_max < 1 ? 1 : k_max; /* unknown acceptance: offer the most */
+}
+
+void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, int k_max) {
+    if (n_draft > 0) {
+        int trials = n_accepted + (n_accepted < n_draft ? 1 : 0);
+        float decay = powf(a->decay, (float)trials);
+        a->kept = a->kept * decay + (float)n_accepted;
+        a->trials = a->trials * decay + (float)trials;
+        if (a->trials > 0) a->alpha = a->kept / a->trials;
+    }
+    adapt_pick_k(a, k_max);
 }
 
 /* ---- the speculation decision ------------------------------------------------------ */

@@ -106,22 +106,48 @@ void duet__spec_verifier_break_residual(duet_spec_verifier *v, bool broken);
 
 /* Adaptive k of one sequence. Each drafted token is kept with some
  * probability alpha (the acceptance rate); a step that drafts k tokens
- * keeps a run of them. alpha is estimated per step as a geometric run's
- * maximum-likelihood value (kept / (kept + 1 if one was rejected)) and
- * smoothed with an exponential moving average whose step weight grows with
- * the step's trials (1 - 0.7^trials: per trial, 0.3), so one step that kept
- * a long run of drafts (an exploration) moves it most of the way. The next k is the largest
- * whose last token still has a chance alpha^k >= DUET_SPEC_ADAPT_MIN_GAIN
- * of being reached and kept: one more drafted position costs a fraction of
- * a step, and it pays only while its expected gain exceeds that. */
+ * keeps a run of them, so it holds kept + (1 if one was rejected) trials.
+ * alpha is the maximum-likelihood value over the recent trials and a
+ * prior: kept over trials, both sums decayed by `decay` per trial (a memory
+ * of about 50 trials), starting from the prior's pseudo-trials. A short
+ * memory (an average of per-step estimates, 0.3 per trial) read a good pair
+ * (98% of drafts kept) at 0.93 on average: one rejection dropped a
+ * sequence to 0.7, the decision then refused it, and with no drafts nothing
+ * lifted it again (bench/results/spec-draft-smollm2-xeon-2c.md). The next
+ * k is the largest whose last token still has a chance alpha^k >=
+ * DUET_SPEC_ADAPT_MIN_GAIN of being reached and kept: one more drafted
+ * position costs a fraction of a step, and it pays only while its expected
+ * gain exceeds that. */
 #define DUET_SPEC_ADAPT_MIN_GAIN 0.15f
+#define DUET_SPEC_ADAPT_DECAY 0.98f
+/* The engine's acceptance over every sequence's drafts sees every
+ * sequence's trials, up to 16 sequences' worth of 9 each in a step: a
+ * memory of about 500 trials, so that one step in which its sequences
+ * rejected together (the same prompt, the same near-tie) does not set every
+ * new sequence's prior low. */
+#define DUET_SPEC_POOL_DECAY 0.998f
+/* The most pseudo-trials the population's acceptance weighs as a new
+ * sequence's prior: one early rejection (6 of 8 kept) then moves a
+ * sequence from the population's 0.98 to 0.95, not to 0.87 as with one
+ * trial's weight, which the decision refused at 4 streams; a sequence that
+ * really keeps half its drafts still falls below 0.9 within 4 steps. */
+#define DUET_SPEC_PRIOR_TRIALS 32.0f
 
 typedef struct duet_spec_adapt {
-    float alpha; /* estimated per-token acceptance, in [0, 1]; starts at 0.5 */
-    int k;       /* draft length for the next step, in [1, k_max] */
+    float alpha;        /* estimated per-token acceptance, kept / trials, in [0, 1] */
+    int k;              /* draft length for the next step, in [1, k_max] */
+    float kept, trials; /* the decayed sums */
+    float decay;        /* per trial: DUET_SPEC_ADAPT_DECAY from init; the caller may set another */
 } duet_spec_adapt;
 
+/* Starts from the prior 0.5 (one trial's weight) with k = k_max. */
 void duet__spec_adapt_init(duet_spec_adapt *a, int k_max);
+/* Starts over from the prior `alpha` worth `trials` (> 0) pseudo-trials: a
+ * sequence that has not drafted yet takes the population's acceptance. k
+ * is left as it is (the next update picks it), so a request's draft
+ * lengths, and with sampling its tokens, do not depend on the requests
+ * before it. */
+void duet__spec_adapt_prior(duet_spec_adapt *a, float alpha, float trials);
 /* After a step that drafted n_draft tokens (> 0) and kept n_accepted of
  * them: updates alpha and picks the next k in [1, k_max]. */
 void duet__spec_adapt_update(duet_spec_adapt *a, int n_draft, int n_accepted, int k_max);

@@ -398,34 +398,65 @@ START_TEST(test_adapt) {
     duet_spec_adapt a;
     duet__spec_adapt_init(&a, 8);
     ck_assert_int_eq(a.k, 8);
+    ck_assert_float_eq_tol(a.alpha, 0.5f, 1e-6f);
     /* Always everything accepted: k stays at the maximum. */
     for (int i = 0; i < 20; i++)
         duet__spec_adapt_update(&a, a.k, a.k, 8);
     ck_assert_int_eq(a.k, 8);
     ck_assert(a.alpha > 0.99f);
-    /* Nothing accepted: k falls to 1. */
-    for (int i = 0; i < 20; i++)
+    /* One rejection after a long run of keeps is one trial in about 50: a
+     * pair that keeps 98% of its drafts stays near 0.98 (a short memory
+     * dropped it to 0.7, and the decision refused it from then on). */
+    duet__spec_adapt_update(&a, 8, 2, 8);
+    ck_assert_msg(a.alpha > 0.97f && a.k == 8, "one rejection: alpha %.3f k %d", a.alpha, a.k);
+    /* The maximum-likelihood value: 7 steps keeping all 8 and one keeping
+     * 2 of 8, repeated, give 58 kept of 59 trials. */
+    for (int i = 0; i < 400; i++)
+        duet__spec_adapt_update(&a, 8, i % 8 == 7 ? 2 : 8, 8);
+    ck_assert_float_eq_tol(a.alpha, 58.0f / 59.0f, 0.01f);
+    /* Nothing accepted: alpha falls (within tens of trials below 0.7, k
+     * with it) and k reaches 1. */
+    int steps = 0;
+    while (a.alpha >= 0.7f && steps < 1000)
+        duet__spec_adapt_update(&a, a.k, 0, 8), steps++;
+    ck_assert_msg(steps <= 20, "%d rejected steps to fall below 0.7", steps);
+    ck_assert_int_le(a.k, 5);
+    for (int i = 0; i < 300; i++)
         duet__spec_adapt_update(&a, a.k, 0, 8);
     ck_assert_int_eq(a.k, 1);
     ck_assert(a.alpha < 0.01f);
     /* Half of each run: alpha settles near 0.5, k = floor(log 0.15 / log 0.5) = 2. */
-    for (int i = 0; i < 40; i++)
+    for (int i = 0; i < 400; i++)
         duet__spec_adapt_update(&a, 4, 1, 8); /* one kept, one rejected */
     ck_assert_float_eq_tol(a.alpha, 0.5f, 0.02f);
     ck_assert_int_eq(a.k, 2);
-    /* A step's weight grows with its trials: from the prior 0.5, one step
-     * keeping all 8 drafts (an exploration) lifts alpha past 0.95 (so the
-     * decision grants drafts next), one keeping its single draft only to
-     * 0.65; one rejecting its first draft drops it by 0.3 of its value. */
+    /* The prior weighs one trial: from 0.5, one step keeping all 8 drafts
+     * (an exploration) lifts alpha to (0.5 + 8) / 9 at this decay, one
+     * keeping its single draft to 0.75; a new prior replaces the history. */
     duet_spec_adapt b;
     duet__spec_adapt_init(&b, 8);
     duet__spec_adapt_update(&b, 8, 8, 8);
-    ck_assert_msg(b.alpha > 0.95f && b.k == 8, "8 of 8 kept: alpha %.3f k %d", b.alpha, b.k);
-    duet__spec_adapt_update(&b, 8, 0, 8);
-    ck_assert_float_eq_tol(b.alpha, 0.7f * (1.0f - 0.5f * powf(0.7f, 8)), 1e-5f);
+    float d8 = powf(DUET_SPEC_ADAPT_DECAY, 8);
+    ck_assert_float_eq_tol(b.alpha, (0.5f * d8 + 8) / (d8 + 8), 1e-5f);
+    ck_assert_msg(b.alpha > 0.94f && b.k == 8, "8 of 8 kept: alpha %.3f k %d", b.alpha, b.k);
     duet__spec_adapt_init(&b, 8);
     duet__spec_adapt_update(&b, 1, 1, 8);
-    ck_assert_float_eq_tol(b.alpha, 0.65f, 1e-5f);
+    float d1 = DUET_SPEC_ADAPT_DECAY;
+    ck_assert_float_eq_tol(b.alpha, (0.5f * d1 + 1) / (d1 + 1), 1e-5f);
+    duet__spec_adapt_prior(&b, 0.3f, 1);
+    ck_assert_float_eq_tol(b.alpha, 0.3f, 1e-6f);
+    duet__spec_adapt_update(&b, 1, 1, 8);
+    ck_assert_float_eq_tol(b.alpha, (0.3f * d1 + 1) / (d1 + 1), 1e-5f);
+    /* The population's prior at full weight: one early rejection (6 of 8
+     * kept) leaves a 0.98 sequence at 0.95 or more; a sequence keeping one
+     * draft in two falls below 0.9 within 4 steps of 8 drafts. */
+    duet__spec_adapt_prior(&b, 0.98f, DUET_SPEC_PRIOR_TRIALS);
+    duet__spec_adapt_update(&b, 8, 6, 8);
+    ck_assert_msg(b.alpha >= 0.95f, "an early rejection: %.3f", b.alpha);
+    duet__spec_adapt_prior(&b, 0.98f, DUET_SPEC_PRIOR_TRIALS);
+    for (int i = 0; i < 4; i++)
+        duet__spec_adapt_update(&b, 8, 1, 8);
+    ck_assert_msg(b.alpha < 0.9f, "half kept, 4 steps: %.3f", b.alpha);
     /* k_max bounds it; a step without drafts changes nothing. */
     float before = a.alpha;
     duet__spec_adapt_update(&a, 0, 0, 1);
