@@ -179,6 +179,13 @@ struct duet_engine {
      * the last step's time (written by run_step). */
     duet_step_cost_online cost;
     double step_s;
+    /* The kinds of step (WARM_*) run once already: a kind's first run
+     * (kernel builds, first touches: 178 ms for a 56-token chunk that then
+     * costs 2 ms on PoCL) is not learnt. In the fit it outweighed hundreds
+     * of 0.6 ms decode steps and left a decode predicted at 0 s (the
+     * speculation decision then had no model). duet_engine_warm runs every
+     * kind. */
+    unsigned warm_kinds;
     /* With a draft model: its own step-cost model, fitted from each of its
      * forward passes (the speculation decision weighs them), and the
      * seconds the last step spent in them (not part of the target's fit). */
@@ -1002,12 +1009,23 @@ static void controller_tick(duet_engine *e, int64_t now) {
     duet__engine_ctl_tick(&e->ctl, &cw, e->sched, &e->budget_share, e->slo_itl_s);
 }
 
+enum { WARM_DECODE = 1, WARM_PROMPT = 2, WARM_VERIFY = 4 };
+
 /* Feeds the step just run to the online step-cost fit, and the fit to the
- * scheduler's time budget (under the lock). */
+ * scheduler's time budget (under the lock); not the first step of its
+ * kind (warm_kinds). */
 static void observe_step(duet_engine *e, int n_seqs) {
     duet_step_shape sh = {0};
-    for (int i = 0; i < n_seqs; i++)
+    int drafts = 0;
+    for (int i = 0; i < n_seqs; i++) {
         duet_step_shape_add(&sh, e->plan_seqs[i].pos, e->plan_seqs[i].n_tokens, e->plan_seqs[i].decode);
+        drafts += e->plan_seqs[i].n_draft;
+    }
+    unsigned kind = sh.n_prefill > 0 ? WARM_PROMPT : drafts > 0 ? WARM_VERIFY : WARM_DECODE;
+    if (!(e->warm_kinds & kind)) {
+        e->warm_kinds |= kind;
+        return;
+    }
     /* The target's own time: the draft's passes have their own model. */
     duet__step_cost_online_observe(&e->cost, &sh, e->step_s - e->draft_s);
     duet__sched_set_cost(e->sched, &e->cost.current);
@@ -1503,6 +1521,7 @@ duet_status duet_engine_warmup(duet_engine *e) {
     }
     duet__sched_set_cost(e->sched, duet__step_cost_online_get(&e->cost));
     if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
+    if (!st && n >= 1) e->warm_kinds |= WARM_DECODE | WARM_PROMPT | (verify >= 2 ? WARM_VERIFY : 0);
     for (int j = 0; j < e->max_blocks; j++)
         e->tables[j] = -1;
     pthread_mutex_unlock(&e->mu);

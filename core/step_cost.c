@@ -78,81 +78,106 @@ double duet_step_cost_predict(const duet_step_cost *m, const duet_step_shape *s)
     return t > 0 ? t : 0;
 }
 
-/* Solves (A + ridge toward prior) beta = b for the active columns, all
- * coefficients >= 0: columns never exercised (A[j][j] == 0) keep the prior's
- * value; a negative solution is pinned at 0 and the rest solved again.
- * `eps` is the ridge in scaled coordinates (relative to each column's
- * mean square). */
-static void solve_nonneg(const double A[N][N], const double b[N], const double prior[N], double eps,
-                         double beta[N]) {
-    bool active[N];
-    for (int j = 0; j < N; j++) {
-        active[j] = A[j][j] > 0;
-        beta[j] = active[j] ? 0 : (prior[j] > 0 ? prior[j] : 0);
-    }
-    for (int round = 0; round <= N; round++) {
-        int idx[N], m = 0;
-        for (int j = 0; j < N; j++)
-            if (active[j]) idx[m++] = j;
-        if (m == 0) return;
-        double d[N], M[N][N], r[N];
-        for (int p = 0; p < m; p++)
-            d[p] = 1 / sqrt(A[idx[p]][idx[p]]);
-        /* Scaled system: (D A D + eps I) z = D (b - A_fixed beta_fixed) + eps D^-1 prior. */
-        for (int p = 0; p < m; p++) {
-            int j = idx[p];
-            double rhs = b[j];
-            for (int k = 0; k < N; k++)
-                if (!active[k]) rhs -= A[j][k] * beta[k];
-            r[p] = d[p] * rhs + eps * (prior[j] > 0 ? prior[j] : 0) / d[p];
-            for (int q = 0; q < m; q++)
-                M[p][q] = d[p] * A[j][idx[q]] * d[q] + (p == q ? eps : 0);
-        }
-        /* Cholesky M = L L^T in place (M is positive definite: eps > 0). */
-        bool ok = true;
-        for (int p = 0; p < m && ok; p++) {
-            for (int q = 0; q <= p; q++) {
-                double sum = M[p][q];
-                for (int k = 0; k < q; k++)
-                    sum -= M[p][k] * M[q][k];
-                if (p == q) {
-                    if (!(sum > 0)) {
-                        ok = false;
-                        break;
-                    }
-                    M[p][p] = sqrt(sum);
-                } else {
-                    M[p][q] = sum / M[q][q];
-                }
+/* Cholesky solve of M[P][P] s = r over the indices set[0..k) (M symmetric
+ * positive definite); false when it is not, numerically. */
+static bool solve_subset(const double M[N][N], const double r[N], const int *set, int k, double s[N]) {
+    double L[N][N], y[N];
+    for (int p = 0; p < k; p++)
+        for (int q = 0; q <= p; q++) {
+            double sum = M[set[p]][set[q]];
+            for (int t = 0; t < q; t++)
+                sum -= L[p][t] * L[q][t];
+            if (p == q) {
+                if (!(sum > 0)) return false;
+                L[p][p] = sqrt(sum);
+            } else {
+                L[p][q] = sum / L[q][q];
             }
         }
-        if (!ok) { /* numerically singular: give up on the active terms */
-            for (int p = 0; p < m; p++)
-                beta[idx[p]] = prior[idx[p]] > 0 ? prior[idx[p]] : 0;
-            return;
-        }
-        double z[N];
-        for (int p = 0; p < m; p++) { /* L y = r */
-            double sum = r[p];
-            for (int k = 0; k < p; k++)
-                sum -= M[p][k] * z[k];
-            z[p] = sum / M[p][p];
-        }
-        for (int p = m - 1; p >= 0; p--) { /* L^T z = y */
-            double sum = z[p];
-            for (int k = p + 1; k < m; k++)
-                sum -= M[k][p] * z[k];
-            z[p] = sum / M[p][p];
-        }
-        int worst = -1;
-        for (int p = 0; p < m; p++) {
-            beta[idx[p]] = d[p] * z[p];
-            if (beta[idx[p]] < 0 && (worst < 0 || beta[idx[p]] < beta[worst])) worst = idx[p];
-        }
-        if (worst < 0) return;
-        active[worst] = false;
-        beta[worst] = 0;
+    for (int p = 0; p < k; p++) { /* L y = r */
+        double sum = r[set[p]];
+        for (int t = 0; t < p; t++)
+            sum -= L[p][t] * y[t];
+        y[p] = sum / L[p][p];
     }
+    for (int p = k - 1; p >= 0; p--) { /* L^T s = y */
+        double sum = y[p];
+        for (int t = p + 1; t < k; t++)
+            sum -= L[t][p] * s[set[t]];
+        s[set[p]] = sum / L[p][p];
+    }
+    return true;
+}
+
+/* Minimises beta^T A beta - 2 b^T beta plus a ridge toward the prior over
+ * beta >= 0 (Lawson and Hanson's active-set method on the normal
+ * equations): columns never exercised (A[j][j] == 0) keep the prior's
+ * value; a term leaves the free set when its coefficient would turn
+ * negative and comes back when the gradient says it helps. (Pinning the
+ * most negative term and never freeing it again missed the optimum: in
+ * test_step_cost's random devices it held an intercept at 0 that the
+ * optimum has positive.) `eps` is the ridge in scaled coordinates
+ * (relative to each column's mean square). */
+static void solve_nonneg(const double A[N][N], const double b[N], const double prior[N], double eps,
+                         double beta[N]) {
+    int idx[N], m = 0;
+    for (int j = 0; j < N; j++) {
+        beta[j] = prior[j] > 0 ? prior[j] : 0;
+        if (A[j][j] > 0) idx[m++] = j;
+    }
+    if (m == 0) return;
+    /* The scaled problem over the exercised columns: minimise
+     * z^T Q z / 2 - c^T z, z >= 0, with beta = D z. */
+    double d[N], Q[N][N], c[N], z[N] = {0}, cmax = 0;
+    for (int p = 0; p < m; p++)
+        d[p] = 1 / sqrt(A[idx[p]][idx[p]]);
+    for (int p = 0; p < m; p++) {
+        int j = idx[p];
+        double rhs = b[j];
+        for (int k = 0; k < N; k++)
+            if (!(A[k][k] > 0)) rhs -= A[j][k] * beta[k];
+        c[p] = d[p] * rhs + eps * (prior[j] > 0 ? prior[j] : 0) / d[p];
+        cmax = fmax(cmax, fabs(c[p]));
+        for (int q = 0; q < m; q++)
+            Q[p][q] = d[p] * A[j][idx[q]] * d[q] + (p == q ? eps : 0);
+    }
+    bool free_[N] = {false};
+    const double tol = 1e-12 * (1 + cmax);
+    for (int iter = 0; iter < 3 * N; iter++) {
+        /* The most helpful held term: the largest descent direction. */
+        int t = -1;
+        double best = tol;
+        for (int p = 0; p < m; p++) {
+            if (free_[p]) continue;
+            double w = c[p];
+            for (int q = 0; q < m; q++)
+                w -= Q[p][q] * z[q];
+            if (w > best) best = w, t = p;
+        }
+        if (t < 0) break;
+        free_[t] = true;
+        for (int inner = 0; inner < N; inner++) {
+            int set[N], k = 0;
+            for (int p = 0; p < m; p++)
+                if (free_[p]) set[k++] = p;
+            double s[N] = {0};
+            if (!solve_subset((const double(*)[N])Q, c, set, k, s)) { /* numerically singular */
+                for (int p = 0; p < m; p++)
+                    beta[idx[p]] = prior[idx[p]] > 0 ? prior[idx[p]] : 0;
+                return;
+            }
+            double alpha = 1;
+            for (int p = 0; p < k; p++)
+                if (s[set[p]] <= 0) alpha = fmin(alpha, z[set[p]] / (z[set[p]] - s[set[p]]));
+            for (int p = 0; p < k; p++)
+                z[set[p]] += alpha * (s[set[p]] - z[set[p]]);
+            if (alpha >= 1) break;
+            for (int p = 0; p < k; p++) /* those that reached 0 are held again */
+                if (z[set[p]] <= 0) z[set[p]] = 0, free_[set[p]] = false;
+        }
+    }
+    for (int p = 0; p < m; p++)
+        beta[idx[p]] = d[p] * z[p];
 }
 
 static int cmp_double(const void *a, const void *b) {

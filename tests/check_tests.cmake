@@ -45,7 +45,9 @@ set(DUET_TEST_COLD_SECONDS
   test_instances.py=38
   test_openai_client.py=20
   test_sampler=7
-  test_speculative.distribution=10)
+  test_speculative.distribution=10
+  test_engine.speculative_vulkan=60
+  test_engine.speculative_opencl=55)
 
 function(duet_test_timing id timeout_out cost_out)
   set(cost 1)
@@ -89,4 +91,15 @@ function(duet_add_check_test name src)
     set_tests_properties(${name}.${c} PROPERTIES TIMEOUT ${t} COST ${cost}
       ENVIRONMENT "CK_RUN_CASE=${c};CK_DEFAULT_TIMEOUT=${t};DUET_TEST_BUDGET=${t};DUET_TEST_NAME=${name}.${c}")
   endforeach()
+endfunction()
+
+# One case of a test binary again on another backend (DUET_TEST_BACKEND),
+# as test NAME.CASE_BACKEND: the case's tests run on that backend and skip
+# (or fail, where DUET_REQUIRE_BACKENDS names it) when it is unavailable.
+function(duet_add_check_case_on name case backend)
+  set(id ${name}.${case}_${backend})
+  duet_test_timing(${id} t cost)
+  add_test(NAME ${id} COMMAND ${name})
+  set_tests_properties(${id} PROPERTIES TIMEOUT ${t} COST ${cost}
+    ENVIRONMENT "CK_RUN_CASE=${case};DUET_TEST_BACKEND=${backend};CK_DEFAULT_TIMEOUT=${t};DUET_TEST_BUDGET=${t};DUET_TEST_NAME=${id}")
 endfunction()

@@ -497,7 +497,15 @@ static void generate_matches(duet_model *m, int i, const collected *want, const 
  * 16 concurrent requests, and under KV pressure that preempts sequences
  * with speculative steps; and duet_generate (duet run) with --spec ngram
  * equals it too. The drafts were real: many tokens were drafted and kept. */
+/* Whether the speculative cases may run on DUET_TEST_BACKEND (cpu when
+ * unset); ctest runs them on every backend built (check_tests.cmake). */
+static bool spec_backend_usable(void) {
+    const char *backend = getenv("DUET_TEST_BACKEND");
+    return !backend || test_backend_usable(backend, "the speculative cases");
+}
+
 START_TEST(speculative_greedy_is_identical) {
+    if (!spec_backend_usable()) return;
     enum { N = 16 };
     duet_engine *ref = start_spec(1, 0, 0);
     collected *want = run_spec(ref, true, N, false);
@@ -611,6 +619,7 @@ END_TEST
  * opened without the draft (duet_engine_start_model opens it on that
  * model's device). */
 START_TEST(speculative_draft_model_in_the_engine) {
+    if (!spec_backend_usable()) return;
     enum { N = 16 };
     const char *backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
     duet_engine *ref = start_spec(1, 0, 0);
@@ -783,6 +792,7 @@ END_TEST
  * runs repeat exactly; a cancel from the token callback, in the middle of a
  * speculative step, ends the request cleanly and leaks no KV block. */
 START_TEST(speculative_sampled_and_cancelled) {
+    if (!spec_backend_usable()) return;
     const char *backend = getenv("DUET_TEST_BACKEND") ? getenv("DUET_TEST_BACKEND") : "cpu";
     duet_engine *e = _i == 0 ? start_spec(4, 0, 8) : start_spec_on(backend, 4, 0, 8, draft_copy(), -1);
     collected *a = run_spec(e, true, 8, true);

@@ -115,6 +115,112 @@ START_TEST(fit_is_non_negative_and_leaves_idle_terms_at_zero) {
 }
 END_TEST
 
+/* x^T A x - 2 b^T x: the (weighted) least-squares objective up to a constant. */
+static double ls_objective(const double A[5][5], const double b[5], const double x[5]) {
+    double f = 0;
+    for (int j = 0; j < 5; j++) {
+        f -= 2 * b[j] * x[j];
+        for (int k = 0; k < 5; k++)
+            f += x[j] * A[j][k] * x[k];
+    }
+    return f;
+}
+
+/* The non-negative least squares optimum by brute force: every subset of
+ * free terms solved unconstrained (Gaussian elimination), the best one
+ * with no negative coefficient. */
+static double nnls_brute_force(const double A[5][5], const double b[5], double xbest[5]) {
+    double best = 0; /* all terms at zero */
+    for (int j = 0; j < 5; j++)
+        xbest[j] = 0;
+    for (int mask = 1; mask < 32; mask++) {
+        int idx[5], m = 0;
+        for (int j = 0; j < 5; j++)
+            if (mask >> j & 1) idx[m++] = j;
+        double M[5][6], x[5] = {0};
+        for (int p = 0; p < m; p++) {
+            for (int q = 0; q < m; q++)
+                M[p][q] = A[idx[p]][idx[q]];
+            M[p][m] = b[idx[p]];
+        }
+        bool ok = true;
+        for (int c = 0; c < m && ok; c++) {
+            int piv = c;
+            for (int r = c + 1; r < m; r++)
+                if (fabs(M[r][c]) > fabs(M[piv][c])) piv = r;
+            if (fabs(M[piv][c]) < 1e-300) ok = false;
+            for (int k = 0; ok && k <= m; k++) {
+                double t = M[c][k];
+                M[c][k] = M[piv][k], M[piv][k] = t;
+            }
+            for (int r = 0; ok && r < m; r++) {
+                if (r == c) continue;
+                double f = M[r][c] / M[c][c];
+                for (int k = c; k <= m; k++)
+                    M[r][k] -= f * M[c][k];
+            }
+        }
+        for (int p = 0; ok && p < m; p++) {
+            x[idx[p]] = M[p][m] / M[p][p];
+            if (x[idx[p]] < 0) ok = false;
+        }
+        if (ok && ls_objective(A, b, x) < best) {
+            best = ls_objective(A, b, x);
+            memcpy(xbest, x, sizeof x);
+        }
+    }
+    return best;
+}
+
+/* The fit is the non-negative least-squares optimum, also where a term
+ * pinned at zero early must come back: random devices (some terms zero),
+ * small noisy step mixes with correlated terms and now and then a cold
+ * outlier (one step 100x its shape's cost), against brute force over every
+ * subset of terms. The earlier solver pinned the most negative term and
+ * never freed it: it failed here at trial 1 (intercept held at 0). */
+START_TEST(fit_is_the_non_negative_least_squares_optimum) {
+    uint64_t rng = 11;
+    for (int trial = 0; trial < 2000; trial++) {
+        enum { n = 12 };
+        /* A device per trial: some terms zero, the rest of any size. */
+        double tc[5], scale[5] = {5e-4, 7e-5, 4e-5, 2e-7, 1e-7};
+        for (int j = 0; j < 5; j++)
+            tc[j] = j > 0 && urand(&rng) < 0.4 ? 0 : scale[j] * (0.1 + 2 * urand(&rng));
+        duet_step_sample smp[n];
+        double A[5][5] = {{0}}, b[5] = {0};
+        for (int i = 0; i < n; i++) {
+            smp[i].shape = (duet_step_shape){0};
+            int dec = (int)(urand(&rng) * 9), pre = urand(&rng) < 0.3 ? 8 + (int)(urand(&rng) * 56) : 0;
+            int pos = 8 + (int)(urand(&rng) * 200);
+            for (int k = 0; k < dec; k++)
+                duet_step_shape_add(&smp[i].shape, pos + k, 1, true);
+            if (pre) duet_step_shape_add(&smp[i].shape, 0, pre, false);
+            if (dec + pre == 0) duet_step_shape_add(&smp[i].shape, pos, 1, true);
+            double t = tc[0] + tc[1] * smp[i].shape.n_decode + tc[2] * smp[i].shape.n_prefill +
+                       tc[3] * smp[i].shape.decode_ctx + tc[4] * smp[i].shape.prefill_ctx;
+            t *= 1 + 0.8 * (urand(&rng) - 0.5);
+            if (i == 0 && trial % 2) t *= 100; /* a step that built its kernels */
+            smp[i].seconds = t;
+            double x[5] = {1, smp[i].shape.n_decode, smp[i].shape.n_prefill, smp[i].shape.decode_ctx,
+                           smp[i].shape.prefill_ctx};
+            for (int j = 0; j < 5; j++) { /* relative errors, as the fit weighs them */
+                b[j] += x[j] * t / (t * t);
+                for (int k = 0; k < 5; k++)
+                    A[j][k] += x[j] * x[k] / (t * t);
+            }
+        }
+        duet_step_cost m;
+        ck_assert_int_eq(duet_step_cost_fit(smp, n, &m), DUET_OK);
+        double got = ls_objective((const double(*)[5])A, b, m.coef);
+        double x[5], want = nnls_brute_force((const double(*)[5])A, b, x);
+        ck_assert_msg(got <= want + 1e-9 * fabs(want) + 1e-15,
+                      "trial %d: objective %.12g at (%g %g %g %g %g), optimum %.12g at (%g %g %g %g %g)",
+                      trial, got, m.coef[0], m.coef[1], m.coef[2], m.coef[3], m.coef[4], want, x[0], x[1],
+                      x[2], x[3], x[4]);
+    }
+}
+END_TEST
+
 /* A device whose steps of 3 and 4 tokens cost what 8 do (a kernel path
  * that does not batch small counts): the token-count correction makes the
  * fit follow it where the linear terms alone are off by a third. */
@@ -509,6 +615,7 @@ int main(void) {
     tcase_add_test(model, shape_arithmetic);
     tcase_add_test(model, fit_recovers_known_coefficients);
     tcase_add_test(model, fit_is_non_negative_and_leaves_idle_terms_at_zero);
+    tcase_add_test(model, fit_is_the_non_negative_least_squares_optimum);
     tcase_add_test(model, fit_follows_a_token_count_cliff);
     tcase_add_test(model, online_converges_keeps_prior_and_follows_change);
     tcase_add_test(model, file_round_trip_and_bad_files);
