@@ -140,7 +140,7 @@ typedef struct duet_spec_adapt {
     float decay;        /* per trial: DUET_SPEC_ADAPT_DECAY from init; the caller may set another */
 } duet_spec_adapt;
 
-/* Starts from the prior 0.5 (one trial's weight) with k = k_max. */
+/* Starts from the prior 0.5 (a quarter of a trial's weight) with k = k_max. */
 void duet__spec_adapt_init(duet_spec_adapt *a, int k_max);
 /* Starts over from the prior `alpha` worth `trials` (> 0) pseudo-trials: a
  * sequence that has not drafted yet takes the population's acceptance. k

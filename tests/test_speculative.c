@@ -430,19 +430,20 @@ START_TEST(test_adapt) {
         duet__spec_adapt_update(&a, 4, 1, 8); /* one kept, one rejected */
     ck_assert_float_eq_tol(a.alpha, 0.5f, 0.02f);
     ck_assert_int_eq(a.k, 2);
-    /* The prior weighs one trial: from 0.5, one step keeping all 8 drafts
-     * (an exploration) lifts alpha to (0.5 + 8) / 9 at this decay, one
-     * keeping its single draft to 0.75; a new prior replaces the history. */
+    /* The first prior weighs a quarter of a trial: from 0.5, one step
+     * keeping all 8 drafts (an exploration) lifts alpha to about 0.985,
+     * one keeping its single draft to 0.9; a new prior replaces the
+     * history. */
     duet_spec_adapt b;
     duet__spec_adapt_init(&b, 8);
     duet__spec_adapt_update(&b, 8, 8, 8);
     float d8 = powf(DUET_SPEC_ADAPT_DECAY, 8);
-    ck_assert_float_eq_tol(b.alpha, (0.5f * d8 + 8) / (d8 + 8), 1e-5f);
-    ck_assert_msg(b.alpha > 0.94f && b.k == 8, "8 of 8 kept: alpha %.3f k %d", b.alpha, b.k);
+    ck_assert_float_eq_tol(b.alpha, (0.125f * d8 + 8) / (0.25f * d8 + 8), 1e-5f);
+    ck_assert_msg(b.alpha > 0.98f && b.k == 8, "8 of 8 kept: alpha %.3f k %d", b.alpha, b.k);
     duet__spec_adapt_init(&b, 8);
     duet__spec_adapt_update(&b, 1, 1, 8);
     float d1 = DUET_SPEC_ADAPT_DECAY;
-    ck_assert_float_eq_tol(b.alpha, (0.5f * d1 + 1) / (d1 + 1), 1e-5f);
+    ck_assert_float_eq_tol(b.alpha, (0.125f * d1 + 1) / (0.25f * d1 + 1), 1e-5f);
     duet__spec_adapt_prior(&b, 0.3f, 1);
     ck_assert_float_eq_tol(b.alpha, 0.3f, 1e-6f);
     duet__spec_adapt_update(&b, 1, 1, 8);
