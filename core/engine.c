@@ -737,7 +737,7 @@ static void offer_drafts(duet_engine *e) {
          * seeded request's tokens would depend on the requests before it),
          * and once the pool has seen a draft; weighed as the pool's own
          * trials, at most DUET_SPEC_PRIOR_TRIALS. */
-        if (k_offer_max && r->spec_steps == 0 && e->spec_pool.trials > 1)
+        if (k_offer_max && r->spec_steps == 0 && e->spec_pool.trials > DUET_SPEC_ADAPT_PRIOR_TRIALS)
             duet__spec_adapt_prior(&r->adapt, e->spec_pool.alpha,
                                    fminf(e->spec_pool.trials, DUET_SPEC_PRIOR_TRIALS));
         if (n > 0) duet__sched_set_draft(e->sched, r->id, n, r->adapt.alpha, catchup);
@@ -1521,7 +1521,8 @@ duet_status duet_engine_warmup(duet_engine *e) {
     }
     duet__sched_set_cost(e->sched, duet__step_cost_online_get(&e->cost));
     if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
-    if (!st && n >= 1) e->warm_kinds |= WARM_DECODE | WARM_PROMPT | (verify >= 2 ? WARM_VERIFY : 0);
+    if (!st && n >= 1)
+        e->warm_kinds |= WARM_DECODE | WARM_PROMPT | (big > n && verify >= 2 ? WARM_VERIFY : 0);
     for (int j = 0; j < e->max_blocks; j++)
         e->tables[j] = -1;
     pthread_mutex_unlock(&e->mu);

@@ -223,10 +223,7 @@ void duet__spec_adapt_prior(duet_spec_adapt *a, float alpha, float trials) {
 }
 
 void duet__spec_adapt_init(duet_spec_adapt *a, int k_max) {
-    /* Weak: a quarter of a trial, so that the first evidence decides (one
-     * exploration keeping 8 drafts reads 0.985, not 0.95, which the
-     * decision refused again at 4 streams and lost a second round to). */
-    duet__spec_adapt_prior(a, 0.5f, 0.25f);
+    duet__spec_adapt_prior(a, 0.5f, DUET_SPEC_ADAPT_PRIOR_TRIALS);
     a->decay = DUET_SPEC_ADAPT_DECAY;
     a->k = k_max < 1 ? 1 : k_max; /* unknown acceptance: offer the most */
 }

@@ -132,6 +132,12 @@ void duet__spec_verifier_break_residual(duet_spec_verifier *v, bool broken);
  * trial's weight, which the decision refused at 4 streams; a sequence that
  * really keeps half its drafts still falls below 0.9 within 4 steps. */
 #define DUET_SPEC_PRIOR_TRIALS 32.0f
+/* The weight of the first prior, 0.5 before any draft: a quarter of a
+ * trial, so that the first evidence decides (one exploration keeping 8
+ * drafts reads 0.985, not the 0.95 of one trial's weight, which the
+ * decision refused again at 4 streams and lost a second round to). An
+ * estimate with more trials than this has seen a draft. */
+#define DUET_SPEC_ADAPT_PRIOR_TRIALS 0.25f
 
 typedef struct duet_spec_adapt {
     float alpha;        /* estimated per-token acceptance, kept / trials, in [0, 1] */
@@ -140,7 +146,7 @@ typedef struct duet_spec_adapt {
     float decay;        /* per trial: DUET_SPEC_ADAPT_DECAY from init; the caller may set another */
 } duet_spec_adapt;
 
-/* Starts from the prior 0.5 (a quarter of a trial's weight) with k = k_max. */
+/* Starts from the prior 0.5 (DUET_SPEC_ADAPT_PRIOR_TRIALS) with k = k_max. */
 void duet__spec_adapt_init(duet_spec_adapt *a, int k_max);
 /* Starts over from the prior `alpha` worth `trials` (> 0) pseudo-trials: a
  * sequence that has not drafted yet takes the population's acceptance. k
