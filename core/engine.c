@@ -180,8 +180,8 @@ struct duet_engine {
     duet_step_cost_online cost;
     double step_s;
     /* The kinds of step (WARM_*) run once already: a kind's first run
-     * (kernel builds, first touches: 178 ms for a 56-token chunk that then
-     * costs 2 ms on PoCL) is not learnt. In the fit it outweighed hundreds
+     * (kernel builds, first touches: 178 ms for a 56-token chunk on PoCL,
+     * where the 48-token chunks after it took 2-3 ms) is not learnt. In the fit it outweighed hundreds
      * of 0.6 ms decode steps and left a decode predicted at 0 s (the
      * speculation decision then had no model). duet_engine_warm runs every
      * kind. */
