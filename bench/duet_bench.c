@@ -52,6 +52,9 @@ static const char usage[] =
     "  --sim-step-noise on|off    --simulate: each step's cost times a draw from the profile's measured\n"
     "                             dispersion (seeded by --seed; default on when the profile has one)\n"
     "  --sim-noise-seed N         --simulate: other draws of the dispersion, the same workload (default 0)\n"
+    "  --sim-step-scale F         --simulate: every step costs F times the profile's prediction: a server's\n"
+    "                             duet_step_cost_served_seconds_total over ..._profiled_seconds_total\n"
+    "                             (duet serve --step-cost PROFILE) when serving runs slower than profiled\n"
     "  --sim-slo-ttft-ms T --sim-slo-itl-ms T   --simulate: the simulated servers' latency targets, as\n"
     "                             duet serve --slo-ttft-ms/--slo-itl-ms take them (MS, or\n"
     "                             interactive=MS,batch=MS): the adaptive controller and the stall-free step\n"
@@ -653,6 +656,9 @@ int main(int argc, char **argv) {
             ok = !strcmp(v, "on") || !strcmp(v, "off");
             if (!ok) fprintf(stderr, "duet-bench: --sim-step-noise takes on or off, not '%s'\n", v);
             c.sim_no_step_noise = !strcmp(v, "off");
+        } else if (!strcmp(a, "--sim-step-scale")) {
+            NEED_ARG();
+            ok = parse_double(a, v, 0.01, 100, false, &c.sim_step_scale);
         } else if (!strcmp(a, "--sim-noise-seed")) {
             NEED_ARG();
             int ns;
@@ -704,9 +710,9 @@ int main(int argc, char **argv) {
         c.sim_slo_ttft_ms[0] + c.sim_slo_ttft_ms[1] + c.sim_slo_itl_ms[0] + c.sim_slo_itl_ms[1] > 0;
     if (!c.simulate &&
         (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.sim_no_step_noise ||
-         c.sim_noise_seed || c.trace_path || sim_slo || c.sim_static_knobs)) {
+         c.sim_noise_seed || c.sim_step_scale || c.trace_path || sim_slo || c.sim_static_knobs)) {
         fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, "
-                        "--sim-step-noise, --sim-noise-seed, --sim-slo-*-ms, "
+                        "--sim-step-noise, --sim-noise-seed, --sim-step-scale, --sim-slo-*-ms, "
                         "--sim-static-knobs and --trace belong to --simulate\n");
         return 2;
     }
@@ -721,6 +727,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "duet-bench: --simulate: %s\n", duet_last_error());
             return 2;
         }
+        if (c.sim_step_scale) duet_step_cost_scale(&c.sim_cost, c.sim_step_scale);
         if (n_peers) {
             fprintf(stderr,
                     "duet-bench: --peer compares real servers; it does not combine with --simulate\n");

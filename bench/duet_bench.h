@@ -458,6 +458,7 @@ typedef struct db_config {
     int sim_n_ctx;           /* context per sequence; 0 = the profile's */
     double sim_latency_ms;   /* added to every token's time: the client-server path */
     bool sim_no_step_noise;  /* steps cost the model's prediction, not a draw from its dispersion */
+    double sim_step_scale;   /* every step's cost times this (0 = 1: the profile's) */
     uint64_t
         sim_noise_seed; /* mixed into each point's dispersion draws (default 0: the point's seed alone) */
     /* The simulated servers' latency targets per duet_priority (ms, 0 =

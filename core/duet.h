@@ -622,6 +622,12 @@ void duet_step_shape_add(duet_step_shape *s, int pos, int n_tokens, bool decode)
 /* Predicted seconds of a step (the linear terms plus the token-count
  * correction; never negative). */
 double duet_step_cost_predict(const duet_step_cost *m, const duet_step_shape *s);
+/* Multiplies every cost m predicts by f (> 0 and finite, else m is left
+ * as it is): its terms and token-count correction; the dispersion is a
+ * ratio and stays. For a server that runs slower or faster than its
+ * profile measured (duet_step_cost_served_seconds_total over
+ * duet_step_cost_profiled_seconds_total at /metrics). */
+void duet_step_cost_scale(duet_step_cost *m, double f);
 /* The JSON name of term i ("intercept", "per_decode_token", ...); NULL past the last. */
 const char *duet_step_cost_term(int i);
 /* Least squares of the relative error over n samples, every coefficient

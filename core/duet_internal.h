@@ -132,8 +132,10 @@ duet_status duet__engine_start_borrowed(duet_model *m, const duet_engine_params 
 /* The engine's metrics, its gauges refreshed (for a fleet's export and
  * its router's speed estimates). Takes the engine's lock briefly. */
 duet_metrics *duet__engine_metrics(duet_engine *e);
-/* The engine's current step-cost model (as duet_engine_step_cost) and the
- * steps it learnt from (for a fleet's export). */
-uint64_t duet__engine_step_cost(duet_engine *e, duet_step_cost *out);
+/* The engine's current step-cost model (as duet_engine_step_cost), the
+ * steps it learnt from and, when a profile seeded it, the served and
+ * profiled seconds since (for /metrics). */
+struct duet_step_cost_report;
+void duet__engine_step_cost(duet_engine *e, struct duet_step_cost_report *out);
 
 #endif

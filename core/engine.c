@@ -179,6 +179,11 @@ struct duet_engine {
      * the last step's time (written by run_step). */
     duet_step_cost_online cost;
     double step_s;
+    /* The profile that seeded the model, when one did, and the served
+     * steps' seconds since: measured, and as it predicted them. */
+    bool cost_seeded;
+    duet_step_cost cost_seed;
+    double served_s, profiled_s;
     /* The kinds of step (WARM_*) run once already: a kind's first run
      * (kernel builds, first touches: 178 ms for a 56-token chunk on PoCL,
      * where the 48-token chunks after it took 2-3 ms) is not learnt. In the fit it outweighed hundreds
@@ -1028,6 +1033,10 @@ static void observe_step(duet_engine *e, int n_seqs) {
     }
     /* The target's own time: the draft's passes have their own model. */
     duet__step_cost_online_observe(&e->cost, &sh, e->step_s - e->draft_s);
+    if (e->cost_seeded) {
+        e->served_s += e->step_s - e->draft_s;
+        e->profiled_s += duet_step_cost_predict(&e->cost_seed, &sh);
+    }
     duet__sched_set_cost(e->sched, &e->cost.current);
     for (int i = 0; i < e->n_dpass; i++)
         duet__step_cost_online_observe(&e->dcost, &e->dpass[i], e->dpass_s[i]);
@@ -1287,6 +1296,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
      * warm-up's steps, then fitted online from every step. */
     duet__step_cost_online_init(&e->cost, p.step_cost, 0, 0);
     duet__sched_set_cost(e->sched, &e->cost.current);
+    if ((e->cost_seeded = p.step_cost != NULL)) e->cost_seed = *p.step_cost;
     char name[256] = "";
     if (p.served_name && *p.served_name)
         snprintf(name, sizeof name, "%s", p.served_name);
@@ -1539,13 +1549,13 @@ duet_metrics *duet__engine_metrics(duet_engine *e) {
 char *duet_engine_metrics(duet_engine *e) {
     pthread_mutex_lock(&e->mu);
     update_gauges(e);
-    duet_step_cost cost = *duet__step_cost_online_get(&e->cost);
-    uint64_t n_steps = e->cost.n_steps;
     pthread_mutex_unlock(&e->mu);
+    duet_step_cost_report cost;
+    duet__engine_step_cost(e, &cost);
     char *text = duet__metrics_render(e->metrics);
-    /* The step-cost gauges follow the metrics module's. */
-    char extra[2048];
-    int n = duet__step_cost_render_prom(&cost, n_steps, cost.mean_rel_err, e->name, extra, sizeof extra);
+    /* The step-cost families follow the metrics module's. */
+    char extra[4096];
+    int n = duet__step_cost_render_prom(&cost, e->name, extra, sizeof extra);
     size_t len = text ? strlen(text) : 0;
     char *all = text && n > 0 && (size_t)n < sizeof extra ? realloc(text, len + (size_t)n + 1) : NULL;
     if (!all) return text;
@@ -1553,12 +1563,14 @@ char *duet_engine_metrics(duet_engine *e) {
     return all;
 }
 
-uint64_t duet__engine_step_cost(duet_engine *e, duet_step_cost *out) {
+void duet__engine_step_cost(duet_engine *e, duet_step_cost_report *out) {
     pthread_mutex_lock(&e->mu);
-    *out = *duet__step_cost_online_get(&e->cost);
-    uint64_t n = e->cost.n_steps;
+    *out = (duet_step_cost_report){.model = *duet__step_cost_online_get(&e->cost),
+                                   .n_steps = e->cost.n_steps,
+                                   .seeded = e->cost_seeded,
+                                   .served_s = e->served_s,
+                                   .profiled_s = e->profiled_s};
     pthread_mutex_unlock(&e->mu);
-    return n;
 }
 
 duet_status duet_engine_step_cost(duet_engine *e, duet_step_cost *out) {
@@ -1576,6 +1588,9 @@ duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prio
     pthread_mutex_lock(&e->mu);
     duet__step_cost_online_init(&e->cost, prior, 0, 0);
     duet__sched_set_cost(e->sched, &e->cost.current);
+    e->cost_seeded = true;
+    e->cost_seed = *prior;
+    e->served_s = e->profiled_s = 0;
     pthread_mutex_unlock(&e->mu);
     return DUET_OK;
 }

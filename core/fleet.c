@@ -515,18 +515,17 @@ char *duet_fleet_metrics(duet_fleet *f) {
         }
     }
     /* The step-cost model each instance fits online from its steps. */
-    duet_step_cost cost[DUET_ROUTER_MAX_INSTANCES];
-    uint64_t cost_steps[DUET_ROUTER_MAX_INSTANCES];
+    duet_step_cost_report cost[DUET_ROUTER_MAX_INSTANCES];
     char labels[DUET_ROUTER_MAX_INSTANCES][1024];
     const char *lp[DUET_ROUTER_MAX_INSTANCES];
     for (int i = 0; i < f->n; i++) {
-        cost_steps[i] = duet__engine_step_cost(f->inst[i].e, &cost[i]);
+        duet__engine_step_cost(f->inst[i].e, &cost[i]);
         snprintf(labels[i], sizeof labels[i],
                  "model_name=\"%s\",instance=\"%s\",backend=\"%s\",device=\"%s\",tier=\"%s\"", model,
                  f->inst[i].name, f->inst[i].backend, f->inst[i].device, tier_names[f->inst[i].tier]);
         lp[i] = labels[i];
     }
-    duet__step_cost_prom_families(&t, cost, cost_steps, lp, f->n);
+    duet__step_cost_prom_families(&t, cost, lp, f->n);
     duet__text_printf(
         &t,
         "# HELP duet_router_spills_total Requests routed to an instance of the other tier (theirs was "

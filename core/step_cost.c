@@ -78,6 +78,15 @@ double duet_step_cost_predict(const duet_step_cost *m, const duet_step_shape *s)
     return t > 0 ? t : 0;
 }
 
+void duet_step_cost_scale(duet_step_cost *m, double f) {
+    if (!m || !(f > 0) || !isfinite(f)) return;
+    for (int j = 0; j < N; j++)
+        m->coef[j] *= f;
+    for (int k = 0; k < m->n_knots; k++)
+        m->knot_s[k] *= f;
+    m->rmse_s *= f;
+}
+
 /* Cholesky solve of M[P][P] s = r over the indices set[0..k) (M symmetric
  * positive definite); false when it is not, numerically. */
 static bool solve_subset(const double M[N][N], const double r[N], const int *set, int k, double s[N]) {
@@ -608,8 +617,8 @@ duet_status duet_step_cost_load(const char *path, duet_step_cost *out) {
 
 /* ---- metrics ----------------------------------------------------------------- */
 
-void duet__step_cost_prom_families(duet_text *t, const duet_step_cost *m, const uint64_t *n_steps,
-                                   const char *const *labels, int n) {
+void duet__step_cost_prom_families(duet_text *t, const duet_step_cost_report *r, const char *const *labels,
+                                   int n) {
     duet__text_printf(
         t, "# HELP duet_step_cost_seconds The step-cost model the engine fits online from its steps "
            "(seconds per unit of each term).\n"
@@ -617,21 +626,34 @@ void duet__step_cost_prom_families(duet_text *t, const duet_step_cost *m, const 
     for (int i = 0; i < n; i++)
         for (int j = 0; j < N; j++)
             duet__text_printf(t, "duet_step_cost_seconds{%s,term=\"%s\"} %.9g\n", labels[i], term_names[j],
-                              m[i].coef[j]);
+                              r[i].model.coef[j]);
     duet__text_printf(t, "# HELP duet_step_cost_steps_total Steps the step-cost model has learnt from.\n"
                          "# TYPE duet_step_cost_steps_total counter\n");
     for (int i = 0; i < n; i++)
         duet__text_printf(t, "duet_step_cost_steps_total{%s} %llu\n", labels[i],
-                          (unsigned long long)n_steps[i]);
+                          (unsigned long long)r[i].n_steps);
     duet__text_printf(
         t, "# HELP duet_step_cost_relative_error Recent mean |predicted - measured| / measured step "
            "time.\n# TYPE duet_step_cost_relative_error gauge\n");
     for (int i = 0; i < n; i++)
-        duet__text_printf(t, "duet_step_cost_relative_error{%s} %.6g\n", labels[i], m[i].mean_rel_err);
+        duet__text_printf(t, "duet_step_cost_relative_error{%s} %.6g\n", labels[i], r[i].model.mean_rel_err);
+    duet__text_printf(t, "# HELP duet_step_cost_served_seconds_total Measured seconds of the steps served "
+                         "since a profile seeded the step-cost model (--step-cost).\n"
+                         "# TYPE duet_step_cost_served_seconds_total counter\n");
+    for (int i = 0; i < n; i++)
+        if (r[i].seeded)
+            duet__text_printf(t, "duet_step_cost_served_seconds_total{%s} %.9g\n", labels[i], r[i].served_s);
+    duet__text_printf(t, "# HELP duet_step_cost_profiled_seconds_total The seeding profile's prediction for "
+                         "the same steps: served / profiled is serving's speed against the profile's.\n"
+                         "# TYPE duet_step_cost_profiled_seconds_total counter\n");
+    for (int i = 0; i < n; i++)
+        if (r[i].seeded)
+            duet__text_printf(t, "duet_step_cost_profiled_seconds_total{%s} %.9g\n", labels[i],
+                              r[i].profiled_s);
 }
 
-int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err,
-                                const char *model_name, char *buf, size_t size) {
+int duet__step_cost_render_prom(const duet_step_cost_report *r, const char *model_name, char *buf,
+                                size_t size) {
     char label[512 + 16];
     size_t k = snprintf(label, sizeof label, "model_name=\"");
     for (const char *p = model_name ? model_name : ""; *p && k + 4 < sizeof label; p++) {
@@ -644,11 +666,9 @@ int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, doubl
     }
     label[k++] = '"';
     label[k] = 0;
-    duet_step_cost one = *m;
-    one.mean_rel_err = rel_err;
     const char *labels[1] = {label};
     duet_text t = {0};
-    duet__step_cost_prom_families(&t, &one, &n_steps, labels, 1);
+    duet__step_cost_prom_families(&t, r, labels, 1);
     int n = t.oom || !t.p ? 0 : (int)t.len;
     if (size) snprintf(buf, size, "%s", n ? t.p : "");
     free(t.p);

@@ -43,16 +43,28 @@ void duet__step_cost_online_observe(duet_step_cost_online *o, const duet_step_sh
 /* The current coefficients (refits first when steps came in since). */
 const duet_step_cost *duet__step_cost_online_get(duet_step_cost_online *o);
 
-/* Prometheus text of a model (duet_step_cost_seconds{term=...} gauges and
- * the fit quality) appended to buf; returns the length written (like
- * snprintf, clipped to size). */
-/* The same families for n models (an instance each), appended to t: one
- * sample per model and term, each with its label set labels[i] (label
- * pairs, already escaped: `model_name="m",instance="0"`); n_steps[i] the
- * steps model i learnt from, its relative error m[i].mean_rel_err. */
-void duet__step_cost_prom_families(duet_text *t, const duet_step_cost *m, const uint64_t *n_steps,
-                                   const char *const *labels, int n);
-int duet__step_cost_render_prom(const duet_step_cost *m, uint64_t n_steps, double rel_err,
-                                const char *model_name, char *buf, size_t size);
+/* One engine's step-cost model as /metrics shows it. */
+typedef struct duet_step_cost_report {
+    duet_step_cost model; /* the online fit; mean_rel_err its recent error */
+    uint64_t n_steps;     /* steps it learnt from */
+    /* Seeded by a profile (duet serve --step-cost): the served steps'
+     * seconds since, measured and as that profile predicted them. Their
+     * ratio is serving's speed against the profile's, which the profile's
+     * settled steps can miss (cache state, other threads, the machine's
+     * drift): what duet-bench --simulate --sim-step-scale takes. */
+    bool seeded;
+    double served_s, profiled_s;
+} duet_step_cost_report;
+
+/* Prometheus text of n models (an instance each) appended to t:
+ * duet_step_cost_seconds{term=...} gauges, the fit quality and, for seeded
+ * ones, the served and profiled seconds; each sample with its label set
+ * labels[i] (label pairs, already escaped: `model_name="m",instance="0"`). */
+void duet__step_cost_prom_families(duet_text *t, const duet_step_cost_report *r, const char *const *labels,
+                                   int n);
+/* The same for one model, labelled with model_name, into buf; returns the
+ * length written (like snprintf, clipped to size). */
+int duet__step_cost_render_prom(const duet_step_cost_report *r, const char *model_name, char *buf,
+                                size_t size);
 
 #endif /* DUET_STEP_COST_H */

@@ -190,6 +190,15 @@ class Simulate(unittest.TestCase):
         self.assertEqual(sorted(int(r["prompt_tokens"]) for r in reqs), list(range(10, 40)))
         # Times start at the first arrival; 1 s apart: no queueing.
         self.assertAlmostEqual(float(pt["duration_s"]), 29 + 0.002 + 0.010 + 0.0001 * 39 + 3 * 0.010, places=6)
+        # --sim-step-scale: every step costs twice the profile's prediction (the
+        # 2 ms batching wait is no step's).
+        out2 = os.path.join(self.dir, "t2")
+        bench("--simulate", self.prof, "--trace", trace, "--output-dir", out2, "--no-plots", "--sim-step-scale", "2")
+        self.assertAlmostEqual(float(self.points(out2)[0]["duration_s"]),
+                               29 + 0.002 + 2 * (0.010 + 0.0001 * 39 + 3 * 0.010), places=6)
+        for bad in (["--simulate", self.prof, "--sim-step-scale", "0"], ["--sim-step-scale", "2"]):
+            p = bench(*bad, "--no-plots", check=False)
+            self.assertEqual(p.returncode, 2, p.stderr)
         # A JSONL trace, rescaled to 10 req/s by --request-rate.
         jtrace = os.path.join(self.dir, "t.jsonl")
         with open(jtrace, "w") as fh:

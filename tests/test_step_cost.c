@@ -548,9 +548,47 @@ START_TEST(engine_fits_and_exports_its_steps) {
     ck_assert_str_eq(prom_type(&d, "duet_step_cost_seconds"), "gauge");
     ck_assert_int_eq(prom_sum(&d, "duet_step_cost_steps_total", "", &v), 1);
     ck_assert(v >= 8);
+    /* Seeded by `prior`: the served steps' seconds, and the prior's
+     * prediction for each (at least its 1 ms intercept a step). */
+    const double steps = v;
+    double served, profiled;
+    ck_assert_int_eq(prom_sum(&d, "duet_step_cost_served_seconds_total", "", &served), 1);
+    ck_assert_int_eq(prom_sum(&d, "duet_step_cost_profiled_seconds_total", "", &profiled), 1);
+    ck_assert_str_eq(prom_type(&d, "duet_step_cost_served_seconds_total"), "counter");
+    ck_assert_msg(served > 0 && profiled >= 1e-3 * steps * (1 - 1e-9) && profiled < 1e-3 * steps + 1.0,
+                  "served %g s, profiled %g s over %g steps", served, profiled, steps);
     prom_free(&d);
     free(text);
     duet_engine_stop(e, true);
+
+    /* Not seeded: the families are there, with no samples. */
+    ck_assert_int_eq(duet_engine_start(test_shared_path("models/stories260K.gguf"), &p, &e), DUET_OK);
+    text = duet_engine_metrics(e);
+    ck_assert_msg(prom_parse(text, &d, err, sizeof err), "metrics: %s", err);
+    ck_assert_int_eq(prom_sum(&d, "duet_step_cost_served_seconds_total", "", &v), 0);
+    prom_free(&d);
+    free(text);
+    duet_engine_stop(e, true);
+}
+END_TEST
+
+START_TEST(scale_multiplies_every_cost) {
+    duet_step_cost m = {
+        .coef = {1e-3, 2e-4, 1e-4, 1e-8, 2e-8}, .n_knots = 2, .knot_tokens = {1, 8}, .knot_s = {-2e-4, 5e-4}};
+    const duet_step_shape shapes[] = {{.n_decode = 1, .decode_ctx = 20},
+                                      {.n_decode = 4, .n_prefill = 4, .decode_ctx = 80, .prefill_ctx = 30},
+                                      {.n_prefill = 64, .prefill_ctx = 2080}};
+    duet_step_cost s = m;
+    duet_step_cost_scale(&s, 1.25);
+    for (int i = 0; i < 3; i++)
+        ck_assert_double_eq_tol(duet_step_cost_predict(&s, &shapes[i]),
+                                1.25 * duet_step_cost_predict(&m, &shapes[i]), 1e-15);
+    const double bad[] = {0, -1, NAN, INFINITY};
+    for (int i = 0; i < 4; i++) {
+        duet_step_cost u = m;
+        duet_step_cost_scale(&u, bad[i]);
+        ck_assert(!memcmp(u.coef, m.coef, sizeof m.coef) && !memcmp(u.knot_s, m.knot_s, sizeof m.knot_s));
+    }
 }
 END_TEST
 
@@ -620,6 +658,7 @@ int main(void) {
     tcase_add_test(model, online_converges_keeps_prior_and_follows_change);
     tcase_add_test(model, file_round_trip_and_bad_files);
     tcase_add_test(model, dispersion_quantiles);
+    tcase_add_test(model, scale_multiplies_every_cost);
     suite_add_tcase(s, model);
     TCase *eng = tcase_create("engine");
     tcase_set_timeout(eng, 120);
