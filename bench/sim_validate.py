@@ -2,11 +2,14 @@
 """Validates duet-bench --simulate against real runs on this machine.
 
 For each backend: `duet profile` measures the step costs; a `duet serve`
-(default knobs) is started; its capacity is measured (every request at
+(default knobs, seeded by the profile: it counts its steps' served and
+profiled seconds) is started; its capacity is measured (every request at
 once: the request throughput at saturation); then at each load (a share of
 that capacity) `runs` real runs (duet-bench over HTTP, Poisson arrivals,
-seeds of their own per load) and the same runs simulated (duet-bench --simulate with the
-profile, the same seeds, so the same prompts and arrival times). The
+seeds of their own per load, the loads interleaved) and the same runs
+simulated (duet-bench --simulate with the profile, as measured and scaled
+to the served speed, the same seeds, so the same prompts and arrival
+times). The
 predicted p50 TTFT and ITL should be within 15% of the real runs' median,
 and the p99s within 25% or within the real runs' own range (min..max),
 whichever is wider. Writes a markdown table and a JSON file with every
@@ -28,7 +31,7 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("profile", "no_noise", "online")  # the simulated models, in the table's order
+NAMES = ("profile", "served", "online")  # the simulated models, in the table's order
 
 
 def sh(cmd, log=None, timeout=1800):
@@ -76,7 +79,16 @@ def step_cost_metrics(base):
             out["relative_error"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("duet_step_cost_steps_total{"):
             out["steps"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("duet_step_cost_served_seconds_total{"):
+            out["served_s"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("duet_step_cost_profiled_seconds_total{"):
+            out["profiled_s"] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def served_delta(before, after):
+    """The served and profiled step seconds between two /metrics reads."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("served_s", "profiled_s")}
 
 
 def main():
@@ -124,7 +136,10 @@ def main():
                 fh.write(p.stdout)
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        serve = [duet, "serve", "-m", a.model, "--backend", backend, "--threads", str(a.threads), "--port", str(port)]
+        # Seeded by the profile, the server counts its steps' served and
+        # profiled seconds (duet_step_cost_{served,profiled}_seconds_total).
+        serve = [duet, "serve", "-m", a.model, "--backend", backend, "--threads", str(a.threads), "--port", str(port),
+                 "--step-cost", prof]
         cmds.append(" ".join(shlex.quote(c) for c in serve))
         log = open(os.path.join(out, f"serve-{backend}.log"), "w")
         srv = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
@@ -155,33 +170,55 @@ def main():
                           "mean_rel_err": online0.get("relative_error", 0)}
             with open(prof_online, "w") as fh:
                 json.dump(doc, fh, indent=1)
-            # The profile's model with its measured step-time dispersion
-            # (duet-bench's default when the profile has one), the same
-            # without it (the predicted costs), and the online fit (with
-            # the profile's dispersion: it copies the file).
-            models = {"profile": (prof, []), "no_noise": (prof, ["--sim-step-noise", "off"]),
-                      "online": (prof_online, [])}
+            # The real runs, the loads interleaved (a round visits each
+            # load once): a minute of a slower machine lands on every load,
+            # not on one. Seeds of their own per load: the same seed's
+            # prompts again would be served from the server's prefix cache
+            # (a 32-token prompt's first 32 tokens are two cached blocks),
+            # which the simulator does not model.
+            rates = [round(f * capacity, 4) for f in loads]
+            seeds = [list(range(1 + 100 * (li + 1), a.runs + 1 + 100 * (li + 1))) for li in range(len(loads))]
+            real = [[] for _ in loads]
+            served = [[] for _ in loads]
+            for k in range(a.runs):
+                for li, f in enumerate(loads):
+                    d = os.path.join(out, f"real-{backend}-{f}-{seeds[li][k]}")
+                    m0 = step_cost_metrics(base)
+                    sh([bench, "--base-url", base, "--request-rate", str(rates[li]), "--seed", str(seeds[li][k]),
+                        "--warmup", "0", "--output-dir", d, *wl], cmds)
+                    served[li].append(served_delta(m0, step_cost_metrics(base)))
+                    real[li].append(point(d))
+            # Serving's speed against the profile's: served over profiled
+            # step seconds, summed over the runs. Each load is predicted
+            # with the other loads' factor (its own runs' times stay out).
+            def speed(runs):
+                tot = {k: sum(x[k] for x in runs) for k in ("served_s", "profiled_s")}
+                return tot["served_s"] / tot["profiled_s"] if tot["profiled_s"] > 0 else 1.0
+
+            scale = speed([x for row in served for x in row])
+            print(f"{backend}: served / profiled step time {scale:.3f}", flush=True)
             rows = []
             for li, f in enumerate(loads):
-                rate = round(f * capacity, 4)
-                real, sim = [], {m: [] for m in models}
-                # Seeds of their own per load: the same seed's prompts again
-                # would be served from the server's prefix cache (a 32-token
-                # prompt's first 32 tokens are two cached blocks), which the
-                # simulator does not model.
-                for seed in range(1 + 100 * (li + 1), a.runs + 1 + 100 * (li + 1)):
-                    d = os.path.join(out, f"real-{backend}-{f}-{seed}")
-                    sh([bench, "--base-url", base, "--request-rate", str(rate), "--seed", str(seed), "--warmup", "0",
-                        "--output-dir", d, *wl], cmds)
-                    real.append(point(d))
+                others = speed([x for lj, row in enumerate(served) if lj != li for x in row])
+                # The profile's model with its measured step-time dispersion
+                # (duet-bench's default when the profile has one), the same
+                # scaled to the other loads' served speed, and the online fit
+                # (with the profile's dispersion: it copies the file).
+                models = {"profile": (prof, []), "served": (prof, ["--sim-step-scale", f"{others:.6g}"]),
+                          "online": (prof_online, [])}
+                sim = {m: [] for m in models}
+                for seed in seeds[li]:
                     for name, (path, extra) in models.items():
                         d = os.path.join(out, f"sim-{name}-{backend}-{f}-{seed}")
-                        sh([bench, "--simulate", path, "--request-rate", str(rate), "--seed", str(seed),
+                        sh([bench, "--simulate", path, "--request-rate", str(rates[li]), "--seed", str(seed),
                             "--output-dir", d, "--sim-latency-ms", str(a.sim_latency_ms), *extra, *wl], cmds)
                         sim[name].append(point(d))
-                row = {"load": f, "rate": rate, "real": real, "sim": sim, "checks": {}}
+                ratios = [x["served_s"] / x["profiled_s"] for x in served[li] if x["profiled_s"] > 0]
+                row = {"load": f, "rate": rates[li], "real": real[li], "sim": sim, "served": served[li],
+                       "served_ratio": speed(served[li]), "served_ratio_median": statistics.median(ratios) if ratios
+                       else None, "scale_from_other_loads": others, "checks": {}}
                 for k, tol in (("ttft_p50", 0.15), ("itl_p50", 0.15), ("ttft_p99", 0.25), ("itl_p99", 0.25)):
-                    meas = [r[k] for r in real]
+                    meas = [r[k] for r in real[li]]
                     m = statistics.median(meas)
                     c = {"measured_median": m, "measured_min": min(meas), "measured_max": max(meas)}
                     for name in models:
@@ -201,6 +238,7 @@ def main():
                 srv.kill()
             log.close()
         report["backends"][backend] = {"capacity_req_s": capacity, "sim_capacity_req_s": sim_capacity,
+                                       "served_scale": scale,
                                        "profile": json.load(open(prof)), "online_step_cost": online, "rows": rows,
                                        "commands": cmds, "wall_s": time.time() - t0}
 
@@ -209,14 +247,17 @@ def main():
     lines = [f"# duet-bench --simulate against real runs", "",
              f"Model `{os.path.basename(a.model)}`, {a.threads} threads, {a.num_prompts} requests a run "
              f"({a.input_len} prompt tokens, {a.output_len} output tokens, Poisson arrivals), {a.runs} real and "
-             f"{a.runs} simulated runs per load (seeds 101.., 201.., 301.. by load: the same prompts and arrival times in both; no prompt twice, so the server's prefix cache, which the simulator does not model, never hits). "
+             f"{a.runs} simulated runs per load (seeds 101.., 201.., 301.. by load: the same prompts and arrival "
+             "times in both; no prompt twice, so the server's prefix cache, which the simulator does not model, "
+             "never hits; the loads interleaved, a round visiting each once). "
              "Measured: median over the real runs (min..max); predicted: median over the simulated runs. "
-             "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Three simulations: "
-             "`duet profile`'s (measured before the server started; each simulated step's cost times a draw from "
-             "the profile's measured dispersion, `step_noise`, seeded by the run's seed; and the same without it, "
-             "`--sim-step-noise off`) and the engine's own online fit, read from "
-             "/metrics after the capacity run (the server's steps under the real load; with the profile's "
-             "dispersion).", ""]
+             "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Three simulations, each "
+             "simulated step's cost times a draw from the profile's measured dispersion (`step_noise`, seeded by "
+             "the run's seed): `duet profile`'s model (measured before the server started); the same scaled "
+             "by serving's speed against it (`--sim-step-scale`: the served steps' seconds over the profile's "
+             "prediction for them, from the server's `duet_step_cost_{served,profiled}_seconds_total`, summed "
+             "over the real runs at the other loads: a load's own runs stay out of its prediction); and the "
+             "engine's own online fit, read from /metrics after the capacity run.", ""]
     total = 0
     passed = {n: 0 for n in NAMES}
     for backend, b in report["backends"].items():
@@ -228,12 +269,16 @@ def main():
                   + ", ".join(f"{k} {v:.4g}" for k, v in prof["terms"].items())
                   + (f". The engine's online fit after the runs: "
                      + ", ".join(f"{k} {v:.4g}" for k, v in b["online_step_cost"].items()) if b["online_step_cost"] else "")
-                  + ".", ""]
+                  + ".", "",
+                  f"Served / profiled step time over all real runs: {b['served_scale']:.3f}; by load, its own "
+                  "runs (the other loads', which scale its prediction): "
+                  + ", ".join(f"{int(100 * r['load'])}% {r['served_ratio']:.3f} ({r['scale_from_other_loads']:.3f})"
+                              for r in b["rows"]) + ".", ""]
         if prof.get("step_noise"):
             lines += ["Step-time dispersion (measured / predicted over every timed repeat of the profile): "
                       + ", ".join(f"p{100 * l:g} {r:.3f}" for l, r in prof["step_noise"]) + ".", ""]
         lines += ["| load | rate req/s | metric | measured median (min..max) ms | predicted: profile | error | pass "
-                  "| profile, no noise | error | pass | predicted: online fit | error | pass |",
+                  "| profile x served speed | error | pass | predicted: online fit | error | pass |",
                   "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in b["rows"]:
             for k, c in r["checks"].items():
@@ -253,8 +298,8 @@ def main():
         lines += ["", "Commands:", "", "```"] + b["commands"][:4] + [f"... ({len(b['commands'])} commands in all, "
                                                                      "every one in validation.json)", "```", ""]
     lines.insert(2, f"**{passed['profile']} of {total} checks pass with the profile's model and its step-time "
-                    f"dispersion ({passed['no_noise']} of {total} without the dispersion, {passed['online']} of "
-                    f"{total} with the engine's online fit).**\n")
+                    f"dispersion ({passed['served']} of {total} with it scaled to the served speed at the other loads, "
+                    f"{passed['online']} of {total} with the engine's online fit).**\n")
     with open(os.path.join(out, "validation.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -183,7 +183,7 @@ struct duet_engine {
      * steps' seconds since: measured, and as it predicted them. */
     bool cost_seeded;
     duet_step_cost cost_seed;
-    double served_s, profiled_s;
+    duet_step_cost_report served; /* its served_s .. ratio_sum */
     /* The kinds of step (WARM_*) run once already: a kind's first run
      * (kernel builds, first touches: 178 ms for a 56-token chunk on PoCL,
      * where the 48-token chunks after it took 2-3 ms) is not learnt. In the fit it outweighed hundreds
@@ -1033,10 +1033,9 @@ static void observe_step(duet_engine *e, int n_seqs) {
     }
     /* The target's own time: the draft's passes have their own model. */
     duet__step_cost_online_observe(&e->cost, &sh, e->step_s - e->draft_s);
-    if (e->cost_seeded) {
-        e->served_s += e->step_s - e->draft_s;
-        e->profiled_s += duet_step_cost_predict(&e->cost_seed, &sh);
-    }
+    if (e->cost_seeded)
+        duet__step_cost_report_add(&e->served, e->step_s - e->draft_s,
+                                   duet_step_cost_predict(&e->cost_seed, &sh));
     duet__sched_set_cost(e->sched, &e->cost.current);
     for (int i = 0; i < e->n_dpass; i++)
         duet__step_cost_online_observe(&e->dcost, &e->dpass[i], e->dpass_s[i]);
@@ -1565,11 +1564,10 @@ char *duet_engine_metrics(duet_engine *e) {
 
 void duet__engine_step_cost(duet_engine *e, duet_step_cost_report *out) {
     pthread_mutex_lock(&e->mu);
-    *out = (duet_step_cost_report){.model = *duet__step_cost_online_get(&e->cost),
-                                   .n_steps = e->cost.n_steps,
-                                   .seeded = e->cost_seeded,
-                                   .served_s = e->served_s,
-                                   .profiled_s = e->profiled_s};
+    *out = e->served;
+    out->model = *duet__step_cost_online_get(&e->cost);
+    out->n_steps = e->cost.n_steps;
+    out->seeded = e->cost_seeded;
     pthread_mutex_unlock(&e->mu);
 }
 
@@ -1590,7 +1588,7 @@ duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prio
     duet__sched_set_cost(e->sched, &e->cost.current);
     e->cost_seeded = true;
     e->cost_seed = *prior;
-    e->served_s = e->profiled_s = 0;
+    memset(&e->served, 0, sizeof e->served);
     pthread_mutex_unlock(&e->mu);
     return DUET_OK;
 }

@@ -43,6 +43,10 @@ void duet__step_cost_online_observe(duet_step_cost_online *o, const duet_step_sh
 /* The current coefficients (refits first when steps came in since). */
 const duet_step_cost *duet__step_cost_online_get(duet_step_cost_online *o);
 
+/* The upper bounds of the served-ratio histogram's buckets. */
+#define DUET__SERVED_RATIO_BUCKETS 25
+extern const double duet__served_ratio_le[DUET__SERVED_RATIO_BUCKETS];
+
 /* One engine's step-cost model as /metrics shows it. */
 typedef struct duet_step_cost_report {
     duet_step_cost model; /* the online fit; mean_rel_err its recent error */
@@ -54,7 +58,16 @@ typedef struct duet_step_cost_report {
      * drift): what duet-bench --simulate --sim-step-scale takes. */
     bool seeded;
     double served_s, profiled_s;
+    /* And how each served step's time spreads around the profile's
+     * prediction: counts of measured / predicted per bucket (at most
+     * duet__served_ratio_le[k]; the last, past them all), a Prometheus
+     * histogram. Its quantiles are a served step_noise for the simulator. */
+    uint64_t ratio_count[DUET__SERVED_RATIO_BUCKETS + 1];
+    double ratio_sum;
 } duet_step_cost_report;
+
+/* Adds one served step (measured seconds, the profile's prediction) to r. */
+void duet__step_cost_report_add(duet_step_cost_report *r, double measured_s, double predicted_s);
 
 /* Prometheus text of n models (an instance each) appended to t:
  * duet_step_cost_seconds{term=...} gauges, the fit quality and, for seeded

@@ -557,6 +557,12 @@ START_TEST(engine_fits_and_exports_its_steps) {
     ck_assert_str_eq(prom_type(&d, "duet_step_cost_served_seconds_total"), "counter");
     ck_assert_msg(served > 0 && profiled >= 1e-3 * steps * (1 - 1e-9) && profiled < 1e-3 * steps + 1.0,
                   "served %g s, profiled %g s over %g steps", served, profiled, steps);
+    /* And each served step's ratio, a histogram (prom_parse checks its
+     * buckets are cumulative and end at the count). */
+    double count;
+    ck_assert_int_eq(prom_sum(&d, "duet_step_cost_served_ratio_count", "", &count), 1);
+    ck_assert_str_eq(prom_type(&d, "duet_step_cost_served_ratio"), "histogram");
+    ck_assert_msg(count >= 1 && count <= steps, "%g served steps of %g", count, steps);
     prom_free(&d);
     free(text);
     duet_engine_stop(e, true);
@@ -569,6 +575,29 @@ START_TEST(engine_fits_and_exports_its_steps) {
     prom_free(&d);
     free(text);
     duet_engine_stop(e, true);
+}
+END_TEST
+
+START_TEST(served_ratio_buckets) {
+    duet_step_cost_report r = {0};
+    duet__step_cost_report_add(&r, 1.0, 1.0);  /* le="1" */
+    duet__step_cost_report_add(&r, 1.01, 1.0); /* le="1.02" */
+    duet__step_cost_report_add(&r, 0.1, 1.0);  /* le="0.5" */
+    duet__step_cost_report_add(&r, 50.0, 1.0); /* past 10: +Inf */
+    duet__step_cost_report_add(&r, 1.0, 0.0);  /* no prediction: not counted */
+    duet__step_cost_report_add(&r, NAN, 1.0);  /* not counted */
+    int at1 = 0;
+    while (duet__served_ratio_le[at1] != 1.0)
+        at1++;
+    ck_assert_uint_eq(r.ratio_count[at1], 1);
+    ck_assert_uint_eq(r.ratio_count[at1 + 1], 1);
+    ck_assert_uint_eq(r.ratio_count[0], 1);
+    ck_assert_uint_eq(r.ratio_count[DUET__SERVED_RATIO_BUCKETS], 1);
+    ck_assert_double_eq_tol(r.ratio_sum, 1.0 + 1.01 + 0.1 + 50.0, 1e-12);
+    ck_assert_double_eq_tol(r.served_s, 52.11, 1e-12);
+    ck_assert_double_eq_tol(r.profiled_s, 4.0, 1e-12);
+    for (int k = 1; k < DUET__SERVED_RATIO_BUCKETS; k++)
+        ck_assert(duet__served_ratio_le[k] > duet__served_ratio_le[k - 1]);
 }
 END_TEST
 
@@ -659,6 +688,7 @@ int main(void) {
     tcase_add_test(model, file_round_trip_and_bad_files);
     tcase_add_test(model, dispersion_quantiles);
     tcase_add_test(model, scale_multiplies_every_cost);
+    tcase_add_test(model, served_ratio_buckets);
     suite_add_tcase(s, model);
     TCase *eng = tcase_create("engine");
     tcase_set_timeout(eng, 120);
