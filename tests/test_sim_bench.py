@@ -348,6 +348,21 @@ class ServeStepCost(unittest.TestCase):
                 steps = [x for x in metrics.splitlines() if x.startswith("duet_step_cost_steps_total{")]
                 self.assertEqual(len(steps), 1, metrics[-3000:])
                 self.assertGreater(float(steps[0].split()[-1]), 0)
+                # Seeded by the profile: the served steps' seconds, the
+                # profile's prediction for them (at least its 2 ms intercept
+                # a step) and each step's ratio, a histogram.
+                def one(name):
+                    got = [x for x in metrics.splitlines() if x.startswith(name + "{")]
+                    self.assertEqual(len(got), 1, metrics[-3000:])
+                    self.assertIn('instance="0"', got[0])
+                    return float(got[0].split()[-1])
+                n = one("duet_step_cost_served_ratio_count")
+                self.assertGreater(n, 0)
+                self.assertGreater(one("duet_step_cost_served_seconds_total"), 0)
+                self.assertGreaterEqual(one("duet_step_cost_profiled_seconds_total"), 0.002 * n * (1 - 1e-9))
+                inf = [x for x in metrics.splitlines()
+                       if x.startswith("duet_step_cost_served_ratio_bucket{") and 'le="+Inf"' in x]
+                self.assertEqual([float(x.split()[-1]) for x in inf], [n])
             finally:
                 rc, log = srv.stop()
             self.assertEqual(rc, 0, log)
