@@ -1553,13 +1553,15 @@ char *duet_engine_metrics(duet_engine *e) {
     duet__engine_step_cost(e, &cost);
     char *text = duet__metrics_render(e->metrics);
     /* The step-cost families follow the metrics module's. */
-    char extra[4096];
-    int n = duet__step_cost_render_prom(&cost, e->name, extra, sizeof extra);
-    size_t len = text ? strlen(text) : 0;
-    char *all = text && n > 0 && (size_t)n < sizeof extra ? realloc(text, len + (size_t)n + 1) : NULL;
-    if (!all) return text;
-    memcpy(all + len, extra, (size_t)n + 1);
-    return all;
+    char *extra = duet__step_cost_render_prom(&cost, e->name);
+    size_t len = text ? strlen(text) : 0, n = extra ? strlen(extra) : 0;
+    char *all = text && extra ? realloc(text, len + n + 1) : NULL;
+    if (all) {
+        memcpy(all + len, extra, n + 1);
+        text = all;
+    }
+    free(extra);
+    return text;
 }
 
 void duet__engine_step_cost(duet_engine *e, duet_step_cost_report *out) {

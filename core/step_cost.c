@@ -690,8 +690,7 @@ void duet__step_cost_prom_families(duet_text *t, const duet_step_cost_report *r,
     }
 }
 
-int duet__step_cost_render_prom(const duet_step_cost_report *r, const char *model_name, char *buf,
-                                size_t size) {
+char *duet__step_cost_render_prom(const duet_step_cost_report *r, const char *model_name) {
     char label[512 + 16];
     size_t k = snprintf(label, sizeof label, "model_name=\"");
     for (const char *p = model_name ? model_name : ""; *p && k + 4 < sizeof label; p++) {
@@ -707,8 +706,9 @@ int duet__step_cost_render_prom(const duet_step_cost_report *r, const char *mode
     const char *labels[1] = {label};
     duet_text t = {0};
     duet__step_cost_prom_families(&t, r, labels, 1);
-    int n = t.oom || !t.p ? 0 : (int)t.len;
-    if (size) snprintf(buf, size, "%s", n ? t.p : "");
-    free(t.p);
-    return n;
+    if (t.oom) {
+        free(t.p);
+        return NULL;
+    }
+    return t.p;
 }

@@ -75,9 +75,8 @@ void duet__step_cost_report_add(duet_step_cost_report *r, double measured_s, dou
  * labels[i] (label pairs, already escaped: `model_name="m",instance="0"`). */
 void duet__step_cost_prom_families(duet_text *t, const duet_step_cost_report *r, const char *const *labels,
                                    int n);
-/* The same for one model, labelled with model_name, into buf; returns the
- * length written (like snprintf, clipped to size). */
-int duet__step_cost_render_prom(const duet_step_cost_report *r, const char *model_name, char *buf,
-                                size_t size);
+/* The same for one model, labelled with model_name: malloc'd text (NULL
+ * when out of memory). */
+char *duet__step_cost_render_prom(const duet_step_cost_report *r, const char *model_name);
 
 #endif /* DUET_STEP_COST_H */
