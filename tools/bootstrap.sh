@@ -76,9 +76,24 @@ test)
     # kernel paths differ in device code, which the normal pass checks and
     # the sanitizers do not see; the host code they share runs either way.
     build build-asan -DDUET_WERROR=ON -DDUET_SANITIZE=ON -DDUET_PYTHON="$venv/bin/python"
-    (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-        LSAN_OPTIONS="suppressions=$root/tests/lsan.supp" DUET_OPS_VARIANTS=default \
-        ctest --output-on-failure -j "$jobs" -LE slow)
+    asan_ctest() {
+        (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+            LSAN_OPTIONS="suppressions=$root/tests/lsan.supp" DUET_OPS_VARIANTS=default \
+            ctest --output-on-failure -LE slow "$@")
+    }
+    rm -f build-asan/ctest.failed
+    { asan_ctest -j "$jobs" || touch build-asan/ctest.failed; } 2>&1 | tee build-asan/ctest.log
+    if [ -e build-asan/ctest.failed ]; then
+        # LeakSanitizer's own tracer can crash at a test's exit (no leak
+        # report; google/sanitizers#1353; test_engine.speculative_opencl
+        # once in the three cold runs since it came, not in 7 reruns).
+        # Tests that failed that way and no other run once more; any
+        # other failure stands.
+        again="$(sh tests/lsan_tracer_crashes.sh build-asan/ctest.log)"
+        [ -n "$again" ] || exit 1
+        echo "== again after a LeakSanitizer tracer crash (not a leak): $again"
+        asan_ctest -R "$again"
+    fi
     echo "== fuzzers (fixed iterations)"
     bash tests/fuzz/run_fuzzers.sh "$root/build-fuzz" 20000
     echo "== all tests passed"
