@@ -267,8 +267,15 @@ static duet_status cpu_stream_open(duet_backend *parent, const duet_backend_para
 
 /* ---- buffers ----------------------------------------------------------------- */
 
-/* Weight-sized buffers get 2 MiB alignment and a transparent-huge-page hint:
- * decode streams every weight once per token, and fewer TLB misses help. */
+/* Weight-sized buffers get 2 MiB alignment and, when they are uploaded whole
+ * (weights), a transparent-huge-page hint: decode streams every weight once
+ * per token, and fewer TLB misses help. Not at allocation: the KV pools are
+ * as big, and there each huge page is zeroed at its first touch, 2 MiB in
+ * each layer's K and V at once. With SmolLM2's pools (60 buffers), a step
+ * that took the first block of a new 2 MiB stretch stalled 470-525 ms on
+ * the 2-core Xeon VM (perf: clear_page_erms under avx512_to_f16), about one
+ * step in every few hundred requests while the prefix cache keeps old
+ * blocks; in 4 KiB pages a new block costs its own few pages. */
 #define CPU_HUGE_MIN ((size_t)8 << 20)
 #define CPU_HUGE_ALIGN ((size_t)2 << 20)
 
@@ -282,9 +289,6 @@ static duet_status cpu_buffer_alloc(duet_backend *be, size_t size, duet_buffer *
         free(b);
         return duet__error(DUET_OUT_OF_MEMORY, "cpu: cannot allocate a buffer of %zu bytes", size);
     }
-#ifdef MADV_HUGEPAGE
-    if (align == CPU_HUGE_ALIGN) madvise(b->data, padded, MADV_HUGEPAGE); /* a hint; failure is fine */
-#endif
     b->head = (duet_buffer_head){.size = size, .kind = DUET_BUFFER_HOST};
     b->rp_rows = b->rp_cols = 0;
     b->rp_off = 0;
@@ -322,6 +326,10 @@ static duet_status cpu_upload(duet_backend *be, duet_buffer *buf, size_t offset,
     /* The registry checked the range. Bytes go in as the caller's layout. */
     duet_status st = cpu_host_access((cpu_backend *)be, buf);
     if (st != DUET_OK) return st;
+#ifdef MADV_HUGEPAGE
+    if (offset == 0 && size == buf->head.size && size >= CPU_HUGE_MIN) /* a hint; failure is fine */
+        madvise(buf->data, (size + CPU_HUGE_ALIGN - 1) & ~(CPU_HUGE_ALIGN - 1), MADV_HUGEPAGE);
+#endif
     if (size) memcpy((char *)buf->data + offset, src, size);
     pthread_rwlock_unlock(&((cpu_backend *)be)->dev->layout);
     return DUET_OK;
