@@ -7,8 +7,9 @@ profiled seconds) is started; its capacity is measured (every request at
 once: the request throughput at saturation); then at each load (a share of
 that capacity) `runs` real runs (duet-bench over HTTP, Poisson arrivals,
 seeds of their own per load, the loads interleaved) and the same runs
-simulated (duet-bench --simulate with the profile, as measured and scaled
-to the served speed, the same seeds, so the same prompts and arrival
+simulated (duet-bench --simulate with the profile, with its own and with
+the served step-time dispersion, every token delayed by the measured
+client-server path; the same seeds, so the same prompts and arrival
 times). The
 predicted p50 TTFT and ITL should be within 15% of the real runs' median,
 and the p99s within 25% or within the real runs' own range (min..max),
@@ -60,7 +61,7 @@ def point(out_dir):
     with open(os.path.join(out_dir, "points.csv"), newline="") as fh:
         row = list(csv.DictReader(fh))[0]
     f = lambda k: float(row[k]) if row[k] not in ("", "nan") else float("nan")
-    return {"ttft_p50": f("ttft_median_ms"), "ttft_p99": f("ttft_p99_ms"), "itl_p50": f("itl_median_ms"),
+    return {"ttft_mean": f("ttft_mean_ms"), "ttft_p50": f("ttft_median_ms"), "ttft_p99": f("ttft_p99_ms"), "itl_p50": f("itl_median_ms"),
             "itl_p99": f("itl_p99_ms"), "completed": int(row["completed"]), "failed": int(row["failed"]),
             "req_s": f("request_throughput"), "other_cpu": f("other_cpu_ratio") if "other_cpu_ratio" in row else None}
 
@@ -83,6 +84,10 @@ def step_cost_metrics(base):
             out["served_s"] = float(line.rsplit(" ", 1)[1])
         elif line.startswith("duet_step_cost_profiled_seconds_total{"):
             out["profiled_s"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:time_to_first_token_seconds_sum{"):
+            out["server_ttft_s"] = out.get("server_ttft_s", 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:time_to_first_token_seconds_count{"):
+            out["server_ttft_n"] = out.get("server_ttft_n", 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("duet_step_cost_served_ratio_bucket{"):
             le = line.split('le="')[1].split('"')[0]
             out.setdefault("ratio_buckets", {})[le] = float(line.rsplit(" ", 1)[1])
@@ -92,7 +97,8 @@ def step_cost_metrics(base):
 def served_delta(before, after):
     """The served and profiled step seconds, and the served-ratio
     histogram's cumulative bucket counts, between two /metrics reads."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("served_s", "profiled_s")}
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("served_s", "profiled_s", "server_ttft_s",
+                                                                "server_ttft_n")}
     b0 = before.get("ratio_buckets", {})
     d["ratio_buckets"] = {le: n - b0.get(le, 0.0) for le, n in after.get("ratio_buckets", {}).items()}
     return d
@@ -145,7 +151,9 @@ def main():
                     help="grid flags for duet profile (cover the workload's batch sizes and contexts)")
     ap.add_argument("--profile", default=None,
                     help="a step-cost file duet profile already wrote for this backend (skips profiling)")
-    ap.add_argument("--sim-latency-ms", type=float, default=0.0)
+    ap.add_argument("--sim-latency-ms", type=float, default=-1.0,
+                    help="the client-server path's latency added to every simulated token (default: measured, "
+                         "the client's mean TTFT over the server's for the same requests at the other loads)")
     ap.add_argument("--out", default=None, help="folder for the table, JSON and every run's report")
     a = ap.parse_args()
 
@@ -195,7 +203,7 @@ def main():
             capacity = point(cap_dir)["req_s"]
             sim_cap_dir = os.path.join(out, f"sim-{backend}-capacity")
             sh([bench, "--simulate", prof, "--request-rate", "inf", "--seed", "0", "--output-dir", sim_cap_dir,
-                "--sim-latency-ms", str(a.sim_latency_ms), *wl], cmds)
+                "--sim-latency-ms", str(max(0.0, a.sim_latency_ms)), *wl], cmds)
             sim_capacity = point(sim_cap_dir)["req_s"]
             print(f"{backend}: capacity {capacity:.3f} req/s measured, {sim_capacity:.3f} simulated", flush=True)
             # The engine's own online fit after the capacity run: a second
@@ -227,6 +235,10 @@ def main():
                         "--warmup", "0", "--output-dir", d, *wl], cmds)
                     served[li].append(served_delta(m0, step_cost_metrics(base)))
                     real[li].append(point(d))
+                    # The client-server path: the client's TTFT over the
+                    # server's own (from arrival in the engine) for the
+                    # same requests.
+                    served[li][-1]["client_ttft_s"] = real[li][-1]["ttft_mean"] / 1e3 * real[li][-1]["completed"]
             # Serving's speed against the profile's: served over profiled
             # step seconds, summed over the runs, and the spread of each
             # step's ratio. Each load is predicted from the other loads'
@@ -235,12 +247,19 @@ def main():
                 tot = {k: sum(x[k] for x in runs) for k in ("served_s", "profiled_s")}
                 return tot["served_s"] / tot["profiled_s"] if tot["profiled_s"] > 0 else 1.0
 
+            def path_ms(runs):
+                n = sum(x["server_ttft_n"] for x in runs)
+                return 1e3 * sum(x["client_ttft_s"] - x["server_ttft_s"] for x in runs) / n if n else 0.0
+
             scale = speed([x for row in served for x in row])
             print(f"{backend}: served / profiled step time {scale:.3f}", flush=True)
             rows = []
             for li, f in enumerate(loads):
                 other_runs = [x for lj, row in enumerate(served) if lj != li for x in row]
                 others = speed(other_runs)
+                # Every simulated token arrives the path's latency later,
+                # measured over the other loads' runs (or --sim-latency-ms).
+                latency = a.sim_latency_ms if a.sim_latency_ms >= 0 else max(0.0, path_ms(other_runs))
                 # The profile's model with its measured step-time dispersion
                 # (duet-bench's default when the profile has one), the same
                 # with the other loads' served dispersion in its place, and
@@ -257,12 +276,13 @@ def main():
                     for name, (path, extra) in models.items():
                         d = os.path.join(out, f"sim-{name}-{backend}-{f}-{seed}")
                         sh([bench, "--simulate", path, "--request-rate", str(rates[li]), "--seed", str(seed),
-                            "--output-dir", d, "--sim-latency-ms", str(a.sim_latency_ms), *extra, *wl], cmds)
+                            "--output-dir", d, "--sim-latency-ms", f"{latency:.4f}", *extra, *wl], cmds)
                         sim[name].append(point(d))
                 ratios = [x["served_s"] / x["profiled_s"] for x in served[li] if x["profiled_s"] > 0]
                 row = {"load": f, "rate": rates[li], "real": real[li], "sim": sim, "served": served[li],
                        "served_ratio": speed(served[li]), "served_ratio_median": statistics.median(ratios) if ratios
-                       else None, "scale_from_other_loads": others, "served_noise_from_other_loads": doc["step_noise"],
+                       else None, "scale_from_other_loads": others, "path_ms": path_ms(served[li]),
+                       "sim_latency_ms": latency, "served_noise_from_other_loads": doc["step_noise"],
                        "checks": {}}
                 for k, tol in (("ttft_p50", 0.15), ("itl_p50", 0.15), ("ttft_p99", 0.25), ("itl_p99", 0.25)):
                     meas = [r[k] for r in real[li]]
@@ -298,7 +318,8 @@ def main():
              "times in both; no prompt twice, so the server's prefix cache, which the simulator does not model, "
              "never hits; the loads interleaved, a round visiting each once). "
              "Measured: median over the real runs (min..max); predicted: median over the simulated runs. "
-             "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Three simulations, each "
+             "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Every simulated token "
+             "arrives the client-server path's latency later (measured, see below). Three simulations, each "
              "simulated step's cost times a draw from the profile's measured dispersion (`step_noise`, seeded by "
              "the run's seed): `duet profile`'s model (measured before the server started) with the profile's "
              "dispersion; the same model with the served dispersion in its place (the quantiles of each served "
@@ -322,6 +343,10 @@ def main():
                   f"Served / profiled step time over all real runs: {b['served_scale']:.3f}; by load, its own "
                   "runs (the other loads', whose served dispersion its prediction draws from): "
                   + ", ".join(f"{int(100 * r['load'])}% {r['served_ratio']:.3f} ({r['scale_from_other_loads']:.3f})"
+                              for r in b["rows"]) + ". The client-server path (the client's mean TTFT over the "
+                  "server's, `vllm:time_to_first_token_seconds`, for the same requests), by load (and the latency "
+                  "its simulations add to every token: the other loads' path, or --sim-latency-ms): "
+                  + ", ".join(f"{int(100 * r['load'])}% {r['path_ms']:.2f} ms ({r['sim_latency_ms']:.2f})"
                               for r in b["rows"]) + ".", ""]
         if prof.get("step_noise"):
             lines += ["Step-time dispersion (measured / predicted over every timed repeat of the profile): "
