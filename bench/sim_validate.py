@@ -7,10 +7,9 @@ profiled seconds) is started; its capacity is measured (every request at
 once: the request throughput at saturation); then at each load (a share of
 that capacity) `runs` real runs (duet-bench over HTTP, Poisson arrivals,
 seeds of their own per load, the loads interleaved) and the same runs
-simulated (duet-bench --simulate with the profile, with its own and with
-the served step-time dispersion, every token delayed by the measured
-client-server path; the same seeds, so the same prompts and arrival
-times). The
+simulated (duet-bench --simulate with the profile, every token delayed
+by the measured client-server path; the same seeds, so the same prompts
+and arrival times). The
 predicted p50 TTFT and ITL should be within 15% of the real runs' median,
 and the p99s within 25% or within the real runs' own range (min..max),
 whichever is wider. Writes a markdown table and a JSON file with every
@@ -32,7 +31,7 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("profile", "served", "online")  # the simulated models, in the table's order
+NAMES = ("profile", "online")  # the simulated models, in the table's order
 
 
 def sh(cmd, log=None, timeout=1800):
@@ -95,45 +94,14 @@ def step_cost_metrics(base):
 
 
 def served_delta(before, after):
-    """The served and profiled step seconds, and the served-ratio
-    histogram's cumulative bucket counts, between two /metrics reads."""
+    """The served and profiled step seconds, the served-ratio histogram's
+    cumulative bucket counts and the server's TTFT sum and count between
+    two /metrics reads."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("served_s", "profiled_s", "server_ttft_s",
                                                                 "server_ttft_n")}
     b0 = before.get("ratio_buckets", {})
     d["ratio_buckets"] = {le: n - b0.get(le, 0.0) for le, n in after.get("ratio_buckets", {}).items()}
     return d
-
-
-NOISE_LEVELS = (0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 0.999, 1)
-
-
-def served_dispersion(runs):
-    """Quantiles of measured / predicted over the served steps of `runs`
-    (their histograms summed; linear within a bucket, the first from 0.4,
-    the +Inf one clipped at 10, its lower edge): a step_noise table,
-    [[level, ratio], ...]."""
-    cum = {}
-    for x in runs:
-        for le, n in x["ratio_buckets"].items():
-            cum[le] = cum.get(le, 0.0) + n
-    edges = sorted((float("inf") if le == "+Inf" else float(le), n) for le, n in cum.items())
-    total = edges[-1][1] if edges else 0
-    if total <= 0:
-        return None
-    out = []
-    for q in NOISE_LEVELS:
-        want, lo, prev = q * total, 0.4, 0.0
-        for le, n in edges:
-            hi = 10.0 if le == float("inf") else le
-            if n >= want and n > prev:
-                out.append([q, lo + (hi - lo) * max(0.0, want - prev) / (n - prev)])
-                break
-            lo, prev = hi, n
-        else:
-            out.append([q, lo])
-    for k in range(1, len(out)):  # a quantile function: non-decreasing
-        out[k][1] = max(out[k][1], out[k - 1][1])
-    return out
 
 
 def main():
@@ -239,10 +207,10 @@ def main():
                     # server's own (from arrival in the engine) for the
                     # same requests.
                     served[li][-1]["client_ttft_s"] = real[li][-1]["ttft_mean"] / 1e3 * real[li][-1]["completed"]
-            # Serving's speed against the profile's: served over profiled
-            # step seconds, summed over the runs, and the spread of each
-            # step's ratio. Each load is predicted from the other loads'
-            # (its own runs' steps stay out).
+            # Serving's speed against the profile's (served over profiled
+            # step seconds, summed over the runs), reported; and the
+            # client-server path, which each load's simulation adds from
+            # the other loads' runs (its own stay out).
             def speed(runs):
                 tot = {k: sum(x[k] for x in runs) for k in ("served_s", "profiled_s")}
                 return tot["served_s"] / tot["profiled_s"] if tot["profiled_s"] > 0 else 1.0
@@ -256,21 +224,14 @@ def main():
             rows = []
             for li, f in enumerate(loads):
                 other_runs = [x for lj, row in enumerate(served) if lj != li for x in row]
-                others = speed(other_runs)
                 # Every simulated token arrives the path's latency later,
                 # measured over the other loads' runs (or --sim-latency-ms).
                 latency = a.sim_latency_ms if a.sim_latency_ms >= 0 else max(0.0, path_ms(other_runs))
                 # The profile's model with its measured step-time dispersion
-                # (duet-bench's default when the profile has one), the same
-                # with the other loads' served dispersion in its place, and
-                # the online fit (with the profile's dispersion: it copies
-                # the file).
-                prof_served = os.path.join(out, f"profile-{backend}-served-{f}.json")
-                doc = json.load(open(prof))
-                doc["step_noise"] = served_dispersion(other_runs) or doc.get("step_noise")
-                with open(prof_served, "w") as fh:
-                    json.dump(doc, fh, indent=1)
-                models = {"profile": (prof, []), "served": (prof_served, []), "online": (prof_online, [])}
+                # (duet-bench's default when the profile has one), and the
+                # online fit (with the profile's dispersion: it copies the
+                # file).
+                models = {"profile": (prof, []), "online": (prof_online, [])}
                 sim = {m: [] for m in models}
                 for seed in seeds[li]:
                     for name, (path, extra) in models.items():
@@ -281,9 +242,7 @@ def main():
                 ratios = [x["served_s"] / x["profiled_s"] for x in served[li] if x["profiled_s"] > 0]
                 row = {"load": f, "rate": rates[li], "real": real[li], "sim": sim, "served": served[li],
                        "served_ratio": speed(served[li]), "served_ratio_median": statistics.median(ratios) if ratios
-                       else None, "scale_from_other_loads": others, "path_ms": path_ms(served[li]),
-                       "sim_latency_ms": latency, "served_noise_from_other_loads": doc["step_noise"],
-                       "checks": {}}
+                       else None, "path_ms": path_ms(served[li]), "sim_latency_ms": latency, "checks": {}}
                 for k, tol in (("ttft_p50", 0.15), ("itl_p50", 0.15), ("ttft_p99", 0.25), ("itl_p99", 0.25)):
                     meas = [r[k] for r in real[li]]
                     m = statistics.median(meas)
@@ -319,14 +278,10 @@ def main():
              "never hits; the loads interleaved, a round visiting each once). "
              "Measured: median over the real runs (min..max); predicted: median over the simulated runs. "
              "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Every simulated token "
-             "arrives the client-server path's latency later (measured, see below). Three simulations, each "
+             "arrives the client-server path's latency later (measured, see below). Two simulations, each "
              "simulated step's cost times a draw from the profile's measured dispersion (`step_noise`, seeded by "
-             "the run's seed): `duet profile`'s model (measured before the server started) with the profile's "
-             "dispersion; the same model with the served dispersion in its place (the quantiles of each served "
-             "step's measured time over the profile's prediction, from the server's "
-             "`duet_step_cost_served_ratio` histogram, over the real runs at the other loads: a load's own "
-             "runs stay out of its prediction); and the engine's own online fit, read from /metrics after "
-             "the capacity run.", ""]
+             "the run's seed): `duet profile`'s model (measured before the server started), and the engine's own "
+             "online fit, read from /metrics after the capacity run.", ""]
     total = 0
     passed = {n: 0 for n in NAMES}
     for backend, b in report["backends"].items():
@@ -340,10 +295,10 @@ def main():
                      + ", ".join(f"{k} {v:.4g}" for k, v in b["online_step_cost"].items() if not isinstance(v, dict))
                   if b["online_step_cost"] else "")
                   + ".", "",
-                  f"Served / profiled step time over all real runs: {b['served_scale']:.3f}; by load, its own "
-                  "runs (the other loads', whose served dispersion its prediction draws from): "
-                  + ", ".join(f"{int(100 * r['load'])}% {r['served_ratio']:.3f} ({r['scale_from_other_loads']:.3f})"
-                              for r in b["rows"]) + ". The client-server path (the client's mean TTFT over the "
+                  f"Served / profiled step time (the server's duet_step_cost_served_seconds_total over "
+                  f"..._profiled_seconds_total) over all real runs: {b['served_scale']:.3f}; by load: "
+                  + ", ".join(f"{int(100 * r['load'])}% {r['served_ratio']:.3f}" for r in b["rows"])
+                  + ". The client-server path (the client's mean TTFT over the "
                   "server's, `vllm:time_to_first_token_seconds`, for the same requests), by load (and the latency "
                   "its simulations add to every token: the other loads' path, or --sim-latency-ms): "
                   + ", ".join(f"{int(100 * r['load'])}% {r['path_ms']:.2f} ms ({r['sim_latency_ms']:.2f})"
@@ -352,8 +307,8 @@ def main():
             lines += ["Step-time dispersion (measured / predicted over every timed repeat of the profile): "
                       + ", ".join(f"p{100 * l:g} {r:.3f}" for l, r in prof["step_noise"]) + ".", ""]
         lines += ["| load | rate req/s | metric | measured median (min..max) ms | predicted: profile | error | pass "
-                  "| profile, served dispersion | error | pass | predicted: online fit | error | pass |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| predicted: online fit | error | pass |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in b["rows"]:
             for k, c in r["checks"].items():
                 total += 1
@@ -372,8 +327,7 @@ def main():
         lines += ["", "Commands:", "", "```"] + b["commands"][:4] + [f"... ({len(b['commands'])} commands in all, "
                                                                      "every one in validation.json)", "```", ""]
     lines.insert(2, f"**{passed['profile']} of {total} checks pass with the profile's model and its step-time "
-                    f"dispersion ({passed['served']} of {total} with the served dispersion of the other loads, "
-                    f"{passed['online']} of {total} with the engine's online fit).**\n")
+                    f"dispersion ({passed['online']} of {total} with the engine's online fit).**\n")
     with open(os.path.join(out, "validation.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))

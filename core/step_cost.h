@@ -61,7 +61,7 @@ typedef struct duet_step_cost_report {
     /* And how each served step's time spreads around the profile's
      * prediction: counts of measured / predicted per bucket (at most
      * duet__served_ratio_le[k]; the last, past them all), a Prometheus
-     * histogram. Its quantiles are a served step_noise for the simulator. */
+     * histogram. Its top buckets show stalls the profile never saw. */
     uint64_t ratio_count[DUET__SERVED_RATIO_BUCKETS + 1];
     double ratio_sum;
 } duet_step_cost_report;
