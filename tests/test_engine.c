@@ -697,11 +697,16 @@ START_TEST(speculative_draft_model_in_the_engine) {
         ck_assert_double_eq(metric_value(metrics, "duet_spec_decode_measured", NULL), 1);
         ck_assert_msg(metric_value(metrics, "duet_spec_decode_predicted_speedup", NULL) > 0,
                       "the last decision's prediction is exported");
-        ck_assert_msg(
-            metric_value(metrics, "duet_spec_draft_step_cost_seconds", "term=\"intercept\"") +
-                    metric_value(metrics, "duet_spec_draft_step_cost_seconds", "term=\"per_decode_token\"") >
-                0,
-            "the draft's step cost is measured");
+        /* Measured: some term is positive; which one carries the cost is
+         * the fit's (on PoCL under the sanitizers, intercept and
+         * per_decode_token both came out 0 once: cold CI, 6 December). */
+        double draft_cost = 0;
+        for (int j = 0; j < DUET_STEP_COST_TERMS; j++) {
+            char term[64];
+            snprintf(term, sizeof term, "term=\"%s\"", duet_step_cost_term(j));
+            draft_cost += metric_value(metrics, "duet_spec_draft_step_cost_seconds", term);
+        }
+        ck_assert_msg(draft_cost > 0, "the draft's step cost is measured");
         fprintf(stderr, "measured decision: %g steps decided, %g of %g offered draft tokens refused\n", steps,
                 metric_value(metrics, "duet_spec_decode_throttled_tokens_total", NULL),
                 metric_value(metrics, "duet_spec_decode_offered_tokens_total", NULL));
