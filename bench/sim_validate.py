@@ -87,21 +87,14 @@ def step_cost_metrics(base):
             out["server_ttft_s"] = out.get("server_ttft_s", 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("vllm:time_to_first_token_seconds_count{"):
             out["server_ttft_n"] = out.get("server_ttft_n", 0.0) + float(line.rsplit(" ", 1)[1])
-        elif line.startswith("duet_step_cost_served_ratio_bucket{"):
-            le = line.split('le="')[1].split('"')[0]
-            out.setdefault("ratio_buckets", {})[le] = float(line.rsplit(" ", 1)[1])
     return out
 
 
 def served_delta(before, after):
-    """The served and profiled step seconds, the served-ratio histogram's
-    cumulative bucket counts and the server's TTFT sum and count between
-    two /metrics reads."""
-    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("served_s", "profiled_s", "server_ttft_s",
-                                                                "server_ttft_n")}
-    b0 = before.get("ratio_buckets", {})
-    d["ratio_buckets"] = {le: n - b0.get(le, 0.0) for le, n in after.get("ratio_buckets", {}).items()}
-    return d
+    """The served and profiled step seconds and the server's TTFT sum and
+    count between two /metrics reads."""
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ("served_s", "profiled_s", "server_ttft_s",
+                                                                 "server_ttft_n")}
 
 
 def main():
@@ -292,7 +285,8 @@ def main():
                   f"error {100 * prof['fit']['mean_rel_err']:.1f}%; terms "
                   + ", ".join(f"{k} {v:.4g}" for k, v in prof["terms"].items())
                   + (f". The engine's online fit after the runs: "
-                     + ", ".join(f"{k} {v:.4g}" for k, v in b["online_step_cost"].items() if not isinstance(v, dict))
+                     + ", ".join(f"{k} {v:.4g}" for k, v in b["online_step_cost"].items()
+                              if k in prof["terms"] or k in ("steps", "relative_error"))
                   if b["online_step_cost"] else "")
                   + ".", "",
                   f"Served / profiled step time (the server's duet_step_cost_served_seconds_total over "

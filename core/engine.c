@@ -179,10 +179,9 @@ struct duet_engine {
      * the last step's time (written by run_step). */
     duet_step_cost_online cost;
     double step_s;
-    /* The profile that seeded the model, when one did, and the served
+    /* Whether a profile seeded the model (cost.prior), and the served
      * steps' seconds since: measured, and as it predicted them. */
     bool cost_seeded;
-    duet_step_cost cost_seed;
     duet_step_cost_report served; /* its served_s .. ratio_sum */
     /* The kinds of step (WARM_*) run once already: a kind's first run
      * (kernel builds, first touches: 178 ms for a 56-token chunk on PoCL,
@@ -1035,7 +1034,7 @@ static void observe_step(duet_engine *e, int n_seqs) {
     duet__step_cost_online_observe(&e->cost, &sh, e->step_s - e->draft_s);
     if (e->cost_seeded)
         duet__step_cost_report_add(&e->served, e->step_s - e->draft_s,
-                                   duet_step_cost_predict(&e->cost_seed, &sh));
+                                   duet_step_cost_predict(&e->cost.prior, &sh));
     duet__sched_set_cost(e->sched, &e->cost.current);
     for (int i = 0; i < e->n_dpass; i++)
         duet__step_cost_online_observe(&e->dcost, &e->dpass[i], e->dpass_s[i]);
@@ -1295,7 +1294,7 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
      * warm-up's steps, then fitted online from every step. */
     duet__step_cost_online_init(&e->cost, p.step_cost, 0, 0);
     duet__sched_set_cost(e->sched, &e->cost.current);
-    if ((e->cost_seeded = p.step_cost != NULL)) e->cost_seed = *p.step_cost;
+    e->cost_seeded = p.step_cost != NULL;
     char name[256] = "";
     if (p.served_name && *p.served_name)
         snprintf(name, sizeof name, "%s", p.served_name);
@@ -1589,7 +1588,6 @@ duet_status duet_engine_set_step_cost(duet_engine *e, const duet_step_cost *prio
     duet__step_cost_online_init(&e->cost, prior, 0, 0);
     duet__sched_set_cost(e->sched, &e->cost.current);
     e->cost_seeded = true;
-    e->cost_seed = *prior;
     memset(&e->served, 0, sizeof e->served);
     pthread_mutex_unlock(&e->mu);
     return DUET_OK;
