@@ -1025,6 +1025,12 @@ static void observe_step(duet_engine *e, int n_seqs) {
         duet_step_shape_add(&sh, e->plan_seqs[i].pos, e->plan_seqs[i].n_tokens, e->plan_seqs[i].decode);
         drafts += e->plan_seqs[i].n_draft;
     }
+    /* The draft's passes have their own model, learnt from every step (a
+     * step that is the target's first of its kind may be the only one
+     * that drafted: without a warm-up the measured decision grants few). */
+    for (int i = 0; i < e->n_dpass; i++)
+        duet__step_cost_online_observe(&e->dcost, &e->dpass[i], e->dpass_s[i]);
+    if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
     unsigned kind = sh.n_prefill > 0 ? WARM_PROMPT : drafts > 0 ? WARM_VERIFY : WARM_DECODE;
     if (!(e->warm_kinds & kind)) {
         e->warm_kinds |= kind;
@@ -1036,9 +1042,6 @@ static void observe_step(duet_engine *e, int n_seqs) {
         duet__step_cost_report_add(&e->served, e->step_s - e->draft_s,
                                    duet_step_cost_predict(&e->cost.prior, &sh));
     duet__sched_set_cost(e->sched, &e->cost.current);
-    for (int i = 0; i < e->n_dpass; i++)
-        duet__step_cost_online_observe(&e->dcost, &e->dpass[i], e->dpass_s[i]);
-    if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
 }
 
 static void *engine_main(void *arg) {
