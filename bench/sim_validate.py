@@ -260,8 +260,7 @@ def main():
                         in_range = min(meas) <= pred <= max(meas)
                         # Each run against its own simulation (the same
                         # prompts and arrivals): where a percentile sits
-                        # between two modes (decode-only steps and steps
-                        # with a prompt chunk), a small speed difference
+                        # between two modes, a small speed difference
                         # flips it, run by run; this says whether the
                         # model misses the runs or the median flips.
                         paired = [abs(s[k] - r[k]) <= tol * r[k] for s, r in zip(sim[name], real[li]) if r[k] > 0]
