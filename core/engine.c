@@ -1013,7 +1013,7 @@ static void controller_tick(duet_engine *e, int64_t now) {
     duet__engine_ctl_tick(&e->ctl, &cw, e->sched, &e->budget_share, e->slo_itl_s);
 }
 
-enum { WARM_DECODE = 1, WARM_PROMPT = 2, WARM_VERIFY = 4 };
+enum { WARM_DECODE = 1, WARM_PROMPT = 2, WARM_VERIFY = 4, WARM_DRAFT = 8 };
 
 /* Feeds the step just run to the online step-cost fit, and the fit to the
  * scheduler's time budget (under the lock); not the first step of its
@@ -1025,11 +1025,16 @@ static void observe_step(duet_engine *e, int n_seqs) {
         duet_step_shape_add(&sh, e->plan_seqs[i].pos, e->plan_seqs[i].n_tokens, e->plan_seqs[i].decode);
         drafts += e->plan_seqs[i].n_draft;
     }
-    /* The draft's passes have their own model, learnt from every step (a
-     * step that is the target's first of its kind may be the only one
-     * that drafted: without a warm-up the measured decision grants few). */
-    for (int i = 0; i < e->n_dpass; i++)
-        duet__step_cost_online_observe(&e->dcost, &e->dpass[i], e->dpass_s[i]);
+    /* The draft's passes have their own model, learnt apart from the
+     * target's kinds; its first step of passes is cold too (its own kernel
+     * builds and first touches) and is not learnt. Until one is, the
+     * decision prices drafts at 0, so it keeps granting and exploring. */
+    if (e->n_dpass > 0 && !(e->warm_kinds & WARM_DRAFT)) {
+        e->warm_kinds |= WARM_DRAFT;
+    } else {
+        for (int i = 0; i < e->n_dpass; i++)
+            duet__step_cost_online_observe(&e->dcost, &e->dpass[i], e->dpass_s[i]);
+    }
     if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
     unsigned kind = sh.n_prefill > 0 ? WARM_PROMPT : drafts > 0 ? WARM_VERIFY : WARM_DECODE;
     if (!(e->warm_kinds & kind)) {
@@ -1533,7 +1538,8 @@ duet_status duet_engine_warmup(duet_engine *e) {
     duet__sched_set_cost(e->sched, duet__step_cost_online_get(&e->cost));
     if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
     if (!st && n >= 1)
-        e->warm_kinds |= WARM_DECODE | WARM_PROMPT | (big > n && verify >= 2 ? WARM_VERIFY : 0);
+        e->warm_kinds |= WARM_DECODE | WARM_PROMPT | (big > n && verify >= 2 ? WARM_VERIFY : 0) |
+                         (e->draft ? WARM_DRAFT : 0);
     for (int j = 0; j < e->max_blocks; j++)
         e->tables[j] = -1;
     pthread_mutex_unlock(&e->mu);
