@@ -514,10 +514,12 @@ bool db_timeline_write(const db_config *cfg, const db_sweep *s, const char *dir)
 
 /* Runs one point on the virtual clock: the same prompts and arrival times
  * as a real run of this load (or the trace's), on cfg->sim_instances
- * instances with knobs kn. Same contract as db_http_run. */
+ * instances with knobs kn. Same contract as db_http_run, and the
+ * engine-side figures a server's /metrics would give: steps by sequences
+ * in them (one bucket per size), device busy ratio, preemptions. */
 bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n,
-                const db_load *load, db_result *results, int *n_sent, double *duration, char *err,
-                size_t esize);
+                const db_load *load, db_result *results, int *n_sent, double *duration,
+                db_server_stats *server, char *err, size_t esize);
 /* Requests a simulated point needs for cfg's duration and fastest rate. */
 int db_sim_requests_needed(const db_config *cfg);
 /* Reads a trace: one request a line, "arrival_s,prompt_tokens,output_tokens[,interactive|batch]"

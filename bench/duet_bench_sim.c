@@ -25,12 +25,30 @@ typedef struct sim_ctx {
     double *t_last;
     double latency; /* seconds added to every token's time */
     bool oom;
+    db_hist batch; /* steps by sequences in them: bucket k holds size k + 1 */
+    double busy_s;
 } sim_ctx;
 
 static void on_token(int r, int index, double t, void *user) {
     sim_ctx *c = user;
     if (index > 0 && !db_result_add_itl(&c->res[r], t - c->t_last[r])) c->oom = true;
     c->t_last[r] = t;
+}
+
+static void on_step(int instance, double t, double seconds, int n_seqs, int n_tokens, void *user) {
+    (void)instance, (void)t, (void)n_tokens;
+    sim_ctx *c = user;
+    int k = n_seqs < 1 ? 0 : n_seqs > DB_MAX_BUCKETS ? DB_MAX_BUCKETS - 1 : n_seqs - 1;
+    if (k >= c->batch.n) {
+        for (int j = c->batch.n; j <= k; j++)
+            c->batch.le[j] = j + 1;
+        c->batch.n = k + 1;
+    }
+    if (k == DB_MAX_BUCKETS - 1) c->batch.le[k] = INFINITY; /* larger steps share the last bucket */
+    c->batch.count[k]++;
+    c->batch.sum += n_seqs;
+    c->batch.total++;
+    c->busy_s += seconds;
 }
 
 /* Prompt tokens of a prompt: its ids, else its words (the random text
@@ -63,10 +81,14 @@ int db_sim_requests_needed(const db_config *cfg) {
 }
 
 bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n,
-                const db_load *load, db_result *results, int *n_sent, double *duration, char *err,
-                size_t esize) {
+                const db_load *load, db_result *results, int *n_sent, double *duration,
+                db_server_stats *server, char *err, size_t esize) {
     *n_sent = 0;
     *duration = 0;
+    memset(server, 0, sizeof *server);
+    server->mean_batch = server->busy_ratio = server->preemptions = NAN;
+    server->max_batch_seqs = server->batch_timeout_ms = server->max_batch_tokens = server->prefill_chunk =
+        NAN;
     if (load->max_concurrency > 0) {
         snprintf(err, esize, "--simulate runs open-loop arrivals only (no --max-concurrency)");
         return false;
@@ -105,7 +127,8 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
                           /* The point's workload seed: its own draws, the same on a rerun. */
                           .noise_seed = load->seed ^ UINT64_C(0x5DEECE66D) ^
                                         cfg->sim_noise_seed * UINT64_C(0x9E3779B97F4A7C15),
-                          .on_token = on_token};
+                          .on_token = on_token,
+                          .on_step = on_step};
     memcpy(sp.engine.slo_ttft_ms, cfg->sim_slo_ttft_ms, sizeof sp.engine.slo_ttft_ms);
     memcpy(sp.engine.slo_itl_ms, cfg->sim_slo_itl_ms, sizeof sp.engine.slo_itl_ms);
     sp.engine.static_knobs = cfg->sim_static_knobs;
@@ -151,6 +174,13 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
     if (ok && ctx.oom) {
         snprintf(err, esize, "out of memory recording inter-token gaps");
         ok = false;
+    }
+    if (ok) {
+        server->have_batch = true;
+        server->batch = ctx.batch;
+        server->mean_batch = ctx.batch.total > 0 ? ctx.batch.sum / ctx.batch.total : NAN;
+        server->busy_ratio = end > 0 ? ctx.busy_s / end : NAN; /* summed over instances, as a fleet's */
+        server->preemptions = (double)stats.preemptions;
     }
     free(rq), free(out), free(t_last);
     *n_sent = sent;

@@ -205,7 +205,7 @@ static bool serve_start(const db_config *cfg, const char *backend, int device, c
 static void point_fill(const db_config *cfg, db_point *pt, const char *mb, const char *ma) {
     db_run_stats_compute(pt->results, pt->n_sent, pt->stats.duration, &cfg->goodput, cfg->ps, cfg->n_ps,
                          &pt->stats);
-    db_server_stats_from(mb, ma, pt->stats.duration, &pt->server);
+    if (!cfg->simulate) db_server_stats_from(mb, ma, pt->stats.duration, &pt->server); /* else db_sim_run's */
     /* A knob left at its default is recorded as the value the engine used. */
     if (pt->knobs.max_batch_seqs <= 0 && pt->server.max_batch_seqs >= 1)
         pt->knobs.max_batch_seqs = (int)pt->server.max_batch_seqs;
@@ -546,7 +546,7 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
                 double dur = 0;
                 db_cpu cpu0 = db_cpu_sample();
                 bool rok = cfg->simulate ? db_sim_run(cfg, &kn, prompts, n_req, &pt->load, pt->results,
-                                                      &pt->n_sent, &dur, err, sizeof err)
+                                                      &pt->n_sent, &dur, &pt->server, err, sizeof err)
                            : cfg->in_process
                                ? db_inproc_run(eng, prompts, n_req, &pt->load, &cfg->req, &prog, pt->results,
                                                &pt->n_sent, &dur, &mb, &ma, err, sizeof err)

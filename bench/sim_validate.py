@@ -62,7 +62,9 @@ def point(out_dir):
     f = lambda k: float(row[k]) if row[k] not in ("", "nan") else float("nan")
     return {"ttft_mean": f("ttft_mean_ms"), "ttft_p50": f("ttft_median_ms"), "ttft_p99": f("ttft_p99_ms"), "itl_p50": f("itl_median_ms"),
             "itl_p99": f("itl_p99_ms"), "completed": int(row["completed"]), "failed": int(row["failed"]),
-            "req_s": f("request_throughput"), "other_cpu": f("other_cpu_ratio") if "other_cpu_ratio" in row else None}
+            "req_s": f("request_throughput"), "other_cpu": f("other_cpu_ratio") if "other_cpu_ratio" in row else None,
+            # The engine's side (the server's /metrics, or the simulated engines').
+            "mean_batch": f("mean_batch_size"), "steps": f("engine_steps"), "busy": f("device_busy_ratio")}
 
 
 def step_cost_metrics(base):
@@ -340,6 +342,17 @@ def main():
                 lines.append(f"| {int(100 * r['load'])}% | {r['rate']:.3g} | {k.replace('_', ' ')} | "
                              f"{c['measured_median']:.1f} ({c['measured_min']:.1f}..{c['measured_max']:.1f}) |"
                              + cells)
+        # The engine's side, real against simulated (profile): a run that
+        # batched differently, or kept the device busier, shows here.
+        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        lines += ["", "The engine's side, medians over the runs, real / simulated with the profile's model: "
+                  "sequences per step, steps, device busy share of the run.", "",
+                  "| load | mean batch | steps | busy |", "|---|---|---|---|"]
+        for r in b["rows"]:
+            cell = lambda k, fmt: (fmt.format(med([x.get(k, float("nan")) for x in r["real"]])) + " / "
+                                   + fmt.format(med([x.get(k, float("nan")) for x in r["sim"]["profile"]])))
+            lines.append(f"| {int(100 * r['load'])}% | {cell('mean_batch', '{:.2f}')} | {cell('steps', '{:.0f}')} | "
+                         f"{cell('busy', '{:.3f}')} |")
         other = [x["other_cpu"] for r in b["rows"] for x in r["real"] if x.get("other_cpu") is not None]
         if other:
             lines += ["", f"Other processes' share of the machine's CPU during the real runs: median "

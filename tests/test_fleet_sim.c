@@ -42,6 +42,20 @@ static void on_token(int request, int index, double t, void *user) {
     (void)index, (void)request;
 }
 
+/* Every step as on_step reports it. */
+typedef struct steps {
+    double t[64], seconds[64];
+    int seqs[64], tokens[64], n;
+} steps;
+
+static void on_step(int instance, double t, double seconds, int n_seqs, int n_tokens, void *user) {
+    steps *s = user;
+    ck_assert_int_eq(instance, 0);
+    if (s->n < 64)
+        s->t[s->n] = t, s->seconds[s->n] = seconds, s->seqs[s->n] = n_seqs, s->tokens[s->n] = n_tokens;
+    s->n++;
+}
+
 START_TEST(lone_request_timeline) {
     duet_sim_params p = params(10);
     tokens k = {.ordered = true};
@@ -81,6 +95,16 @@ START_TEST(lone_request_timeline) {
     double s2 = 0.010 + 36 * 0.1 * MS + (36.0 * 64 + 36.0 * 37 / 2) * 1e-6;
     ck_assert_msg(near(o.first_token, 1.0 + s1 + s2), "first token at %.9f", o.first_token);
     ck_assert(st.steps == 2);
+
+    /* The steps as they start: their times, costs and sizes. */
+    steps sk = {0};
+    p.on_token = NULL;
+    p.on_step = on_step;
+    p.user = &sk;
+    ck_assert_int_eq(duet_simulate(&p, &r, 1, &o, &st), DUET_OK);
+    ck_assert_int_eq(sk.n, 2);
+    ck_assert(near(sk.t[0], 1.0) && near(sk.seconds[0], s1) && sk.seqs[0] == 1 && sk.tokens[0] == 64);
+    ck_assert(near(sk.t[1], 1.0 + s1) && near(sk.seconds[1], s2) && sk.seqs[1] == 1 && sk.tokens[1] == 36);
 }
 END_TEST
 

@@ -120,6 +120,14 @@ class Simulate(unittest.TestCase):
         self.assertIn("simulated", json.dumps(doc))
         reqs = read_csv(os.path.join(out, "requests.csv"))
         self.assertEqual(len(reqs), 5)
+        # The engine's side, as a server's /metrics would give it: 8 steps
+        # of one sequence a request (a prompt step, 7 decodes), 82 ms each.
+        self.assertEqual(read_csv(os.path.join(out, "batch_hist.csv")),
+                         [{"point": "0", "batch_size_le": "1", "steps": "40"}])
+        self.assertEqual(float(pt["mean_batch_size"]), 1.0)
+        self.assertEqual(int(pt["engine_steps"]), 40)
+        busy = 5 * (12 + 7 * 10) / 1e3
+        self.assertAlmostEqual(float(pt["device_busy_ratio"]) * float(pt["duration_s"]), busy, delta=1e-5)  # CSV digits
         # The client-server path, when given, adds to every time.
         out2 = os.path.join(self.dir, "b")
         bench("--simulate", self.prof, "--request-rate", "0.01", "--num-prompts", "5", "--random-input-len", "20",
