@@ -110,6 +110,9 @@ def main():
     ap.add_argument("--num-prompts", type=int, default=30)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--range-ratio", type=float, default=0.0,
+                    help="lengths drawn uniformly within +-this share of --input-len and --output-len (duet-bench's "
+                         "--random-range-ratio; 0: every request the same lengths)")
     ap.add_argument("--profile-args", default="--decode-batches 1,2,4,8,16 --chunks 16,32,64 --contexts 16,64,128",
                     help="grid flags for duet profile (cover the workload's batch sizes and contexts)")
     ap.add_argument("--profile", default=None,
@@ -128,7 +131,8 @@ def main():
     os.makedirs(out, exist_ok=True)
     loads = [float(x) for x in a.loads.split(",")]
     wl = ["-m", a.model, "--num-prompts", str(a.num_prompts), "--random-input-len", str(a.input_len),
-          "--random-output-len", str(a.output_len), "--disable-tqdm", "--no-plots"]
+          "--random-output-len", str(a.output_len), "--random-range-ratio", str(a.range_ratio), "--disable-tqdm",
+          "--no-plots"]
     # The devices' own knobs (PoCL's thread count, lavapipe's, duet's), as
     # the run had them: they change what a "device" is on this machine.
     env = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("POCL_", "LP_", "DUET_"))}
@@ -289,7 +293,9 @@ def main():
         json.dump(report, fh, indent=1)
     lines = [f"# duet-bench --simulate against real runs", "",
              f"Model `{os.path.basename(a.model)}`, {a.threads} threads (the cpu backend's), {a.num_prompts} requests a run "
-             f"({a.input_len} prompt tokens, {a.output_len} output tokens, Poisson arrivals), {a.runs} real and "
+             f"({a.input_len} prompt tokens, {a.output_len} output tokens"
+             + (f", each within +-{100 * a.range_ratio:g}%" if a.range_ratio > 0 else "")
+             + f", Poisson arrivals), {a.runs} real and "
              f"{a.runs} simulated runs per load (seeds 101.., 201.., 301.. by load: the same prompts and arrival "
              "times in both; no prompt twice, so the server's prefix cache, which the simulator does not model, "
              "never hits; the loads interleaved, a round visiting each once). "
