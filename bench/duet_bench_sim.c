@@ -26,7 +26,6 @@ typedef struct sim_ctx {
     double latency; /* seconds added to every token's time */
     bool oom;
     db_hist batch; /* steps by sequences in them: bucket k holds size k + 1 */
-    double busy_s;
 } sim_ctx;
 
 static void on_token(int r, int index, double t, void *user) {
@@ -36,7 +35,7 @@ static void on_token(int r, int index, double t, void *user) {
 }
 
 static void on_step(int instance, double t, double seconds, int n_seqs, int n_tokens, void *user) {
-    (void)instance, (void)t, (void)n_tokens;
+    (void)instance, (void)t, (void)seconds, (void)n_tokens;
     sim_ctx *c = user;
     int k = n_seqs < 1 ? 0 : n_seqs > DB_MAX_BUCKETS ? DB_MAX_BUCKETS - 1 : n_seqs - 1;
     if (k >= c->batch.n) {
@@ -48,7 +47,6 @@ static void on_step(int instance, double t, double seconds, int n_seqs, int n_to
     c->batch.count[k]++;
     c->batch.sum += n_seqs;
     c->batch.total++;
-    c->busy_s += seconds;
 }
 
 /* Prompt tokens of a prompt: its ids, else its words (the random text
@@ -179,7 +177,7 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
         server->have_batch = true;
         server->batch = ctx.batch;
         server->mean_batch = ctx.batch.total > 0 ? ctx.batch.sum / ctx.batch.total : NAN;
-        server->busy_ratio = end > 0 ? ctx.busy_s / end : NAN; /* summed over instances, as a fleet's */
+        server->busy_ratio = end > 0 ? stats.busy_s / end : NAN; /* summed over instances, as a fleet's */
         server->preemptions = (double)stats.preemptions;
     }
     free(rq), free(out), free(t_last);
