@@ -182,7 +182,7 @@ struct duet_engine {
     /* Whether a profile seeded the model (cost.prior), and the served
      * steps' seconds since: measured, and as it predicted them. */
     bool cost_seeded;
-    duet_step_cost_report served; /* its served_s .. ratio_sum */
+    duet_served_speed served; /* against the seeding profile (cost_seeded) */
     /* The kinds of step (WARM_*) run once already: a kind's first run
      * (kernel builds, first touches: 178 ms for a 56-token chunk on PoCL,
      * where the 48-token chunks after it took 2-3 ms) is not learnt. In the fit it outweighed hundreds
@@ -1044,8 +1044,8 @@ static void observe_step(duet_engine *e, int n_seqs) {
     /* The target's own time: the draft's passes have their own model. */
     duet__step_cost_online_observe(&e->cost, &sh, e->step_s - e->draft_s);
     if (e->cost_seeded)
-        duet__step_cost_report_add(&e->served, e->step_s - e->draft_s,
-                                   duet_step_cost_predict(&e->cost.prior, &sh));
+        duet__served_speed_add(&e->served, e->step_s - e->draft_s,
+                               duet_step_cost_predict(&e->cost.prior, &sh));
     duet__sched_set_cost(e->sched, &e->cost.current);
 }
 
@@ -1574,10 +1574,10 @@ char *duet_engine_metrics(duet_engine *e) {
 
 void duet__engine_step_cost(duet_engine *e, duet_step_cost_report *out) {
     pthread_mutex_lock(&e->mu);
-    *out = e->served;
-    out->model = *duet__step_cost_online_get(&e->cost);
-    out->n_steps = e->cost.n_steps;
-    out->seeded = e->cost_seeded;
+    *out = (duet_step_cost_report){.model = *duet__step_cost_online_get(&e->cost),
+                                   .n_steps = e->cost.n_steps,
+                                   .seeded = e->cost_seeded,
+                                   .speed = e->served};
     pthread_mutex_unlock(&e->mu);
 }
 

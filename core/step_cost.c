@@ -623,16 +623,16 @@ const double duet__served_ratio_le[DUET__SERVED_RATIO_BUCKETS] = {
     0.5,  0.7, 0.8, 0.85, 0.9, 0.93, 0.96, 0.98, 1.0, 1.02, 1.04, 1.07, 1.1,
     1.15, 1.2, 1.3, 1.4,  1.5, 1.75, 2,    2.5,  3,   4,    6,    10};
 
-void duet__step_cost_report_add(duet_step_cost_report *r, double measured_s, double predicted_s) {
+void duet__served_speed_add(duet_served_speed *s, double measured_s, double predicted_s) {
     if (!(measured_s >= 0) || !(predicted_s > 0) || !isfinite(measured_s) || !isfinite(predicted_s)) return;
     double ratio = measured_s / predicted_s;
     int k = 0;
     while (k < DUET__SERVED_RATIO_BUCKETS && ratio > duet__served_ratio_le[k])
         k++;
-    r->ratio_count[k]++;
-    r->ratio_sum += ratio;
-    r->served_s += measured_s;
-    r->profiled_s += predicted_s;
+    s->ratio_count[k]++;
+    s->ratio_sum += ratio;
+    s->served_s += measured_s;
+    s->profiled_s += predicted_s;
 }
 
 void duet__step_cost_prom_families(duet_text *t, const duet_step_cost_report *r, const char *const *labels,
@@ -660,14 +660,15 @@ void duet__step_cost_prom_families(duet_text *t, const duet_step_cost_report *r,
                          "# TYPE duet_step_cost_served_seconds_total counter\n");
     for (int i = 0; i < n; i++)
         if (r[i].seeded)
-            duet__text_printf(t, "duet_step_cost_served_seconds_total{%s} %.9g\n", labels[i], r[i].served_s);
+            duet__text_printf(t, "duet_step_cost_served_seconds_total{%s} %.9g\n", labels[i],
+                              r[i].speed.served_s);
     duet__text_printf(t, "# HELP duet_step_cost_profiled_seconds_total The seeding profile's prediction for "
                          "the same steps: served / profiled is serving's speed against the profile's.\n"
                          "# TYPE duet_step_cost_profiled_seconds_total counter\n");
     for (int i = 0; i < n; i++)
         if (r[i].seeded)
             duet__text_printf(t, "duet_step_cost_profiled_seconds_total{%s} %.9g\n", labels[i],
-                              r[i].profiled_s);
+                              r[i].speed.profiled_s);
     duet__text_printf(t,
                       "# HELP duet_step_cost_served_ratio Each served step's measured time over the seeding "
                       "profile's prediction.\n"
@@ -676,7 +677,7 @@ void duet__step_cost_prom_families(duet_text *t, const duet_step_cost_report *r,
         if (!r[i].seeded) continue;
         uint64_t cum = 0;
         for (int k = 0; k <= DUET__SERVED_RATIO_BUCKETS; k++) {
-            cum += r[i].ratio_count[k];
+            cum += r[i].speed.ratio_count[k];
             if (k < DUET__SERVED_RATIO_BUCKETS)
                 duet__text_printf(t, "duet_step_cost_served_ratio_bucket{%s,le=\"%g\"} %llu\n", labels[i],
                                   duet__served_ratio_le[k], (unsigned long long)cum);
@@ -684,7 +685,7 @@ void duet__step_cost_prom_families(duet_text *t, const duet_step_cost_report *r,
                 duet__text_printf(t, "duet_step_cost_served_ratio_bucket{%s,le=\"+Inf\"} %llu\n", labels[i],
                                   (unsigned long long)cum);
         }
-        duet__text_printf(t, "duet_step_cost_served_ratio_sum{%s} %.9g\n", labels[i], r[i].ratio_sum);
+        duet__text_printf(t, "duet_step_cost_served_ratio_sum{%s} %.9g\n", labels[i], r[i].speed.ratio_sum);
         duet__text_printf(t, "duet_step_cost_served_ratio_count{%s} %llu\n", labels[i],
                           (unsigned long long)cum);
     }

@@ -47,27 +47,31 @@ const duet_step_cost *duet__step_cost_online_get(duet_step_cost_online *o);
 #define DUET__SERVED_RATIO_BUCKETS 25
 extern const double duet__served_ratio_le[DUET__SERVED_RATIO_BUCKETS];
 
-/* One engine's step-cost model as /metrics shows it. */
-typedef struct duet_step_cost_report {
-    duet_step_cost model; /* the online fit; mean_rel_err its recent error */
-    uint64_t n_steps;     /* steps it learnt from */
-    /* Seeded by a profile (duet serve --step-cost): the served steps'
-     * seconds since, measured and as that profile predicted them. Their
-     * ratio is serving's speed against the profile's, which the profile's
-     * settled steps can miss (cache state, other threads, the machine's
-     * drift): what duet-bench --simulate --sim-step-scale takes. */
-    bool seeded;
+/* Serving's speed against the profile that seeded the engine (duet serve
+ * --step-cost): the served steps' seconds since, measured and as that
+ * profile predicted them. Their ratio is what the profile's settled steps
+ * can miss (cache state, other threads, the machine's drift): what
+ * duet-bench --simulate --sim-step-scale takes. */
+typedef struct duet_served_speed {
     double served_s, profiled_s;
-    /* And how each served step's time spreads around the profile's
-     * prediction: counts of measured / predicted per bucket (at most
+    /* How each served step's time spreads around the profile's prediction:
+     * counts of measured / predicted per bucket (at most
      * duet__served_ratio_le[k]; the last, past them all), a Prometheus
      * histogram. Its top buckets show stalls the profile never saw. */
     uint64_t ratio_count[DUET__SERVED_RATIO_BUCKETS + 1];
     double ratio_sum;
-} duet_step_cost_report;
+} duet_served_speed;
 
-/* Adds one served step (measured seconds, the profile's prediction) to r. */
-void duet__step_cost_report_add(duet_step_cost_report *r, double measured_s, double predicted_s);
+/* Adds one served step (measured seconds, the profile's prediction). */
+void duet__served_speed_add(duet_served_speed *s, double measured_s, double predicted_s);
+
+/* One engine's step-cost model as /metrics shows it. */
+typedef struct duet_step_cost_report {
+    duet_step_cost model; /* the online fit; mean_rel_err its recent error */
+    uint64_t n_steps;     /* steps it learnt from */
+    bool seeded;          /* by a profile: speed is against it */
+    duet_served_speed speed;
+} duet_step_cost_report;
 
 /* Prometheus text of n models (an instance each) appended to t:
  * duet_step_cost_seconds{term=...} gauges, the fit quality and, for seeded

@@ -579,13 +579,13 @@ START_TEST(engine_fits_and_exports_its_steps) {
 END_TEST
 
 START_TEST(served_ratio_buckets) {
-    duet_step_cost_report r = {0};
-    duet__step_cost_report_add(&r, 1.0, 1.0);  /* le="1" */
-    duet__step_cost_report_add(&r, 1.01, 1.0); /* le="1.02" */
-    duet__step_cost_report_add(&r, 0.1, 1.0);  /* le="0.5" */
-    duet__step_cost_report_add(&r, 50.0, 1.0); /* past 10: +Inf */
-    duet__step_cost_report_add(&r, 1.0, 0.0);  /* no prediction: not counted */
-    duet__step_cost_report_add(&r, NAN, 1.0);  /* not counted */
+    duet_served_speed r = {0};
+    duet__served_speed_add(&r, 1.0, 1.0);  /* le="1" */
+    duet__served_speed_add(&r, 1.01, 1.0); /* le="1.02" */
+    duet__served_speed_add(&r, 0.1, 1.0);  /* le="0.5" */
+    duet__served_speed_add(&r, 50.0, 1.0); /* past 10: +Inf */
+    duet__served_speed_add(&r, 1.0, 0.0);  /* no prediction: not counted */
+    duet__served_speed_add(&r, NAN, 1.0);  /* not counted */
     int at1 = 0;
     while (duet__served_ratio_le[at1] != 1.0)
         at1++;
