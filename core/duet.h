@@ -392,6 +392,11 @@ typedef struct duet_engine_params {
     int kv_block_size;       /* tokens per KV block; 0 = 16 */
     int kv_blocks;           /* KV blocks in the pool; 0 = enough for every slot at full context */
     const char *served_name; /* the metrics' model_name label; NULL = the model's general.name (copied) */
+    /* A CSV file (created or truncated) with a line for every step the
+     * engine completes: its start and the idle time before it, its shape,
+     * its measured time, the online model's prediction (what sized it) and
+     * the seeding profile's; NULL = none. */
+    const char *step_log;
     bool no_prefix_cache;    /* turns automatic prefix caching off (it is on by default: full KV blocks of
                                 prompts are kept and reused by later requests that start the same way) */
     /* Speculation (open.spec, open.draft) is decided per step and per

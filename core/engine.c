@@ -183,6 +183,8 @@ struct duet_engine {
      * steps' seconds since: measured, and as it predicted them. */
     bool cost_seeded;
     duet_served_speed served; /* against the seeding profile (cost_seeded) */
+    FILE *step_log;           /* params.step_log's CSV, or NULL */
+    int64_t t_start, t_step, t_step_end; /* the engine's start; the last step's start and end (ns) */
     /* The kinds of step (WARM_*) run once already: a kind's first run
      * (kernel builds, first touches: 178 ms for a 56-token chunk on PoCL,
      * where the 48-token chunks after it took 2-3 ms) is not learnt. In the fit it outweighed hundreds
@@ -897,7 +899,7 @@ static duet_status run_step(duet_engine *e, int n_seqs) {
     duet_model *m = e->model;
     const int V = m->hp.n_vocab;
     int n = 0;
-    int64_t t0 = now_ns();
+    int64_t t0 = e->t_step = now_ns();
     e->draft_s = 0;
     e->n_dpass = 0;
     if (e->draft) {
@@ -1015,6 +1017,20 @@ static void controller_tick(duet_engine *e, int64_t now) {
 
 enum { WARM_DECODE = 1, WARM_PROMPT = 2, WARM_VERIFY = 4, WARM_DRAFT = 8 };
 
+/* One line of the step log for the step just run (under the lock, before
+ * the fit learns it): the prediction is what sized the step. */
+static void log_step(duet_engine *e, int n_seqs, const duet_step_shape *sh, bool learnt) {
+    int64_t end = e->t_step + (int64_t)llround(e->step_s * 1e9);
+    fprintf(e->step_log, "%.6f,", secs(e->t_step - e->t_start));
+    if (e->t_step_end) fprintf(e->step_log, "%.6f", secs(e->t_step - e->t_step_end));
+    fprintf(e->step_log, ",%d,%d,%d,%.0f,%.0f,%.6f,%.6f,%.6f,", n_seqs, sh->n_decode, sh->n_prefill,
+            sh->decode_ctx, sh->prefill_ctx, e->step_s - e->draft_s, e->draft_s,
+            duet_step_cost_predict(&e->cost.current, sh));
+    if (e->cost_seeded) fprintf(e->step_log, "%.6f", duet_step_cost_predict(&e->cost.prior, sh));
+    fprintf(e->step_log, ",%d\n", learnt);
+    e->t_step_end = end;
+}
+
 /* Feeds the step just run to the online step-cost fit, and the fit to the
  * scheduler's time budget (under the lock); not the first step of its
  * kind (warm_kinds). */
@@ -1037,7 +1053,9 @@ static void observe_step(duet_engine *e, int n_seqs) {
     }
     if (e->draft) duet__sched_set_draft_cost(e->sched, duet__step_cost_online_get(&e->dcost));
     unsigned kind = sh.n_prefill > 0 ? WARM_PROMPT : drafts > 0 ? WARM_VERIFY : WARM_DECODE;
-    if (!(e->warm_kinds & kind)) {
+    bool learn = e->warm_kinds & kind;
+    if (e->step_log) log_step(e, n_seqs, &sh, learn);
+    if (!learn) {
         e->warm_kinds |= kind;
         return;
     }
@@ -1178,6 +1196,7 @@ static void engine_free(duet_engine *e) {
         duet_sampler_free(e->reqs[i].dsmp);
         free(e->reqs[i].stream);
     }
+    if (e->step_log) fclose(e->step_log);
     free(e->reqs);
     free(e->cancel_list);
     free(e->plan_seqs);
@@ -1311,6 +1330,16 @@ static duet_status engine_start(duet_model *m, const char *path, const duet_engi
     snprintf(e->name, sizeof e->name, "%s", name);
     e->metrics = duet__metrics_new(name);
     e->prefix_cache = !p.no_prefix_cache;
+    e->t_start = now_ns();
+    if (p.step_log) {
+        if (!(e->step_log = fopen(p.step_log, "w"))) {
+            st = duet__error(DUET_INVALID_ARGUMENT, "step log %s: %s", p.step_log, strerror(errno));
+            goto fail;
+        }
+        fprintf(e->step_log,
+                "start_s,idle_s,seqs,decode_tokens,prefill_tokens,decode_ctx,prefill_ctx,seconds,"
+                "draft_seconds,predicted_s,profile_s,learnt\n");
+    }
     if ((st = duet__ctl_init(&e->ctl, &su.ctl))) goto fail;
     e->ctl_on = !su.static_knobs && duet__ctl_active(&e->ctl);
     e->ctl_window_ns = su.ctl_window_ns;

@@ -334,14 +334,26 @@ class ServeStepCost(unittest.TestCase):
             self.assertIn("per_decode_token", p.stderr)
             good = os.path.join(d, "good.json")
             write_profile(good, [0.002, 0.001, 0.0005, 0, 0])
-            srv = Server(DUET, MODEL, "--step-cost", good, "--slo-itl-ms", "25", ctx=256)
+            # A step log that cannot be written is refused, naming it.
+            p = run([DUET, "serve", "-m", MODEL, "--port", "0", "--step-log", os.path.join(d, "no", "steps.csv")],
+                    check=False, timeout=60)
+            self.assertNotEqual(p.returncode, 0)
+            self.assertIn("step log", p.stderr)
+            self.assertIn("steps.csv", p.stderr)
+            p = run([DUET, "serve", "-m", MODEL, "--port", "0", "--step-log", os.path.join(d, "s.csv"), "--instance",
+                     "backend=cpu", "--instance", "backend=cpu"], check=False, timeout=60)
+            self.assertEqual(p.returncode, 2, p.stderr)
+            self.assertIn("--step-log", p.stderr)
+            steps_csv = os.path.join(d, "steps.csv")
+            srv = Server(DUET, MODEL, "--step-cost", good, "--slo-itl-ms", "25", "--step-log", steps_csv, ctx=256)
             try:
                 import urllib.request
                 body = json.dumps({"prompt": "Once upon a time", "max_tokens": 4}).encode()
                 req = urllib.request.Request(srv.base + "/v1/completions", body,
                                              {"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=60) as r:
-                    self.assertEqual(json.load(r)["object"], "text_completion")
+                    reply = json.load(r)
+                    self.assertEqual(reply["object"], "text_completion")
                 with urllib.request.urlopen(srv.base + "/metrics", timeout=60) as r:
                     metrics = r.read().decode()
                 line = [x for x in metrics.splitlines()
@@ -371,9 +383,25 @@ class ServeStepCost(unittest.TestCase):
                 inf = [x for x in metrics.splitlines()
                        if x.startswith("duet_step_cost_served_ratio_bucket{") and 'le="+Inf"' in x]
                 self.assertEqual([float(x.split()[-1]) for x in inf], [n])
+                batch_steps = sum(float(x.split()[-1]) for x in metrics.splitlines()
+                                  if x.startswith("duet_batch_size_count"))
             finally:
                 rc, log = srv.stop()
             self.assertEqual(rc, 0, log)
+            # The step log: a line for every step the metrics counted, the
+            # request's prompt in prompt chunks and its later tokens in
+            # decodes, the profile's prediction beside each (at least its
+            # 2 ms intercept), and the learnt ones those the served-ratio
+            # histogram counted.
+            with open(steps_csv, newline="") as fh:
+                rows = list(csv.DictReader(fh))
+            self.assertEqual(len(rows), batch_steps)
+            self.assertEqual(sum(int(r["prefill_tokens"]) for r in rows), reply["usage"]["prompt_tokens"])
+            self.assertEqual(sum(int(r["decode_tokens"]) for r in rows), reply["usage"]["completion_tokens"] - 1)
+            self.assertTrue(all(float(r["seconds"]) > 0 and float(r["profile_s"]) >= 0.002 for r in rows), rows)
+            self.assertEqual(rows[0]["idle_s"], "")
+            self.assertTrue(all(float(r["idle_s"]) >= 0 for r in rows[1:]), rows)
+            self.assertEqual(sum(int(r["learnt"]) for r in rows), n)
 
 
 if __name__ == "__main__":

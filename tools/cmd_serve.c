@@ -70,6 +70,8 @@ static void usage(FILE *f) {
         "                              fits online (default: learnt from the warm-up and the steps)\n"
         "      --step-budget-share X   the share of a class's ITL target a step with its decodes may take\n"
         "                              (0.25..1, default 0.8; the controller starts here and retunes it)\n"
+        "      --step-log FILE         a CSV line for every step the engine completes: start, idle before,\n"
+        "                              shape, measured and predicted seconds (one engine only)\n"
         "      --static-knobs          keep the knobs as configured: targets size the steps, the\n"
         "                              controller does not run (to compare it with fixed settings)\n"
         "  instances (repeat --instance for several engines behind one router):\n"
@@ -143,6 +145,7 @@ enum {
     O_SPILL,
     O_TIER_BLIND,
     O_STEP_COST,
+    O_STEP_LOG,
     O_STATIC_KNOBS,
     O_BUDGET_SHARE
 };
@@ -173,6 +176,7 @@ static const struct option opts[] = {
     {"slo-ttft-ms", required_argument, 0, O_SLO_TTFT},
     {"slo-itl-ms", required_argument, 0, O_SLO_ITL},
     {"step-cost", required_argument, 0, O_STEP_COST},
+    {"step-log", required_argument, 0, O_STEP_LOG},
     {"static-knobs", no_argument, 0, O_STATIC_KNOBS},
     {"step-budget-share", required_argument, 0, O_BUDGET_SHARE},
     {"config", required_argument, 0, O_CONFIG},
@@ -305,6 +309,9 @@ static bool set_opt(serve_opts *o, int key, const char *v) {
         return parse_slo("--slo-itl-ms", v, ep->slo_itl_ms);
     case O_STEP_COST:
         o->step_cost = v;
+        return true;
+    case O_STEP_LOG:
+        ep->step_log = v;
         return true;
     case O_STATIC_KNOBS:
         ep->static_knobs = true;
@@ -642,6 +649,12 @@ int cmd_serve(int argc, char **argv) {
     int n_inst = o.n_instances ? o.n_instances : 1;
     duet_fleet *fleet = NULL;
     o.ep.served_name = o.srv.model_name; /* the metrics name the model as the API does */
+    if (o.ep.step_log && o.n_instances > 1) {
+        fprintf(stderr, "duet: --step-log logs one engine; %d --instance options were given\n",
+                o.n_instances);
+        rc = 2;
+        goto out;
+    }
     for (int i = 0; i < o.n_instances; i++)
         if (!parse_instance(o.instances[i], &o.ep, &spec[i])) {
             rc = 2;
