@@ -397,8 +397,8 @@ typedef struct duet_engine_params {
      * its measured time, the online model's prediction (what sized it) and
      * the seeding profile's; NULL = none. */
     const char *step_log;
-    bool no_prefix_cache;    /* turns automatic prefix caching off (it is on by default: full KV blocks of
-                                prompts are kept and reused by later requests that start the same way) */
+    bool no_prefix_cache; /* turns automatic prefix caching off (it is on by default: full KV blocks of
+                             prompts are kept and reused by later requests that start the same way) */
     /* Speculation (open.spec, open.draft) is decided per step and per
      * sequence: drafts are verified only where the step-cost models (the
      * target's and the draft model's, fitted online from the steps run) and

@@ -182,8 +182,8 @@ struct duet_engine {
     /* Whether a profile seeded the model (cost.prior), and the served
      * steps' seconds since: measured, and as it predicted them. */
     bool cost_seeded;
-    duet_served_speed served; /* against the seeding profile (cost_seeded) */
-    FILE *step_log;           /* params.step_log's CSV, or NULL */
+    duet_served_speed served;            /* against the seeding profile (cost_seeded) */
+    FILE *step_log;                      /* params.step_log's CSV, or NULL */
     int64_t t_start, t_step, t_step_end; /* the engine's start; the last step's start and end (ns) */
     /* The kinds of step (WARM_*) run once already: a kind's first run
      * (kernel builds, first touches: 178 ms for a 56-token chunk on PoCL,
@@ -1018,7 +1018,8 @@ static void controller_tick(duet_engine *e, int64_t now) {
 enum { WARM_DECODE = 1, WARM_PROMPT = 2, WARM_VERIFY = 4, WARM_DRAFT = 8 };
 
 /* One line of the step log for the step just run (under the lock, before
- * the fit learns it): the prediction is what sized the step. */
+ * the fit learns it: the prediction is what sized the step; stdio buffers
+ * the lines, so a write reaches the file every few KB). */
 static void log_step(duet_engine *e, int n_seqs, const duet_step_shape *sh, bool learnt) {
     int64_t end = e->t_step + (int64_t)llround(e->step_s * 1e9);
     fprintf(e->step_log, "%.6f,", secs(e->t_step - e->t_start));
