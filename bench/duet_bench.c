@@ -61,6 +61,9 @@ static const char usage[] =
     "                             budget then run as in such a server (default: none, as duet serve's)\n"
     "  --sim-static-knobs         --simulate: the simulated servers keep their knobs (duet serve\n"
     "                             --static-knobs: targets size the steps, no controller)\n"
+    "  --sim-step-log             --simulate: sim_steps.csv, a line per simulated step: the point and\n"
+    "                             instance, then duet serve --step-log's columns (its learnt and draft\n"
+    "                             columns left out; predicted_s without the dispersion's draw)\n"
     "  --trace FILE               --simulate: arrivals and lengths from a file, one request a line:\n"
     "                             arrival_s,prompt_tokens,output_tokens[,interactive|batch] or JSONL with "
     "those\n"
@@ -669,6 +672,8 @@ int main(int argc, char **argv) {
             ok = parse_class_ms(a, v, a[10] == 't' ? c.sim_slo_ttft_ms : c.sim_slo_itl_ms);
         } else if (!strcmp(a, "--sim-static-knobs")) {
             c.sim_static_knobs = true;
+        } else if (!strcmp(a, "--sim-step-log")) {
+            c.sim_step_log = true;
         } else if (!strcmp(a, "--trace")) {
             NEED_ARG();
             c.trace_path = v;
@@ -708,12 +713,16 @@ int main(int argc, char **argv) {
     }
     bool sim_slo =
         c.sim_slo_ttft_ms[0] + c.sim_slo_ttft_ms[1] + c.sim_slo_itl_ms[0] + c.sim_slo_itl_ms[1] > 0;
-    if (!c.simulate &&
-        (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.sim_no_step_noise ||
-         c.sim_noise_seed || c.sim_step_scale || c.trace_path || sim_slo || c.sim_static_knobs)) {
+    if (!c.simulate && (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms ||
+                        c.sim_no_step_noise || c.sim_noise_seed || c.sim_step_scale || c.trace_path ||
+                        sim_slo || c.sim_static_knobs || c.sim_step_log)) {
         fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, "
                         "--sim-step-noise, --sim-noise-seed, --sim-step-scale, --sim-slo-*-ms, "
-                        "--sim-static-knobs and --trace belong to --simulate\n");
+                        "--sim-static-knobs, --sim-step-log and --trace belong to --simulate\n");
+        return 2;
+    }
+    if (c.sim_step_log && !c.output_dir && !c.find_instances) {
+        fprintf(stderr, "duet-bench: --sim-step-log writes into --output-dir DIR: name one\n");
         return 2;
     }
     if (c.simulate) {

@@ -467,6 +467,7 @@ typedef struct db_config {
      * the simulation as they would in those servers. */
     double sim_slo_ttft_ms[2], sim_slo_itl_ms[2];
     bool sim_static_knobs;  /* the simulated servers keep their knobs (no controller) */
+    bool sim_step_log;      /* writes sim_steps.csv: every simulated step */
     const char *trace_path; /* arrivals and lengths from a file */
     int find_instances;     /* > 0: search 1..find_instances for the fewest meeting the targets */
 } db_config;
@@ -516,10 +517,11 @@ bool db_timeline_write(const db_config *cfg, const db_sweep *s, const char *dir)
  * as a real run of this load (or the trace's), on cfg->sim_instances
  * instances with knobs kn. Same contract as db_http_run, and the
  * engine-side figures a server's /metrics would give: steps by sequences
- * in them (one bucket per size), device busy ratio, preemptions. */
+ * in them (one bucket per size), device busy ratio, preemptions. With
+ * `steps` open, a line per step (point `point`; sim_steps.csv's columns). */
 bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n,
                 const db_load *load, db_result *results, int *n_sent, double *duration,
-                db_server_stats *server, char *err, size_t esize);
+                db_server_stats *server, FILE *steps, int point, char *err, size_t esize);
 /* Requests a simulated point needs for cfg's duration and fastest rate. */
 int db_sim_requests_needed(const db_config *cfg);
 /* Reads a trace: one request a line, "arrival_s,prompt_tokens,output_tokens[,interactive|batch]"

@@ -26,6 +26,12 @@ typedef struct sim_ctx {
     double latency; /* seconds added to every token's time */
     bool oom;
     db_hist batch; /* steps by sequences in them: bucket k holds size k + 1 */
+    /* --sim-step-log: a line a step, in the columns of `duet serve
+     * --step-log` (the point and instance first). */
+    FILE *steps;
+    int point;
+    const duet_step_cost *cost;
+    double last_end[64]; /* each instance's last step end; NAN before its first */
 } sim_ctx;
 
 static void on_token(int r, int index, double t, void *user) {
@@ -34,9 +40,16 @@ static void on_token(int r, int index, double t, void *user) {
     c->t_last[r] = t;
 }
 
-static void on_step(int instance, double t, double seconds, int n_seqs, int n_tokens, void *user) {
-    (void)instance, (void)t, (void)seconds, (void)n_tokens;
+static void on_step(int instance, double t, double seconds, int n_seqs, const duet_step_shape *sh,
+                    void *user) {
     sim_ctx *c = user;
+    if (c->steps) {
+        fprintf(c->steps, "%d,%d,%.6f,", c->point, instance, t);
+        if (!isnan(c->last_end[instance])) fprintf(c->steps, "%.6f", t - c->last_end[instance]);
+        fprintf(c->steps, ",%d,%d,%d,%.0f,%.0f,%.6f,%.6f\n", n_seqs, sh->n_decode, sh->n_prefill,
+                sh->decode_ctx, sh->prefill_ctx, seconds, duet_step_cost_predict(c->cost, sh));
+        c->last_end[instance] = t + seconds;
+    }
     int k = n_seqs < 1 ? 0 : n_seqs > DB_MAX_BUCKETS ? DB_MAX_BUCKETS - 1 : n_seqs - 1;
     if (k >= c->batch.n) {
         for (int j = c->batch.n; j <= k; j++)
@@ -80,7 +93,7 @@ int db_sim_requests_needed(const db_config *cfg) {
 
 bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *prompts, int n,
                 const db_load *load, db_result *results, int *n_sent, double *duration,
-                db_server_stats *server, char *err, size_t esize) {
+                db_server_stats *server, FILE *steps, int point, char *err, size_t esize) {
     *n_sent = 0;
     *duration = 0;
     memset(server, 0, sizeof *server);
@@ -142,7 +155,14 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
         sp.engine.max_waiting = cfg->max_waiting;
     else
         sp.engine.max_waiting = sent < 256 ? 256 : sent > 100000 ? 100000 : sent;
-    sim_ctx ctx = {.res = results, .t_last = t_last, .latency = cfg->sim_latency_ms / 1e3};
+    sim_ctx ctx = {.res = results,
+                   .t_last = t_last,
+                   .latency = cfg->sim_latency_ms / 1e3,
+                   .steps = steps,
+                   .point = point,
+                   .cost = &sp.cost};
+    for (int k = 0; k < 64; k++)
+        ctx.last_end[k] = NAN;
     sp.user = &ctx;
     for (int i = 0; i < sent; i++) {
         db_result *r = &results[i];

@@ -438,6 +438,18 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
 
     char log[1200];
     snprintf(log, sizeof log, "%s/server.log", out->dir);
+    FILE *steps = NULL; /* --sim-step-log: every point's simulated steps */
+    if (ok && cfg->simulate && cfg->sim_step_log) {
+        char path[1200];
+        snprintf(path, sizeof path, "%s/sim_steps.csv", out->dir);
+        if (!db_mkdirs(out->dir) || !(steps = fopen(path, "w"))) {
+            snprintf(out->why, sizeof out->why, "%.300s: %s", path, strerror(errno));
+            ok = false;
+        } else {
+            fprintf(steps, "point,instance,start_s,idle_s,seqs,decode_tokens,prefill_tokens,decode_ctx,"
+                           "prefill_ctx,seconds,predicted_s\n");
+        }
+    }
     int k = 0;
     for (int ib = 0; ok && ib < n_bt; ib++)
         for (int im = 0; ok && im < n_mbs; im++) {
@@ -545,8 +557,9 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
                 char *mb = NULL, *ma = NULL;
                 double dur = 0;
                 db_cpu cpu0 = db_cpu_sample();
-                bool rok = cfg->simulate ? db_sim_run(cfg, &kn, prompts, n_req, &pt->load, pt->results,
-                                                      &pt->n_sent, &dur, &pt->server, err, sizeof err)
+                bool rok = cfg->simulate
+                               ? db_sim_run(cfg, &kn, prompts, n_req, &pt->load, pt->results, &pt->n_sent,
+                                            &dur, &pt->server, steps, k, err, sizeof err)
                            : cfg->in_process
                                ? db_inproc_run(eng, prompts, n_req, &pt->load, &cfg->req, &prog, pt->results,
                                                &pt->n_sent, &dur, &mb, &ma, err, sizeof err)
@@ -570,6 +583,10 @@ bool db_sweep_run(const db_config *cfg, const char *backend, int device, db_swee
             if (eng) duet_engine_stop(eng, false);
             serve_stop(&srv);
         }
+    if (steps && fclose(steps) != 0 && ok) {
+        snprintf(out->why, sizeof out->why, "sim_steps.csv: %s", strerror(errno));
+        ok = false;
+    }
     for (int il = 0; il < n_load; il++)
         db_workload_free(lp[il], n_req);
     db_workload_free(warm, n_warm);

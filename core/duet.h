@@ -732,8 +732,10 @@ typedef struct duet_sim_params {
      * request's index, the token's index in its output, its time. */
     void (*on_token)(int request, int index, double t, void *user);
     /* Called for every step as it starts (may be NULL): the instance, the
-     * start, its simulated duration, the sequences and tokens in it. */
-    void (*on_step)(int instance, double t, double seconds, int n_seqs, int n_tokens, void *user);
+     * start, its simulated duration, the sequences in it and its shape
+     * (what the cost model priced). */
+    void (*on_step)(int instance, double t, double seconds, int n_seqs, const duet_step_shape *shape,
+                    void *user);
     void *user;
 } duet_sim_params;
 

@@ -1019,7 +1019,7 @@ enum { WARM_DECODE = 1, WARM_PROMPT = 2, WARM_VERIFY = 4, WARM_DRAFT = 8 };
 
 /* One line of the step log for the step just run (under the lock, before
  * the fit learns it: the prediction is what sized the step; stdio buffers
- * the lines, so a write reaches the file every few KB). */
+ * the lines, flushed when the engine goes idle). */
 static void log_step(duet_engine *e, int n_seqs, const duet_step_shape *sh, bool learnt) {
     int64_t end = e->t_step + (int64_t)llround(e->step_s * 1e9);
     fprintf(e->step_log, "%.6f,", secs(e->t_step - e->t_start));
@@ -1083,6 +1083,9 @@ static void *engine_main(void *arg) {
         duet_sched_plan plan;
         int64_t now = now_ns();
         duet_sched_action act = duet__sched_plan(e->sched, now, &plan);
+        /* Idle: the step log reaches its file (a reader between runs
+         * sees every step so far). */
+        if (act == DUET_SCHED_IDLE && e->step_log) fflush(e->step_log);
         if (act == DUET_SCHED_IDLE && !e->ctl_on) {
             update_gauges(e);
             pthread_cond_wait(&e->cv, &e->mu);

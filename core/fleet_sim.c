@@ -182,8 +182,7 @@ static void plan_at(sim *f, int k, int64_t now) {
     in->stepping = true;
     in->dt = dt;
     in->t_event = now + dt;
-    if (f->p->on_step)
-        f->p->on_step(k, (double)now / NS, (double)dt / NS, plan.n_seqs, plan.n_tokens, f->p->user);
+    if (f->p->on_step) f->p->on_step(k, (double)now / NS, (double)dt / NS, plan.n_seqs, &sh, f->p->user);
     f->stats.steps++;
     f->stats.busy_s += (double)dt / NS;
 }

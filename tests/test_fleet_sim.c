@@ -45,14 +45,16 @@ static void on_token(int request, int index, double t, void *user) {
 /* Every step as on_step reports it. */
 typedef struct steps {
     double t[64], seconds[64];
-    int seqs[64], tokens[64], n;
+    int seqs[64], n;
+    duet_step_shape shape[64];
 } steps;
 
-static void on_step(int instance, double t, double seconds, int n_seqs, int n_tokens, void *user) {
+static void on_step(int instance, double t, double seconds, int n_seqs, const duet_step_shape *shape,
+                    void *user) {
     steps *s = user;
     ck_assert_int_eq(instance, 0);
     if (s->n < 64)
-        s->t[s->n] = t, s->seconds[s->n] = seconds, s->seqs[s->n] = n_seqs, s->tokens[s->n] = n_tokens;
+        s->t[s->n] = t, s->seconds[s->n] = seconds, s->seqs[s->n] = n_seqs, s->shape[s->n] = *shape;
     s->n++;
 }
 
@@ -103,8 +105,21 @@ START_TEST(lone_request_timeline) {
     p.user = &sk;
     ck_assert_int_eq(duet_simulate(&p, &r, 1, &o, &st), DUET_OK);
     ck_assert_int_eq(sk.n, 2);
-    ck_assert(near(sk.t[0], 1.0) && near(sk.seconds[0], s1) && sk.seqs[0] == 1 && sk.tokens[0] == 64);
-    ck_assert(near(sk.t[1], 1.0 + s1) && near(sk.seconds[1], s2) && sk.seqs[1] == 1 && sk.tokens[1] == 36);
+    ck_assert(near(sk.t[0], 1.0) && near(sk.seconds[0], s1) && sk.seqs[0] == 1);
+    ck_assert(near(sk.t[1], 1.0 + s1) && near(sk.seconds[1], s2) && sk.seqs[1] == 1);
+    /* Their shapes: prompt chunks of 64 and 36 tokens at positions 0.. and
+     * 64.., no decode. */
+    ck_assert(sk.shape[0].n_prefill == 64 && sk.shape[0].n_decode == 0 && sk.shape[0].decode_ctx == 0);
+    ck_assert(near(sk.shape[0].prefill_ctx, 64.0 * 65 / 2));
+    ck_assert(sk.shape[1].n_prefill == 36 && sk.shape[1].n_decode == 0);
+    ck_assert(near(sk.shape[1].prefill_ctx, 36.0 * 64 + 36.0 * 37 / 2));
+    /* A two-token output: its second step decodes one token at position
+     * 100 (context 101). */
+    r.n_output = 2;
+    sk.n = 0;
+    ck_assert_int_eq(duet_simulate(&p, &r, 1, &o, &st), DUET_OK);
+    ck_assert_int_eq(sk.n, 3);
+    ck_assert(sk.shape[2].n_decode == 1 && sk.shape[2].n_prefill == 0 && near(sk.shape[2].decode_ctx, 101));
 }
 END_TEST
 

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 DUET, SHARED, BUILD = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -109,7 +110,7 @@ class Simulate(unittest.TestCase):
         # Far apart (0.01 req/s): each request runs alone. 2 ms batch
         # timeout, a 20-token prompt step (10 + 2 ms), then 10 ms decodes.
         bench("--simulate", self.prof, "--request-rate", "0.01", "--num-prompts", "5", "--random-input-len", "20",
-              "--random-output-len", "8", "--output-dir", out, "--no-plots", "--save-detailed")
+              "--random-output-len", "8", "--output-dir", out, "--no-plots", "--save-detailed", "--sim-step-log")
         pt = self.points(out)[0]
         self.assertEqual(int(pt["completed"]), 5)
         self.assertAlmostEqual(float(pt["ttft_median_ms"]), 14.0, places=6)
@@ -128,6 +129,30 @@ class Simulate(unittest.TestCase):
         self.assertEqual(int(pt["engine_steps"]), 40)
         busy = 5 * (12 + 7 * 10) / 1e3
         self.assertAlmostEqual(float(pt["device_busy_ratio"]) * float(pt["duration_s"]), busy, delta=1e-5)  # CSV digits
+        # --sim-step-log: each of those steps in duet serve --step-log's
+        # columns. A request's prompt step (20 tokens at positions 0..19:
+        # context 210, 12 ms) 2 ms after its arrival, then 7 one-token
+        # decodes at contexts 21..27 right after one another (10 ms each).
+        steps = read_csv(os.path.join(out, "sim_steps.csv"))
+        self.assertEqual(len(steps), 40)
+        for i, r in enumerate(steps):
+            j = i % 8
+            self.assertEqual((r["point"], r["instance"], r["seqs"]), ("0", "0", "1"))
+            shape = (int(r["decode_tokens"]), int(r["prefill_tokens"]), float(r["decode_ctx"]), float(r["prefill_ctx"]))
+            self.assertEqual(shape, (0, 20, 0, 210) if j == 0 else (1, 0, 20 + j, 0), r)
+            self.assertAlmostEqual(float(r["seconds"]), 0.012 if j == 0 else 0.010, places=6)
+            self.assertEqual(r["seconds"], r["predicted_s"])  # no dispersion in this profile
+            if i == 0:
+                self.assertEqual(r["idle_s"], "")
+            elif j > 0:
+                self.assertAlmostEqual(float(r["idle_s"]), 0, places=6)
+                self.assertAlmostEqual(float(r["start_s"]), float(steps[i - 1]["start_s"]) + float(steps[i - 1]["seconds"]),
+                                       places=5)
+            else:  # 0.01 req/s: the next request comes long after
+                self.assertGreater(float(r["idle_s"]), 0)
+        for q in range(5):  # requests.csv's 6 digits
+            arrival = float(reqs[q]["arrival_s"])
+            self.assertAlmostEqual(float(steps[8 * q]["start_s"]), arrival + 0.002, delta=1e-5 * arrival + 1e-6)
         # The client-server path, when given, adds to every time.
         out2 = os.path.join(self.dir, "b")
         bench("--simulate", self.prof, "--request-rate", "0.01", "--num-prompts", "5", "--random-input-len", "20",
@@ -271,6 +296,9 @@ class Simulate(unittest.TestCase):
         self.assertIn("--sim-slo-itl-ms wants MS or interactive=MS,batch=MS", p.stderr)
         p = bench("--in-process", "-m", MODEL, "--sim-slo-ttft-ms", "500", check=False)
         self.assertIn("belong to --simulate", p.stderr)
+        p = bench("--simulate", self.prof, "--sim-step-log", "--no-plots", check=False)
+        self.assertEqual(p.returncode, 2)
+        self.assertIn("--sim-step-log writes into --output-dir", p.stderr)
 
     def test_server_targets(self):
         """--sim-slo-itl-ms runs the simulated servers as duet serve
@@ -385,6 +413,16 @@ class ServeStepCost(unittest.TestCase):
                 self.assertEqual([float(x.split()[-1]) for x in inf], [n])
                 batch_steps = sum(float(x.split()[-1]) for x in metrics.splitlines()
                                   if x.startswith("duet_batch_size_count"))
+                # An idle engine has written every step so far: a reader
+                # between runs sees them all while the server runs on.
+                deadline = time.time() + 30
+                while True:
+                    with open(steps_csv) as fh:
+                        n_lines = sum(1 for _ in fh) - 1
+                    if n_lines == batch_steps or time.time() > deadline:
+                        break
+                    time.sleep(0.05)
+                self.assertEqual(n_lines, batch_steps)
             finally:
                 rc, log = srv.stop()
             self.assertEqual(rc, 0, log)
