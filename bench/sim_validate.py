@@ -89,7 +89,40 @@ def step_cost_metrics(base):
             out["server_ttft_s"] = out.get("server_ttft_s", 0.0) + float(line.rsplit(" ", 1)[1])
         elif line.startswith("vllm:time_to_first_token_seconds_count{"):
             out["server_ttft_n"] = out.get("server_ttft_n", 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("duet_batch_size_count"):  # every step the engine ran
+            out["engine_steps"] = out.get("engine_steps", 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def read_steps(path):
+    with open(path, newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def logged_steps(path, base, timeout=30):
+    """The server's step log once it holds every step /metrics counted (the
+    engine writes it out when idle)."""
+    deadline = time.time() + timeout
+    while True:
+        rows = read_steps(path)
+        if len(rows) >= step_cost_metrics(base).get("engine_steps", 0) or time.time() > deadline:
+            return rows
+        time.sleep(0.05)
+
+
+def step_summary(rows):
+    """A run's steps by kind (a step log's lines, `duet serve --step-log`
+    or `duet-bench --sim-step-log`): counts, median times, busy seconds."""
+    prompt = [r for r in rows if int(r["prefill_tokens"]) > 0]
+    decode = [r for r in rows if int(r["prefill_tokens"]) == 0]
+    one = [float(r["seconds"]) for r in decode if int(r["decode_tokens"]) == 1]
+    med = lambda xs: statistics.median(xs) if xs else float("nan")
+    return {"steps": len(rows), "prompt_steps": len(prompt), "decode_steps": len(decode),
+            "prompt_ms": 1e3 * med([float(r["seconds"]) for r in prompt]),
+            "decode_ms": 1e3 * med([float(r["seconds"]) for r in decode]),
+            "one_token_ms": 1e3 * med(one),
+            "decode_seqs": med([int(r["seqs"]) for r in decode]) if decode else float("nan"),
+            "busy_s": sum(float(r["seconds"]) for r in rows)}
 
 
 def served_delta(before, after):
@@ -158,8 +191,11 @@ def main():
         base = f"http://127.0.0.1:{port}"
         # Seeded by the profile, the server counts its steps' served and
         # profiled seconds (duet_step_cost_{served,profiled}_seconds_total).
+        # Its step log splits each real run's steps by kind, beside its
+        # simulations' (--sim-step-log).
+        step_log = os.path.join(out, f"steps-{backend}.csv")
         serve = [duet, "serve", "-m", a.model, "--backend", backend, "--threads", str(a.threads), "--port", str(port),
-                 "--step-cost", prof]
+                 "--step-cost", prof, "--step-log", step_log]
         cmds.append(" ".join(shlex.quote(c) for c in serve))
         log = open(os.path.join(out, f"serve-{backend}.log"), "w")
         srv = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT)
@@ -212,10 +248,12 @@ def main():
                 for li, f in enumerate(loads):
                     d = os.path.join(out, f"real-{backend}-{f}-{seeds[li][k]}")
                     m0 = step_cost_metrics(base)
+                    n0 = len(logged_steps(step_log, base))
                     sh([bench, "--base-url", base, "--request-rate", str(rates[li]), "--seed", str(seeds[li][k]),
                         "--warmup", "0", "--output-dir", d, *wl], cmds)
                     served[li].append(served_delta(m0, step_cost_metrics(base)))
                     real[li].append(point(d))
+                    real[li][-1]["step_log"] = step_summary(logged_steps(step_log, base)[n0:])
                     # The client-server path: the client's TTFT over the
                     # server's own (from arrival in the engine) for the
                     # same requests.
@@ -250,8 +288,10 @@ def main():
                     for name, (path, extra) in models.items():
                         d = os.path.join(out, f"sim-{name}-{backend}-{f}-{seed}")
                         sh([bench, "--simulate", path, "--request-rate", str(rates[li]), "--seed", str(seed),
-                            "--output-dir", d, "--sim-latency-ms", f"{latency:.4f}", *extra, *wl], cmds)
+                            "--output-dir", d, "--sim-latency-ms", f"{latency:.4f}", "--sim-step-log", *extra, *wl],
+                           cmds)
                         sim[name].append(point(d))
+                        sim[name][-1]["step_log"] = step_summary(read_steps(os.path.join(d, "sim_steps.csv")))
                 ratios = [x["served_s"] / x["profiled_s"] for x in served[li] if x["profiled_s"] > 0]
                 row = {"load": f, "rate": rates[li], "real": real[li], "sim": sim, "served": served[li],
                        "served_ratio": speed(served[li]), "served_ratio_median": statistics.median(ratios) if ratios
@@ -359,6 +399,22 @@ def main():
                                    + fmt.format(med([x.get(k, float("nan")) for x in r["sim"]["profile"]])))
             lines.append(f"| {int(100 * r['load'])}% | {cell('mean_batch', '{:.2f}')} | {cell('steps', '{:.0f}')} | "
                          f"{cell('busy', '{:.3f}')} |")
+        # Step by step (the server's step log against the simulations'):
+        # the same steps slower, or other steps?
+        sl = lambda runs, k: med([x["step_log"][k] for x in runs if "step_log" in x])
+        lines += ["", "Steps by kind, medians over the runs, real / simulated with the profile's model / with the "
+                  "online fit (the server's `--step-log` against `duet-bench --sim-step-log`): steps with a prompt "
+                  "chunk and their median time; decode-only steps, their median sequences and time; one-token "
+                  "decodes' median time; the device's busy seconds.", "",
+                  "| load | prompt steps | prompt ms | decode steps | decode seqs | decode ms | one-token ms | busy s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in b["rows"]:
+            cell = lambda k, fmt: " / ".join(fmt.format(sl(runs, k)) for runs in
+                                             (r["real"], r["sim"]["profile"], r["sim"]["online"]))
+            lines.append(f"| {int(100 * r['load'])}% | {cell('prompt_steps', '{:.0f}')} | {cell('prompt_ms', '{:.1f}')} "
+                         f"| {cell('decode_steps', '{:.0f}')} | {cell('decode_seqs', '{:.0f}')} | "
+                         f"{cell('decode_ms', '{:.2f}')} | {cell('one_token_ms', '{:.2f}')} | "
+                         f"{cell('busy_s', '{:.2f}')} |")
         other = [x["other_cpu"] for r in b["rows"] for x in r["real"] if x.get("other_cpu") is not None]
         if other:
             lines += ["", f"Other processes' share of the machine's CPU during the real runs: median "
