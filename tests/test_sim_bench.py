@@ -80,6 +80,65 @@ class Profile(unittest.TestCase):
             self.assertEqual([r for _, r in q], sorted(r for _, r in q))
             self.assertTrue(0 < q[0][1] <= 1 <= q[-1][1] < 100, q)
 
+    def test_profile_from_step_log(self):
+        """--from-step-log fits the steps a server ran: a log made by hand
+        from known terms gives them back; its cold lines stay out."""
+        terms = [0.002, 0.001, 0.0005, 1e-6, 0]
+        header = ("start_s,idle_s,seqs,decode_tokens,prefill_tokens,decode_ctx,prefill_ctx,seconds,draft_seconds,"
+                  "predicted_s,profile_s,learnt")
+        lines, t = [header], 0.0
+        shapes = [(d, 0, d * c, 0) for d in (1, 2, 3, 5, 8) for c in (20, 90)]
+        shapes += [(0, n, 0, n * at + n * (n + 1) / 2) for n in (16, 40) for at in (0, 64)]
+        shapes += [(4, 24, 4 * 50, 24 * 10 + 300), (7, 9, 7 * 33, 9 * 5 + 45)]
+        for dec, pre, dctx, pctx in shapes:
+            secs = sum(c * v for c, v in zip(terms, (1, dec, pre, dctx, pctx)))
+            lines.append(f"{t:.6f},0.000100,{max(dec, 1)},{dec},{pre},{dctx:.0f},{pctx:.0f},{secs:.9f},0,,,1")
+            t += secs
+        # Two cold steps (a kind's first, kernels compiling): far off the terms.
+        lines.insert(1, "0.000000,,1,1,0,17,0,5.000000,0,,,0")
+        lines.insert(2, "5.000000,,1,0,16,0,136,7.000000,0,,,0")
+        with tempfile.TemporaryDirectory() as d:
+            log, out = os.path.join(d, "steps.csv"), os.path.join(d, "served.json")
+            with open(log, "w") as fh:
+                fh.write("\n".join(lines) + "\n")
+            p = run([DUET, "profile", "--from-step-log", log, "--out", out, "-c", "512"])
+            self.assertIn(f"{len(shapes)} served steps", p.stdout)
+            self.assertIn("2 cold ones left out", p.stdout)
+            with open(out) as fh:
+                doc = json.load(fh)
+            self.assertEqual(doc["n_ctx"], 512)
+            for name, want in zip(TERMS, terms):
+                self.assertAlmostEqual(doc["terms"][name], want, delta=1e-4 * max(want, 1e-3), msg=name)
+            self.assertLess(doc["fit"]["mean_rel_err"], 1e-3)
+            # Exact steps: no dispersion around the fit.
+            self.assertTrue(all(abs(r - 1) < 1e-3 for _, r in doc["step_noise"]), doc["step_noise"])
+            # The file serves the simulator.
+            sim = os.path.join(d, "sim")
+            bench("--simulate", out, "--request-rate", "0.01", "--num-prompts", "2", "--random-input-len", "20",
+                  "--random-output-len", "4", "--output-dir", sim, "--no-plots", "--sim-step-log")
+            # A simulated log (no learnt column) is read too: every line.
+            p = run([DUET, "profile", "--from-step-log", os.path.join(sim, "sim_steps.csv"), "--out",
+                     os.path.join(d, "again.json")])
+            self.assertIn("8 served steps", p.stdout)
+            # What is refused, and how.
+            bad = os.path.join(d, "bad.csv")
+            for text, why in ((header.replace("prefill_ctx", "pctx") + "\n", 'no column "prefill_ctx"'),
+                              (header + "\n", "no served step"),
+                              (header + "\n" + lines[3].replace(",1\n", "") + "\n1,2\n", "bad.csv:3: 2 columns"),
+                              (header + "\n0,,1,1,0,x,0,0.01,0,,,1\n", "bad.csv:2: decode_ctx is 'x'"),
+                              ("", "empty")):
+                with open(bad, "w") as fh:
+                    fh.write(text)
+                p = run([DUET, "profile", "--from-step-log", bad, "--out", out], check=False)
+                self.assertEqual(p.returncode, 1, text)
+                self.assertIn(why, p.stderr)
+            p = run([DUET, "profile", "--from-step-log", log, "--out", out, "-m", MODEL], check=False)
+            self.assertEqual(p.returncode, 2)
+            self.assertIn("no -m", p.stderr)
+            p = run([DUET, "profile", "--from-step-log", os.path.join(d, "none.csv"), "--out", out], check=False)
+            self.assertEqual(p.returncode, 1)
+            self.assertIn("none.csv", p.stderr)
+
     def test_profile_errors(self):
         p = run([DUET, "profile", "-m", MODEL], check=False)
         self.assertEqual(p.returncode, 2)

@@ -10,9 +10,11 @@
 #include <unistd.h>
 
 #include "cli.h"
+#include "step_log.h"
 
 static void usage(FILE *f) {
     fprintf(f, "usage: duet profile -m MODEL --out FILE [options]\n"
+               "       duet profile --from-step-log STEPS.csv --out FILE [-c N]\n"
                "Times real engine steps (decode batches at several contexts, prompt chunks, and mixed\n"
                "steps) on one backend and device, fits\n"
                "  seconds = intercept + per_decode_token*n_decode + per_prefill_token*n_prefill\n"
@@ -30,7 +32,10 @@ static void usage(FILE *f) {
                "      --contexts L          contexts, in tokens before the step (default 16,128,512)\n"
                "      --repeats N           timed rounds of the grid, medians kept (default 3)\n"
                "      --budget S            no new shapes or rounds after S seconds (default 45)\n"
-               "      --quiet               no progress line\n");
+               "      --quiet               no progress line\n"
+               "      --from-step-log FILE  no grid: fit the served steps of a step log (duet serve\n"
+               "                            --step-log; its cold first steps left out) instead, with\n"
+               "                            their dispersion: the device as it served\n");
 }
 
 /* Parses "1,2,4" into out[] (at most max); false with a message. */
@@ -58,8 +63,57 @@ static void on_progress(int done, int total, void *user) {
     if (done == total) fputc('\n', stderr);
 }
 
+/* Prints the fitted terms, the token-count correction and the quality. */
+static void print_fit(const duet_step_cost *fit) {
+    printf("fit: ");
+    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
+        printf("%s%s %.4g %s", j ? ", " : "", duet_step_cost_term(j), fit->coef[j] * (j < 3 ? 1e3 : 1e6),
+               j < 3 ? "ms" : "us");
+    for (int k = 0; k < fit->n_knots; k++)
+        printf("%s%d: %+.3g ms",
+               k ? ", " : "\ntoken-count correction (step tokens: ms): ", fit->knot_tokens[k],
+               fit->knot_s[k] * 1e3);
+    printf("\nquality: R^2 %.4f, rmse %.3f ms, mean relative error %.1f%%\n", fit->r2, fit->rmse_s * 1e3,
+           fit->mean_rel_err * 100);
+}
+
+/* --from-step-log: the model of the steps a server ran, every one a
+ * sample (served shapes rarely repeat, so no medians), and their
+ * dispersion around it. */
+static int fit_step_log(const char *path, const char *out, int n_ctx) {
+    duet_step_sample *smp;
+    int n, n_cold;
+    char err[1024];
+    if (!step_log_read(path, &smp, &n, &n_cold, err, sizeof err)) {
+        fprintf(stderr, "duet: profile: %s\n", err);
+        return 1;
+    }
+    if (n == 0) {
+        fprintf(stderr, "duet: profile: %s has no served step to fit (%d cold ones left out)\n", path,
+                n_cold);
+        free(smp);
+        return 1;
+    }
+    duet_step_cost fit;
+    duet_status st = duet_step_cost_fit(smp, n, &fit);
+    if (!st) {
+        duet_step_cost_fit_noise(&fit, smp, n);
+        fit.n_ctx = n_ctx;
+        st = duet_step_cost_save(&fit, NULL, 0, out);
+    }
+    free(smp);
+    if (st) return cli_fail("profile", st);
+    printf("%d served steps of %s (%d cold ones left out)\n", n, path, n_cold);
+    print_fit(&fit);
+    printf("dispersion (measured / predicted):");
+    for (int k = 0; k < fit.n_noise; k++)
+        printf(" p%g %.3f", 100 * fit.noise_level[k], fit.noise_ratio[k]);
+    printf("\nwritten: %s\n", out);
+    return 0;
+}
+
 int cmd_profile(int argc, char **argv) {
-    enum { O_BACKEND = 256, O_DEVICE, O_KV, O_DEC, O_CHUNK, O_CTXS, O_REP, O_BUDGET, O_QUIET };
+    enum { O_BACKEND = 256, O_DEVICE, O_KV, O_DEC, O_CHUNK, O_CTXS, O_REP, O_BUDGET, O_QUIET, O_FROM_LOG };
     static const struct option opts[] = {{"model", required_argument, 0, 'm'},
                                          {"out", required_argument, 0, 'o'},
                                          {"backend", required_argument, 0, O_BACKEND},
@@ -73,9 +127,10 @@ int cmd_profile(int argc, char **argv) {
                                          {"repeats", required_argument, 0, O_REP},
                                          {"budget", required_argument, 0, O_BUDGET},
                                          {"quiet", no_argument, 0, O_QUIET},
+                                         {"from-step-log", required_argument, 0, O_FROM_LOG},
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
-    const char *model = NULL, *out = NULL;
+    const char *model = NULL, *out = NULL, *from_log = NULL;
     duet_profile_params p = duet_profile_params_default();
     int dec[64], chk[64], ctx[64], n_ctx = 0;
     bool progress = isatty(2);
@@ -128,6 +183,9 @@ int cmd_profile(int argc, char **argv) {
         case O_QUIET:
             progress = false;
             break;
+        case O_FROM_LOG:
+            from_log = optarg;
+            break;
         case 'h':
             usage(stdout);
             return 0;
@@ -141,6 +199,13 @@ int cmd_profile(int argc, char **argv) {
         fprintf(stderr, "duet: unexpected argument '%s'\n", argv[optind]);
         usage(stderr);
         return 2;
+    }
+    if (from_log) {
+        if (model || !out) {
+            fprintf(stderr, "duet: profile --from-step-log needs --out FILE and no -m: it fits the log\n");
+            return 2;
+        }
+        return fit_step_log(from_log, out, n_ctx);
     }
     if (!model || !out) {
         fprintf(stderr, "duet: profile needs -m MODEL and --out FILE\n");
@@ -171,16 +236,8 @@ int cmd_profile(int argc, char **argv) {
                smp[i].seconds * 1e3, pred * 1e3,
                smp[i].seconds > 0 ? 100 * (pred - smp[i].seconds) / smp[i].seconds : 0.0);
     }
-    printf("fit: ");
-    for (int j = 0; j < DUET_STEP_COST_TERMS; j++)
-        printf("%s%s %.4g %s", j ? ", " : "", duet_step_cost_term(j), fit.coef[j] * (j < 3 ? 1e3 : 1e6),
-               j < 3 ? "ms" : "us");
-    for (int k = 0; k < fit.n_knots; k++)
-        printf("%s%d: %+.3g ms",
-               k ? ", " : "\ntoken-count correction (step tokens: ms): ", fit.knot_tokens[k],
-               fit.knot_s[k] * 1e3);
-    printf("\nquality: R^2 %.4f, rmse %.3f ms, mean relative error %.1f%%\nwritten: %s\n", fit.r2,
-           fit.rmse_s * 1e3, fit.mean_rel_err * 100, out);
+    print_fit(&fit);
+    printf("written: %s\n", out);
     free(smp);
     return 0;
 }
