@@ -31,7 +31,8 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("profile", "online")  # the simulated models, in the table's order
+NAMES = ("profile", "online", "served")  # the simulated models, in the table's order
+LABELS = {"profile": "profile", "online": "online fit", "served": "served-step fit"}
 
 
 def sh(cmd, log=None, timeout=1800):
@@ -234,6 +235,17 @@ def main():
                           "mean_rel_err": online0.get("relative_error", 0)}
             with open(prof_online, "w") as fh:
                 json.dump(doc, fh, indent=1)
+            # A third: `duet profile --from-step-log` on the capacity
+            # bursts' steps (the server's log so far), with their own
+            # dispersion: what a user can fit from a server's log.
+            cap_log = os.path.join(out, f"steps-{backend}-capacity.csv")
+            with open(step_log) as src, open(cap_log, "w") as dst:
+                head = src.readline()
+                dst.write(head + "".join(src.readline() for _ in range(len(logged_steps(step_log, base)))))
+            prof_served = os.path.join(out, f"profile-{backend}-served.json")
+            p = sh([duet, "profile", "--from-step-log", cap_log, "--out", prof_served], cmds)
+            with open(os.path.join(out, f"profile-{backend}-served.txt"), "w") as fh:
+                fh.write(p.stdout)
             # The real runs, the loads interleaved (a round visits each
             # load once): a minute of a slower machine lands on every load,
             # not on one. Seeds of their own per load: the same seed's
@@ -279,10 +291,10 @@ def main():
                 # measured over the other loads' runs (or --sim-latency-ms).
                 latency = a.sim_latency_ms if a.sim_latency_ms >= 0 else max(0.0, path_ms(other_runs))
                 # The profile's model with its measured step-time dispersion
-                # (duet-bench's default when the profile has one), and the
+                # (duet-bench's default when the profile has one), the
                 # online fit (with the profile's dispersion: it copies the
-                # file).
-                models = {"profile": (prof, []), "online": (prof_online, [])}
+                # file), and the capacity bursts' served steps fitted.
+                models = {"profile": (prof, []), "online": (prof_online, []), "served": (prof_served, [])}
                 sim = {m: [] for m in models}
                 for seed in seeds[li]:
                     for name, (path, extra) in models.items():
@@ -341,10 +353,12 @@ def main():
              "never hits; the loads interleaved, a round visiting each once). "
              "Measured: median over the real runs (min..max); predicted: median over the simulated runs. "
              "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Every simulated token "
-             "arrives the client-server path's latency later (measured, see below). Two simulations, each "
-             "simulated step's cost times a draw from the profile's measured dispersion (`step_noise`, seeded by "
-             "the run's seed): `duet profile`'s model (measured before the server started), and the engine's own "
-             "online fit, read from /metrics after the capacity runs. \"Runs within\": the real runs whose "
+             "arrives the client-server path's latency later (measured, see below). Three simulations, each "
+             "simulated step's cost times a draw from its model's measured dispersion (`step_noise`, seeded by "
+             "the run's seed): `duet profile`'s model (measured before the server started), the engine's own "
+             "online fit, read from /metrics after the capacity runs (with the profile's dispersion), and "
+             "`duet profile --from-step-log` on the capacity runs' steps (the server's `--step-log`; their own "
+             "dispersion). \"Runs within\": the real runs whose "
              "own simulation (same seed) is within the check's tolerance of them (15% or 25%), a diagnostic "
              "beside the pass, which compares medians."
              + (" Environment: " + ", ".join(f"`{k}={v}`" for k, v in env.items()) + "." if env else ""), ""]
@@ -374,9 +388,9 @@ def main():
         if prof.get("step_noise"):
             lines += ["Step-time dispersion (measured / predicted over every timed repeat of the profile): "
                       + ", ".join(f"p{100 * l:g} {r:.3f}" for l, r in prof["step_noise"]) + ".", ""]
-        lines += ["| load | rate req/s | metric | measured median (min..max) ms | predicted: profile | error | pass "
-                  "| runs within | predicted: online fit | error | pass | runs within |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| load | rate req/s | metric | measured median (min..max) ms |"
+                  + "".join(f" predicted: {LABELS[n]} | error | pass | runs within |" for n in NAMES),
+                  "|---|---|---|---|" + "---|---|---|---|" * len(NAMES)]
         for r in b["rows"]:
             for k, c in r["checks"].items():
                 total += 1
@@ -403,14 +417,14 @@ def main():
         # the same steps slower, or other steps?
         sl = lambda runs, k: med([x["step_log"][k] for x in runs if "step_log" in x])
         lines += ["", "Steps by kind, medians over the runs, real / simulated with the profile's model / with the "
-                  "online fit (the server's `--step-log` against `duet-bench --sim-step-log`): steps with a prompt "
+                  "online fit / with the served-step fit (the server's `--step-log` against `duet-bench --sim-step-log`): steps with a prompt "
                   "chunk and their median time; decode-only steps, their median sequences and time; one-token "
                   "decodes' median time; the device's busy seconds.", "",
                   "| load | prompt steps | prompt ms | decode steps | decode seqs | decode ms | one-token ms | busy s |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in b["rows"]:
             cell = lambda k, fmt: " / ".join(fmt.format(sl(runs, k)) for runs in
-                                             (r["real"], r["sim"]["profile"], r["sim"]["online"]))
+                                             [r["real"]] + [r["sim"][n] for n in NAMES])
             lines.append(f"| {int(100 * r['load'])}% | {cell('prompt_steps', '{:.0f}')} | {cell('prompt_ms', '{:.1f}')} "
                          f"| {cell('decode_steps', '{:.0f}')} | {cell('decode_seqs', '{:.0f}')} | "
                          f"{cell('decode_ms', '{:.2f}')} | {cell('one_token_ms', '{:.2f}')} | "
@@ -423,7 +437,8 @@ def main():
         lines += ["", "Commands:", "", "```"] + b["commands"][:4] + [f"... ({len(b['commands'])} commands in all, "
                                                                      "every one in validation.json)", "```", ""]
     lines.insert(2, f"**{passed['profile']} of {total} checks pass with the profile's model and its step-time "
-                    f"dispersion ({passed['online']} of {total} with the engine's online fit).**\n")
+                    f"dispersion ({passed['online']} of {total} with the engine's online fit, {passed['served']} "
+                    f"of {total} with the capacity runs' served steps fitted).**\n")
     with open(os.path.join(out, "validation.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
