@@ -12,8 +12,11 @@ by the measured client-server path; the same seeds, so the same prompts
 and arrival times). The
 predicted p50 TTFT and ITL should be within 15% of the real runs' median,
 and the p99s within 25% or within the real runs' own range (min..max),
-whichever is wider. Writes a markdown table and a JSON file with every
-number and command.
+whichever is wider. Three step-cost models are simulated: the profile's,
+the engine's online fit, and `duet profile --from-step-log` on the
+capacity bursts' served steps (the server's --step-log); each real run's
+steps by kind sit beside its simulations' (--sim-step-log). Writes a
+markdown table and a JSON file with every number and command.
 
 usage: bench/sim_validate.py [--model M] [--backends cpu,vulkan] [--runs 5]
                              [--loads 0.3,0.6,0.85] [--out bench/results/...]
