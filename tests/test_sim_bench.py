@@ -104,6 +104,9 @@ class Profile(unittest.TestCase):
             p = run([DUET, "profile", "--from-step-log", log, "--out", out, "-c", "512"])
             self.assertIn(f"{len(shapes)} served steps", p.stdout)
             self.assertIn("2 cold ones left out", p.stdout)
+            # One step at each of its 16 token counts: too few for the
+            # token-count correction, and it says so.
+            self.assertIn("fewer than 8 a knot", p.stderr)
             with open(out) as fh:
                 doc = json.load(fh)
             self.assertEqual(doc["n_ctx"], 512)
@@ -112,6 +115,15 @@ class Profile(unittest.TestCase):
             self.assertLess(doc["fit"]["mean_rel_err"], 1e-3)
             # Exact steps: no dispersion around the fit.
             self.assertTrue(all(abs(r - 1) < 1e-3 for _, r in doc["step_noise"]), doc["step_noise"])
+            # The same steps 8 times over: enough, no warning, the same terms.
+            with open(log, "w") as fh:
+                fh.write("\n".join(lines[:1] + lines[1:] * 8) + "\n")
+            p = run([DUET, "profile", "--from-step-log", log, "--out", out])
+            self.assertNotIn("warning", p.stderr)
+            with open(out) as fh:
+                again = json.load(fh)
+            for name, want in zip(TERMS, terms):
+                self.assertAlmostEqual(again["terms"][name], want, delta=1e-4 * max(want, 1e-3), msg=name)
             # The file serves the simulator.
             sim = os.path.join(d, "sim")
             bench("--simulate", out, "--request-rate", "0.01", "--num-prompts", "2", "--random-input-len", "20",

@@ -104,6 +104,14 @@ static int fit_step_log(const char *path, const char *out, int n_ctx) {
     free(smp);
     if (st) return cli_fail("profile", st);
     printf("%d served steps of %s (%d cold ones left out)\n", n, path, n_cold);
+    /* Each knot of the token-count correction is the median residual of
+     * the steps nearest it: with few of them it follows those steps, and
+     * the dispersion measured on the same steps comes out too narrow. */
+    if (fit.n_knots > 0 && n < 8 * fit.n_knots)
+        fprintf(stderr,
+                "duet: profile: warning: %d steps for %d token-count knots (fewer than 8 a knot): the "
+                "correction follows these steps and the dispersion comes out narrow; fit a longer log\n",
+                n, fit.n_knots);
     print_fit(&fit);
     printf("dispersion (measured / predicted):");
     for (int k = 0; k < fit.n_noise; k++)
