@@ -147,6 +147,10 @@ class Profile(unittest.TestCase):
             p = run([DUET, "profile", "--from-step-log", log, "--out", out, "-m", MODEL], check=False)
             self.assertEqual(p.returncode, 2)
             self.assertIn("no -m", p.stderr)
+            for flag in (["--chunks", "16"], ["-t", "1"]):
+                p = run([DUET, "profile", "--from-step-log", log, "--out", out, *flag], check=False)
+                self.assertEqual(p.returncode, 2)
+                self.assertIn(f"--{'threads' if flag[0] == '-t' else 'chunks'} does not apply", p.stderr)
             p = run([DUET, "profile", "--from-step-log", os.path.join(d, "none.csv"), "--out", out], check=False)
             self.assertEqual(p.returncode, 1)
             self.assertIn("none.csv", p.stderr)

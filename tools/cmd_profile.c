@@ -139,6 +139,7 @@ int cmd_profile(int argc, char **argv) {
                                          {"help", no_argument, 0, 'h'},
                                          {0, 0, 0, 0}};
     const char *model = NULL, *out = NULL, *from_log = NULL;
+    int grid_opt = 0; /* the last option of the timed grid given: none applies to a log */
     duet_profile_params p = duet_profile_params_default();
     int dec[64], chk[64], ctx[64], n_ctx = 0;
     bool progress = isatty(2);
@@ -202,6 +203,9 @@ int cmd_profile(int argc, char **argv) {
             return 2;
         }
         if (!ok) return 2;
+        if (c == O_BACKEND || c == O_DEVICE || c == 't' || c == O_KV || c == O_DEC || c == O_CHUNK ||
+            c == O_CTXS || c == O_REP || c == O_BUDGET)
+            grid_opt = c;
     }
     if (optind < argc) {
         fprintf(stderr, "duet: unexpected argument '%s'\n", argv[optind]);
@@ -211,6 +215,13 @@ int cmd_profile(int argc, char **argv) {
     if (from_log) {
         if (model || !out) {
             fprintf(stderr, "duet: profile --from-step-log needs --out FILE and no -m: it fits the log\n");
+            return 2;
+        }
+        if (grid_opt) {
+            const char *name = "?";
+            for (const struct option *o = opts; o->name; o++)
+                if (o->val == grid_opt) name = o->name;
+            fprintf(stderr, "duet: profile --from-step-log fits a log: --%s does not apply\n", name);
             return 2;
         }
         return fit_step_log(from_log, out, n_ctx);
