@@ -395,7 +395,8 @@ typedef struct duet_engine_params {
     /* A CSV file (created or truncated) with a line for every step the
      * engine completes: its start and the idle time before it, its shape,
      * its measured time, the online model's prediction (what sized it) and
-     * the seeding profile's; NULL = none. */
+     * the seeding profile's; NULL = none. Written out whenever the engine
+     * goes idle, so a reader between bursts of work sees every step. */
     const char *step_log;
     bool no_prefix_cache; /* turns automatic prefix caching off (it is on by default: full KV blocks of
                              prompts are kept and reused by later requests that start the same way) */
