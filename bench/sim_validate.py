@@ -12,10 +12,12 @@ by the measured client-server path; the same seeds, so the same prompts
 and arrival times). The
 predicted p50 TTFT and ITL should be within 15% of the real runs' median,
 and the p99s within 25% or within the real runs' own range (min..max),
-whichever is wider. Three step-cost models are simulated: the profile's,
+whichever is wider. Four step-cost models are simulated: the profile's,
 the engine's online fit, and `duet profile --from-step-log` on the
-capacity bursts' served steps (the server's --step-log); each real run's
-steps by kind sit beside its simulations' (--sim-step-log). Writes a
+capacity bursts' served steps (the server's --step-log) and on the other
+loads' real runs' steps; and, as a diagnostic, the profile at each run's
+own served speed. Each real run's steps by kind sit beside its
+simulations' (--sim-step-log). Writes a
 markdown table and a JSON file with every number and command.
 
 usage: bench/sim_validate.py [--model M] [--backends cpu,vulkan] [--runs 5]
@@ -34,8 +36,9 @@ import time
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NAMES = ("profile", "online", "served")  # the simulated models, in the table's order
-LABELS = {"profile": "profile", "online": "online fit", "served": "served-step fit"}
+NAMES = ("profile", "online", "served", "loads", "own")  # the simulated models, in the table's order
+LABELS = {"profile": "profile", "online": "online fit", "served": "served-step fit",
+          "loads": "other loads' steps fit", "own": "profile at the run's own speed"}
 
 
 def sh(cmd, log=None, timeout=1800):
@@ -259,6 +262,7 @@ def main():
             seeds = [list(range(1 + 100 * (li + 1), a.runs + 1 + 100 * (li + 1))) for li in range(len(loads))]
             real = [[] for _ in loads]
             served = [[] for _ in loads]
+            run_steps = [[] for _ in loads]  # each real run's step log lines
             for k in range(a.runs):
                 for li, f in enumerate(loads):
                     d = os.path.join(out, f"real-{backend}-{f}-{seeds[li][k]}")
@@ -268,7 +272,8 @@ def main():
                         "--warmup", "0", "--output-dir", d, *wl], cmds)
                     served[li].append(served_delta(m0, step_cost_metrics(base)))
                     real[li].append(point(d))
-                    real[li][-1]["step_log"] = step_summary(logged_steps(step_log, base)[n0:])
+                    run_steps[li].append(logged_steps(step_log, base)[n0:])
+                    real[li][-1]["step_log"] = step_summary(run_steps[li][-1])
                     # The client-server path: the client's TTFT over the
                     # server's own (from arrival in the engine) for the
                     # same requests.
@@ -287,6 +292,23 @@ def main():
 
             scale = speed([x for row in served for x in row])
             print(f"{backend}: served / profiled step time {scale:.3f}", flush=True)
+            # A fourth model per load: `duet profile --from-step-log` on the
+            # other loads' real runs' steps (its own runs stay out), traffic
+            # like the predicted one, served in the same half hour.
+            prof_loads = []
+            for li, f in enumerate(loads):
+                path = os.path.join(out, f"steps-{backend}-without-{f}.csv")
+                with open(path, "w", newline="") as fh:
+                    w = csv.DictWriter(fh, fieldnames=list(run_steps[0][0][0].keys()))
+                    w.writeheader()
+                    for lj in range(len(loads)):
+                        if lj != li:
+                            for rows_k in run_steps[lj]:
+                                w.writerows(rows_k)
+                prof_loads.append(os.path.join(out, f"profile-{backend}-without-{f}.json"))
+                p = sh([duet, "profile", "--from-step-log", path, "--out", prof_loads[-1]], cmds)
+                with open(prof_loads[-1][:-len(".json")] + ".txt", "w") as fh:
+                    fh.write(p.stdout)
             rows = []
             for li, f in enumerate(loads):
                 other_runs = [x for lj, row in enumerate(served) if lj != li for x in row]
@@ -296,11 +318,20 @@ def main():
                 # The profile's model with its measured step-time dispersion
                 # (duet-bench's default when the profile has one), the
                 # online fit (with the profile's dispersion: it copies the
-                # file), and the capacity bursts' served steps fitted.
-                models = {"profile": (prof, []), "online": (prof_online, []), "served": (prof_served, [])}
+                # file), the capacity bursts' served steps fitted, the other
+                # loads' served steps fitted; and, a diagnostic rather than
+                # a prediction, the profile times the run's own served /
+                # profiled step time: the simulator's error once the
+                # machine's speed in that minute is known.
+                models = {"profile": (prof, []), "online": (prof_online, []), "served": (prof_served, []),
+                          "loads": (prof_loads[li], []), "own": (prof, None)}
                 sim = {m: [] for m in models}
-                for seed in seeds[li]:
+                for k, seed in enumerate(seeds[li]):
                     for name, (path, extra) in models.items():
+                        if extra is None:
+                            x = served[li][k]
+                            extra = ["--sim-step-scale", f"{x['served_s'] / x['profiled_s']:.5f}" if x["profiled_s"] > 0
+                                     else "1"]
                         d = os.path.join(out, f"sim-{name}-{backend}-{f}-{seed}")
                         sh([bench, "--simulate", path, "--request-rate", str(rates[li]), "--seed", str(seed),
                             "--output-dir", d, "--sim-latency-ms", f"{latency:.4f}", "--sim-step-log", *extra, *wl],
@@ -356,12 +387,15 @@ def main():
              "never hits; the loads interleaved, a round visiting each once). "
              "Measured: median over the real runs (min..max); predicted: median over the simulated runs. "
              "Pass: p50 within 15%; p99 within 25% or inside the real runs' range. Every simulated token "
-             "arrives the client-server path's latency later (measured, see below). Three simulations, each "
+             "arrives the client-server path's latency later (measured, see below). Five simulations, each "
              "simulated step's cost times a draw from its model's measured dispersion (`step_noise`, seeded by "
              "the run's seed): `duet profile`'s model (measured before the server started), the engine's own "
-             "online fit, read from /metrics after the capacity runs (with the profile's dispersion), and "
+             "online fit, read from /metrics after the capacity runs (with the profile's dispersion), "
              "`duet profile --from-step-log` on the capacity runs' steps (the server's `--step-log`; their own "
-             "dispersion). \"Runs within\": the real runs whose "
+             "dispersion), the same on the other loads' real runs' steps (the load's own runs left out), and, a "
+             "diagnostic rather than a prediction, the profile's model times each run's own served / profiled "
+             "step time (`--sim-step-scale`): the simulator's error once the machine's speed in the run's "
+             "minute is known. \"Runs within\": the real runs whose "
              "own simulation (same seed) is within the check's tolerance of them (15% or 25%), a diagnostic "
              "beside the pass, which compares medians."
              + (" Environment: " + ", ".join(f"`{k}={v}`" for k, v in env.items()) + "." if env else ""), ""]
@@ -441,7 +475,9 @@ def main():
                                                                      "every one in validation.json)", "```", ""]
     lines.insert(2, f"**{passed['profile']} of {total} checks pass with the profile's model and its step-time "
                     f"dispersion ({passed['online']} of {total} with the engine's online fit, {passed['served']} "
-                    f"of {total} with the capacity runs' served steps fitted).**\n")
+                    f"of {total} with the capacity runs' served steps fitted, {passed['loads']} of {total} with the other "
+                    f"loads' served steps fitted; {passed['own']} of {total} with the profile at each run's own "
+                    "speed, a diagnostic).**\n")
     with open(os.path.join(out, "validation.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
