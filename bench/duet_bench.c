@@ -54,7 +54,10 @@ static const char usage[] =
     "  --sim-noise-seed N         --simulate: other draws of the dispersion, the same workload (default 0)\n"
     "  --sim-step-scale F         --simulate: every step costs F times the profile's prediction: a server's\n"
     "                             duet_step_cost_served_seconds_total over ..._profiled_seconds_total\n"
-    "                             (duet serve --step-cost PROFILE) when serving runs slower than profiled\n"
+    "                             (duet serve --step-cost PROFILE) when serving runs slower than profiled;\n"
+    "                             prompt=F,decode=G: steps with a prompt chunk F times, decode-only steps\n"
+    "                             G times (a --step-log's seconds over profile_s by kind; the simulated\n"
+    "                             schedulers keep the profile)\n"
     "  --sim-slo-ttft-ms T --sim-slo-itl-ms T   --simulate: the simulated servers' latency targets, as\n"
     "                             duet serve --slo-ttft-ms/--slo-itl-ms take them (MS, or\n"
     "                             interactive=MS,batch=MS): the adaptive controller and the stall-free step\n"
@@ -121,7 +124,10 @@ static const char usage[] =
 
 /* A latency target as duet serve takes it: MS (interactive requests) or
  * interactive=MS,batch=MS (either part may be left out). */
-static bool parse_class_ms(const char *flag, const char *v, double out[2]) {
+/* "X" (out[0], when bare_ok) or "key0=X,key1=Y" (either or both) with
+ * every X in [lo, hi]; x names X in the message. */
+static bool parse_keyed(const char *flag, const char *v, const char *x_name, const char *key0,
+                        const char *key1, bool bare_ok, double lo, double hi, double out[2]) {
     char buf[128];
     snprintf(buf, sizeof buf, "%s", v);
     bool ok = *v != 0;
@@ -130,19 +136,19 @@ static bool parse_class_ms(const char *flag, const char *v, double out[2]) {
         int c = 0;
         if (eq) {
             *eq = 0;
-            c = !strcmp(tok, "interactive") ? 0 : !strcmp(tok, "batch") ? 1 : -1;
+            c = !strcmp(tok, key0) ? 0 : !strcmp(tok, key1) ? 1 : -1;
             tok = eq + 1;
-        } else if (tok != buf) {
+        } else if (tok != buf || !bare_ok) {
             c = -1; /* a bare number only alone */
         }
         char *end;
         double x = c >= 0 ? strtod(tok, &end) : NAN;
-        ok = c >= 0 && *tok && !*end && x >= 0 && x <= 3.6e6;
+        ok = c >= 0 && *tok && !*end && x >= lo && x <= hi;
         if (ok) out[c] = x;
     }
     if (!ok)
-        fprintf(stderr, "duet-bench: %s wants MS or interactive=MS,batch=MS (0..3600000), got '%s'\n", flag,
-                v);
+        fprintf(stderr, "duet-bench: %s wants %s%s%s=%s,%s=%s (each in [%g, %g]), got '%s'\n", flag,
+                bare_ok ? x_name : "", bare_ok ? " or " : "", key0, x_name, key1, x_name, lo, hi, v);
     return ok;
 }
 
@@ -661,7 +667,9 @@ int main(int argc, char **argv) {
             c.sim_no_step_noise = !strcmp(v, "off");
         } else if (!strcmp(a, "--sim-step-scale")) {
             NEED_ARG();
-            ok = parse_double(a, v, 0.01, 100, false, &c.sim_step_scale);
+            ok = strchr(v, '=')
+                     ? parse_keyed(a, v, "F", "prompt", "decode", false, 0.01, 100, c.sim_kind_scale)
+                     : parse_double(a, v, 0.01, 100, false, &c.sim_step_scale);
         } else if (!strcmp(a, "--sim-noise-seed")) {
             NEED_ARG();
             int ns;
@@ -669,7 +677,8 @@ int main(int argc, char **argv) {
             c.sim_noise_seed = (uint64_t)ns;
         } else if (!strcmp(a, "--sim-slo-ttft-ms") || !strcmp(a, "--sim-slo-itl-ms")) {
             NEED_ARG();
-            ok = parse_class_ms(a, v, a[10] == 't' ? c.sim_slo_ttft_ms : c.sim_slo_itl_ms);
+            ok = parse_keyed(a, v, "MS", "interactive", "batch", true, 0, 3.6e6,
+                             a[10] == 't' ? c.sim_slo_ttft_ms : c.sim_slo_itl_ms);
         } else if (!strcmp(a, "--sim-static-knobs")) {
             c.sim_static_knobs = true;
         } else if (!strcmp(a, "--sim-step-log")) {
@@ -713,9 +722,10 @@ int main(int argc, char **argv) {
     }
     bool sim_slo =
         c.sim_slo_ttft_ms[0] + c.sim_slo_ttft_ms[1] + c.sim_slo_itl_ms[0] + c.sim_slo_itl_ms[1] > 0;
-    if (!c.simulate && (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms ||
-                        c.sim_no_step_noise || c.sim_noise_seed || c.sim_step_scale || c.trace_path ||
-                        sim_slo || c.sim_static_knobs || c.sim_step_log)) {
+    if (!c.simulate &&
+        (c.sim_instances || c.find_instances || c.sim_n_ctx || c.sim_latency_ms || c.sim_no_step_noise ||
+         c.sim_noise_seed || c.sim_step_scale || c.sim_kind_scale[0] || c.sim_kind_scale[1] || c.trace_path ||
+         sim_slo || c.sim_static_knobs || c.sim_step_log)) {
         fprintf(stderr, "duet-bench: --instances, --find-instances, --sim-ctx, --sim-latency-ms, "
                         "--sim-step-noise, --sim-noise-seed, --sim-step-scale, --sim-slo-*-ms, "
                         "--sim-static-knobs, --sim-step-log and --trace belong to --simulate\n");

@@ -135,6 +135,8 @@ bool db_sim_run(const db_config *cfg, const db_knobs *kn, const db_prompt *promp
                           .n_ctx = cfg->sim_n_ctx,
                           .cost = cfg->sim_cost,
                           .step_noise = !cfg->sim_no_step_noise,
+                          .prompt_scale = cfg->sim_kind_scale[0],
+                          .decode_scale = cfg->sim_kind_scale[1],
                           /* The point's workload seed: its own draws, the same on a rerun. */
                           .noise_seed = load->seed ^ UINT64_C(0x5DEECE66D) ^
                                         cfg->sim_noise_seed * UINT64_C(0x9E3779B97F4A7C15),

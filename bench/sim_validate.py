@@ -16,7 +16,7 @@ whichever is wider. Four step-cost models are simulated: the profile's,
 the engine's online fit, and `duet profile --from-step-log` on the
 capacity bursts' served steps (the server's --step-log) and on the other
 loads' real runs' steps; and, as a diagnostic, the profile at each run's
-own served speed. Each real run's steps by kind sit beside its
+own served speed, by step kind. Each real run's steps by kind sit beside its
 simulations' (--sim-step-log). Writes a
 markdown table and a JSON file with every number and command.
 
@@ -38,7 +38,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("profile", "online", "served", "loads", "own")  # the simulated models, in the table's order
 LABELS = {"profile": "profile", "online": "online fit", "served": "served-step fit",
-          "loads": "other loads' steps fit", "own": "profile at the run's own speed"}
+          "loads": "other loads' steps fit", "own": "profile at the run's own speed by kind"}
 
 
 def sh(cmd, log=None, timeout=1800):
@@ -130,6 +130,18 @@ def step_summary(rows):
             "one_token_ms": 1e3 * med(one),
             "decode_seqs": med([int(r["seqs"]) for r in decode]) if decode else float("nan"),
             "busy_s": sum(float(r["seconds"]) for r in rows)}
+
+
+def kind_speed(rows):
+    """A run's served over profiled step seconds (the step log's seconds
+    over profile_s) for steps with a prompt chunk and decode-only steps:
+    duet-bench's --sim-step-scale prompt=F,decode=G."""
+    out = {}
+    for kind, has_prompt in (("prompt", True), ("decode", False)):
+        sel = [r for r in rows if (int(r["prefill_tokens"]) > 0) == has_prompt and r.get("profile_s")]
+        prof = sum(float(r["profile_s"]) for r in sel)
+        out[kind] = sum(float(r["seconds"]) for r in sel) / prof if prof > 0 else 1.0
+    return out
 
 
 def served_delta(before, after):
@@ -274,6 +286,7 @@ def main():
                     real[li].append(point(d))
                     run_steps[li].append(logged_steps(step_log, base)[n0:])
                     real[li][-1]["step_log"] = step_summary(run_steps[li][-1])
+                    real[li][-1]["kind_speed"] = kind_speed(run_steps[li][-1])
                     # The client-server path: the client's TTFT over the
                     # server's own (from arrival in the engine) for the
                     # same requests.
@@ -321,17 +334,17 @@ def main():
                 # file), the capacity bursts' served steps fitted, the other
                 # loads' served steps fitted; and, a diagnostic rather than
                 # a prediction, the profile times the run's own served /
-                # profiled step time: the simulator's error once the
-                # machine's speed in that minute is known.
+                # profiled step time by kind (prompt chunks, decodes): the
+                # simulator's error once the machine's speed in that minute
+                # is known.
                 models = {"profile": (prof, []), "online": (prof_online, []), "served": (prof_served, []),
                           "loads": (prof_loads[li], []), "own": (prof, None)}
                 sim = {m: [] for m in models}
                 for k, seed in enumerate(seeds[li]):
                     for name, (path, extra) in models.items():
                         if extra is None:
-                            x = served[li][k]
-                            extra = ["--sim-step-scale", f"{x['served_s'] / x['profiled_s']:.5f}" if x["profiled_s"] > 0
-                                     else "1"]
+                            x = real[li][k]["kind_speed"]
+                            extra = ["--sim-step-scale", f"prompt={x['prompt']:.5f},decode={x['decode']:.5f}"]
                         d = os.path.join(out, f"sim-{name}-{backend}-{f}-{seed}")
                         sh([bench, "--simulate", path, "--request-rate", str(rates[li]), "--seed", str(seed),
                             "--output-dir", d, "--sim-latency-ms", f"{latency:.4f}", "--sim-step-log", *extra, *wl],
@@ -394,7 +407,7 @@ def main():
              "`duet profile --from-step-log` on the capacity runs' steps (the server's `--step-log`; their own "
              "dispersion), the same on the other loads' real runs' steps (the load's own runs left out), and, a "
              "diagnostic rather than a prediction, the profile's model times each run's own served / profiled "
-             "step time (`--sim-step-scale`): the simulator's error once the machine's speed in the run's "
+             "step time by kind (`--sim-step-scale prompt=F,decode=G`, from its step log): the simulator's error once the machine's speed in the run's "
              "minute is known. \"Runs within\": the real runs whose "
              "own simulation (same seed) is within the check's tolerance of them (15% or 25%), a diagnostic "
              "beside the pass, which compares medians."

@@ -729,6 +729,12 @@ typedef struct duet_sim_params {
      * noise_seed (the same seed, the same run); false: the predicted costs. */
     bool step_noise;
     uint64_t noise_seed;
+    /* Each step's cost times prompt_scale when it runs a prompt chunk,
+     * decode_scale when it only decodes (0 = 1): served speeds measured by
+     * kind (a server's --step-log), which can move apart on one device
+     * (compute-bound prompt chunks, memory-bound decodes). The simulated
+     * schedulers keep the model unscaled. */
+    double prompt_scale, decode_scale;
     /* Called for every generated token in time order (may be NULL): the
      * request's index, the token's index in its output, its time. */
     void (*on_token)(int request, int index, double t, void *user);

@@ -176,6 +176,8 @@ static void plan_at(sim *f, int k, int64_t now) {
     in->n_seqs = plan.n_seqs;
     in->n_tokens = plan.n_tokens;
     double cost = duet_step_cost_predict(&f->p->cost, &sh);
+    double kind = sh.n_prefill > 0 ? f->p->prompt_scale : f->p->decode_scale;
+    if (kind > 0) cost *= kind;
     if (f->noise) cost *= duet_step_cost_noise_at(&f->p->cost, sim_uniform(f));
     int64_t dt = cost > 0 ? (int64_t)llround(cost * NS) : 0;
     if (dt < 1) dt = 1; /* time always moves: a zero model still finishes */
@@ -234,6 +236,10 @@ duet_status duet_simulate(const duet_sim_params *p, const duet_sim_request *reqs
         if (!(isfinite(p->cost.coef[j]) && p->cost.coef[j] >= 0))
             return duet__error(DUET_INVALID_ARGUMENT, "simulate: step-cost term %s is %g",
                                duet_step_cost_term(j), p->cost.coef[j]);
+    if (!(p->prompt_scale >= 0 && p->prompt_scale < 1e6 && p->decode_scale >= 0 && p->decode_scale < 1e6))
+        return duet__error(DUET_INVALID_ARGUMENT,
+                           "simulate: step scales %g (prompt) and %g (decode) must be 0..1e6",
+                           p->prompt_scale, p->decode_scale);
     if (p->step_noise && p->cost.n_noise > DUET_STEP_COST_NOISE_Q)
         return duet__error(DUET_INVALID_ARGUMENT, "simulate: %d step-cost dispersion quantiles (at most %d)",
                            p->cost.n_noise, DUET_STEP_COST_NOISE_Q);

@@ -9,6 +9,7 @@
 #include <check.h>
 #include <math.h>
 #include <time.h>
+#include <string.h>
 
 #include "duet.h"
 #include "test_util.h"
@@ -120,6 +121,19 @@ START_TEST(lone_request_timeline) {
     ck_assert_int_eq(duet_simulate(&p, &r, 1, &o, &st), DUET_OK);
     ck_assert_int_eq(sk.n, 3);
     ck_assert(sk.shape[2].n_decode == 1 && sk.shape[2].n_prefill == 0 && near(sk.shape[2].decode_ctx, 101));
+    double d = sk.seconds[2];
+
+    /* Speeds by kind: prompt chunks twice the model, decodes three times. */
+    p.prompt_scale = 2;
+    p.decode_scale = 3;
+    sk.n = 0;
+    ck_assert_int_eq(duet_simulate(&p, &r, 1, &o, &st), DUET_OK);
+    ck_assert_int_eq(sk.n, 3);
+    ck_assert(near(sk.seconds[0], 2 * s1) && near(sk.seconds[1], 2 * s2) && near(sk.seconds[2], 3 * d));
+    ck_assert_msg(near(o.done, 1.0 + 2 * (s1 + s2) + 3 * d), "done at %.9f", o.done);
+    p.decode_scale = -1;
+    ck_assert_int_eq(duet_simulate(&p, &r, 1, &o, &st), DUET_INVALID_ARGUMENT);
+    ck_assert_ptr_nonnull(strstr(duet_last_error(), "step scales"));
 }
 END_TEST
 

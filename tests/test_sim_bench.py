@@ -304,7 +304,15 @@ class Simulate(unittest.TestCase):
         bench("--simulate", self.prof, "--trace", trace, "--output-dir", out2, "--no-plots", "--sim-step-scale", "2")
         self.assertAlmostEqual(float(self.points(out2)[0]["duration_s"]),
                                29 + 0.002 + 2 * (0.010 + 0.0001 * 39 + 3 * 0.010), places=6)
-        for bad in (["--simulate", self.prof, "--sim-step-scale", "0"], ["--sim-step-scale", "2"]):
+        # By kind: prompt steps twice, decode-only steps three times.
+        bench("--simulate", self.prof, "--trace", trace, "--output-dir", out2, "--no-plots", "--sim-step-scale",
+              "prompt=2,decode=3")
+        self.assertAlmostEqual(float(self.points(out2)[0]["duration_s"]),
+                               29 + 0.002 + 2 * (0.010 + 0.0001 * 39) + 3 * 3 * 0.010, places=6)
+        for bad in (["--simulate", self.prof, "--sim-step-scale", "0"], ["--sim-step-scale", "2"],
+                    ["--simulate", self.prof, "--sim-step-scale", "prompt=0"],
+                    ["--simulate", self.prof, "--sim-step-scale", "2,decode=3"],
+                    ["--simulate", self.prof, "--sim-step-scale", "batch=2"]):
             p = bench(*bad, "--no-plots", check=False)
             self.assertEqual(p.returncode, 2, p.stderr)
         # A JSONL trace, rescaled to 10 req/s by --request-rate.
