@@ -122,10 +122,10 @@ static const char usage[] =
     "  --no-plots                 skip gnuplot\n"
     "  --disable-tqdm, --no-progress   no progress line\n";
 
-/* A latency target as duet serve takes it: MS (interactive requests) or
- * interactive=MS,batch=MS (either part may be left out). */
-/* "X" (out[0], when bare_ok) or "key0=X,key1=Y" (either or both) with
- * every X in [lo, hi]; x names X in the message. */
+/* "X" (out[0], when bare_ok) or "key0=X,key1=Y" (either part may be left
+ * out), every X in [lo, hi]; x_name names X in the message. A latency
+ * target as duet serve takes it: MS (interactive requests) or
+ * interactive=MS,batch=MS. */
 static bool parse_keyed(const char *flag, const char *v, const char *x_name, const char *key0,
                         const char *key1, bool bare_ok, double lo, double hi, double out[2]) {
     char buf[128];

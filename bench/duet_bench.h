@@ -452,15 +452,14 @@ typedef struct db_config {
     const char *label;
     bool plots, progress, save_requests;
     /* --simulate: a virtual clock instead of real runs */
-    const char *simulate;    /* the step-cost file (duet profile); NULL = real runs */
-    duet_step_cost sim_cost; /* read from it */
-    int sim_instances;       /* instances behind the router (default 1) */
-    int sim_n_ctx;           /* context per sequence; 0 = the profile's */
-    double sim_latency_ms;   /* added to every token's time: the client-server path */
-    bool sim_no_step_noise;  /* steps cost the model's prediction, not a draw from its dispersion */
-    double sim_step_scale;   /* every step's cost times this (0 = 1: the profile's) */
-    double
-        sim_kind_scale[2]; /* steps with a prompt chunk, decode-only steps: their cost times these (0 = 1) */
+    const char *simulate;     /* the step-cost file (duet profile); NULL = real runs */
+    duet_step_cost sim_cost;  /* read from it */
+    int sim_instances;        /* instances behind the router (default 1) */
+    int sim_n_ctx;            /* context per sequence; 0 = the profile's */
+    double sim_latency_ms;    /* added to every token's time: the client-server path */
+    bool sim_no_step_noise;   /* steps cost the model's prediction, not a draw from its dispersion */
+    double sim_step_scale;    /* every step's cost times this (0 = 1: the profile's) */
+    double sim_kind_scale[2]; /* prompt-chunk and decode-only steps' cost times these (0 = 1) */
     uint64_t
         sim_noise_seed; /* mixed into each point's dispersion draws (default 0: the point's seed alone) */
     /* The simulated servers' latency targets per duet_priority (ms, 0 =
