@@ -152,12 +152,15 @@ class InProcess(Sweep):
 
     def test_rate_and_knob_sweep(self):
         out = os.path.join(self.tmp.name, "inproc")
+        # 32-token outputs: the tiny model's requests outlive the gaps of a
+        # submitting thread starved of CPU (a parallel test), so the burst
+        # batches (with 6 tokens, one cold CI run saw mean batch 1.23).
         p = bench("--in-process", "-m", self.model, "--backend", "cpu", "--threads", "1", "--num-prompts", "16",
-                  "--random-input-len", "12", "--random-output-len", "6", "--sweep-rate", "200,inf",
+                  "--random-input-len", "12", "--random-output-len", "32", "--sweep-rate", "200,inf",
                   "--sweep-max-batch-seqs", "1,8", "--batch-timeout-ms", "0", "--priority-mix", "1:1",
                   "--goodput", "ttft:10000", "e2el:20000", "--slo-ttft-ms", "10000", "--slo-itl-ms", "10000",
                   "--output-dir", out)
-        points, reqs, res = self.check_folder(out, 4, 16, 6, 10000, 10000)
+        points, reqs, res = self.check_folder(out, 4, 16, 32, 10000, 10000)
         self.assertIn("operating point", p.stdout)
         self.assertEqual(res["meta"]["backend"], "cpu")
         self.assertEqual(res["meta"]["mode"], "in-process")
