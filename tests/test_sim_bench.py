@@ -138,6 +138,8 @@ class Profile(unittest.TestCase):
                               (header + "\n", "no served step"),
                               (header + "\n" + lines[3].replace(",1\n", "") + "\n1,2\n", "bad.csv:3: 2 columns"),
                               (header + "\n0,,1,1,0,x,0,0.01,0,,,1\n", "bad.csv:2: decode_ctx is 'x'"),
+                              (header + "\n0,,1,1e12,0,1,0,0.01,0,,,1\n", "decode_tokens is '1e12', not a whole"),
+                              (header + "\n0,,1,0,2.5,0,1,0.01,0,,,1\n", "prefill_tokens is '2.5', not a whole"),
                               ("", "empty")):
                 with open(bad, "w") as fh:
                     fh.write(text)

@@ -73,6 +73,11 @@ bool step_log_read(const char *path, duet_step_sample **out, int *n, int *n_cold
                 snprintf(err, esize, "%s:%d: %s is '%s', not a number >= 0", path, lineno, want[w],
                          field[col[w]]);
                 ok = false;
+            } else if ((w == C_DECODE || w == C_PREFILL) && !(v[w] == floor(v[w]) && v[w] <= 1 << 30)) {
+                /* token counts: whole, and within an int (the cast below) */
+                snprintf(err, esize, "%s:%d: %s is '%s', not a whole token count", path, lineno, want[w],
+                         field[col[w]]);
+                ok = false;
             }
         }
         if (!ok) break;
