@@ -22,6 +22,8 @@ markdown table and a JSON file with every number and command.
 
 usage: bench/sim_validate.py [--model M] [--backends cpu,vulkan] [--runs 5]
                              [--loads 0.3,0.6,0.85] [--out bench/results/...]
+       bench/sim_validate.py --resimulate DIR...   (finished validations:
+                             their profile plainly and at each run's own speed)
 """
 import argparse
 import csv
@@ -32,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -151,6 +154,60 @@ def served_delta(before, after):
                                                                  "server_ttft_n")}
 
 
+def checks(real, sim):
+    """The four checks of one load: its real runs against each model's
+    simulated runs (sim: model name -> runs, in the real runs' order)."""
+    out = {}
+    for k, tol in (("ttft_p50", 0.15), ("itl_p50", 0.15), ("ttft_p99", 0.25), ("itl_p99", 0.25)):
+        meas = [r[k] for r in real]
+        m = statistics.median(meas)
+        c = {"measured_median": m, "measured_min": min(meas), "measured_max": max(meas)}
+        for name, runs in sim.items():
+            pred = statistics.median(s[k] for s in runs)
+            err = (pred - m) / m if m else float("nan")
+            in_range = min(meas) <= pred <= max(meas)
+            # Each run against its own simulation (the same prompts and
+            # arrivals): where a percentile sits between two modes, a small
+            # speed difference flips it, run by run; this says whether the
+            # model misses the runs or the median flips.
+            paired = [abs(s[k] - r[k]) <= tol * r[k] for s, r in zip(runs, real) if r[k] > 0]
+            c[name] = {"predicted": pred, "error": err, "ok": abs(err) <= tol or (k.endswith("p99") and in_range),
+                       "paired_ok": sum(paired), "paired_n": len(paired)}
+        out[k] = c
+    return out
+
+
+def resimulate(folder, build):
+    """Re-simulates a finished validation's runs with its profile, plainly
+    and at each run's own speed (one factor: the run's served / profiled
+    seconds, kept in validation.json), with the same seeds, rates and
+    client-server path; prints the checks passed by each."""
+    d = json.load(open(os.path.join(folder, "validation.json")))
+    bench = os.path.join(build, "duet-bench")
+    for backend, b in d["backends"].items():
+        if any("served" not in r or "sim_latency_ms" not in r for r in b["rows"]):
+            print(f"{folder} {backend}: predates the recorded served seconds or client-server path: skipped")
+            continue
+        prof = os.path.join(folder, f"profile-{backend}.json")
+        passed = {"profile": 0, "own": 0}
+        for li, r in enumerate(b["rows"]):
+            seeds = range(1 + 100 * (li + 1), len(r["real"]) + 1 + 100 * (li + 1))
+            sim = {n: [] for n in passed}
+            for seed, x in zip(seeds, r["served"]):
+                for name, f in (("profile", 1.0), ("own", x["served_s"] / x["profiled_s"])):
+                    with tempfile.TemporaryDirectory() as out:
+                        sh([bench, "--simulate", prof, "--request-rate", str(r["rate"]), "--seed", str(seed),
+                            "--output-dir", out, "--sim-latency-ms", f"{r['sim_latency_ms']:.4f}",
+                            "--sim-step-scale", f"{f:.5f}", *d["workload"]])
+                        sim[name].append(point(out))
+            for c in checks(r["real"], sim).values():
+                for n in passed:
+                    passed[n] += c[n]["ok"]
+        n = 4 * len(b["rows"])
+        print(f"{folder} {backend}: {passed['profile']} of {n} with the profile, {passed['own']} of {n} at each run's "
+              "own speed", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--build", default=os.path.join(ROOT, "build"))
@@ -175,7 +232,14 @@ def main():
     ap.add_argument("--capacity-runs", type=int, default=3,
                     help="bursts (every request at once) whose median request throughput is the capacity")
     ap.add_argument("--out", default=None, help="folder for the table, JSON and every run's report")
+    ap.add_argument("--resimulate", nargs="+", metavar="DIR",
+                    help="no real runs: re-simulate these finished validations with their profiles, plainly and "
+                         "at each run's own speed, and print the checks passed")
     a = ap.parse_args()
+    if a.resimulate:
+        for folder in a.resimulate:
+            resimulate(folder, a.build)
+        return 0
 
     duet, bench = os.path.join(a.build, "duet"), os.path.join(a.build, "duet-bench")
     stamp = time.strftime("%Y%m%d-%H%M", time.gmtime())
@@ -355,24 +419,7 @@ def main():
                 row = {"load": f, "rate": rates[li], "real": real[li], "sim": sim, "served": served[li],
                        "served_ratio": speed(served[li]), "served_ratio_median": statistics.median(ratios) if ratios
                        else None, "path_ms": path_ms(served[li]), "sim_latency_ms": latency, "checks": {}}
-                for k, tol in (("ttft_p50", 0.15), ("itl_p50", 0.15), ("ttft_p99", 0.25), ("itl_p99", 0.25)):
-                    meas = [r[k] for r in real[li]]
-                    m = statistics.median(meas)
-                    c = {"measured_median": m, "measured_min": min(meas), "measured_max": max(meas)}
-                    for name in models:
-                        pred = statistics.median(s[k] for s in sim[name])
-                        err = (pred - m) / m if m else float("nan")
-                        in_range = min(meas) <= pred <= max(meas)
-                        # Each run against its own simulation (the same
-                        # prompts and arrivals): where a percentile sits
-                        # between two modes, a small speed difference
-                        # flips it, run by run; this says whether the
-                        # model misses the runs or the median flips.
-                        paired = [abs(s[k] - r[k]) <= tol * r[k] for s, r in zip(sim[name], real[li]) if r[k] > 0]
-                        c[name] = {"predicted": pred, "error": err,
-                                   "ok": abs(err) <= tol or (k.endswith("p99") and in_range),
-                                   "paired_ok": sum(paired), "paired_n": len(paired)}
-                    row["checks"][k] = c
+                row["checks"] = checks(real[li], sim)
                 rows.append(row)
             online = step_cost_metrics(base)
         finally:
